@@ -1,0 +1,48 @@
+"""Which attention backend serves a device: a registry with lazy imports."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from v1.attention.backend import AttentionBackend
+
+_BACKENDS = {
+    "torch_sdpa": "v1.attention.backends.torch_sdpa:TorchSDPABackend",
+    "triton": "v1.attention.backends.triton:TritonBackend",
+    "flash_attn": "v1.attention.backends.flash_attn:FlashAttnBackend",
+}
+_current: str | None = None
+
+
+def load_backend(name: str) -> type[AttentionBackend]:
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; known: {sorted(_BACKENDS)}")
+    module, cls = _BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def default_backend_name(device_type: str) -> str:
+    if device_type != "cuda":
+        return "torch_sdpa"
+    try:
+        importlib.import_module("v1.attention.backends.triton")
+    except ImportError:
+        return "torch_sdpa"
+    return "triton"
+
+
+@contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Attention layers constructed inside this block use backend `name`."""
+    global _current
+    prev, _current = _current, name
+    try:
+        yield
+    finally:
+        _current = prev
+
+
+def get_attn_backend() -> type[AttentionBackend]:
+    return load_backend(_current or "torch_sdpa")

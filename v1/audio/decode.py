@@ -1,0 +1,344 @@
+"""Audio decoding for the frontend: a path, bytes, file-like or (array, rate) -> float32 mono 16 kHz.
+
+WAV/FLAC/OGG decode through soundfile, MP3/M4A/WebM and anything libsndfile cannot open through
+PyAV. Blocks are mixed to mono and resampled with soxr (librosa's resampler) as they are decoded,
+so the duration cap stops a decompression bomb long before it is decoded into memory.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import numbers
+import os
+from pathlib import Path
+from typing import BinaryIO, TypeAlias
+
+import av
+import librosa
+import numpy as np
+import soundfile as sf
+import soxr
+
+from v1 import envs
+
+SAMPLE_RATE = 16_000
+"""Rate of every waveform `load_audio` returns (Whisper's)."""
+
+MIN_AUDIO_SECONDS = 0.01
+"""Shortest accepted audio: one Whisper hop (10 ms); anything shorter yields no mel frame."""
+
+MIN_SAMPLE_RATE = 1_000
+MAX_SAMPLE_RATE = 768_000
+"""Accepted source sample rates (Hz), bounds included."""
+
+_BLOCK_FRAMES = 65_536
+# libsndfile reports this frame count for streams of unknown length (e.g. a piped FLAC); it
+# cannot read those through soundfile's seek-after-read, so they go to PyAV.
+_SF_UNKNOWN_FRAMES = 2**63 - 1
+# libsndfile's MP3 reader pads truncated streams with silence and logs to stderr; ffmpeg is
+# the better MP3 decoder.
+_PYAV_FORMATS = frozenset({"MP3"})
+# RIFF sizes that streaming writers leave in place of the real one.
+_WAV_UNKNOWN_SIZES = (0, 0xFFFFFFFF)
+_WAV_PLACEHOLDER_MIN = 0x7FFFF000
+
+AudioSource: TypeAlias = (
+    str | os.PathLike[str] | bytes | bytearray | memoryview | BinaryIO | tuple[np.ndarray, float]
+)
+
+
+class AudioError(ValueError):
+    """Audio input that cannot be used; the message says why, in terms a caller can act on."""
+
+
+def load_audio(
+    source: AudioSource,
+    *,
+    max_seconds: float = envs.V1_MAX_AUDIO_SECONDS,
+    max_bytes: int = envs.V1_MAX_AUDIO_BYTES,
+) -> np.ndarray:
+    """Decode `source` to a float32 mono waveform at 16 kHz.
+
+    `source` is a file path, encoded bytes, a binary file-like object, or `(samples,
+    sample_rate)` with samples of shape [frames], [frames, channels] or [channels, frames] (the
+    shorter axis is taken as channels). Channels are averaged; integer samples are scaled to
+    [-1, 1). `max_bytes` bounds encoded input only. Raises `AudioError` for every bad input.
+    """
+    if isinstance(source, tuple):
+        return _load_array(source, max_seconds)
+    return _decode_bytes(_read_encoded(source, max_bytes), max_seconds)
+
+
+# ----------------------------------------------------------------------------------------------
+# Sources
+
+
+def _read_encoded(source: object, max_bytes: int) -> bytes:
+    """The encoded bytes of a path, bytes-like or binary file-like, at most `max_bytes` of them."""
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        try:
+            size = path.stat().st_size
+            if not path.is_file():
+                raise AudioError(f"audio path {str(path)!r} is not a regular file")
+            if size > max_bytes:
+                raise AudioError(_too_many_bytes(size, max_bytes))
+            with path.open("rb") as f:
+                data = f.read(max_bytes + 1)
+        except FileNotFoundError as e:
+            raise AudioError(f"audio file not found: {str(path)!r}") from e
+        except OSError as e:
+            raise AudioError(f"cannot read audio file {str(path)!r}: {e}") from e
+    elif isinstance(source, (bytes, bytearray, memoryview)):
+        data = bytes(source) if not isinstance(source, bytes) else source
+    elif hasattr(source, "read"):
+        data = source.read(max_bytes + 1)  # type: ignore[attr-defined]
+        if not isinstance(data, bytes):
+            raise AudioError(
+                f"audio file object returned {type(data).__name__}, not bytes; open it in binary mode"
+            )
+    else:
+        raise AudioError(
+            f"unsupported audio source of type {type(source).__name__}: pass a path, bytes, a "
+            "binary file object or a (samples, sample_rate) tuple"
+        )
+    if len(data) > max_bytes:
+        raise AudioError(_too_many_bytes(len(data), max_bytes))
+    if not data:
+        raise AudioError("audio input is empty (0 bytes)")
+    return data
+
+
+def _too_many_bytes(size: int, max_bytes: int) -> str:
+    # Streams are read up to max_bytes + 1, so that is all a caller can be told about them.
+    shown = "" if size == max_bytes + 1 else f"{size} bytes, "
+    return f"encoded audio is too large: {shown}more than the limit of {max_bytes} bytes"
+
+
+def _load_array(source: tuple, max_seconds: float) -> np.ndarray:
+    """Check and convert an in-memory `(samples, sample_rate)` pair."""
+    if len(source) != 2:
+        raise AudioError(f"audio tuple must be (samples, sample_rate), got {len(source)} items")
+    samples, sample_rate = source
+    sample_rate = _check_sample_rate(sample_rate)
+    try:
+        samples = np.asarray(samples)
+    except (TypeError, ValueError) as e:
+        raise AudioError(f"audio samples are not an array: {e}") from e
+    if samples.size == 0:
+        raise AudioError("audio input is empty (0 samples)")
+    if samples.ndim == 1:
+        samples = samples[:, None]
+    elif samples.ndim == 2:
+        if samples.shape[0] <= samples.shape[1]:
+            samples = samples.T  # [channels, frames] -> [frames, channels]
+    else:
+        raise AudioError(
+            f"audio samples must be 1-D or 2-D (frames and channels), got shape {samples.shape}"
+        )
+    if samples.shape[0] > max_seconds * sample_rate:
+        raise AudioError(_too_long(samples.shape[0] / sample_rate, max_seconds))
+    samples = _to_float32(samples)
+    collector = _MonoCollector(sample_rate, max_seconds)
+    for start in range(0, samples.shape[0], _BLOCK_FRAMES):
+        collector.add(samples[start : start + _BLOCK_FRAMES])
+    return collector.finish()
+
+
+def _to_float32(samples: np.ndarray) -> np.ndarray:
+    """Float samples as float32; integer PCM scaled to [-1, 1) the way soundfile does."""
+    kind = samples.dtype.kind
+    if kind == "f":
+        return samples.astype(np.float32, copy=False)
+    if kind == "i":
+        scale = float(2 ** (8 * samples.dtype.itemsize - 1))
+        return (samples / scale).astype(np.float32)
+    if kind == "u":
+        offset = float(2 ** (8 * samples.dtype.itemsize - 1))
+        return ((samples - offset) / offset).astype(np.float32)
+    raise AudioError(f"audio samples must be float or integer PCM, got dtype {samples.dtype}")
+
+
+def _check_sample_rate(sample_rate: object) -> float:
+    valid = (
+        isinstance(sample_rate, numbers.Real)
+        and not isinstance(sample_rate, bool)
+        and math.isfinite(sample_rate)
+        and MIN_SAMPLE_RATE <= sample_rate <= MAX_SAMPLE_RATE
+    )
+    if not valid:
+        raise AudioError(
+            f"invalid audio sample rate {sample_rate!r} Hz: expected a number from "
+            f"{MIN_SAMPLE_RATE} to {MAX_SAMPLE_RATE}"
+        )
+    return float(sample_rate)  # type: ignore[arg-type]
+
+
+def _too_long(seconds: float, max_seconds: float) -> str:
+    return f"audio is too long: {seconds:.1f} s, more than the limit of {max_seconds:g} s"
+
+
+# ----------------------------------------------------------------------------------------------
+# Streaming mono mix, checks and resampling
+
+
+class _MonoCollector:
+    """Takes decoded [frames, channels] float32 blocks; mixes, checks and resamples each one.
+
+    Mono is the channel mean and resampling is soxr HQ streamed, which is bit-identical to
+    `librosa.load(..., sr=16000, mono=True)` on the same decoded samples.
+    """
+
+    def __init__(self, sample_rate: float, max_seconds: float) -> None:
+        self.sample_rate = sample_rate
+        self.max_seconds = max_seconds
+        self.num_frames = 0
+        self._max_frames = max_seconds * sample_rate
+        self._chunks: list[np.ndarray] = []
+        self._stream = (
+            None
+            if sample_rate == SAMPLE_RATE
+            else soxr.ResampleStream(sample_rate, SAMPLE_RATE, 1, dtype="float32", quality="HQ")
+        )
+
+    def add(self, block: np.ndarray) -> None:
+        """Append one block of shape [frames, channels]; raises once past the duration cap."""
+        self.num_frames += block.shape[0]
+        if self.num_frames > self._max_frames:
+            raise AudioError(
+                f"audio is too long: more than the limit of {self.max_seconds:g} s (stopped "
+                f"decoding at {self.num_frames / self.sample_rate:.1f} s)"
+            )
+        if not np.isfinite(block).all():
+            raise AudioError("audio contains NaN or infinite sample values")
+        mono = np.ascontiguousarray(block.T.mean(axis=0) if block.shape[1] > 1 else block[:, 0])
+        self._chunks.append(mono if self._stream is None else self._stream.resample_chunk(mono))
+
+    def finish(self) -> np.ndarray:
+        """The whole waveform at 16 kHz; raises if it is empty or shorter than the minimum."""
+        if self.num_frames == 0:
+            raise AudioError("audio contains no samples")
+        if self.num_frames < MIN_AUDIO_SECONDS * self.sample_rate:
+            raise AudioError(
+                f"audio is too short: {self.num_frames} sample(s) at {self.sample_rate:g} Hz "
+                f"({1000 * self.num_frames / self.sample_rate:.2f} ms); at least "
+                f"{1000 * MIN_AUDIO_SECONDS:g} ms is needed"
+            )
+        if self._stream is None:
+            return np.concatenate(self._chunks)
+        self._chunks.append(self._stream.resample_chunk(np.zeros(0, np.float32), last=True))
+        # librosa.resample's output length: soxr may come up one sample short of it.
+        num_out = int(np.ceil(self.num_frames * (float(SAMPLE_RATE) / self.sample_rate)))
+        return librosa.util.fix_length(np.concatenate(self._chunks), size=num_out)
+
+
+# ----------------------------------------------------------------------------------------------
+# Decoders
+
+
+def _decode_bytes(data: bytes, max_seconds: float) -> np.ndarray:
+    """soundfile first (exact, what librosa uses), PyAV for what it cannot or should not read."""
+    if data[:4] == b"RIFF" and data[8:12] == b"WAVE":
+        _check_wav(data)
+    try:
+        sf_file = sf.SoundFile(io.BytesIO(data))
+    except sf.SoundFileError as e:
+        return _decode_pyav(data, max_seconds, soundfile_error=e)
+    with sf_file:
+        if sf_file.format in _PYAV_FORMATS or sf_file.frames == _SF_UNKNOWN_FRAMES:
+            return _decode_pyav(data, max_seconds, soundfile_error=None)
+        return _decode_soundfile(sf_file, max_seconds)
+
+
+def _decode_soundfile(sf_file: sf.SoundFile, max_seconds: float) -> np.ndarray:
+    sample_rate = _check_sample_rate(sf_file.samplerate)
+    if sf_file.frames > max_seconds * sample_rate:  # header length: reject before decoding
+        raise AudioError(_too_long(sf_file.frames / sample_rate, max_seconds))
+    collector = _MonoCollector(sample_rate, max_seconds)
+    try:
+        for block in sf_file.blocks(_BLOCK_FRAMES, dtype="float32", always_2d=True):
+            collector.add(block)
+    except sf.SoundFileError as e:
+        raise AudioError(f"corrupt or truncated {sf_file.format} audio: {e}") from e
+    if collector.num_frames < sf_file.frames:
+        raise AudioError(
+            f"truncated {sf_file.format} audio: the header promises {sf_file.frames} frames but "
+            f"only {collector.num_frames} could be decoded"
+        )
+    return collector.finish()
+
+
+def _decode_pyav(
+    data: bytes, max_seconds: float, *, soundfile_error: sf.SoundFileError | None
+) -> np.ndarray:
+    try:
+        container = av.open(io.BytesIO(data), mode="r", metadata_errors="ignore")
+    except av.FFmpegError as e:
+        raise AudioError(_undecodable(soundfile_error, e)) from e
+    with container:
+        if not container.streams.audio:
+            raise AudioError(f"no audio stream found in the input ({container.format.name})")
+        stream = container.streams.audio[0]
+        collector: _MonoCollector | None = None
+        # Format conversion only (rate and layout kept): any sample format -> planar float32.
+        to_float = av.AudioResampler(format="fltp")
+        try:
+            for frame in container.decode(stream):
+                if collector is None:
+                    collector = _MonoCollector(_check_sample_rate(frame.sample_rate), max_seconds)
+                elif frame.sample_rate != collector.sample_rate:
+                    raise AudioError(
+                        f"audio sample rate changes mid-stream ({collector.sample_rate:g} Hz -> "
+                        f"{frame.sample_rate} Hz)"
+                    )
+                for out in to_float.resample(frame):
+                    collector.add(out.to_ndarray().T)  # [channels, frames] -> [frames, channels]
+            if collector is not None:
+                for out in to_float.resample(None):
+                    collector.add(out.to_ndarray().T)
+        except av.FFmpegError as e:
+            raise AudioError(f"corrupt or truncated {stream.codec_context.name} audio: {e}") from e
+    if collector is None:
+        raise AudioError("audio contains no samples")
+    return collector.finish()
+
+
+def _undecodable(soundfile_error: sf.SoundFileError | None, pyav_error: Exception) -> str:
+    reasons = f"ffmpeg: {pyav_error}"
+    if soundfile_error is not None:
+        reasons = f"libsndfile: {soundfile_error}; {reasons}"
+    return f"could not decode audio: not a supported audio format, or corrupt ({reasons})"
+
+
+def _check_wav(data: bytes) -> None:
+    """Catch what libsndfile lets through or words badly in a RIFF/WAVE file.
+
+    libsndfile reads a data chunk cut short without complaint (it shortens the stream), and
+    rejects a zero sample rate with an internal error message.
+    """
+    pos = 12
+    while pos + 8 <= len(data):
+        chunk_id = data[pos : pos + 4]
+        size = int.from_bytes(data[pos + 4 : pos + 8], "little")
+        body = pos + 8
+        if chunk_id == b"fmt " and size >= 16 and body + 16 <= len(data):
+            num_channels = int.from_bytes(data[body + 2 : body + 4], "little")
+            sample_rate = int.from_bytes(data[body + 4 : body + 8], "little")
+            if num_channels == 0:
+                raise AudioError("invalid WAV header: 0 channels")
+            if not MIN_SAMPLE_RATE <= sample_rate <= MAX_SAMPLE_RATE:
+                raise AudioError(
+                    f"invalid audio sample rate {sample_rate} Hz in the WAV header: expected "
+                    f"{MIN_SAMPLE_RATE} to {MAX_SAMPLE_RATE}"
+                )
+        elif chunk_id == b"data":
+            available = len(data) - body
+            unknown = size in _WAV_UNKNOWN_SIZES or size >= _WAV_PLACEHOLDER_MIN
+            if not unknown and size > available:
+                raise AudioError(
+                    f"truncated WAV file: the data chunk declares {size} bytes but only "
+                    f"{available} are present"
+                )
+            return
+        pos = body + size + (size & 1)

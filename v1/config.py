@@ -1,0 +1,403 @@
+"""Engine configuration: frozen dataclasses for model, cache, scheduler, parallel and device.
+
+Every field has a docstring; validation raises ValueError with a clear message. The model kind
+(decoder-only, encoder-decoder, encoder-only) is decided once here, from the HF config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import os
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+from v1 import envs
+
+
+class ModelKind(enum.Enum):
+    DECODER_ONLY = "decoder_only"
+    ENCODER_DECODER = "encoder_decoder"
+    ENCODER_ONLY = "encoder_only"
+
+
+# Architectures served through the encoder-only (pooling) path.
+ENCODER_ONLY_ARCHS = {
+    "BertModel",
+    "BertForMaskedLM",
+    "BertForSequenceClassification",
+    "RobertaModel",
+    "RobertaForMaskedLM",
+    "RobertaForSequenceClassification",
+    "XLMRobertaModel",
+    "XLMRobertaForMaskedLM",
+    "XLMRobertaForSequenceClassification",
+    "T5EncoderModel",
+}
+_DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "fp32", "fp16", "bf16")
+
+
+def _first_attr(cfg: Any, names: tuple[str, ...]) -> int | None:
+    for name in names:
+        value = getattr(cfg, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What model to run and how to read it."""
+
+    model: str
+    """Local folder or Hugging Face hub id of the model."""
+    tokenizer: str | None = None
+    """Tokenizer folder or hub id; defaults to `model`."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) for model, config and tokenizer."""
+    dtype: str = "auto"
+    """Compute dtype: auto (float32 on CPU, the checkpoint's 16-bit dtype on GPU), float32,
+    float16 or bfloat16."""
+    max_model_len: int | None = None
+    """Longest decoder sequence (prompt + output); defaults to the model's limit."""
+    trust_remote_code: bool = False
+    """Allow code from the model repository to run (off by default)."""
+    seed: int = 0
+    """Seed for random weights in tests and for sampling without a per-request seed."""
+    hf_overrides: dict[str, Any] = field(default_factory=dict)
+    """Fields set on the loaded HF config (for tests and odd checkpoints)."""
+    hf_config: Any = field(default=None, compare=False, repr=False)
+    """The transformers config; loaded from `model` when not given."""
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("model must be a local folder or a hub id, got an empty string")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.hf_config is None:
+            from transformers import AutoConfig
+
+            try:
+                cfg = AutoConfig.from_pretrained(
+                    self.model, revision=self.revision, trust_remote_code=self.trust_remote_code
+                )
+            except (OSError, ValueError) as e:
+                raise ValueError(f"cannot load a model config from {self.model!r}: {e}") from e
+            for key, value in self.hf_overrides.items():
+                setattr(cfg, key, value)
+            object.__setattr__(self, "hf_config", cfg)
+        limit = self.derived_max_model_len
+        if self.max_model_len is not None and limit is not None and self.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} is longer than the model's limit of {limit}"
+            )
+
+    # ---- derived values ----
+    @property
+    def architecture(self) -> str:
+        archs = getattr(self.hf_config, "architectures", None) or []
+        if archs:
+            return archs[0]
+        return {
+            "t5": "T5ForConditionalGeneration",
+            "mt5": "MT5ForConditionalGeneration",
+            "bert": "BertModel",
+            "roberta": "RobertaModel",
+            "xlm-roberta": "XLMRobertaModel",
+            "gpt2": "GPT2LMHeadModel",
+            "llama": "LlamaForCausalLM",
+            "qwen2": "Qwen2ForCausalLM",
+            "whisper": "WhisperForConditionalGeneration",
+            "bart": "BartForConditionalGeneration",
+        }.get(self.hf_config.model_type, self.hf_config.model_type)
+
+    @cached_property
+    def kind(self) -> ModelKind:
+        if self.architecture in ENCODER_ONLY_ARCHS:
+            return ModelKind.ENCODER_ONLY
+        if getattr(self.hf_config, "is_encoder_decoder", False):
+            return ModelKind.ENCODER_DECODER
+        return ModelKind.DECODER_ONLY
+
+    @property
+    def is_whisper(self) -> bool:
+        return self.hf_config.model_type == "whisper"
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer or self.model
+
+    @property
+    def derived_max_model_len(self) -> int | None:
+        """The model's own decoder length limit (None: unbounded, e.g. T5 relative positions)."""
+        cfg = self.hf_config
+        if self.is_whisper:
+            return cfg.max_target_positions
+        if getattr(cfg, "model_type", "") in ("t5", "mt5", "umt5"):
+            return None
+        return _first_attr(cfg, ("max_position_embeddings", "n_positions", "max_seq_len"))
+
+    @property
+    def effective_max_model_len(self) -> int:
+        limit = self.derived_max_model_len
+        if self.max_model_len is not None:
+            return self.max_model_len
+        return limit if limit is not None else 512
+
+    @property
+    def max_encoder_len(self) -> int:
+        """Longest encoder input of one request, in encoder positions (Whisper: 1500)."""
+        cfg = self.hf_config
+        if self.kind == ModelKind.DECODER_ONLY:
+            return 0
+        if self.is_whisper:
+            return cfg.max_source_positions
+        limit = _first_attr(cfg, ("max_position_embeddings", "n_positions"))
+        if getattr(cfg, "model_type", "") in ("roberta", "xlm-roberta", "camembert"):
+            limit = limit - getattr(cfg, "pad_token_id", 1) - 1 if limit else limit
+        return limit or 512
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    def torch_dtype(self, device_type: str) -> Any:
+        import torch
+
+        names = {
+            "float32": torch.float32,
+            "float": torch.float32,
+            "fp32": torch.float32,
+            "float16": torch.float16,
+            "half": torch.float16,
+            "fp16": torch.float16,
+            "bfloat16": torch.bfloat16,
+            "bf16": torch.bfloat16,
+        }
+        if self.dtype != "auto":
+            return names[self.dtype]
+        if device_type == "cpu":
+            return torch.float32
+        cfg_dtype = getattr(self.hf_config, "dtype", None) or getattr(
+            self.hf_config, "torch_dtype", None
+        )
+        if isinstance(cfg_dtype, str):
+            cfg_dtype = names.get(cfg_dtype)
+        if cfg_dtype in (torch.float16, torch.bfloat16):
+            return cfg_dtype
+        return torch.bfloat16
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """How the paged KV cache is laid out and sized."""
+
+    block_size: int = 16
+    """Tokens per KV block."""
+    num_kv_blocks: int | None = None
+    """Exact number of KV blocks (overrides memory-based sizing; block 0 is the null block)."""
+    kv_cache_memory_bytes: int | None = None
+    """Bytes for the KV cache (CPU default: V1_CPU_KV_CACHE_BYTES, 1 GiB)."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of GPU memory the engine may use (weights + activations + KV cache)."""
+    enable_prefix_caching: bool = True
+    """Reuse KV blocks of identical decoder-prompt prefixes (decoder self-attention only)."""
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be >= 2 (block 0 is reserved), got {self.num_kv_blocks}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+
+    @property
+    def cpu_kv_cache_bytes(self) -> int:
+        return self.kv_cache_memory_bytes or envs.V1_CPU_KV_CACHE_BYTES
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The token-budget scheduler's knobs."""
+
+    max_num_seqs: int = 128
+    """Most requests in one step."""
+    max_num_batched_tokens: int = 4096
+    """Most decoder (or encoder-only) tokens in one step."""
+    max_num_encoder_input_tokens: int | None = None
+    """Encoder positions one step may run (default: max(max_num_batched_tokens, the model's max
+    encoder length)). Distinct from the model's max encoder length of one request."""
+    encoder_cache_size: int | None = None
+    """Encoder positions the encoder cache holds (default: the per-step encoder budget)."""
+    policy: str = "fcfs"
+    """Admission order: fcfs, or priority (lower value first, then arrival)."""
+    enable_chunked_prefill: bool = True
+    """Split long decoder prompts across steps."""
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        for name in ("max_num_encoder_input_tokens", "encoder_cache_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is spread over devices."""
+
+    tensor_parallel_size: int = 1
+    """Devices one model is sharded over (only 1 in this release)."""
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size != 1:
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet; use 1"
+            )
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """Where the model runs."""
+
+    device: str = "auto"
+    """auto (cuda when available, else cpu), cpu, cuda or cuda:N."""
+
+    def __post_init__(self) -> None:
+        if self.device != "auto" and self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+
+    @cached_property
+    def resolved(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    @property
+    def device_type(self) -> str:
+        return self.resolved.split(":")[0]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine core, worker and frontends need to agree on."""
+
+    model_config: ModelConfig
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    device_config: DeviceConfig = field(default_factory=DeviceConfig)
+    enforce_eager: bool = False
+    """Disable CUDA graphs."""
+
+    def __post_init__(self) -> None:
+        mc, sc = self.model_config, self.scheduler_config
+        if mc.kind == ModelKind.ENCODER_ONLY and sc.max_num_batched_tokens < mc.max_encoder_len:
+            # An encoder-only request runs whole in one step; a budget below the model's limit
+            # only narrows the longest accepted input (validated per request).
+            pass
+        if (
+            mc.kind != ModelKind.DECODER_ONLY
+            and sc.max_num_encoder_input_tokens is not None
+            and sc.max_num_encoder_input_tokens < mc.max_encoder_len
+            and mc.is_whisper
+        ):
+            raise ValueError(
+                f"max_num_encoder_input_tokens={sc.max_num_encoder_input_tokens} is below one "
+                f"Whisper window ({mc.max_encoder_len} encoder positions)"
+            )
+
+    @property
+    def encoder_budget(self) -> int:
+        sc = self.scheduler_config
+        if sc.max_num_encoder_input_tokens is not None:
+            return sc.max_num_encoder_input_tokens
+        return max(sc.max_num_batched_tokens, self.model_config.max_encoder_len)
+
+    @property
+    def encoder_cache_size(self) -> int:
+        sc = self.scheduler_config
+        return sc.encoder_cache_size if sc.encoder_cache_size is not None else self.encoder_budget
+
+    def to_json(self) -> str:
+        """Plain JSON of the user-set fields, for passing to an EngineCore process."""
+        out = {}
+        for name in ("cache_config", "scheduler_config", "parallel_config", "device_config"):
+            out[name] = dataclasses.asdict(getattr(self, name))
+        mc = self.model_config
+        out["model_config"] = {
+            f.name: getattr(mc, f.name) for f in dataclasses.fields(mc) if f.name != "hf_config"
+        }
+        out["enforce_eager"] = self.enforce_eager
+        return json.dumps(out)
+
+    @classmethod
+    def from_json(cls, text: str) -> EngineConfig:
+        data = json.loads(text)
+        return cls(
+            model_config=ModelConfig(**data["model_config"]),
+            cache_config=CacheConfig(**data["cache_config"]),
+            scheduler_config=SchedulerConfig(**data["scheduler_config"]),
+            parallel_config=ParallelConfig(**data["parallel_config"]),
+            device_config=DeviceConfig(**data["device_config"]),
+            enforce_eager=data["enforce_eager"],
+        )
+
+
+_ENGINE_ARG_OWNERS = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, DeviceConfig)
+
+
+def engine_arg_fields() -> list[tuple[type, dataclasses.Field]]:
+    """Every user-settable engine argument with the dataclass that owns it (CLI --help uses it)."""
+    out = []
+    for owner in _ENGINE_ARG_OWNERS:
+        for f in dataclasses.fields(owner):
+            if f.name not in ("hf_config", "model", "hf_overrides"):
+                out.append((owner, f))
+    return out
+
+
+def make_engine_config(model: str, **kwargs: Any) -> EngineConfig:
+    """Build an EngineConfig from flat keyword arguments (`LLM(model, block_size=..., ...)`)."""
+    parts: dict[type, dict[str, Any]] = {owner: {} for owner in _ENGINE_ARG_OWNERS}
+    enforce_eager = bool(kwargs.pop("enforce_eager", False))
+    hf_config = kwargs.pop("hf_config", None)
+    names = {f.name: owner for owner in _ENGINE_ARG_OWNERS for f in dataclasses.fields(owner)}
+    for key, value in kwargs.items():
+        if key not in names or key in ("model", "hf_config"):
+            raise ValueError(f"unknown engine argument {key!r}")
+        parts[names[key]][key] = value
+    model_config = ModelConfig(model=model, hf_config=hf_config, **parts[ModelConfig])
+    return EngineConfig(
+        model_config=model_config,
+        cache_config=CacheConfig(**parts[CacheConfig]),
+        scheduler_config=SchedulerConfig(**parts[SchedulerConfig]),
+        parallel_config=ParallelConfig(**parts[ParallelConfig]),
+        device_config=DeviceConfig(**parts[DeviceConfig]),
+        enforce_eager=enforce_eager,
+    )
+
+
+def read_json_file(path: str) -> dict[str, Any] | None:
+    """A small JSON file of a model folder, or None when absent."""
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)

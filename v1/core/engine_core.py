@@ -1,0 +1,153 @@
+"""EngineCore: owns the scheduler and the executor; one `step` = schedule -> execute -> update.
+
+The in-process class below is what every client drives; the multiprocess wrapper (busy loop,
+I/O threads, handshake) lives in `v1.core.engine_core_proc`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from v1.config import EngineConfig
+from v1.core.protocol import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    now,
+)
+from v1.core.request import Request, RequestStatus
+from v1.core.scheduler import Scheduler
+from v1.kv_cache.sizing import get_kv_cache_config
+from v1.logger import init_logger
+from v1.worker.executor import Executor
+
+logger = init_logger(__name__)
+
+
+class EngineCore:
+    UTILITY_METHODS = ("get_stats", "reset_prefix_cache", "is_healthy", "get_config_info")
+
+    def __init__(
+        self, config: EngineConfig, executor_factory: Callable[[EngineConfig], Executor] | None = None
+    ) -> None:
+        if executor_factory is None:
+            from v1.worker.executor import UniProcExecutor
+
+            executor_factory = UniProcExecutor
+        self.config = config
+        self.executor = executor_factory(config)
+        specs = self.executor.get_kv_cache_specs()
+        num_blocks = config.cache_config.num_kv_blocks
+        available = None if num_blocks is not None else self.executor.determine_available_kv_bytes()
+        self.kv_cache_config = get_kv_cache_config(
+            specs, available_bytes=available, num_blocks=num_blocks
+        )
+        self.executor.initialize_kv_cache(self.kv_cache_config)
+        self.scheduler = Scheduler(config, self.kv_cache_config)
+        self.max_model_len = config.model_config.effective_max_model_len
+        self._pending_outputs: list[EngineCoreOutput] = []
+        logger.info(
+            "EngineCore ready: %d KV blocks of %d tokens, %d KV groups",
+            self.kv_cache_config.num_blocks,
+            self.kv_cache_config.block_size,
+            len(self.kv_cache_config.groups),
+        )
+
+    # ---- requests ----
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request. Problems the frontend should have caught end the request with an
+        error output instead of raising, so the core survives any input."""
+        try:
+            self._check_request(request)
+            self.scheduler.add_request(Request.from_engine_core_request(request, self.max_model_len))
+        except ValueError as e:
+            self._pending_outputs.append(
+                EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ERROR, error=str(e))
+            )
+
+    def _check_request(self, request: EngineCoreRequest) -> None:
+        if not request.prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if request.pooling_params is None and len(request.prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt of {len(request.prompt_token_ids)} tokens leaves no room to generate "
+                f"within max_model_len={self.max_model_len}"
+            )
+        enc = request.encoder_input
+        if enc is not None and enc.num_encoder_tokens > self.config.encoder_cache_size:
+            raise ValueError(
+                f"encoder input of {enc.num_encoder_tokens} positions exceeds the encoder cache "
+                f"({self.config.encoder_cache_size})"
+            )
+        if (
+            request.pooling_params is not None
+            and len(request.prompt_token_ids) > self.config.scheduler_config.max_num_batched_tokens
+        ):
+            raise ValueError(
+                f"input of {len(request.prompt_token_ids)} tokens exceeds max_num_batched_tokens="
+                f"{self.config.scheduler_config.max_num_batched_tokens}"
+            )
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_requests() or bool(self._pending_outputs)
+
+    # ---- the step ----
+    def step(self) -> EngineCoreOutputs:
+        pending, self._pending_outputs = self._pending_outputs, []
+        if not self.scheduler.has_requests():
+            if self.scheduler.has_finished_requests:
+                # Let the runner drop finished requests even when nothing else runs.
+                self.executor.execute_model(self.scheduler.schedule())
+            return EngineCoreOutputs(outputs=pending, timestamp=now())
+        scheduler_output = self.scheduler.schedule()
+        try:
+            runner_output = self.executor.execute_model(scheduler_output)
+        except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the core
+            logger.exception("model step failed; failing its %d requests", len(scheduler_output.num_scheduled_tokens))
+            return self._fail_step(scheduler_output.num_scheduled_tokens, f"{type(e).__name__}: {e}", pending)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs.outputs = pending + outputs.outputs
+        return outputs
+
+    def _fail_step(self, req_ids: Any, message: str, pending: list[EngineCoreOutput]) -> EngineCoreOutputs:
+        failed = self.scheduler.finish_requests(list(req_ids), RequestStatus.FINISHED_ERROR)
+        for request in failed:
+            pending.append(
+                EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ERROR, error=message)
+            )
+        return EngineCoreOutputs(outputs=pending, timestamp=now())
+
+    # ---- utilities ----
+    def get_stats(self) -> dict[str, Any]:
+        stats = self.scheduler.make_stats()
+        return {f: getattr(stats, f) for f in stats.__struct_fields__} | {
+            "num_requests": len(self.scheduler.requests),
+            "num_kv_requests": self.scheduler.kv_cache_manager.num_requests,
+        }
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.kv_cache_manager.reset_prefix_cache()
+
+    def is_healthy(self) -> bool:
+        return True
+
+    def get_config_info(self) -> dict[str, Any]:
+        return {
+            "num_kv_blocks": self.kv_cache_config.num_blocks,
+            "block_size": self.kv_cache_config.block_size,
+            "max_model_len": self.max_model_len,
+        }
+
+    def call_utility(self, method: str, args: list[Any]) -> Any:
+        if method not in self.UTILITY_METHODS:
+            raise ValueError(f"unknown utility method {method!r}")
+        return getattr(self, method)(*args)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+

@@ -1,0 +1,136 @@
+"""Every message that crosses the frontend <-> EngineCore boundary, as msgspec Structs.
+
+This is the one module that defines the wire format (docs/protocol.md describes it for frontends
+in other languages). Fields typed `Any` hold numpy arrays: in-process they are passed as is; over
+ZMQ `v1.core.serial` moves them into extra frames without copies. No pickle anywhere.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any
+
+import msgspec
+
+from v1.pooling_params import PoolingParams
+from v1.sampling_params import SamplingParams
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request ended. The int values are the wire encoding."""
+
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+    ERROR = 3
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+class EncoderInput(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """The first-class encoder input of an encoder-decoder request.
+
+    Exactly one of `token_ids` (BART, T5) and `audio` (Whisper: float32 16 kHz mono samples of
+    at most one 30 s window) is set.
+    """
+
+    num_encoder_tokens: int
+    """Length in encoder positions (what the encoder cache and cross-attention blocks hold)."""
+    content_hash: str
+    """Hash of the content: equal inputs share one encoder run."""
+    token_ids: list[int] | None = None
+    audio: Any = None
+
+
+class EngineCoreRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    """Decoder prompt (decoder-only and encoder-decoder) or the input (encoder-only)."""
+    sampling_params: SamplingParams | None = None
+    pooling_params: PoolingParams | None = None
+    encoder_input: EncoderInput | None = None
+    token_type_ids: list[int] | None = None
+    eos_token_id: int | None = None
+    arrival_time: float = 0.0
+    priority: int = 0
+    """Lower runs first under the priority policy."""
+
+
+class EngineCoreOutput(msgspec.Struct, omit_defaults=True, array_like=True):
+    request_id: str
+    new_token_ids: list[int]
+    new_logprob_token_ids: list[list[int]] | None = None
+    """Per new token: [sampled id, top-1 id, ..., top-N id]."""
+    new_logprobs: list[list[float]] | None = None
+    """Per new token: logprobs matching new_logprob_token_ids."""
+    new_logprob_ranks: list[int] | None = None
+    """Per new token: rank of the sampled token (1 = most likely)."""
+    pooled_output: Any = None
+    """np.ndarray (float32) for pooling requests."""
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SchedulerStats(msgspec.Struct, omit_defaults=True):
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    num_used_blocks: int = 0
+    num_total_blocks: int = 0
+    num_preemptions: int = 0
+    num_encoder_runs: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+
+class UtilityOutput(msgspec.Struct, omit_defaults=True):
+    call_id: int
+    result: Any = None
+    failure_message: str | None = None
+
+
+class EngineCoreOutputs(msgspec.Struct, omit_defaults=True, array_like=True):
+    outputs: list[EngineCoreOutput] = []
+    timestamp: float = 0.0
+    scheduler_stats: SchedulerStats | None = None
+    utility_output: UtilityOutput | None = None
+    engine_dead: bool = False
+    """The dead sentinel: the core is exiting after a fatal error (see `error`)."""
+    error: str | None = None
+
+
+class EngineCoreRequestType(enum.Enum):
+    """First frame of every frontend -> core message."""
+
+    ADD = b"\x00"
+    ABORT = b"\x01"
+    UTILITY = b"\x02"
+    SHUTDOWN = b"\x03"
+
+
+class UtilityRequest(msgspec.Struct, array_like=True):
+    call_id: int
+    method: str
+    """One of EngineCore.UTILITY_METHODS."""
+    args: list[Any] = []
+
+
+class ReadyMessage(msgspec.Struct, omit_defaults=True):
+    """Handshake the core sends once it can take requests."""
+
+    status: str = "READY"
+    num_kv_blocks: int = 0
+    max_model_len: int = 0
+    error: str | None = None
+
+
+def now() -> float:
+    return time.monotonic()

@@ -1,0 +1,143 @@
+"""The EngineCore's view of one request: tokens, progress and status."""
+
+from __future__ import annotations
+
+import enum
+
+from v1.core.protocol import EncoderInput, EngineCoreRequest, FinishReason
+from v1.pooling_params import PoolingParams
+from v1.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Everything after PREEMPTED is finished.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def finish_reason(status: RequestStatus) -> FinishReason | None:
+        return _FINISH_REASONS.get(status)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams | None = None,
+        pooling_params: PoolingParams | None = None,
+        *,
+        encoder_input: EncoderInput | None = None,
+        token_type_ids: list[int] | None = None,
+        eos_token_id: int | None = None,
+        arrival_time: float = 0.0,
+        priority: int = 0,
+        max_model_len: int = 1 << 30,
+    ) -> None:
+        if (sampling_params is None) == (pooling_params is None):
+            raise ValueError("a request needs exactly one of sampling_params and pooling_params")
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling_params = sampling_params
+        self.pooling_params = pooling_params
+        self.encoder_input = encoder_input
+        self.token_type_ids = token_type_ids
+        self.eos_token_id = eos_token_id
+        self.arrival_time = arrival_time
+        self.priority = priority
+
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.error: str | None = None
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1
+        self.num_preemptions = 0
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.block_hashes: list[bytes] = []
+        """Chained hashes of the full blocks of all_token_ids (filled by the KV cache manager)."""
+
+        if sampling_params is not None:
+            room = max_model_len - len(prompt_token_ids)
+            self.max_tokens = min(sampling_params.max_tokens or room, room)
+        else:
+            self.max_tokens = 0
+
+    @classmethod
+    def from_engine_core_request(cls, req: EngineCoreRequest, max_model_len: int) -> Request:
+        return cls(
+            req.request_id,
+            list(req.prompt_token_ids),
+            req.sampling_params,
+            req.pooling_params,
+            encoder_input=req.encoder_input,
+            token_type_ids=req.token_type_ids,
+            eos_token_id=req.eos_token_id,
+            arrival_time=req.arrival_time,
+            priority=req.priority,
+            max_model_len=max_model_len,
+        )
+
+    # ---- derived ----
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_encoder_tokens(self) -> int:
+        return self.encoder_input.num_encoder_tokens if self.encoder_input is not None else 0
+
+    @property
+    def encoder_hash(self) -> str | None:
+        return self.encoder_input.content_hash if self.encoder_input is not None else None
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.pooling_params is not None
+
+    @property
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
+
+    def __lt__(self, other: Request) -> bool:
+        """Priority order: lower priority value, then earlier arrival, then id."""
+        return (self.priority, self.arrival_time, self.request_id) < (
+            other.priority,
+            other.arrival_time,
+            other.request_id,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens})"
+        )

@@ -1,0 +1,82 @@
+"""SchedulerOutput: the only contract between the scheduler and the worker.
+
+New (and resumed) requests carry their full data once; running requests carry deltas only.
+The runner keeps everything else (its own sampled tokens included) in its persistent batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from v1.core.protocol import EncoderInput
+from v1.pooling_params import PoolingParams
+from v1.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    """Tokens generated before a preemption (empty for a new request)."""
+    sampling_params: SamplingParams | None
+    pooling_params: PoolingParams | None
+    block_ids: tuple[list[int], ...]
+    """One list per KV cache group, in KVCacheConfig.groups order."""
+    num_computed_tokens: int
+    encoder_input: EncoderInput | None = None
+    token_type_ids: list[int] | None = None
+
+
+@dataclass
+class CachedRequestData:
+    """Deltas for requests the runner already holds, in parallel lists."""
+
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[tuple[list[int], ...] | None] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    """req_id -> decoder (or encoder-only input) tokens this step."""
+    total_num_scheduled_tokens: int
+    encoder_reqs: list[str] = field(default_factory=list)
+    """Encoder-decoder requests on their first step since admission or resume: their encoder
+    output (looked up by content hash) is projected into their cross-attention blocks now."""
+    encoder_hashes_to_run: dict[str, str] = field(default_factory=dict)
+    """content hash -> req_id whose input to encode: hashes the encoder cache does not hold."""
+    free_encoder_hashes: list[str] = field(default_factory=list)
+    """Encoder outputs the runner may drop (evicted from the encoder cache)."""
+    finished_req_ids: set[str] = field(default_factory=set)
+    """Requests finished or aborted since the last step (including preempted ones, which come
+    back later as new requests)."""
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]
+    """Requests of this step, in batch order."""
+    sampled_token_ids: list[list[int]]
+    """Per request: the new token(s), or [] when the step did not reach the end of its prompt."""
+    logprob_token_ids: list[list[list[int]] | None] | None = None
+    logprobs: list[list[list[float]] | None] | None = None
+    logprob_ranks: list[list[int] | None] | None = None
+    pooler_output: list[Any] | None = None
+    """Per request: np.ndarray (float32) for pooling requests, else None."""
+    num_encoder_runs: int = 0
+    """Encoder inputs run this step (for stats and tests)."""
+    extras: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """req_id -> model-specific per-request results (e.g. Whisper no_speech_prob)."""

@@ -1,0 +1,375 @@
+"""The token-budget scheduler: no prefill or decode phases.
+
+Each request has `num_computed_tokens` and a target (`num_tokens`); a step hands out at most
+`max_num_batched_tokens` tokens within `max_num_seqs`, running requests first, then waiting ones.
+Encoder inputs have their own per-step budget and cache capacity. Out of KV blocks, the lowest
+priority running request is preempted by recompute (its self AND cross blocks are freed).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Iterable
+
+from v1.config import EngineConfig
+from v1.core.encoder_cache import EncoderCacheManager
+from v1.core.protocol import EngineCoreOutput, EngineCoreOutputs, SchedulerStats, now
+from v1.core.request import Request, RequestStatus
+from v1.core.sched_output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from v1.kv_cache.manager import KVCacheManager
+from v1.kv_cache.spec import KVCacheConfig
+
+
+class RequestQueue:
+    """Waiting requests: FIFO for fcfs, a heap ordered by (priority, arrival) for priority.
+    Preempted requests go back in front (fcfs) or by their priority."""
+
+    def __init__(self, policy: str) -> None:
+        self.policy = policy
+        self._fifo: deque[Request] = deque()
+        self._heap: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        if self.policy == "priority":
+            heapq.heappush(self._heap, request)
+        else:
+            self._fifo.append(request)
+
+    def add_front(self, request: Request) -> None:
+        if self.policy == "priority":
+            heapq.heappush(self._heap, request)
+        else:
+            self._fifo.appendleft(request)
+
+    def peek(self) -> Request:
+        return self._heap[0] if self.policy == "priority" else self._fifo[0]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap) if self.policy == "priority" else self._fifo.popleft()
+
+    def remove(self, request: Request) -> None:
+        if self.policy == "priority":
+            self._heap.remove(request)
+            heapq.heapify(self._heap)
+        else:
+            self._fifo.remove(request)
+
+    def __len__(self) -> int:
+        return len(self._heap) if self.policy == "priority" else len(self._fifo)
+
+    def __iter__(self):
+        return iter(sorted(self._heap) if self.policy == "priority" else self._fifo)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv_cache_config: KVCacheConfig) -> None:
+        self.config = config
+        sc = config.scheduler_config
+        self.max_num_seqs = sc.max_num_seqs
+        self.max_num_batched_tokens = sc.max_num_batched_tokens
+        self.enable_chunked_prefill = sc.enable_chunked_prefill
+        self.policy = sc.policy
+        self.max_model_len = config.model_config.effective_max_model_len
+        self.encoder_budget = config.encoder_budget
+        self.kv_cache_config = kv_cache_config
+        self.kv_cache_manager = KVCacheManager(
+            kv_cache_config,
+            max_model_len=self.max_model_len,
+            enable_caching=config.cache_config.enable_prefix_caching,
+        )
+        self.encoder_cache = EncoderCacheManager(config.encoder_cache_size)
+        self.requests: dict[str, Request] = {}
+        self.waiting = RequestQueue(self.policy)
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+        self.num_encoder_runs = 0
+
+    # ---- request lifecycle ----
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, req_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """Abort (or fail) requests wherever they are; unknown or finished ids are ignored."""
+        finished = []
+        for req_id in req_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free_request(request)
+            finished.append(request)
+        return finished
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        self.encoder_cache.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def has_requests(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    @property
+    def has_finished_requests(self) -> bool:
+        return bool(self.finished_req_ids)
+
+    # ---- scheduling ----
+    def schedule(self) -> SchedulerOutput:
+        budget = _StepBudget(self.max_num_batched_tokens, self.encoder_budget)
+        scheduled_running: list[Request] = []
+        running_new_blocks: dict[str, tuple[list[int], ...]] = {}
+        preempted: list[Request] = []
+
+        for request in list(self.running):
+            if budget.tokens == 0:
+                break
+            if request in preempted:
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget.tokens)
+            assert num_new > 0, request
+            while True:
+                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+                if new_blocks is not None:
+                    break
+                victim = self._pick_victim()
+                if victim in scheduled_running:
+                    scheduled_running.remove(victim)
+                    budget.tokens += budget.num_scheduled.pop(victim.request_id)
+                    running_new_blocks.pop(victim.request_id, None)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if new_blocks is None:
+                continue
+            scheduled_running.append(request)
+            running_new_blocks[request.request_id] = new_blocks.get_block_ids()
+            budget.take(request, num_new)
+
+        scheduled_new: list[Request] = []
+        if not preempted:
+            scheduled_new = self._schedule_waiting(budget)
+
+        return self._make_output(budget, scheduled_running, running_new_blocks, scheduled_new)
+
+    def _schedule_waiting(self, budget: _StepBudget) -> list[Request]:
+        scheduled: list[Request] = []
+        while len(self.waiting) and budget.tokens > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting.peek()
+            computed_blocks, num_cached = None, 0
+            if request.num_computed_tokens == 0 and not request.is_pooling:
+                computed_blocks, num_cached = self.kv_cache_manager.get_computed_blocks(request)
+            num_new = request.num_tokens - num_cached
+            if num_new > budget.tokens and (request.is_pooling or not self.enable_chunked_prefill):
+                break  # pooling inputs run whole; without chunking a prompt waits for room
+            num_new = min(num_new, budget.tokens)
+            run_encoder = False
+            if request.encoder_input is not None:
+                run_encoder = not self.encoder_cache.has(request.encoder_hash)
+                if run_encoder and (
+                    request.num_encoder_tokens > budget.encoder_tokens
+                    or not self.encoder_cache.can_allocate(request.num_encoder_tokens)
+                ):
+                    break
+            new_blocks = self.kv_cache_manager.allocate_slots(
+                request,
+                num_new,
+                num_new_computed_tokens=num_cached,
+                new_computed_blocks=computed_blocks,
+                num_encoder_tokens=request.num_encoder_tokens,
+            )
+            if new_blocks is None:
+                break
+            self.waiting.pop()
+            if request.encoder_input is not None:
+                if run_encoder:
+                    self.encoder_cache.allocate(request)
+                    budget.encoder_tokens -= request.num_encoder_tokens
+                    budget.encoder_hashes_to_run[request.encoder_hash] = request.request_id
+                    self.num_encoder_runs += 1
+                else:
+                    self.encoder_cache.add_ref(request)
+                budget.encoder_reqs.append(request.request_id)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_cached
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
+            self.running.append(request)
+            scheduled.append(request)
+            budget.take(request, num_new)
+        return scheduled
+
+    def _pick_victim(self) -> Request:
+        if self.policy == "priority":
+            return max(self.running)
+        return self.running[-1]
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        self.encoder_cache.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        # The runner drops its copy; the request comes back as a new one with all its tokens.
+        self.finished_req_ids.add(request.request_id)
+        self.waiting.add_front(request)
+
+    def _make_output(
+        self,
+        budget: _StepBudget,
+        scheduled_running: list[Request],
+        running_new_blocks: dict[str, tuple[list[int], ...]],
+        scheduled_new: list[Request],
+    ) -> SchedulerOutput:
+        new_reqs = [
+            NewRequestData(
+                req_id=r.request_id,
+                prompt_token_ids=r.prompt_token_ids,
+                output_token_ids=list(r.output_token_ids),
+                sampling_params=r.sampling_params,
+                pooling_params=r.pooling_params,
+                block_ids=self.kv_cache_manager.get_block_ids(r.request_id),
+                num_computed_tokens=r.num_computed_tokens,
+                encoder_input=r.encoder_input,
+                token_type_ids=r.token_type_ids,
+            )
+            for r in scheduled_new
+        ]
+        cached = CachedRequestData()
+        for r in scheduled_running:
+            cached.req_ids.append(r.request_id)
+            blocks = running_new_blocks[r.request_id]
+            cached.new_block_ids.append(blocks if any(blocks) else None)
+            cached.num_computed_tokens.append(r.num_computed_tokens)
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=dict(budget.num_scheduled),
+            total_num_scheduled_tokens=sum(budget.num_scheduled.values()),
+            encoder_reqs=budget.encoder_reqs,
+            encoder_hashes_to_run=budget.encoder_hashes_to_run,
+            free_encoder_hashes=self.encoder_cache.take_freed_hashes(),
+            finished_req_ids=self.finished_req_ids,
+        )
+        self.finished_req_ids = set()
+        # Advance now so the next schedule() sees these tokens as in flight.
+        for req_id, num in budget.num_scheduled.items():
+            self.requests[req_id].num_computed_tokens += num
+        return output
+
+    # ---- results ----
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutputs:
+        outputs: list[EngineCoreOutput] = []
+        index = {req_id: i for i, req_id in enumerate(runner_output.req_ids)}
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted while the step ran
+            i = index[req_id]
+            if request.is_pooling:
+                pooled = runner_output.pooler_output[i] if runner_output.pooler_output else None
+                request.status = RequestStatus.FINISHED_STOPPED
+                outputs.append(EngineCoreOutput(req_id, [], pooled_output=pooled,
+                                                finish_reason=RequestStatus.finish_reason(request.status)))
+                self._finish(request)
+                continue
+            new_ids = runner_output.sampled_token_ids[i]
+            if not new_ids:
+                continue  # a prefill chunk that did not reach the end of the prompt
+            new_ids = self._append_and_check_stop(request, new_ids)
+            outputs.append(self._make_output_item(request, new_ids, runner_output, i))
+            if request.is_finished:
+                self._finish(request)
+        return EngineCoreOutputs(outputs=outputs, timestamp=now())
+
+    def _append_and_check_stop(self, request: Request, new_ids: list[int]) -> list[int]:
+        params = request.sampling_params
+        accepted = []
+        for token in new_ids:
+            request.append_output_token_ids([token])
+            accepted.append(token)
+            if request.num_output_tokens >= params.min_tokens:
+                if token == request.eos_token_id and not params.ignore_eos:
+                    request.status = RequestStatus.FINISHED_STOPPED
+                    break
+                if params.stop_token_ids and token in params.stop_token_ids:
+                    request.status = RequestStatus.FINISHED_STOPPED
+                    request.stop_reason = token
+                    break
+            if (
+                request.num_output_tokens >= request.max_tokens
+                or request.num_tokens >= self.max_model_len
+            ):
+                request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+                break
+        return accepted
+
+    @staticmethod
+    def _make_output_item(
+        request: Request, new_ids: list[int], runner_output: ModelRunnerOutput, i: int
+    ) -> EngineCoreOutput:
+        out = EngineCoreOutput(
+            request.request_id,
+            new_ids,
+            finish_reason=RequestStatus.finish_reason(request.status),
+            stop_reason=request.stop_reason,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+        )
+        if runner_output.logprobs is not None and runner_output.logprobs[i] is not None:
+            n = len(new_ids)
+            out.new_logprob_token_ids = runner_output.logprob_token_ids[i][:n]
+            out.new_logprobs = runner_output.logprobs[i][:n]
+            out.new_logprob_ranks = runner_output.logprob_ranks[i][:n]
+        return out
+
+    def _finish(self, request: Request) -> None:
+        self.running.remove(request)
+        self._free_request(request)
+
+    # ---- stats ----
+    def make_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=kv.usage,
+            num_used_blocks=kv.num_total_blocks - kv.num_free_blocks,
+            num_total_blocks=kv.num_total_blocks,
+            num_preemptions=self.num_preemptions,
+            num_encoder_runs=self.num_encoder_runs,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+        )
+
+
+class _StepBudget:
+    """What is left of one step's token and encoder budgets, and what was handed out."""
+
+    def __init__(self, tokens: int, encoder_tokens: int) -> None:
+        self.tokens = tokens
+        self.encoder_tokens = encoder_tokens
+        self.num_scheduled: dict[str, int] = {}
+        self.encoder_reqs: list[str] = []
+        self.encoder_hashes_to_run: dict[str, str] = {}
+
+    def take(self, request: Request, num_tokens: int) -> None:
+        self.num_scheduled[request.request_id] = num_tokens
+        self.tokens -= num_tokens

@@ -1,0 +1,36 @@
+"""Every environment variable the engine reads, in one place."""
+
+from __future__ import annotations
+
+import os
+
+
+def _int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return int(value) if value else default
+
+
+def _bool(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    return value.strip().lower() not in ("0", "false", "no", "off")
+
+
+V1_CPU_KV_CACHE_BYTES: int = _int("V1_CPU_KV_CACHE_BYTES", 1 << 30)
+"""KV cache bytes on CPU when no size is configured."""
+
+V1_MULTIPROCESSING: bool = _bool("V1_MULTIPROCESSING", True)
+"""Run the EngineCore in its own process (LLM and AsyncLLM); 0 keeps it in-process."""
+
+V1_ENGINE_READY_TIMEOUT_S: int = _int("V1_ENGINE_READY_TIMEOUT_S", 600)
+"""Seconds a client waits for the EngineCore process's ready handshake."""
+
+V1_LOG_LEVEL: str = os.environ.get("V1_LOG_LEVEL", "INFO")
+"""Logging level of the v1 logger."""
+
+V1_MAX_AUDIO_SECONDS: int = _int("V1_MAX_AUDIO_SECONDS", 3 * 3600)
+"""Longest decoded audio accepted, in seconds."""
+
+V1_MAX_AUDIO_BYTES: int = _int("V1_MAX_AUDIO_BYTES", 100 << 20)
+"""Largest encoded audio upload accepted, in bytes."""

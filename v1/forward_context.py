@@ -1,0 +1,33 @@
+"""The per-step forward context: attention metadata each Attention layer reads by its name."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ForwardContext:
+    attn_metadata: dict[str, Any] = field(default_factory=dict)
+    """layer name -> backend metadata (layers of one KV group share one object)."""
+
+
+_forward_context: ForwardContext | None = None
+
+
+def get_forward_context() -> ForwardContext:
+    if _forward_context is None:
+        raise RuntimeError("attention layer called outside set_forward_context()")
+    return _forward_context
+
+
+@contextmanager
+def set_forward_context(context: ForwardContext) -> Iterator[None]:
+    global _forward_context
+    prev, _forward_context = _forward_context, context
+    try:
+        yield
+    finally:
+        _forward_context = prev

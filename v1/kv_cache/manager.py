@@ -1,0 +1,200 @@
+"""The scheduler's one handle on the KV cache: request-level allocation across all KV groups.
+
+`KVCacheManager` owns the block pool and one per-type manager per KV cache group; it answers
+prefix-cache lookups, allocates all-or-nothing across groups and frees (idempotently) per request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from v1.kv_cache.block_hash import request_block_hashes
+from v1.kv_cache.block_pool import BlockPool, KVCacheBlock
+from v1.kv_cache.single_type import FullAttentionManager, get_manager_for_spec
+from v1.kv_cache.spec import KVCacheConfig
+
+if TYPE_CHECKING:
+    from v1.core.request import Request
+
+
+@dataclass(frozen=True)
+class KVCacheBlocks:
+    """Blocks per KV cache group, in `KVCacheConfig.groups` order."""
+
+    blocks: tuple[list[KVCacheBlock], ...]
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return tuple([block.block_id for block in group] for group in self.blocks)
+
+    def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
+        assert len(self.blocks) == len(other.blocks), "KVCacheBlocks of different configs"
+        return KVCacheBlocks(tuple(a + b for a, b in zip(self.blocks, other.blocks, strict=True)))
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks over all groups."""
+        return sum(len(group) for group in self.blocks)
+
+    @staticmethod
+    def empty(num_groups: int) -> KVCacheBlocks:
+        return KVCacheBlocks(tuple([] for _ in range(num_groups)))
+
+
+class KVCacheManager:
+    """Allocates the KV blocks of every group for each request from one shared pool."""
+
+    def __init__(
+        self, kv_cache_config: KVCacheConfig, max_model_len: int, enable_caching: bool = True
+    ) -> None:
+        self.kv_cache_config = kv_cache_config
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        # A config with no paged groups (encoder-only models) may have no blocks at all; the
+        # pool still holds its null block.
+        self.block_pool = BlockPool(max(kv_cache_config.num_blocks, 1), enable_caching)
+        self.managers = tuple(
+            get_manager_for_spec(group.spec, self.block_pool, group_id)
+            for group_id, group in enumerate(kv_cache_config.groups)
+        )
+        self._full_managers = [m for m in self.managers if isinstance(m, FullAttentionManager)]
+        full_block_sizes = {m.block_size for m in self._full_managers}
+        if len(full_block_sizes) > 1:
+            raise ValueError(
+                f"full-attention groups must share one block size, got {sorted(full_block_sizes)}"
+            )
+        self.hash_block_size = full_block_sizes.pop() if full_block_sizes else 0
+        """Block size of the chained hashes in request.block_hashes (0: no prefix caching)."""
+        self.prefix_cache_queries = 0
+        """Prompt tokens looked up in the prefix cache."""
+        self.prefix_cache_hits = 0
+        """Of those, tokens found cached."""
+
+    # ---- stats ----
+    @property
+    def usage(self) -> float:
+        """Fraction of the non-null blocks in use."""
+        return self.block_pool.get_usage()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    @property
+    def num_total_blocks(self) -> int:
+        """Blocks that can be handed out (the null block excluded)."""
+        return self.block_pool.num_blocks - 1
+
+    @property
+    def num_requests(self) -> int:
+        """Requests holding at least one block."""
+        return len(
+            {req_id for m in self.managers for req_id, blocks in m.req_to_blocks.items() if blocks}
+        )
+
+    def _empty(self) -> KVCacheBlocks:
+        return KVCacheBlocks.empty(len(self.managers))
+
+    # ---- prefix cache ----
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+        """Prefix-cache hit blocks of a waiting request and how many tokens they cover.
+
+        The hit never covers the whole prompt: the last token is always recomputed so that the
+        step has logits to sample from. Does not take references; pass the result to
+        `allocate_slots`, in the same step, before anything is freed.
+        """
+        if not self.enable_caching or request.is_pooling or not self._full_managers:
+            return self._empty(), 0
+        request_block_hashes(request, self.hash_block_size)
+        max_length = max(request.num_tokens - 1, 0)
+        hits: dict[int, list[KVCacheBlock]] = {}
+        for manager in self._full_managers:
+            hit_blocks = manager.find_longest_cache_hit(request.block_hashes, max_length)
+            hits[manager.group_id] = hit_blocks
+            max_length = len(hit_blocks) * manager.block_size
+        # Every full group must cover the same tokens: cut all to the shortest hit.
+        num_hit_blocks = max_length // self.hash_block_size
+        blocks = tuple(
+            hits.get(group_id, [])[:num_hit_blocks] for group_id in range(len(self.managers))
+        )
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += max_length
+        return KVCacheBlocks(blocks), max_length
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached blocks; False (and nothing done) while any request holds blocks."""
+        return self.block_pool.reset_prefix_cache()
+
+    # ---- allocation ----
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_encoder_tokens: int = 0,
+    ) -> KVCacheBlocks | None:
+        """Make room for `num_new_tokens` more tokens of `request`, all groups or none.
+
+        Full-attention groups grow to cover num_computed_tokens + num_new_computed_tokens +
+        num_new_tokens (capped at max_model_len); cross-attention groups get
+        ceil(num_encoder_tokens / block_size) blocks if the request holds none yet.
+        `new_computed_blocks` / `num_new_computed_tokens` come from `get_computed_blocks`.
+
+        Returns the blocks added to the request's block tables by this call, per group and in
+        table order (prefix hits first, then fresh blocks): the delta to send to the worker.
+        Returns None, changing nothing, when the pool has too few free blocks.
+        """
+        req_id = request.request_id
+        if new_computed_blocks is None:
+            new_computed_blocks = self._empty()
+        assert len(new_computed_blocks.blocks) == len(self.managers), "blocks of another config"
+        if self._full_managers:
+            num_hit_blocks = len(new_computed_blocks.blocks[self._full_managers[0].group_id])
+            assert num_new_computed_tokens == num_hit_blocks * self.hash_block_size, (
+                "num_new_computed_tokens does not match new_computed_blocks"
+            )
+
+        num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
+        num_tokens_need_slot = min(num_computed_tokens + num_new_tokens, self.max_model_len)
+
+        num_blocks_to_allocate = sum(
+            manager.get_num_blocks_to_allocate(
+                req_id, num_tokens_need_slot, num_encoder_tokens, hit_blocks
+            )
+            for manager, hit_blocks in zip(self.managers, new_computed_blocks.blocks, strict=True)
+        )
+        if num_blocks_to_allocate > self.block_pool.get_num_free_blocks():
+            return None
+
+        added: list[list[KVCacheBlock]] = []
+        for manager, hit_blocks in zip(self.managers, new_computed_blocks.blocks, strict=True):
+            # Touch before allocating: a free hit must leave the free queue before any pop.
+            self.block_pool.touch(hit_blocks)
+            manager.save_new_computed_blocks(req_id, hit_blocks)
+        for manager, hit_blocks in zip(self.managers, new_computed_blocks.blocks, strict=True):
+            new_blocks = manager.allocate_new_blocks(
+                req_id, num_tokens_need_slot, num_encoder_tokens
+            )
+            added.append(list(hit_blocks) + new_blocks)
+
+        if self.enable_caching and not request.is_pooling and self._full_managers:
+            # Cache only blocks whose tokens exist and will be computed by this step.
+            num_tokens_to_cache = min(num_computed_tokens + num_new_tokens, request.num_tokens)
+            request_block_hashes(request, self.hash_block_size)
+            for manager in self._full_managers:
+                manager.cache_blocks(request, num_tokens_to_cache)
+        return KVCacheBlocks(tuple(added))
+
+    def free(self, request: Request) -> None:
+        """Release every group's blocks of the request (finish, abort, preemption). Idempotent."""
+        for manager in self.managers:
+            manager.free(request.request_id)
+
+    # ---- lookups ----
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        return KVCacheBlocks(tuple(list(m.get_blocks(request_id)) for m in self.managers))
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's full block table per group."""
+        return self.get_blocks(request_id).get_block_ids()

@@ -1,0 +1,174 @@
+"""Per-KV-cache-group block managers: one block table per request for one attention type.
+
+`FullAttentionManager` grows with the tokens and uses the prefix cache; `CrossAttentionManager`
+holds the encoder's K/V, allocated once at admission; `EncoderOnlyAttentionManager` holds nothing.
+All draw from one shared BlockPool; free is idempotent per request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from v1.kv_cache.block_pool import BlockPool, KVCacheBlock
+from v1.kv_cache.spec import (
+    CrossAttentionSpec,
+    EncoderOnlyAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+)
+
+if TYPE_CHECKING:
+    from v1.core.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class SingleTypeKVCacheManager:
+    """Block tables of one KV cache group. Subclasses say how many blocks a request needs."""
+
+    def __init__(self, spec: KVCacheSpec, block_pool: BlockPool, group_id: int) -> None:
+        self.spec = spec
+        self.block_size = spec.block_size
+        self.block_pool = block_pool
+        self.group_id = group_id
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        """Block table of every request that holds (or held, until freed) this group's blocks."""
+
+    def num_required_blocks(self, req_id: str, num_tokens: int, num_encoder_tokens: int) -> int:
+        """Blocks the request's table must hold for `num_tokens` decoder tokens in total."""
+        raise NotImplementedError
+
+    def get_num_blocks_to_allocate(
+        self,
+        req_id: str,
+        num_tokens: int,
+        num_encoder_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock],
+    ) -> int:
+        """Free blocks this allocation consumes: new blocks plus prefix hits that are now free
+        (touching them takes them out of the free queue)."""
+        num_held = len(self.req_to_blocks.get(req_id, ())) + len(new_computed_blocks)
+        num_new = max(
+            0, self.num_required_blocks(req_id, num_tokens, num_encoder_tokens) - num_held
+        )
+        num_evictable_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+        return num_new + num_evictable_hits
+
+    def save_new_computed_blocks(
+        self, req_id: str, new_computed_blocks: Sequence[KVCacheBlock]
+    ) -> None:
+        """Append already-touched prefix hits to the request's table."""
+        if new_computed_blocks:
+            assert not self.req_to_blocks.get(req_id), "prefix hits only for a fresh request"
+            self.req_to_blocks.setdefault(req_id, []).extend(new_computed_blocks)
+
+    def allocate_new_blocks(
+        self, req_id: str, num_tokens: int, num_encoder_tokens: int
+    ) -> list[KVCacheBlock]:
+        """Grow the table to its required size; returns the blocks added."""
+        blocks = self.req_to_blocks.setdefault(req_id, [])
+        num_new = self.num_required_blocks(req_id, num_tokens, num_encoder_tokens) - len(blocks)
+        if num_new <= 0:
+            return []
+        new_blocks = self.block_pool.get_new_blocks(num_new)
+        blocks.extend(new_blocks)
+        return new_blocks
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the request's full blocks among its first `num_tokens` in the prefix cache."""
+
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[bytes], max_length: int
+    ) -> list[KVCacheBlock]:
+        """Longest run of cached blocks covering at most `max_length` tokens."""
+        return []
+
+    def free(self, req_id: str) -> None:
+        """Release the request's blocks, tail first (prefix blocks evicted last). Idempotent."""
+        blocks = self.req_to_blocks.pop(req_id, None)
+        if blocks:
+            self.block_pool.free_blocks(reversed(blocks))
+
+    def get_blocks(self, req_id: str) -> list[KVCacheBlock]:
+        return self.req_to_blocks.get(req_id, [])
+
+
+class FullAttentionManager(SingleTypeKVCacheManager):
+    """Decoder self-attention: one block per `block_size` tokens, prefix cacheable."""
+
+    def __init__(self, spec: KVCacheSpec, block_pool: BlockPool, group_id: int) -> None:
+        super().__init__(spec, block_pool, group_id)
+        self.num_cached_blocks: dict[str, int] = {}
+        """Leading blocks of each request already registered in the prefix cache."""
+
+    def num_required_blocks(self, req_id: str, num_tokens: int, num_encoder_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def save_new_computed_blocks(
+        self, req_id: str, new_computed_blocks: Sequence[KVCacheBlock]
+    ) -> None:
+        super().save_new_computed_blocks(req_id, new_computed_blocks)
+        if new_computed_blocks:
+            # Hits are cached already: they need no registering.
+            self.num_cached_blocks[req_id] = len(new_computed_blocks)
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        req_id = request.request_id
+        num_cached = self.num_cached_blocks.get(req_id, 0)
+        num_full = num_tokens // self.block_size
+        if num_full <= num_cached:
+            return
+        self.block_pool.cache_full_blocks(
+            self.req_to_blocks[req_id], request.block_hashes, num_cached, num_full, self.group_id
+        )
+        self.num_cached_blocks[req_id] = num_full
+
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[bytes], max_length: int
+    ) -> list[KVCacheBlock]:
+        hits: list[KVCacheBlock] = []
+        for block_hash in block_hashes[: max_length // self.block_size]:
+            block = self.block_pool.get_cached_block(block_hash, self.group_id)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def free(self, req_id: str) -> None:
+        super().free(req_id)
+        self.num_cached_blocks.pop(req_id, None)
+
+
+class CrossAttentionManager(SingleTypeKVCacheManager):
+    """Cross-attention: ceil(num_encoder_tokens / block_size) blocks, allocated once when the
+    request is admitted (or re-admitted after preemption); never grows, never prefix-cached.
+    A request without encoder input holds none."""
+
+    def num_required_blocks(self, req_id: str, num_tokens: int, num_encoder_tokens: int) -> int:
+        held = self.req_to_blocks.get(req_id)
+        if held:
+            # Allocated once: later calls (whatever num_encoder_tokens they pass) add nothing.
+            return len(held)
+        return cdiv(num_encoder_tokens, self.block_size)
+
+
+class EncoderOnlyAttentionManager(SingleTypeKVCacheManager):
+    """Bidirectional attention without a cache: never holds a block."""
+
+    def num_required_blocks(self, req_id: str, num_tokens: int, num_encoder_tokens: int) -> int:
+        return 0
+
+
+def get_manager_for_spec(
+    spec: KVCacheSpec, block_pool: BlockPool, group_id: int
+) -> SingleTypeKVCacheManager:
+    if isinstance(spec, EncoderOnlyAttentionSpec):
+        return EncoderOnlyAttentionManager(spec, block_pool, group_id)
+    if isinstance(spec, FullAttentionSpec):
+        return FullAttentionManager(spec, block_pool, group_id)
+    if isinstance(spec, CrossAttentionSpec):
+        return CrossAttentionManager(spec, block_pool, group_id)
+    raise ValueError(f"no KV cache manager for spec {type(spec).__name__}")

@@ -1,0 +1,164 @@
+"""Build a model from its config and fill it from safetensors checkpoints (local or the hub).
+
+Only safetensors are read: pickled checkpoints (.bin, .pt) can run code when loaded and are
+refused. A model comes back fully loaded or not at all: every parameter must be covered by the
+checkpoint (the model's `load_weights` already refuses tensors it does not know).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from v1.config import ModelConfig
+from v1.logger import init_logger
+from v1.models.registry import get_model_class
+from v1.models.utils import format_names
+
+logger = init_logger(__name__)
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+HUB_ALLOW_PATTERNS = [
+    "*.safetensors",
+    "*.json",
+    "*.model",  # sentencepiece
+    "*.tiktoken",
+    "*.txt",  # merges.txt, vocab.txt
+    "tokenizer*",
+    "vocab*",
+]
+# Mistral repos also ship the same weights under other names for mistral's own tools.
+HUB_IGNORE_PATTERNS = ["consolidated*", "original/*"]
+
+
+def resolve_model_path(model: str, revision: str | None = None) -> str:
+    """A local folder as is; otherwise download the hub repo's safetensors, configs and
+    tokenizer files (nothing else) at `revision` and return the snapshot folder."""
+    if os.path.isdir(model):
+        return model
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(
+        model,
+        revision=revision,
+        allow_patterns=HUB_ALLOW_PATTERNS,
+        ignore_patterns=HUB_IGNORE_PATTERNS,
+    )
+
+
+def weight_files(path: str) -> list[str]:
+    """The safetensors files of a checkpoint folder (all shards named by the index if any)."""
+    index = os.path.join(path, SAFETENSORS_INDEX)
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        files = [os.path.join(path, name) for name in sorted(set(weight_map.values()))]
+        absent = [f for f in files if not os.path.isfile(f)]
+        if absent:
+            raise ValueError(f"{index} names shards that are not there: {format_names(absent)}")
+        return files
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    main = [f for f in files if not os.path.basename(f).startswith("consolidated")]
+    if main:
+        return main
+    if files:
+        return files
+    pickles = sorted(name for name in os.listdir(path) if name.endswith(PICKLE_SUFFIXES))
+    if pickles:
+        raise ValueError(
+            f"{path} holds only pickled checkpoints ({', '.join(pickles)}); safetensors only: "
+            "convert them (e.g. transformers' save_pretrained(..., safe_serialization=True))"
+        )
+    raise ValueError(f"no *.safetensors weights in {path}")
+
+
+def iterate_weights(path: str | list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) on CPU from a checkpoint folder or a list of safetensors files,
+    one tensor at a time."""
+    files = weight_files(path) if isinstance(path, str) else path
+    for file in files:
+        if not file.endswith(".safetensors"):
+            raise ValueError(f"{file}: safetensors only")
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield name, f.get_tensor(name)
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(prev)
+
+
+def architecture_of(hf_config: Any) -> str:
+    archs = getattr(hf_config, "architectures", None) or []
+    if not archs:
+        raise ValueError("the config names no architecture (hf_config.architectures is empty)")
+    return archs[0]
+
+
+def construct_model(
+    hf_config: Any,
+    device: str | torch.device,
+    dtype: torch.dtype,
+    architecture: str | None = None,
+) -> nn.Module:
+    """An unloaded model (parameter values undefined) built directly on `device` in `dtype`."""
+    model_cls = get_model_class(architecture or architecture_of(hf_config))
+    with torch.device(device), _default_dtype(dtype):
+        return model_cls(hf_config)
+
+
+def check_all_loaded(model: nn.Module, loaded: set[str]) -> None:
+    """ValueError naming every parameter the checkpoint did not provide."""
+    missing = {name for name, _ in model.named_parameters()} - loaded
+    if missing:
+        raise ValueError(
+            f"checkpoint is missing {len(missing)} parameter(s) of {type(model).__name__}: "
+            f"{format_names(missing)}"
+        )
+
+
+def load_model_from_weights(
+    hf_config: Any,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    device: str | torch.device,
+    dtype: torch.dtype,
+    architecture: str | None = None,
+) -> nn.Module:
+    """Build the model for `hf_config` and load `weights` into it; every parameter must load."""
+    model = construct_model(hf_config, device, dtype, architecture)
+    loaded = model.load_weights(weights)
+    check_all_loaded(model, loaded)
+    return model.eval()
+
+
+def load_model(
+    model_config: ModelConfig, device: str | torch.device, dtype: torch.dtype
+) -> nn.Module:
+    """The model `model_config` names, loaded from its safetensors (local folder or hub id)."""
+    path = resolve_model_path(model_config.model, model_config.revision)
+    files = weight_files(path)
+    logger.info(
+        "loading %s from %d safetensors file(s) in %s", model_config.model, len(files), path
+    )
+    return load_model_from_weights(
+        model_config.hf_config,
+        iterate_weights(files),
+        device,
+        dtype,
+        architecture=model_config.architecture,
+    )

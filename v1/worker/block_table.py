@@ -1,0 +1,42 @@
+"""Per-KV-group block tables of the persistent batch, and vectorized slot mappings."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class BlockTable:
+    """[max_num_reqs, max_num_blocks] int32 on the host; rows are persistent batch slots."""
+
+    def __init__(self, max_num_reqs: int, max_num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.table = np.zeros((max_num_reqs, max_num_blocks), dtype=np.int32)
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int32)
+
+    def set_row(self, slot: int, block_ids: list[int]) -> None:
+        self.num_blocks[slot] = 0
+        self.append_row(slot, block_ids)
+
+    def append_row(self, slot: int, block_ids: list[int]) -> None:
+        if not block_ids:
+            return
+        start = self.num_blocks[slot]
+        end = start + len(block_ids)
+        if end > self.table.shape[1]:
+            raise ValueError(f"request needs {end} blocks, table holds {self.table.shape[1]}")
+        self.table[slot, start:end] = block_ids
+        self.num_blocks[slot] = end
+
+    def clear_row(self, slot: int) -> None:
+        self.num_blocks[slot] = 0
+
+    def rows(self, slots: np.ndarray, device: torch.device) -> torch.Tensor:
+        """Block table of this step's requests, [num_reqs, max blocks used] int32."""
+        width = max(int(self.num_blocks[slots].max(initial=1)), 1)
+        return torch.from_numpy(self.table[slots, :width]).to(device, non_blocking=True)
+
+    def slot_mapping(self, token_slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Cache slot of each (request slot, position) pair: block_id * block_size + offset."""
+        block_ids = self.table[token_slots, positions // self.block_size].astype(np.int64)
+        return block_ids * self.block_size + positions % self.block_size

@@ -1,0 +1,66 @@
+"""Executor: the EngineCore's handle on its worker(s).
+
+The interface is torch-free so the core and its tests never import device code; the
+single-process executor imports the worker lazily.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any
+
+from v1.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from v1.kv_cache.spec import KVCacheConfig, KVCacheSpec
+
+if TYPE_CHECKING:
+    from v1.config import EngineConfig
+
+
+class Executor(ABC):
+    @abstractmethod
+    def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
+        """Layer name -> spec, for every attention layer of the model."""
+
+    @abstractmethod
+    def determine_available_kv_bytes(self) -> int:
+        """Bytes the KV cache may take (profiled on GPU, configured on CPU)."""
+
+    @abstractmethod
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None: ...
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def collective_rpc(self, method: str, *args: Any) -> Any:
+        raise ValueError(f"{type(self).__name__} has no worker method {method!r}")
+
+    def shutdown(self) -> None:
+        return None
+
+
+class UniProcExecutor(Executor):
+    """One worker in this process."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from v1.worker.worker import Worker
+
+        self.worker = Worker(config)
+        self.worker.load_model()
+
+    def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
+        return self.worker.get_kv_cache_specs()
+
+    def determine_available_kv_bytes(self) -> int:
+        return self.worker.determine_available_kv_bytes()
+
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        self.worker.initialize_kv_cache(kv_cache_config)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute_model(scheduler_output)
+
+    def collective_rpc(self, method: str, *args: Any) -> Any:
+        return getattr(self.worker, method)(*args)
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()

@@ -1,0 +1,93 @@
+"""The persistent input batch: per-request state kept by the runner across steps.
+
+Requests live in slots (rows) from admission to finish; each SchedulerOutput only adds, removes
+or advances them. Step inputs are gathered from these arrays with vectorized numpy indexing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from v1.core.protocol import EncoderInput
+from v1.core.sched_output import NewRequestData
+from v1.pooling_params import PoolingParams
+from v1.sampling_params import SamplingParams
+from v1.worker.block_table import BlockTable
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    slot: int
+    sampling_params: SamplingParams | None
+    pooling_params: PoolingParams | None
+    encoder_input: EncoderInput | None
+    token_type_ids: list[int] | None
+    num_prompt_tokens: int
+
+
+class InputBatch:
+    def __init__(
+        self, max_num_reqs: int, max_model_len: int, block_tables: list[BlockTable]
+    ) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.block_tables = block_tables
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.requests: dict[str, CachedRequestState] = {}
+        self._free_slots = list(range(max_num_reqs - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def add_request(self, data: NewRequestData) -> CachedRequestState:
+        if data.req_id in self.requests:
+            raise AssertionError(f"request {data.req_id} already in the batch")
+        slot = self._free_slots.pop()
+        tokens = data.prompt_token_ids + data.output_token_ids
+        if len(tokens) > self.max_model_len:
+            raise ValueError(f"{len(tokens)} tokens exceed max_model_len={self.max_model_len}")
+        self.token_ids[slot, : len(tokens)] = tokens
+        self.num_tokens[slot] = len(tokens)
+        self.num_computed_tokens[slot] = data.num_computed_tokens
+        for table, block_ids in zip(self.block_tables, data.block_ids, strict=True):
+            table.set_row(slot, block_ids)
+        state = CachedRequestState(
+            req_id=data.req_id,
+            slot=slot,
+            sampling_params=data.sampling_params,
+            pooling_params=data.pooling_params,
+            encoder_input=data.encoder_input,
+            token_type_ids=data.token_type_ids,
+            num_prompt_tokens=len(data.prompt_token_ids),
+        )
+        self.requests[data.req_id] = state
+        return state
+
+    def remove_request(self, req_id: str) -> CachedRequestState | None:
+        state = self.requests.pop(req_id, None)
+        if state is None:
+            return None
+        for table in self.block_tables:
+            table.clear_row(state.slot)
+        self.num_tokens[state.slot] = 0
+        self._free_slots.append(state.slot)
+        return state
+
+    def update_request(
+        self, req_id: str, new_block_ids: tuple[list[int], ...] | None, num_computed_tokens: int
+    ) -> None:
+        slot = self.requests[req_id].slot
+        self.num_computed_tokens[slot] = num_computed_tokens
+        if new_block_ids is not None:
+            for table, block_ids in zip(self.block_tables, new_block_ids, strict=True):
+                table.append_row(slot, block_ids)
+
+    def append_tokens(self, slots: np.ndarray, token_ids: np.ndarray) -> None:
+        """One new token per listed slot (vectorized)."""
+        self.token_ids[slots, self.num_tokens[slots]] = token_ids
+        self.num_tokens[slots] += 1

@@ -1,0 +1,264 @@
+"""ModelRunner: applies SchedulerOutput deltas to the persistent batch, builds step inputs and
+attention metadata (vectorized), and hands the step to the model-kind strategy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from v1.attention.backend import AttentionType, CommonAttentionMetadata
+from v1.attention.layer import Attention
+from v1.attention.selector import default_backend_name, load_backend, use_backend
+from v1.config import EngineConfig, ModelKind
+from v1.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from v1.kv_cache.spec import (
+    CrossAttentionSpec,
+    EncoderOnlyAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheSpec,
+)
+from v1.worker.block_table import BlockTable
+from v1.worker.input_batch import InputBatch
+
+
+@dataclass
+class StepInputs:
+    """One step's packed decoder (or encoder-only) inputs, requests in batch order."""
+
+    req_ids: list[str]
+    slots: np.ndarray
+    num_scheduled: np.ndarray
+    query_start_loc: np.ndarray
+    """[R + 1] token offsets."""
+    token_slots: np.ndarray
+    """[T] slot of each token."""
+    positions_np: np.ndarray
+    seq_lens: np.ndarray
+    """[R] tokens in the sequence after this step."""
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    logits_indices: torch.Tensor
+    """[R] index of each request's last scheduled token."""
+    reached_end: np.ndarray
+    """[R] bool: the step reaches the end of the request's known tokens (a token is sampled)."""
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.query_start_loc[-1])
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+        self.config = config
+        self.model_config = config.model_config
+        self.device = device
+        self.dtype = self.model_config.torch_dtype(device.type)
+        self.max_num_reqs = config.scheduler_config.max_num_seqs
+        self.max_model_len = self.model_config.effective_max_model_len
+        self.backend_name = default_backend_name(device.type)
+        self.backend = load_backend(self.backend_name)
+        self.block_size = config.cache_config.block_size
+        self.model: Any = None
+        self.attn_layers: dict[str, Attention] = {}
+        self.kv_cache_config: KVCacheConfig | None = None
+        self.input_batch: InputBatch | None = None
+        self.state = _make_state(self.model_config.kind, self)
+
+    # ---- set-up ----
+    def load_model(self) -> None:
+        from v1.models.loader import load_model
+
+        with use_backend(self.backend_name):
+            self.model = load_model(self.model_config, self.device, self.dtype)
+        self.model.eval()
+        self.attn_layers = {
+            m.layer_name: m for m in self.model.modules() if isinstance(m, Attention)
+        }
+        self.state.on_model_loaded()
+
+    def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
+        dtype = str(self.dtype).removeprefix("torch.")
+        kinds = {
+            AttentionType.DECODER: FullAttentionSpec,
+            AttentionType.ENCODER_DECODER: CrossAttentionSpec,
+        }
+        return {
+            name: kinds.get(layer.attn_type, EncoderOnlyAttentionSpec)(
+                block_size=self.block_size,
+                num_kv_heads=layer.num_kv_heads,
+                head_size=layer.head_size,
+                dtype=dtype,
+            )
+            for name, layer in self.attn_layers.items()
+        }
+
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        self.kv_cache_config = kv_cache_config
+        num_blocks = kv_cache_config.num_blocks
+        for tensor_cfg in kv_cache_config.tensors:
+            buffer = torch.zeros(tensor_cfg.size_bytes, dtype=torch.uint8, device=self.device)
+            for name in tensor_cfg.shared_by:
+                layer = self.attn_layers[name]
+                shape = self.backend.kv_cache_shape(
+                    num_blocks, self.block_size, layer.num_kv_heads, layer.head_size
+                )
+                layer.kv_cache = buffer.view(self.dtype).view(shape)
+        self.group_layers: list[tuple[str, ...]] = []
+        self.group_types: list[AttentionType] = []
+        self.builders = []
+        tables = []
+        for group in kv_cache_config.groups:
+            is_cross = isinstance(group.spec, CrossAttentionSpec)
+            attn_type = AttentionType.ENCODER_DECODER if is_cross else AttentionType.DECODER
+            max_len = self.model_config.max_encoder_len if is_cross else self.max_model_len
+            tables.append(BlockTable(self.max_num_reqs, -(-max_len // self.block_size), self.block_size))
+            self.group_layers.append(group.layer_names)
+            self.group_types.append(attn_type)
+            self.builders.append(self.backend.get_builder_cls()(attn_type, self.device, self.block_size))
+        self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, tables)
+        self.state.on_kv_cache_ready()
+
+    # ---- the step ----
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        step = self._prepare_inputs(scheduler_output)
+        return self.state.execute(step, scheduler_output)
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        batch = self.input_batch
+        for req_id in so.finished_req_ids:
+            state = batch.remove_request(req_id)
+            if state is not None:
+                self.state.on_request_removed(state)
+        for data in so.scheduled_new_reqs:
+            state = batch.add_request(data)
+            self.state.on_request_added(state, data)
+        cached = so.scheduled_cached_reqs
+        for req_id, blocks, num_computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
+        ):
+            batch.update_request(req_id, blocks, num_computed)
+
+    def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
+        batch = self.input_batch
+        req_ids = list(so.num_scheduled_tokens)
+        slots = np.array([batch.requests[r].slot for r in req_ids], dtype=np.int64)
+        num_scheduled = np.array([so.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64)
+        qsl = np.zeros(len(req_ids) + 1, dtype=np.int64)
+        np.cumsum(num_scheduled, out=qsl[1:])
+        num_tokens = int(qsl[-1])
+        computed = batch.num_computed_tokens[slots]
+        token_slots = np.repeat(slots, num_scheduled)
+        # position of token t = computed[req] + (t - qsl[req])
+        positions = np.repeat(computed - qsl[:-1], num_scheduled) + np.arange(num_tokens)
+        seq_lens = computed + num_scheduled
+        input_ids = batch.token_ids[token_slots, positions]
+        return StepInputs(
+            req_ids=req_ids,
+            slots=slots,
+            num_scheduled=num_scheduled,
+            query_start_loc=qsl,
+            token_slots=token_slots,
+            positions_np=positions,
+            seq_lens=seq_lens,
+            input_ids=self._to_device(input_ids),
+            positions=self._to_device(positions),
+            logits_indices=self._to_device(qsl[1:] - 1),
+            reached_end=seq_lens >= batch.num_tokens[slots],
+        )
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+        if self.device.type == "cuda":
+            return tensor.pin_memory().to(self.device, non_blocking=True)
+        return tensor.to(self.device)
+
+    # ---- attention metadata ----
+    def make_common(
+        self,
+        query_start_loc: np.ndarray,
+        seq_lens: np.ndarray,
+        causal: bool,
+        block_table: torch.Tensor | None = None,
+        slot_mapping: np.ndarray | None = None,
+        query_positions: torch.Tensor | None = None,
+    ) -> CommonAttentionMetadata:
+        qsl_cpu = torch.from_numpy(query_start_loc.astype(np.int32))
+        seq_cpu = torch.from_numpy(np.ascontiguousarray(seq_lens, dtype=np.int32))
+        num_reqs = len(seq_lens)
+        query_lens = np.diff(query_start_loc)
+        return CommonAttentionMetadata(
+            query_start_loc=qsl_cpu.to(self.device),
+            query_start_loc_cpu=qsl_cpu,
+            seq_lens=seq_cpu.to(self.device),
+            seq_lens_cpu=seq_cpu,
+            num_reqs=num_reqs,
+            num_actual_tokens=int(query_start_loc[-1]),
+            max_query_len=int(query_lens.max(initial=0)),
+            max_seq_len=int(seq_lens.max(initial=0)),
+            causal=causal,
+            block_table=block_table,
+            slot_mapping=self._to_device(slot_mapping) if slot_mapping is not None else None,
+            query_positions=query_positions,
+        )
+
+    def decoder_attn_metadata(self, step: StepInputs) -> dict[str, Any]:
+        """Metadata of every decoder self-attention group (one object per group)."""
+        out: dict[str, Any] = {}
+        for i, attn_type in enumerate(self.group_types):
+            if attn_type != AttentionType.DECODER:
+                continue
+            table = self.input_batch.block_tables[i]
+            common = self.make_common(
+                step.query_start_loc,
+                step.seq_lens,
+                causal=True,
+                block_table=table.rows(step.slots, self.device),
+                slot_mapping=table.slot_mapping(step.token_slots, step.positions_np),
+                query_positions=step.positions,
+            )
+            metadata = self.builders[i].build(common)
+            out.update(dict.fromkeys(self.group_layers[i], metadata))
+        return out
+
+    def uncached_attn_metadata(
+        self, lengths: np.ndarray, attn_type: AttentionType, layer_names: list[str]
+    ) -> dict[str, Any]:
+        """Bidirectional metadata over packed sequences with no cache (ENCODER, ENCODER_ONLY)."""
+        qsl = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=qsl[1:])
+        positions = np.arange(int(qsl[-1])) - np.repeat(qsl[:-1], lengths)
+        common = self.make_common(
+            qsl, lengths, causal=False, query_positions=self._to_device(positions)
+        )
+        metadata = self.backend.get_builder_cls()(attn_type, self.device, self.block_size).build(common)
+        return dict.fromkeys(layer_names, metadata)
+
+    def layers_of_type(self, attn_type: AttentionType) -> list[str]:
+        return [n for n, layer in self.attn_layers.items() if layer.attn_type == attn_type]
+
+    def shutdown(self) -> None:
+        self.model = None
+        self.attn_layers = {}
+
+
+def _make_state(kind: ModelKind, runner: ModelRunner) -> Any:
+    if kind == ModelKind.DECODER_ONLY:
+        from v1.worker.model_states.decoder_only import DecoderOnlyState
+
+        return DecoderOnlyState(runner)
+    if kind == ModelKind.ENCODER_DECODER:
+        from v1.worker.model_states.encoder_decoder import EncoderDecoderState
+
+        return EncoderDecoderState(runner)
+    from v1.worker.model_states.encoder_only import EncoderOnlyState
+
+    return EncoderOnlyState(runner)

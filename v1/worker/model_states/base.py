@@ -1,0 +1,108 @@
+"""Model-kind strategy interface, and the sampling half shared by the generating kinds."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from v1.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from v1.worker.input_batch import CachedRequestState
+
+if TYPE_CHECKING:
+    from v1.worker.model_runner import ModelRunner, StepInputs
+
+
+class ModelState:
+    """What differs between decoder-only, encoder-decoder and encoder-only models."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+
+    def on_model_loaded(self) -> None:
+        return None
+
+    def on_kv_cache_ready(self) -> None:
+        return None
+
+    def on_request_added(self, state: CachedRequestState, data: NewRequestData) -> None:
+        return None
+
+    def on_request_removed(self, state: CachedRequestState) -> None:
+        return None
+
+    def execute(self, step: StepInputs, so: SchedulerOutput) -> ModelRunnerOutput:
+        raise NotImplementedError
+
+
+class GenerationState(ModelState):
+    """Sampling state and the sample-and-append half of a generating step."""
+
+    def whisper_token_info(self) -> Any:
+        return None
+
+    def on_kv_cache_ready(self) -> None:
+        from v1.sample import Sampler, SamplingState
+
+        runner = self.runner
+        self.sampling_state = SamplingState(
+            runner.max_num_reqs,
+            runner.max_model_len,
+            runner.model_config.vocab_size,
+            runner.device,
+            whisper=self.whisper_token_info(),
+            seed=runner.model_config.seed,
+        )
+        self.sampler = Sampler()
+
+    def on_request_added(self, state: CachedRequestState, data: NewRequestData) -> None:
+        self.sampling_state.add_request(
+            state.slot,
+            data.sampling_params,
+            data.prompt_token_ids,
+            data.output_token_ids,
+            self.eos_token_id(data),
+        )
+
+    def eos_token_id(self, data: NewRequestData) -> int | None:
+        eos = getattr(self.runner.model_config.hf_config, "eos_token_id", None)
+        return eos[0] if isinstance(eos, list) else eos
+
+    def on_request_removed(self, state: CachedRequestState) -> None:
+        self.sampling_state.remove_request(state.slot)
+
+    def sample(self, hidden_states: torch.Tensor, step: StepInputs) -> ModelRunnerOutput:
+        runner = self.runner
+        logits = runner.model.compute_logits(hidden_states[step.logits_indices])
+        logits = logits[:, : runner.model_config.vocab_size]
+        slots = step.slots.tolist()
+        out = self.sampler(logits, self.sampling_state.make_metadata(slots))
+        sampled = out.sampled_token_ids.cpu().numpy()  # sync: the one read per step
+        keep = step.reached_end
+        if keep.any():
+            runner.input_batch.append_tokens(step.slots[keep], sampled[keep])
+            self.sampling_state.append_output_tokens(
+                step.slots[keep].tolist(), sampled[keep].tolist()
+            )
+        sampled_lists = [[int(t)] if k else [] for t, k in zip(sampled, keep, strict=True)]
+        result = ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=sampled_lists)
+        if out.logprobs is not None:
+            self._add_logprobs(result, out, keep, step)
+        return result
+
+    def _add_logprobs(self, result: ModelRunnerOutput, out: Any, keep: np.ndarray, step: StepInputs) -> None:
+        ids = out.logprob_token_ids.cpu().tolist()  # sync: only when logprobs are asked for
+        values = out.logprobs.cpu().tolist()
+        ranks = out.ranks.cpu().tolist()
+        requests = self.runner.input_batch.requests
+        result.logprob_token_ids, result.logprobs, result.logprob_ranks = [], [], []
+        for i, req_id in enumerate(step.req_ids):
+            num = requests[req_id].sampling_params.logprobs
+            if num is None or not keep[i]:
+                for lst in (result.logprob_token_ids, result.logprobs, result.logprob_ranks):
+                    lst.append(None)
+                continue
+            result.logprob_token_ids.append([ids[i][: 1 + num]])
+            result.logprobs.append([values[i][: 1 + num]])
+            result.logprob_ranks.append([ranks[i]])

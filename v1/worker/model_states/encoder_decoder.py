@@ -1,0 +1,117 @@
+"""Encoder-decoder models (BART, T5, Whisper): the encoder runs once per distinct input,
+its output is kept by content hash; on a request's first step the cross-attention layers
+project it into the request's cross blocks, later steps only read them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from v1.attention.backend import AttentionType
+from v1.core.protocol import EncoderInput
+from v1.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from v1.forward_context import ForwardContext, set_forward_context
+from v1.worker.model_states.base import GenerationState
+
+if TYPE_CHECKING:
+    from v1.worker.model_runner import StepInputs
+
+
+class EncoderDecoderState(GenerationState):
+    def on_model_loaded(self) -> None:
+        self.encoder_outputs: dict[str, torch.Tensor] = {}
+        """content hash -> encoder output [num_encoder_tokens, hidden] (the encoder cache)."""
+        self.encoder_layers = self.runner.layers_of_type(AttentionType.ENCODER)
+        self.num_encoder_runs = 0
+
+    def whisper_token_info(self) -> Any:
+        info = getattr(self.runner.model, "whisper_token_info", None)
+        return info() if callable(info) else None
+
+    def eos_token_id(self, data: Any) -> int | None:
+        gen_eos = getattr(self.runner.model, "decoder_eos_token_id", None)
+        return gen_eos if gen_eos is not None else super().eos_token_id(data)
+
+    def execute(self, step: StepInputs, so: SchedulerOutput) -> ModelRunnerOutput:
+        for content_hash in so.free_encoder_hashes:
+            self.encoder_outputs.pop(content_hash, None)
+        num_runs = self._run_encoders(so.encoder_hashes_to_run)
+        metadata = self.runner.decoder_attn_metadata(step)
+        metadata.update(self._cross_attn_metadata(step, so.encoder_reqs))
+        encoder_hidden_states = None
+        if so.encoder_reqs:
+            requests = self.runner.input_batch.requests
+            encoder_hidden_states = torch.cat(
+                [self.encoder_outputs[requests[r].encoder_input.content_hash] for r in so.encoder_reqs]
+            )
+        with set_forward_context(ForwardContext(metadata)):
+            hidden_states = self.runner.model(
+                step.input_ids, step.positions, encoder_hidden_states=encoder_hidden_states
+            )
+        output = self.sample(hidden_states, step)
+        output.num_encoder_runs = num_runs
+        return output
+
+    # ---- encoder ----
+    def _run_encoders(self, hashes_to_run: dict[str, str]) -> int:
+        if not hashes_to_run:
+            return 0
+        requests = self.runner.input_batch.requests
+        inputs = [requests[req_id].encoder_input for req_id in hashes_to_run.values()]
+        lengths = np.array([e.num_encoder_tokens for e in inputs], dtype=np.int64)
+        metadata = self.runner.uncached_attn_metadata(
+            lengths, AttentionType.ENCODER, self.encoder_layers
+        )
+        with set_forward_context(ForwardContext(metadata)):
+            output = self.runner.model.encode(**self._encoder_kwargs(inputs))  # [sum(len), H]
+        for content_hash, part in zip(hashes_to_run, output.split(lengths.tolist()), strict=True):
+            self.encoder_outputs[content_hash] = part
+        self.num_encoder_runs += len(inputs)
+        return len(inputs)
+
+    def _encoder_kwargs(self, inputs: list[EncoderInput]) -> dict[str, Any]:
+        runner = self.runner
+        if inputs[0].audio is not None:
+            audio = [torch.as_tensor(np.asarray(e.audio, dtype=np.float32)).to(runner.device) for e in inputs]
+            return {"audio": audio}
+        lengths = np.array([len(e.token_ids) for e in inputs], dtype=np.int64)
+        ids = np.concatenate([np.asarray(e.token_ids, dtype=np.int64) for e in inputs])
+        starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+        positions = np.arange(len(ids)) - starts
+        return {"input_ids": runner._to_device(ids), "positions": runner._to_device(positions)}
+
+    # ---- cross-attention ----
+    def _cross_attn_metadata(self, step: StepInputs, encoder_reqs: list[str]) -> dict[str, Any]:
+        runner = self.runner
+        batch = runner.input_batch
+        out: dict[str, Any] = {}
+        enc_lens = np.array(
+            [batch.requests[r].encoder_input.num_encoder_tokens for r in step.req_ids],
+            dtype=np.int64,
+        )
+        for i, attn_type in enumerate(runner.group_types):
+            if attn_type != AttentionType.ENCODER_DECODER:
+                continue
+            table = batch.block_tables[i]
+            slot_mapping = None
+            if encoder_reqs:
+                w_slots = np.array([batch.requests[r].slot for r in encoder_reqs], dtype=np.int64)
+                w_lens = np.array(
+                    [batch.requests[r].encoder_input.num_encoder_tokens for r in encoder_reqs],
+                    dtype=np.int64,
+                )
+                positions = np.arange(int(w_lens.sum())) - np.repeat(np.cumsum(w_lens) - w_lens, w_lens)
+                slot_mapping = table.slot_mapping(np.repeat(w_slots, w_lens), positions)
+            common = runner.make_common(
+                step.query_start_loc,
+                enc_lens,
+                causal=False,
+                block_table=table.rows(step.slots, runner.device),
+                slot_mapping=slot_mapping,
+                query_positions=step.positions,
+            )
+            out.update(dict.fromkeys(runner.group_layers[i], runner.builders[i].build(common)))
+        return out
