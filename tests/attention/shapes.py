@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from v1.attention.backend import (
+    AttentionBackend,
     AttentionType,
     CommonAttentionMetadata,
     MaterializedBias,
@@ -27,6 +28,15 @@ CROSS = AttentionType.ENCODER_DECODER
 
 NUM_SPARE_BLOCKS = 5
 """Blocks no request owns: a backend writing outside its slots shows up there."""
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+@dataclass
+class LoadedBackend:
+    """The backend under test (the `backend` fixture) and the device it runs on."""
+
+    cls: type[AttentionBackend]
+    device: torch.device
 
 
 @dataclass(frozen=True)
@@ -81,9 +91,7 @@ _SHAPES = [
     BatchShape("decode_single", (1,), context_lens=(47,)),
     BatchShape("decode_mha", (1,) * 4, context_lens=(3, 15, 16, 40), num_kv_heads=4),
     BatchShape("decode_mqa", (1,) * 4, context_lens=(8, 16, 17, 63), num_heads=8, num_kv_heads=1),
-    BatchShape(
-        "decode_padded", (1,) * 5, context_lens=(2, 15, 16, 30, 9), num_pad_tokens=3
-    ),
+    BatchShape("decode_padded", (1,) * 5, context_lens=(2, 15, 16, 30, 9), num_pad_tokens=3),
     BatchShape("decode_block8", (1,) * 5, context_lens=(7, 8, 9, 23, 24), block_size=8),
     # Distances past T5's max_distance (128) reach the last relative-position bucket.
     BatchShape("decode_long", (1, 1), context_lens=(150, 300)),
@@ -202,10 +210,18 @@ class Batch:
         ]
         return torch.cat(outs)  # [num_tokens, H, D]
 
+    def assert_output(self, out: torch.Tensor, expected: torch.Tensor | None = None) -> None:
+        """out [T_padded, H, D] equals expected (default: no bias) on the real tokens. Padding
+        rows stay in the output: the layer reshapes to the padded token count."""
+        assert out.shape == self.query.shape
+        tol = TOLERANCE[self.query.dtype]
+        expected = self.expected if expected is None else expected
+        torch.testing.assert_close(out[: self.shape.num_tokens], expected, atol=tol, rtol=tol)
+
 
 def _key_lens(shape: BatchShape, attn_type: AttentionType) -> list[int]:
     if attn_type == DEC:
-        return [c + q for c, q in zip(shape.ctx, shape.query_lens)]
+        return [c + q for c, q in zip(shape.ctx, shape.query_lens, strict=True)]
     if attn_type == CROSS:
         return list(shape.encoder_lens)
     return list(shape.query_lens)
@@ -220,7 +236,12 @@ def make_batch(
 ) -> Batch:
     assert attn_type in shape.attn_types, f"{shape.name} is not a {attn_type.value} shape"
     gen = torch.Generator().manual_seed(seed)
-    heads, kv_heads, dim, bs = shape.num_heads, shape.num_kv_heads, shape.head_size, shape.block_size
+    heads, kv_heads, dim, bs = (
+        shape.num_heads,
+        shape.num_kv_heads,
+        shape.head_size,
+        shape.block_size,
+    )
     num_reqs, num_tokens, pad = shape.num_reqs, shape.num_tokens, shape.num_pad_tokens
     key_lens = _key_lens(shape, attn_type)
     paged = attn_type.has_kv_cache

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import LoadedBackend, assert_output
 from shapes import (
     CROSS,
     DEC,
@@ -16,6 +15,7 @@ from shapes import (
     ENC_ONLY,
     SHAPES,
     Batch,
+    LoadedBackend,
     make_batch,
     make_materialized_bias,
     make_relative_bias,
@@ -24,6 +24,7 @@ from shapes import (
 
 from v1.attention.backend import AttentionBias, AttentionType
 from v1.attention.ops.reference import gather_kv
+
 
 def run_step(
     backend: LoadedBackend,
@@ -54,7 +55,7 @@ def test_output_matches_reference(
     backend: LoadedBackend, shape_name: str, attn_type: AttentionType
 ) -> None:
     batch = make_batch(SHAPES[shape_name], attn_type, torch.float32, backend.device, seed=1)
-    assert_output(run_step(backend, batch), batch, batch.expected)
+    batch.assert_output(run_step(backend, batch))
 
 
 @pytest.mark.parametrize(
@@ -65,7 +66,7 @@ def test_output_matches_reference_bf16(
     backend: LoadedBackend, shape_name: str, attn_type: AttentionType
 ) -> None:
     batch = make_batch(SHAPES[shape_name], attn_type, torch.bfloat16, backend.device, seed=2)
-    assert_output(run_step(backend, batch), batch, batch.expected)
+    batch.assert_output(run_step(backend, batch))
 
 
 @pytest.mark.parametrize(("shape_name", "attn_type"), CASES)
@@ -92,7 +93,7 @@ def test_cacheless_types_run_with_an_empty_cache(backend: LoadedBackend, shape_n
     batch = make_batch(shape, shape.attn_types[-1], torch.float32, backend.device, seed=4)
     assert batch.common.block_table is None and batch.common.slot_mapping is None
     out = run_step(backend, batch, kv_cache=torch.empty(0, device=backend.device))
-    assert_output(out, batch, batch.expected)
+    batch.assert_output(out)
 
 
 def test_cross_read_only_step_ignores_stale_writer_blocks(backend: LoadedBackend) -> None:
@@ -106,7 +107,7 @@ def test_cross_read_only_step_ignores_stale_writer_blocks(backend: LoadedBackend
             batch.kv_cache[:, block_ids[pos // bs], pos % bs] *= -1
     batch.keys = [-k for k in batch.keys]
     batch.values = [-v for v in batch.values]
-    assert_output(run_step(backend, batch), batch, batch.reference())
+    batch.assert_output(run_step(backend, batch), batch.reference())
 
 
 # --- bias -----------------------------------------------------------------------------------
@@ -125,6 +126,8 @@ BIAS_CASES = [
     ("cross_decode", CROSS),
     ("cross", CROSS),
 ]
+
+
 @pytest.mark.parametrize("kind", ["materialized", "relative"])
 @pytest.mark.parametrize(
     ("shape_name", "attn_type"), [pytest.param(n, t, id=f"{n}-{t.value}") for n, t in BIAS_CASES]
@@ -138,4 +141,4 @@ def test_bias_matches_reference(
     expected = batch.reference(per_req)
     # The bias must matter, or this test could not tell a backend that drops it.
     assert (expected - batch.expected).abs().max() > 1e-2
-    assert_output(run_step(backend, batch, bias), batch, expected)
+    batch.assert_output(run_step(backend, batch, bias), expected)

@@ -38,7 +38,7 @@ def group_layers(layer_specs: dict[str, KVCacheSpec]) -> tuple[KVCacheGroupSpec,
             continue
         by_spec.setdefault(spec, []).append(name)
     groups = [KVCacheGroupSpec(tuple(names), spec) for spec, names in by_spec.items()]
-    groups.sort(key=lambda group: (_group_rank(group.spec), -len(group.layer_names)))
+    groups.sort(key=lambda group: (_group_rank(group.spec), group.layer_names[0]))
     return tuple(groups)
 
 

@@ -1,0 +1,113 @@
+"""Llama, Mistral and Qwen2 through the v1 loader and paged attention vs transformers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from v1.config import ModelConfig
+from v1.models.llama import LlamaForCausalLM
+from v1.models.loader import construct_model, iterate_weights, load_model
+
+from .harness import PagedRunner
+from .hf_reference import ATOL, PROMPTS, assert_matches_hf, hf_logits, make_hf_model
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+YARN_ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+LINEAR_ROPE = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
+
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama-tied": ("llama", {"tie_word_embeddings": True}),
+    "llama-untied-llama3-rope": ("llama", {"rope_parameters": LLAMA3_ROPE}),
+    "llama-bias-yarn-rope": (
+        "llama",
+        {"attention_bias": True, "mlp_bias": True, "rope_parameters": YARN_ROPE},
+    ),
+    "mistral-linear-rope-head_dim": (
+        "mistral",
+        {"head_dim": 32, "rope_parameters": LINEAR_ROPE, "sliding_window": None},
+    ),
+    "qwen2-tied": ("qwen2", {"tie_word_embeddings": True}),
+    "qwen2-untied": ("qwen2", {"tie_word_embeddings": False}),
+}
+
+
+def load_ours(path: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    return load_model(ModelConfig(model=path), "cpu", dtype)
+
+
+@pytest.fixture(params=list(VARIANTS), scope="module")
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    model_type, overrides = VARIANTS[request.param]
+    hf_model = make_hf_model(model_type, **overrides)
+    path = tmp_path_factory.mktemp(request.param)
+    hf_model.save_pretrained(path)
+    return hf_model, str(path)
+
+
+def test_prefill_and_decode_match_transformers(checkpoint: tuple[Any, str]) -> None:
+    hf_model, path = checkpoint
+    ours = load_ours(path)
+    assert isinstance(ours, LlamaForCausalLM)
+    seqs = assert_matches_hf(ours, hf_model)
+    assert [len(s) for s in seqs] == [len(p) + 5 for p in PROMPTS]
+
+
+def test_load_weights_covers_every_parameter(checkpoint: tuple[Any, str]) -> None:
+    hf_model, path = checkpoint
+    ours = construct_model(hf_model.config, "cpu", torch.float32)
+    loaded = ours.load_weights(iterate_weights(path))
+    assert loaded == {name for name, _ in ours.named_parameters()}
+    ours_numel = sum(p.numel() for p in ours.parameters())
+    assert ours_numel == sum(p.numel() for p in hf_model.parameters())
+
+
+def test_tied_head_shares_the_embedding(checkpoint: tuple[Any, str]) -> None:
+    hf_model, path = checkpoint
+    ours = load_ours(path)
+    tied = hf_model.config.tie_word_embeddings
+    assert (ours.lm_head.weight is ours.model.embed_tokens.weight) == tied
+    torch.testing.assert_close(ours.lm_head.weight, hf_model.lm_head.weight, atol=0, rtol=0)
+
+
+def test_chunked_prefill_mixed_with_decode(tmp_path) -> None:
+    """A step mixing a prompt chunk of one request with a decode token of another."""
+    hf_model = make_hf_model("llama", rope_parameters=LLAMA3_ROPE)
+    hf_model.save_pretrained(tmp_path)
+    runner = PagedRunner(load_ours(str(tmp_path)))
+    long, short = PROMPTS[0], PROMPTS[2]
+    a, b = runner.add_sequences(2)
+    first = runner.step({a: long[:5], b: short})
+    next_b = int(first[b][-1].argmax())
+    mixed = runner.step({a: long[5:], b: [next_b]})
+    torch.testing.assert_close(
+        torch.cat([first[a], mixed[a]]), hf_logits(hf_model, long), atol=ATOL, rtol=0
+    )
+    torch.testing.assert_close(
+        mixed[b][0], hf_logits(hf_model, [*short, next_b])[-1], atol=ATOL, rtol=0
+    )
+
+
+def test_bfloat16_load(tmp_path) -> None:
+    hf_model = make_hf_model("qwen2")
+    hf_model.save_pretrained(tmp_path)
+    ours = load_ours(str(tmp_path), torch.bfloat16)
+    assert {p.dtype for p in ours.parameters()} == {torch.bfloat16}
+    assert torch.get_default_dtype() == torch.float32
+    logits = PagedRunner(ours).prefill([PROMPTS[0]])[0]
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, hf_logits(hf_model, PROMPTS[0]), atol=0.15, rtol=0.05)

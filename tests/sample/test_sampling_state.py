@@ -1,0 +1,118 @@
+"""SamplingState bookkeeping: slot reuse, token history, resumed requests and metadata flags."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sample_factories import MAX_MODEL_LEN, VOCAB_SIZE, Req, make_state
+
+from v1.sample import SamplingState, WhisperTokenInfo
+from v1.sample.logits_processors import apply_logits_processors
+from v1.sampling_params import SamplingParams
+
+RULES = SamplingParams(
+    temperature=0.3,
+    top_k=4,
+    top_p=0.5,
+    min_p=0.2,
+    seed=7,
+    repetition_penalty=1.2,
+    no_repeat_ngram_size=2,
+    allowed_token_ids=[1, 2, 3],
+    suppress_tokens=[4],
+    begin_suppress_tokens=[5],
+    min_tokens=2,
+    stop_token_ids=[6],
+    forced_token_ids=[[0, 2]],
+    forced_eos_token_id=3,
+    logprobs=2,
+)
+
+
+def test_removed_slot_leaves_nothing_behind() -> None:
+    state, metadata = make_state([Req(params=RULES, eos_token_id=9), Req()])
+    assert metadata.max_num_logprobs == 2 and not metadata.no_penalties
+    assert metadata.top_k is not None and metadata.top_p is not None and metadata.min_p is not None
+    assert set(metadata.generators) == {0}
+    state.remove_request(0)
+    state.add_request(0, SamplingParams(), [1, 2], [], eos_token_id=9)
+    fresh = state.make_metadata([1, 0])
+    assert fresh.max_num_logprobs is None and fresh.no_penalties and not fresh.generators
+    assert fresh.top_k is None and fresh.top_p is None and fresh.min_p is None
+    for name in ("allowed_token_ids", "suppress_token_ids", "begin_suppress_token_ids"):
+        assert getattr(fresh, name) is None, name
+    assert fresh.min_tokens_stop_ids is None and fresh.forced_token_ids is None
+    assert fresh.token_ids is None and fresh.no_repeat_ngram_size is None
+    logits = torch.randn(2, VOCAB_SIZE)
+    assert torch.equal(apply_logits_processors(logits.clone(), fresh), logits)
+
+
+def test_greedy_rows_skip_random_only_settings() -> None:
+    greedy = RULES.clone(temperature=0.0)
+    _, metadata = make_state([Req(params=greedy)])
+    assert metadata.all_greedy and not metadata.generators
+    assert metadata.top_k is None and metadata.top_p is None and metadata.min_p is None
+
+
+def test_history_holds_prompt_then_outputs() -> None:
+    state, _ = make_state([Req(prompt=[7, 8], outputs=[9]), Req(prompt=[1])], slots=[3, 1])
+    state.append_output_tokens(torch.tensor([1, 3]), torch.tensor([11, 12]))
+    state.append_output_tokens([3], [13])
+    assert state.token_ids[3, :5].tolist() == [7, 8, 9, 12, 13]
+    assert state.token_ids[1, :2].tolist() == [1, 11]
+    assert state.num_prompt_tokens[[3, 1]].tolist() == [2, 1]
+    assert state.num_output_tokens[[3, 1]].tolist() == [3, 1]
+    metadata = state.make_metadata([1, 3])
+    assert metadata.token_ids is None  # no rule reads the history
+    state.remove_request(1)
+    state.add_request(1, SamplingParams(presence_penalty=1.0), [5], [6], eos_token_id=None)
+    metadata = state.make_metadata([1, 3])
+    assert metadata.token_ids is not None and metadata.num_output_tokens is not None
+    assert metadata.token_ids[0, :2].tolist() == [5, 6]
+    assert metadata.token_ids.shape == (2, 2)  # only as wide as the rows that read it
+
+
+def test_resumed_request_equals_appended_one() -> None:
+    params = SamplingParams(no_repeat_ngram_size=2, frequency_penalty=0.5, min_tokens=5)
+    outputs = [3, 4, 5, 3]
+    resumed, _ = make_state([Req(params=params, outputs=outputs, eos_token_id=1)])
+    stepped, _ = make_state([Req(params=params, eos_token_id=1)])
+    for token in outputs:
+        stepped.append_output_tokens([0], [token])
+    logits = torch.randn(1, VOCAB_SIZE)
+    got = apply_logits_processors(logits.clone(), resumed.make_metadata([0]))
+    assert torch.equal(got, apply_logits_processors(logits.clone(), stepped.make_metadata([0])))
+    assert torch.isinf(got[0, 4]) and torch.isinf(got[0, 1])  # "3 4" repeats; min_tokens
+
+
+def test_invalid_requests_are_refused() -> None:
+    state = SamplingState(2, MAX_MODEL_LEN, VOCAB_SIZE, torch.device("cpu"))
+    with pytest.raises(ValueError, match="whisper_timestamps"):
+        state.add_request(0, SamplingParams(whisper_timestamps=True), [1], [], None)
+    with pytest.raises(ValueError, match="max_model_len"):
+        state.add_request(0, SamplingParams(), [1] * MAX_MODEL_LEN, [2], None)
+    assert not bool(state.active.any())
+
+
+def test_whisper_state_tracks_timestamp_pairs() -> None:
+    info = WhisperTokenInfo(eos_token_id=40, no_timestamps_token_id=49, timestamp_begin=50)
+    params = SamplingParams(whisper_timestamps=True)
+    state, _ = make_state([Req(params=params)], vocab_size=80, whisper=info)
+    expected = [  # (is_first, block_timestamps, block_text, min_timestamp) before each token
+        (52, (True, False, False, 50)),
+        (3, (False, True, False, 53)),  # one timestamp only: text must follow
+        (55, (False, False, False, 53)),
+        (60, (False, False, True, 55)),  # lone timestamp: its pair, >= itself
+        (1, (False, True, False, 61)),
+    ]
+    for token, (is_first, block_ts, block_text, min_ts) in expected:
+        whisper = state.make_metadata([0]).whisper
+        assert whisper is not None
+        got = (
+            bool(whisper.is_first[0]),
+            bool(whisper.block_timestamps[0]),
+            bool(whisper.block_text[0]),
+            int(whisper.min_timestamp[0]),
+        )
+        assert got == (is_first, block_ts, block_text, min_ts), token
+        state.append_output_tokens([0], [token])
