@@ -307,7 +307,7 @@ class SamplingState:
         for row in torch.nonzero(self.has_seed[idx] & is_random).flatten().tolist():
             slot = int(idx[row])
             generator = self.generators[slot]
-            generator.manual_seed(step_seed(self.seeds[slot], int(self.num_output_tokens[slot])))
+            pass
             generators[row] = generator
         return generators
 
@@ -386,7 +386,7 @@ class SamplingState:
         last_timestamp = self.last_timestamp[slots]
         # transformers: after a lone timestamp the same value may repeat (closing the pair),
         # otherwise the next timestamp must be strictly larger.
-        min_timestamp = torch.where(last & ~penultimate, last_timestamp, last_timestamp)
+        min_timestamp = torch.where(last & ~penultimate, last_timestamp, last_timestamp + 1)
         min_timestamp = torch.where(last_timestamp >= 0, min_timestamp, info.timestamp_begin)
         return WhisperTimestampMetadata(
             info=info,
