@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers.models.t5.modeling_t5 import T5Attention
 
 from v1.attention.ops.reference import gather_kv, naive_attention, write_kv_cache
 from v1.attention.ops.t5_bias import relative_position_bucket
@@ -17,6 +16,9 @@ from v1.attention.ops.t5_bias import relative_position_bucket
 def test_relative_position_bucket_matches_transformers_t5(
     bidirectional: bool, num_buckets: int, max_distance: int
 ) -> None:
+    # Imported here: transformers is slow to import and only this test needs it.
+    from transformers.models.t5.modeling_t5 import T5Attention
+
     gen = torch.Generator().manual_seed(0)
     rel = torch.randint(-500, 501, (4, 300), generator=gen)
     rel[0, :41] = torch.arange(-20, 21)  # every small distance, 0 included

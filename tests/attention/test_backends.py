@@ -96,14 +96,14 @@ def test_cacheless_types_run_with_an_empty_cache(backend: LoadedBackend, shape_n
     batch.assert_output(out)
 
 
-def test_cross_read_only_step_ignores_stale_writer_blocks(backend: LoadedBackend) -> None:
-    """A cross step with nothing to write reads exactly the K/V already in the cache."""
+def test_cross_read_only_step_reads_the_cache(backend: LoadedBackend) -> None:
+    """A cross step with nothing to write attends to exactly the K/V in the cache."""
     batch = make_batch(SHAPES["cross_decode"], CROSS, torch.float32, backend.device, seed=5)
     assert batch.key is None and batch.value is None
-    # Overwrite every key with a different value in the cache: the output must follow it.
+    # Negate every cached row: the output must follow the cache.
+    bs = batch.shape.block_size
     for r, block_ids in enumerate(batch.block_ids):
         for pos in range(len(batch.keys[r])):
-            bs = batch.shape.block_size
             batch.kv_cache[:, block_ids[pos // bs], pos % bs] *= -1
     batch.keys = [-k for k in batch.keys]
     batch.values = [-v for v in batch.values]

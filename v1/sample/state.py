@@ -307,7 +307,7 @@ class SamplingState:
         for row in torch.nonzero(self.has_seed[idx] & is_random).flatten().tolist():
             slot = int(idx[row])
             generator = self.generators[slot]
-            pass
+            generator.manual_seed(step_seed(self.seeds[slot], int(self.num_output_tokens[slot])))
             generators[row] = generator
         return generators
 

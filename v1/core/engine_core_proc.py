@@ -1,0 +1,400 @@
+"""EngineCoreProc: the EngineCore in its own process, talking ZMQ + msgspec (docs/protocol.md).
+
+An input thread receives and decodes messages, a busy loop applies them in order and steps the
+core, an output thread encodes and sends. The process answers the ready handshake (or an error),
+sends the dead sentinel on a fatal error, and exits by itself when its frontend dies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import queue
+import re
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import zmq
+
+from v1.config import EngineConfig
+from v1.core.engine_core import EngineCore
+from v1.core.protocol import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    FinishReason,
+    ReadyMessage,
+    UtilityOutput,
+    UtilityRequest,
+    now,
+)
+from v1.core.serial import DecodeError, MsgpackDecoder, MsgpackEncoder
+from v1.logger import init_logger
+
+logger = init_logger(__name__)
+
+PARENT_POLL_S = 1.0
+"""How often the parent-death watch checks (the core exits within ~2x this of its frontend)."""
+_FACTORY_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+
+@dataclass(frozen=True)
+class CoreAddresses:
+    """ZMQ endpoints the frontend bound; the core connects to both."""
+
+    input: str
+    """Frontend PUSH -> core PULL: requests, aborts, utility calls, shutdown."""
+    output: str
+    """Core PUSH -> frontend PULL: the ready handshake, then EngineCoreOutputs."""
+
+
+class _Shutdown:
+    """Input-queue marker: leave the busy loop."""
+
+
+class _Fatal:
+    """Input-queue marker: an I/O thread failed; the busy loop dies loudly."""
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+_SHUTDOWN = _Shutdown()
+
+
+class EngineCoreProc:
+    """Owns the sockets, the two I/O threads and the busy loop around one EngineCore."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        addresses: CoreAddresses,
+        executor_factory: Callable[[EngineConfig], Any] | None = None,
+    ) -> None:
+        self.zmq_ctx = zmq.Context()
+        self.input_socket = self.zmq_ctx.socket(zmq.PULL)
+        self.input_socket.connect(addresses.input)
+        self.output_socket = self.zmq_ctx.socket(zmq.PUSH)
+        self.output_socket.setsockopt(zmq.SNDHWM, 0)
+        self.output_socket.setsockopt(zmq.LINGER, 2000)  # flush the dead sentinel on exit
+        self.output_socket.connect(addresses.output)
+        self.input_queue: queue.Queue[Any] = queue.Queue()
+        self.output_queue: queue.Queue[EngineCoreOutputs | None] = queue.Queue()
+        # Aborts the input thread saw, tagged with their sequence number (see _apply_eager_aborts).
+        self._abort_lock = threading.Lock()
+        self._eager_aborts: list[tuple[int, list[str]]] = []
+        self._last_seq = 0
+        self.stopping = threading.Event()
+        self.input_thread = threading.Thread(
+            target=self._input_loop, name="EngineCoreInput", daemon=True
+        )
+        self.output_thread = threading.Thread(
+            target=self._output_loop, name="EngineCoreOutput", daemon=True
+        )
+        try:
+            self.engine_core = EngineCore(config, executor_factory)
+        except Exception as e:
+            logger.exception("EngineCore failed to start")
+            self._send_direct(ReadyMessage(status="FAILED", error=f"{type(e).__name__}: {e}"))
+            self._close_sockets()
+            raise
+        self._send_direct(
+            ReadyMessage(
+                num_kv_blocks=self.engine_core.kv_cache_config.num_blocks,
+                max_model_len=self.engine_core.max_model_len,
+            )
+        )
+        self.input_thread.start()
+        self.output_thread.start()
+
+    # ---- lifecycle ----
+    def run(self) -> int:
+        """Run the busy loop until shutdown; returns the process exit code."""
+        code = 0
+        try:
+            self._busy_loop()
+        except SystemExit:
+            logger.info("EngineCore shutting down on a signal")
+        except BaseException as e:  # noqa: BLE001 - any escape is fatal: tell the frontend first
+            logger.exception("EngineCore died")
+            self.output_queue.put(
+                EngineCoreOutputs(engine_dead=True, error=f"{type(e).__name__}: {e}")
+            )
+            code = 1
+        finally:
+            self.stopping.set()
+            self.output_queue.put(None)
+            self.output_thread.join(timeout=5)
+            try:
+                self.engine_core.shutdown()
+            finally:
+                self._close_sockets()
+        return code
+
+    def request_shutdown(self) -> None:
+        self.input_queue.put(_SHUTDOWN)
+
+    def _close_sockets(self) -> None:
+        if self.input_thread.ident is None:
+            self.input_socket.close(linger=0)
+        # else: the input thread closes its own socket (term() below wakes it from recv).
+        self.output_socket.close()  # keeps LINGER: queued messages still go out
+        self.zmq_ctx.term()
+
+    def _send_direct(self, message: msgspec.Struct) -> None:
+        """Sends on the output socket from this thread (only before the output thread runs)."""
+        self.output_socket.send_multipart(MsgpackEncoder().encode(message), copy=False)
+
+    # ---- busy loop ----
+    def _busy_loop(self) -> None:
+        core = self.engine_core
+        while True:
+            # Block for input only when there is nothing to step.
+            if not self._process_input(block=not core.has_work()):
+                return
+            if not core.has_work():
+                continue
+            outputs = core.step()
+            self._apply_eager_aborts(outputs)
+            if outputs.outputs:
+                outputs.scheduler_stats = core.scheduler.make_stats()
+                self.output_queue.put(outputs)
+
+    def _process_input(self, block: bool) -> bool:
+        """Applies every queued message, in arrival order; False on shutdown."""
+        while True:
+            try:
+                item = self.input_queue.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if item is _SHUTDOWN:
+                return False
+            if isinstance(item, _Fatal):
+                raise RuntimeError(item.error)
+            seq, kind, payload = item
+            self._last_seq = seq
+            if kind is EngineCoreRequestType.ADD:
+                self.engine_core.add_request(payload)
+            elif kind is EngineCoreRequestType.ABORT:
+                self.engine_core.abort_requests(payload)
+            elif kind is EngineCoreRequestType.UTILITY:
+                self._call_utility(payload)
+            else:  # an error output for a message that could not be decoded
+                self.output_queue.put(payload)
+
+    def _apply_eager_aborts(self, outputs: EngineCoreOutputs) -> None:
+        """Aborts that arrived while the step ran take effect now, before its outputs go out.
+
+        Only aborts newer than the last message applied count: nothing was added to the
+        scheduler since, so they name the requests the frontend meant. The queued copies are
+        applied again in order later, as no-ops."""
+        with self._abort_lock:
+            pending, self._eager_aborts = self._eager_aborts, []
+        req_ids = {r for seq, ids in pending if seq > self._last_seq for r in ids}
+        if not req_ids:
+            return
+        self.engine_core.abort_requests(list(req_ids))
+        outputs.outputs = [o for o in outputs.outputs if o.request_id not in req_ids]
+
+    def _call_utility(self, call: UtilityRequest) -> None:
+        try:
+            result = self.engine_core.call_utility(call.method, list(call.args))
+            out = UtilityOutput(call.call_id, result=result)
+        except Exception as e:  # noqa: BLE001 - a failed call is the caller's error, not ours
+            out = UtilityOutput(call.call_id, failure_message=f"{type(e).__name__}: {e}")
+        self.output_queue.put(EngineCoreOutputs(utility_output=out, timestamp=now()))
+
+    # ---- I/O threads ----
+    def _input_loop(self) -> None:
+        decoders = {
+            EngineCoreRequestType.ADD: MsgpackDecoder(EngineCoreRequest),
+            EngineCoreRequestType.ABORT: MsgpackDecoder(list[str]),
+            EngineCoreRequestType.UTILITY: MsgpackDecoder(UtilityRequest),
+        }
+        seq = 0
+        try:
+            while True:
+                frames = self.input_socket.recv_multipart(copy=False)
+                seq += 1
+                try:
+                    kind = EngineCoreRequestType(frames[0].bytes)
+                except ValueError:
+                    logger.error("dropped a message of unknown type %r", frames[0].bytes[:16])
+                    continue
+                if kind is EngineCoreRequestType.SHUTDOWN:
+                    logger.info("EngineCore got SHUTDOWN")
+                    self.request_shutdown()
+                    return
+                try:
+                    payload = decoders[kind].decode(frames[1:])
+                except DecodeError as e:
+                    logger.error("dropped a malformed %s message: %s", kind.name, e)
+                    answer = _answer_undecodable(kind, frames[1:], str(e))
+                    if answer is not None:
+                        self.input_queue.put((seq, None, answer))
+                    continue
+                if kind is EngineCoreRequestType.ABORT:
+                    with self._abort_lock:
+                        self._eager_aborts.append((seq, payload))
+                self.input_queue.put((seq, kind, payload))
+        except zmq.ContextTerminated:
+            return
+        except Exception as e:  # noqa: BLE001 - without input the core is useless: die loudly
+            logger.exception("EngineCore input thread failed")
+            self.input_queue.put(_Fatal(f"input thread failed: {type(e).__name__}: {e}"))
+        finally:
+            self.input_socket.close(linger=0)
+
+    def _output_loop(self) -> None:
+        encoder = MsgpackEncoder()
+        while True:
+            outputs = self.output_queue.get()
+            if outputs is None:
+                return
+            try:
+                frames = encoder.encode(outputs)
+            except (TypeError, ValueError, OverflowError) as e:
+                frames = encoder.encode(_unencodable(outputs, f"{type(e).__name__}: {e}"))
+            self.output_socket.send_multipart(frames, copy=False)
+
+
+def _answer_undecodable(
+    kind: EngineCoreRequestType, frames: list[Any], error: str
+) -> EngineCoreOutputs | None:
+    """An error reply to an undecodable ADD (by request id) or UTILITY (by call id), when those
+    ids can still be read; the sender would otherwise wait forever."""
+    try:
+        raw = msgspec.msgpack.decode(frames[0].bytes if frames else b"")
+    except (msgspec.DecodeError, ValueError):
+        return None
+    if kind is EngineCoreRequestType.ADD and isinstance(raw, dict):
+        req_id = raw.get("request_id")
+        if isinstance(req_id, str):
+            out = EngineCoreOutput(req_id, [], finish_reason=FinishReason.ERROR, error=error)
+            return EngineCoreOutputs(outputs=[out], timestamp=now())
+    if kind is EngineCoreRequestType.UTILITY and isinstance(raw, list) and raw:
+        if isinstance(raw[0], int) and not isinstance(raw[0], bool):
+            out = UtilityOutput(raw[0], failure_message=error)
+            return EngineCoreOutputs(utility_output=out, timestamp=now())
+    return None
+
+
+def _unencodable(outputs: EngineCoreOutputs, error: str) -> EngineCoreOutputs:
+    """What to send instead of outputs that cannot be encoded: a failed utility call, else the
+    dead sentinel (a request output the wire cannot carry is an engine bug)."""
+    if outputs.utility_output is not None and not outputs.outputs:
+        call_id = outputs.utility_output.call_id
+        return EngineCoreOutputs(utility_output=UtilityOutput(call_id, failure_message=error))
+    logger.error("cannot encode EngineCoreOutputs: %s", error)
+    return EngineCoreOutputs(engine_dead=True, error=f"cannot encode outputs: {error}")
+
+
+# ---- process entry point ----
+def load_executor_factory(path: str) -> Callable[[EngineConfig], Any]:
+    """`package.module:Name` -> the importable callable it names (tests inject fake executors
+    this way; nothing but an import path crosses the process boundary)."""
+    if not _FACTORY_PATH.match(path):
+        raise ValueError(f"executor factory must look like 'package.module:Name', got {path!r}")
+    module_name, _, qualname = path.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"executor factory {path!r} is not callable")
+    return obj
+
+
+def _watch_parent(proc: EngineCoreProc, parent_pid: int) -> None:
+    """Exits the process when the frontend that started it is gone."""
+    import multiprocessing
+    from multiprocessing.connection import wait
+
+    parent = multiprocessing.parent_process()
+    sentinels = [parent.sentinel] if parent is not None else []
+    while not proc.stopping.is_set():
+        if sentinels:
+            wait(sentinels, timeout=PARENT_POLL_S)
+        else:
+            proc.stopping.wait(PARENT_POLL_S)
+        parent_gone = os.getppid() != parent_pid or (parent is not None and not _alive(parent))
+        if parent_gone and not proc.stopping.is_set():
+            logger.warning("the frontend process %d is gone; EngineCore exits", parent_pid)
+            proc.request_shutdown()
+            if not proc.stopping.wait(PARENT_POLL_S * 2):
+                os._exit(1)  # the busy loop is stuck in a step; nobody is waiting for it
+            return
+
+
+def _alive(parent: Any) -> bool:
+    from multiprocessing.connection import wait
+
+    return not wait([parent.sentinel], timeout=0)
+
+
+def run_engine_core(
+    config_json: str,
+    input_address: str,
+    output_address: str,
+    executor_factory: str | None = None,
+    parent_pid: int | None = None,
+) -> None:
+    """Process entry point: build the core, answer the handshake, serve until shutdown."""
+    # Ctrl-C in a terminal reaches the whole process group; the frontend decides what happens.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    parent_pid = os.getppid() if parent_pid is None else parent_pid
+    addresses = CoreAddresses(input_address, output_address)
+    try:
+        config = EngineConfig.from_json(config_json)
+        factory = load_executor_factory(executor_factory) if executor_factory else None
+    except Exception as e:
+        logger.exception("bad EngineCore arguments")
+        _send_failed_handshake(output_address, f"{type(e).__name__}: {e}")
+        sys.exit(1)
+    try:
+        proc = EngineCoreProc(config, addresses, factory)
+    except Exception:
+        sys.exit(1)  # the failed handshake is already sent
+    threading.Thread(
+        target=_watch_parent, args=(proc, parent_pid), name="ParentWatch", daemon=True
+    ).start()
+    sys.exit(proc.run())
+
+
+def _send_failed_handshake(output_address: str, error: str) -> None:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 2000)
+    sock.connect(output_address)
+    sock.send_multipart(MsgpackEncoder().encode(ReadyMessage(status="FAILED", error=error)))
+    sock.close()
+    ctx.term()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m v1.core.engine_core_proc --config FILE --input ADDR --output ADDR`: start a
+    core for a frontend that bound both addresses (e.g. one written in another language)."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--config", required=True, help="EngineConfig JSON file (to_json)")
+    parser.add_argument("--input", required=True, help="address the frontend PUSHes to")
+    parser.add_argument("--output", required=True, help="address the frontend PULLs from")
+    args = parser.parse_args(argv)
+    with open(args.config) as f:
+        config_json = f.read()
+    run_engine_core(config_json, args.input, args.output)
+
+
+if __name__ == "__main__":
+    main()

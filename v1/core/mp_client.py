@@ -1,0 +1,447 @@
+"""Clients that run the EngineCore in its own process: `SyncMPClient` (offline LLM, embeddable
+in any program) and `AsyncMPClient` (AsyncLLM, the server).
+
+Both bind a PUSH (inputs) and a PULL (outputs) socket, `ipc://` in a private 0700 directory unless
+the caller gives explicit TCP addresses, spawn the core, wait for its handshake, and read outputs
+on a thread. A watcher turns the core's death into `EngineDeadError` for every caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import multiprocessing
+import os
+import queue
+import shutil
+import tempfile
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait
+from typing import Any
+
+import zmq
+
+from v1 import envs
+from v1.config import EngineConfig
+from v1.core.client import EngineCoreClient, EngineDeadError
+from v1.core.engine_core_proc import run_engine_core
+from v1.core.protocol import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    ReadyMessage,
+    UtilityOutput,
+    UtilityRequest,
+)
+from v1.core.serial import DecodeError, MsgpackDecoder, MsgpackEncoder
+from v1.logger import init_logger
+
+logger = init_logger(__name__)
+
+_POLL_MS = 100
+"""Reader and sender wake-up period (bounds how long shutdown and death detection take)."""
+_SENTINEL_GRACE_S = 0.3
+"""After the process exits, how long to wait for its dead sentinel (it carries the error)."""
+
+
+class EngineCoreStartError(RuntimeError):
+    """The EngineCore process could not start (its error is in the message)."""
+
+
+class UtilityCallError(RuntimeError):
+    """A utility method raised inside the EngineCore (its error is in the message)."""
+
+
+class _Dead:
+    """Output-queue marker: the core is gone; waiters raise EngineDeadError."""
+
+
+_DEAD = _Dead()
+
+
+@dataclass
+class _Resources:
+    """Everything shutdown must release; kept apart from the client so that a finalizer can
+    release it when the client is dropped without `shutdown()` (or at interpreter exit)."""
+
+    ctx: zmq.Context
+    input_socket: zmq.Socket
+    output_socket: zmq.Socket
+    ipc_dir: str | None
+    proc: Any = None
+    send_lock: threading.Lock = field(default_factory=threading.Lock)
+    stop: threading.Event = field(default_factory=threading.Event)
+    reader: threading.Thread | None = None
+
+
+def _release(res: _Resources) -> None:
+    """Stops the core (SHUTDOWN, then SIGTERM, then SIGKILL), the reader, the sockets and the
+    ipc directory. Idempotent through weakref.finalize."""
+    res.stop.set()
+    proc = res.proc
+    if proc is not None and proc.is_alive():
+        with res.send_lock:
+            try:
+                res.input_socket.send(EngineCoreRequestType.SHUTDOWN.value, flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass  # no peer: the signals below still work
+        proc.join(timeout=5)
+        if proc.is_alive():
+            logger.warning("EngineCore (pid %d) ignored SHUTDOWN; terminating it", proc.pid)
+            proc.terminate()
+            proc.join(timeout=3)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=3)
+    if res.reader is not None and res.reader is not threading.current_thread():
+        res.reader.join(timeout=2)
+    with res.send_lock:
+        res.input_socket.close(linger=0)
+    res.output_socket.close(linger=0)
+    res.ctx.term()
+    if res.ipc_dir is not None:
+        shutil.rmtree(res.ipc_dir, ignore_errors=True)
+
+
+def _check_tcp_address(address: str) -> None:
+    if not address.startswith(("tcp://", "ipc://")):
+        raise ValueError(f"engine core addresses must be tcp:// or ipc://, got {address!r}")
+    if address.startswith("tcp://"):
+        host = address[len("tcp://") :].rpartition(":")[0]
+        if host in ("", "*"):
+            raise ValueError(f"bind an explicit host, not {address!r} (never '*')")
+
+
+class MPClient(EngineCoreClient):
+    """Starts the core process and owns the sockets; subclasses deliver outputs."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        input_address: str | None = None,
+        output_address: str | None = None,
+        executor_factory: str | None = None,
+        ready_timeout_s: float | None = None,
+    ) -> None:
+        """`input_address`/`output_address`: explicit endpoints to bind (both or neither; e.g.
+        tcp://127.0.0.1:5555); default ipc:// in a private temp dir. `executor_factory`: an
+        import path `module:Name` the core builds its executor with (tests)."""
+        self.config = config
+        self._lock = threading.Lock()
+        self._dead_error: str | None = None
+        self._closing = False
+        self._utility_futures: dict[int, Future] = {}
+        self._call_ids = itertools.count(1)
+        self._encoder = MsgpackEncoder()
+        self._res = self._bind(input_address, output_address)
+        self._finalizer = weakref.finalize(self, _release, self._res)
+        try:
+            self._start_process(executor_factory)
+            ready = self._wait_ready(
+                envs.V1_ENGINE_READY_TIMEOUT_S if ready_timeout_s is None else ready_timeout_s
+            )
+        except BaseException:
+            self._closing = True
+            self._finalizer()
+            raise
+        self.num_kv_blocks = ready.num_kv_blocks
+        self.max_model_len = ready.max_model_len
+        self._res.reader = threading.Thread(
+            target=self._reader_loop, name="EngineCoreClientReader", daemon=True
+        )
+        self._res.reader.start()
+        threading.Thread(
+            target=self._watch_process, name="EngineCoreWatcher", daemon=True
+        ).start()
+
+    # ---- start-up ----
+    def _bind(self, input_address: str | None, output_address: str | None) -> _Resources:
+        if (input_address is None) != (output_address is None):
+            raise ValueError("give both input_address and output_address, or neither")
+        ipc_dir = None
+        if input_address is None or output_address is None:
+            ipc_dir = tempfile.mkdtemp(prefix="v1-engine-")  # mode 0700
+            input_address = f"ipc://{ipc_dir}/input.sock"
+            output_address = f"ipc://{ipc_dir}/output.sock"
+        else:
+            _check_tcp_address(input_address)
+            _check_tcp_address(output_address)
+        ctx = zmq.Context()
+        input_socket = ctx.socket(zmq.PUSH)
+        input_socket.setsockopt(zmq.SNDHWM, 0)
+        output_socket = ctx.socket(zmq.PULL)
+        output_socket.setsockopt(zmq.RCVHWM, 0)
+        try:
+            input_socket.bind(input_address)
+            output_socket.bind(output_address)
+        except zmq.ZMQError:
+            input_socket.close(linger=0)
+            output_socket.close(linger=0)
+            ctx.term()
+            if ipc_dir is not None:
+                shutil.rmtree(ipc_dir, ignore_errors=True)
+            raise
+        self.input_address, self.output_address = input_address, output_address
+        return _Resources(ctx, input_socket, output_socket, ipc_dir)
+
+    def _start_process(self, executor_factory: str | None) -> None:
+        spawn = multiprocessing.get_context("spawn")
+        proc = spawn.Process(
+            target=run_engine_core,
+            kwargs={
+                "config_json": self.config.to_json(),
+                "input_address": self.input_address,
+                "output_address": self.output_address,
+                "executor_factory": executor_factory,
+                "parent_pid": os.getpid(),
+            },
+            name="EngineCore",
+            daemon=True,
+        )
+        proc.start()
+        self._res.proc = proc
+
+    def _wait_ready(self, timeout_s: float) -> ReadyMessage:
+        decoder = MsgpackDecoder(ReadyMessage)
+        sock, proc = self._res.output_socket, self._res.proc
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(
+                    f"the EngineCore was not ready after {timeout_s:.0f}s "
+                    "(V1_ENGINE_READY_TIMEOUT_S)"
+                )
+            if sock.poll(min(remaining, 0.1) * 1000):
+                try:
+                    ready = decoder.decode(sock.recv_multipart(copy=False))
+                except DecodeError as e:
+                    logger.error("ignored a malformed handshake message: %s", e)
+                    continue
+                if ready.status != "READY":
+                    raise EngineCoreStartError(f"the EngineCore failed to start: {ready.error}")
+                return ready
+            if not proc.is_alive() and not sock.poll(200):
+                raise EngineCoreStartError(
+                    f"the EngineCore process exited with code {proc.exitcode} before it was ready"
+                )
+
+    # ---- background threads ----
+    def _reader_loop(self) -> None:
+        decoder = MsgpackDecoder(EngineCoreOutputs)
+        sock, stop = self._res.output_socket, self._res.stop
+        while not stop.is_set():
+            if not sock.poll(_POLL_MS):
+                continue
+            frames = sock.recv_multipart(copy=False)
+            try:
+                outputs = decoder.decode(frames)
+            except DecodeError as e:
+                logger.error("dropped a malformed message from the EngineCore: %s", e)
+                continue
+            if outputs.utility_output is not None:
+                self._resolve_utility(outputs.utility_output)
+            if outputs.engine_dead:
+                self._set_dead(f"the EngineCore died: {outputs.error}")
+                return
+            if outputs.outputs:
+                self._deliver(outputs)
+
+    def _watch_process(self) -> None:
+        proc = self._res.proc
+        wait([proc.sentinel])
+        if self._closing:
+            return
+        deadline = time.monotonic() + _SENTINEL_GRACE_S
+        while self._dead_error is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self._set_dead(f"the EngineCore process (pid {proc.pid}) exited with code {proc.exitcode}")
+
+    def _set_dead(self, message: str) -> None:
+        with self._lock:
+            if self._dead_error is not None:
+                return
+            self._dead_error = message
+            futures = list(self._utility_futures.values())
+            self._utility_futures.clear()
+        if not self._closing:
+            logger.error("%s; failing every pending request", message)
+        for fut in futures:
+            if not fut.done():
+                fut.set_exception(EngineDeadError(message))
+        self._deliver(_DEAD)
+
+    def _resolve_utility(self, out: UtilityOutput) -> None:
+        with self._lock:
+            fut = self._utility_futures.pop(out.call_id, None)
+        if fut is None:
+            logger.warning("utility result for unknown call %d", out.call_id)
+        elif out.failure_message is not None:
+            fut.set_exception(UtilityCallError(out.failure_message))
+        else:
+            fut.set_result(out.result)
+
+    def _deliver(self, item: EngineCoreOutputs | _Dead) -> None:
+        raise NotImplementedError
+
+    # ---- sending ----
+    def _check_alive(self) -> None:
+        if self._dead_error is not None:
+            raise EngineDeadError(self._dead_error)
+
+    def _send(self, kind: EngineCoreRequestType, payload: Any) -> None:
+        res = self._res
+        with res.send_lock:
+            frames: list[Any] = [kind.value, *self._encoder.encode(payload)]
+            while True:
+                self._check_alive()
+                try:
+                    res.input_socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                    return
+                except zmq.Again:
+                    res.input_socket.poll(_POLL_MS, zmq.POLLOUT)  # no core connected (yet)
+
+    def _start_utility(self, method: str, args: Sequence[Any]) -> Future:
+        fut: Future = Future()
+        with self._lock:
+            self._check_alive()
+            call_id = next(self._call_ids)
+            self._utility_futures[call_id] = fut
+        try:
+            self._send(EngineCoreRequestType.UTILITY, UtilityRequest(call_id, method, list(args)))
+        except BaseException:
+            with self._lock:
+                self._utility_futures.pop(call_id, None)
+            raise
+        return fut
+
+    # ---- shared API ----
+    @property
+    def is_dead(self) -> bool:
+        """The core is gone (died or shut down): every call raises EngineDeadError."""
+        return self._dead_error is not None
+
+    @property
+    def dead_error(self) -> str | None:
+        return self._dead_error
+
+    @property
+    def pid(self) -> int:
+        return self._res.proc.pid
+
+    def shutdown(self) -> None:
+        """Stops the core and releases everything; pending and later calls raise
+        EngineDeadError. Idempotent."""
+        if self._closing:
+            return
+        self._closing = True
+        self._set_dead("the EngineCore client was shut down")
+        self._finalizer()
+
+
+class SyncMPClient(MPClient):
+    """Blocking client: `add_request` / `abort_requests` / `get_output` / `call_utility`,
+    safe to call from several threads."""
+
+    def __init__(self, config: EngineConfig, **kwargs: Any) -> None:
+        self._outputs: queue.Queue[EngineCoreOutputs | _Dead] = queue.Queue()
+        super().__init__(config, **kwargs)
+
+    def _deliver(self, item: EngineCoreOutputs | _Dead) -> None:
+        self._outputs.put(item)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._send(EngineCoreRequestType.ADD, request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self._send(EngineCoreRequestType.ABORT, list(request_ids))
+
+    def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
+        """The next EngineCoreOutputs; TimeoutError after `timeout` seconds if given."""
+        self._check_alive()
+        try:
+            item = self._outputs.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"no EngineCore output within {timeout}s") from None
+        if isinstance(item, _Dead):
+            self._outputs.put(item)  # wake the next waiter too
+            raise EngineDeadError(self._dead_error)
+        return item
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        return self._start_utility(method, args).result()
+
+
+class AsyncMPClient(MPClient):
+    """asyncio client: the `*_async` methods. It serves one event loop at a time (it moves to
+    a new loop once the previous one is closed, e.g. across `asyncio.run` calls)."""
+
+    def __init__(self, config: EngineConfig, **kwargs: Any) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._queue: asyncio.Queue[EngineCoreOutputs | _Dead] | None = None
+        self._early: deque[EngineCoreOutputs | _Dead] = deque()
+        self._loop_lock = threading.Lock()
+        super().__init__(config, **kwargs)
+
+    def _deliver(self, item: EngineCoreOutputs | _Dead) -> None:
+        with self._loop_lock:
+            if self._loop is None or self._queue is None:
+                self._early.append(item)
+                return
+            loop, q = self._loop, self._queue
+        try:
+            loop.call_soon_threadsafe(q.put_nowait, item)
+        except RuntimeError:  # the loop closed under us; the next loop starts afresh
+            with self._loop_lock:
+                self._early.append(item)
+
+    def _output_queue(self) -> asyncio.Queue[EngineCoreOutputs | _Dead]:
+        loop = asyncio.get_running_loop()
+        if self._loop is loop and self._queue is not None:
+            return self._queue
+        with self._loop_lock:
+            if self._loop is not None and self._loop is not loop and not self._loop.is_closed():
+                raise RuntimeError("this AsyncMPClient is in use by another running event loop")
+            self._queue = asyncio.Queue()
+            while self._early:
+                self._queue.put_nowait(self._early.popleft())
+            if self._dead_error is not None:
+                self._queue.put_nowait(_DEAD)
+            self._loop = loop
+            return self._queue
+
+    async def add_request_async(self, request: EngineCoreRequest) -> None:
+        self._send(EngineCoreRequestType.ADD, request)
+
+    async def abort_requests_async(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self._send(EngineCoreRequestType.ABORT, list(request_ids))
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        self._check_alive()
+        q = self._output_queue()
+        item = await q.get()
+        if isinstance(item, _Dead):
+            q.put_nowait(item)
+            raise EngineDeadError(self._dead_error)
+        return item
+
+    async def call_utility_async(self, method: str, *args: Any) -> Any:
+        return await asyncio.wrap_future(self._start_utility(method, args))
+
+
+__all__ = [
+    "AsyncMPClient",
+    "EngineCoreStartError",
+    "MPClient",
+    "SyncMPClient",
+    "UtilityCallError",
+]

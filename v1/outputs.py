@@ -1,0 +1,196 @@
+"""What the user gets back: generation outputs and pooling (embed / classify / score) outputs.
+
+Names and fields follow vLLM. A request the engine could not serve ends with
+`finish_reason == "error"` and its message in `error`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+
+
+class RequestOutputKind(enum.Enum):
+    """What each output of a request carries while it runs."""
+
+    CUMULATIVE = 0
+    """Everything so far, at every step."""
+    DELTA = 1
+    """Only what is new since the previous output (streaming)."""
+    FINAL_ONLY = 2
+    """One output, when the request has finished."""
+
+
+@dataclass
+class Logprob:
+    """The log probability of one token and its rank (1 = most likely) among all tokens."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+SampleLogprobs = list[dict[int, Logprob]]
+"""Per generated token: {token id: Logprob} of the sampled token and the top-N tokens."""
+
+
+@dataclass
+class CompletionOutput:
+    """One completion of a request (a request with n > 1 has n of them)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    """Sum of the sampled tokens' logprobs; None unless logprobs were requested."""
+    logprobs: SampleLogprobs | None
+    finish_reason: str | None = None
+    """stop, length, abort or error; None while running."""
+    stop_reason: int | str | None = None
+    """The stop token id or stop string that ended it; None for EOS or a length cap."""
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The outputs of one generation request so far (or in total, once `finished`)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int] | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    encoder_prompt: str | None = None
+    encoder_prompt_token_ids: list[int] | None = None
+    num_cached_tokens: int = 0
+    """Decoder prompt tokens served from the prefix cache."""
+    error: str | None = None
+    """Why the engine failed this request (finish_reason "error"); None otherwise."""
+
+
+# ---- pooling ----
+
+
+@dataclass
+class PoolingOutput:
+    """The raw pooled output of an encoder-only request (float32)."""
+
+    data: np.ndarray
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+    """The (float32) embedding vector."""
+
+    @staticmethod
+    def from_base(output: PoolingOutput) -> EmbeddingOutput:
+        data = np.asarray(output.data, dtype=np.float32)
+        if data.ndim != 1:
+            raise ValueError(f"an embedding must be one vector, got shape {data.shape}")
+        return EmbeddingOutput(data.tolist())
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]
+    """Per class: the probability (or the raw logit when activation is off)."""
+
+    @staticmethod
+    def from_base(output: PoolingOutput) -> ClassificationOutput:
+        data = np.asarray(output.data, dtype=np.float32)
+        if data.ndim != 1:
+            raise ValueError(f"classification output must be one vector, got shape {data.shape}")
+        return ClassificationOutput(data.tolist())
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+    @staticmethod
+    def from_base(output: PoolingOutput) -> ScoringOutput:
+        data = np.asarray(output.data, dtype=np.float32).reshape(-1)
+        if data.size != 1:
+            raise ValueError(f"a score must be a single value, got {data.size}")
+        return ScoringOutput(float(data[0]))
+
+
+T = TypeVar("T")
+
+
+@dataclass
+class PoolingRequestOutput(Generic[T]):
+    """The result of one pooling request; `outputs` is a PoolingOutput until converted."""
+
+    request_id: str
+    outputs: T
+    prompt_token_ids: list[int]
+    finished: bool
+    error: str | None = None
+
+    @property
+    def finish_reason(self) -> str:
+        return "error" if self.error is not None else "stop"
+
+
+@dataclass
+class EmbeddingRequestOutput(PoolingRequestOutput[EmbeddingOutput]):
+    @staticmethod
+    def from_base(output: PoolingRequestOutput[Any]) -> EmbeddingRequestOutput:
+        return EmbeddingRequestOutput(
+            output.request_id,
+            EmbeddingOutput.from_base(output.outputs),
+            output.prompt_token_ids,
+            output.finished,
+            output.error,
+        )
+
+
+@dataclass
+class ClassificationRequestOutput(PoolingRequestOutput[ClassificationOutput]):
+    @staticmethod
+    def from_base(output: PoolingRequestOutput[Any]) -> ClassificationRequestOutput:
+        return ClassificationRequestOutput(
+            output.request_id,
+            ClassificationOutput.from_base(output.outputs),
+            output.prompt_token_ids,
+            output.finished,
+            output.error,
+        )
+
+
+@dataclass
+class ScoringRequestOutput(PoolingRequestOutput[ScoringOutput]):
+    @staticmethod
+    def from_base(output: PoolingRequestOutput[Any]) -> ScoringRequestOutput:
+        return ScoringRequestOutput(
+            output.request_id,
+            ScoringOutput.from_base(output.outputs),
+            output.prompt_token_ids,
+            output.finished,
+            output.error,
+        )
+
+
+@dataclass
+class RerankResult:
+    """One document of `LLM.rerank`, best first."""
+
+    index: int
+    """Position of the document in the input list."""
+    document: str
+    relevance_score: float
