@@ -12,6 +12,8 @@ from typing import Any
 class ForwardContext:
     attn_metadata: dict[str, Any] = field(default_factory=dict)
     """layer name -> backend metadata (layers of one KV group share one object)."""
+    profiling: bool = False
+    """A memory-profiling pass before the KV cache exists: attention layers return zeros."""
 
 
 _forward_context: ForwardContext | None = None

@@ -227,104 +227,95 @@ def _key_lens(shape: BatchShape, attn_type: AttentionType) -> list[int]:
     return list(shape.query_lens)
 
 
-def make_batch(
-    shape: BatchShape,
-    attn_type: AttentionType,
-    dtype: torch.dtype = torch.float32,
-    device: torch.device | str = "cpu",
-    seed: int = 0,
-) -> Batch:
-    assert attn_type in shape.attn_types, f"{shape.name} is not a {attn_type.value} shape"
-    gen = torch.Generator().manual_seed(seed)
-    heads, kv_heads, dim, bs = (
-        shape.num_heads,
-        shape.num_kv_heads,
-        shape.head_size,
-        shape.block_size,
-    )
-    num_reqs, num_tokens, pad = shape.num_reqs, shape.num_tokens, shape.num_pad_tokens
-    key_lens = _key_lens(shape, attn_type)
-    paged = attn_type.has_kv_cache
-
-    def randn(*size: int) -> torch.Tensor:
-        return torch.randn(*size, generator=gen).to(dtype)
-
-    keys = [randn(n, kv_heads, dim) for n in key_lens]
-    values = [randn(n, kv_heads, dim) for n in key_lens]
-    query = randn(num_tokens + pad, heads, dim)
-
-    # Shuffled, non-contiguous blocks; block 0 is the null block and never handed out.
-    blocks_per_req = [-(-n // bs) if paged else 0 for n in key_lens]
+def _assign_blocks(
+    key_lens: list[int], block_size: int, paged: bool, gen: torch.Generator
+) -> tuple[list[list[int]], int]:
+    """Shuffled, non-contiguous block ids per request; block 0 is the null block and never
+    handed out, and NUM_SPARE_BLOCKS belong to nobody. Returns (block_ids, num_blocks)."""
+    blocks_per_req = [-(-n // block_size) if paged else 0 for n in key_lens]
     num_blocks = 1 + sum(blocks_per_req) + NUM_SPARE_BLOCKS
     perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
     block_ids, start = [], 0
     for n in blocks_per_req:
         block_ids.append(perm[start : start + n])
         start += n
+    return block_ids, num_blocks
 
-    # Poison (finite, so masked-out reads stay harmless) then write the prior context.
-    kv_cache = (torch.randn(2, num_blocks, bs, kv_heads, dim, generator=gen) * 10).to(dtype)
-    expected_kv_cache = kv_cache.clone()
 
-    def put(cache: torch.Tensor, req: int, rows: range) -> None:
-        for pos in rows:
+@dataclass
+class _StepRows:
+    """What one step writes: K/V rows handed to the backend and their slots."""
+
+    key_rows: list[torch.Tensor]
+    value_rows: list[torch.Tensor]
+    slots: list[int]
+
+
+def _fill_caches(
+    shape: BatchShape,
+    attn_type: AttentionType,
+    kv: tuple[list[torch.Tensor], list[torch.Tensor]],
+    block_ids: list[list[int]],
+    caches: tuple[torch.Tensor, torch.Tensor],
+) -> _StepRows:
+    """Write the prior context into caches[0] and everything a correct step leaves into
+    caches[1]; return the rows this step provides (decoder: the new tokens; cross: the
+    writers' encoder rows; cache-less: the query tokens)."""
+    keys, values = kv
+    bs = shape.block_size
+    rows = _StepRows([], [], [])
+
+    def put(cache: torch.Tensor, req: int, positions: range) -> None:
+        for pos in positions:
             block, off = block_ids[req][pos // bs], pos % bs
             cache[0, block, off] = keys[req][pos]
             cache[1, block, off] = values[req][pos]
 
-    slots: list[int] = []
-    key_rows: list[torch.Tensor] = []
-    value_rows: list[torch.Tensor] = []
-    for r in range(num_reqs):
-        if attn_type == DEC:
-            ctx, n = shape.ctx[r], key_lens[r]
-            put(kv_cache, r, range(ctx))
-            put(expected_kv_cache, r, range(n))
-            slots += [block_ids[r][p // bs] * bs + p % bs for p in range(ctx, n)]
-            key_rows.append(keys[r][ctx:])
-            value_rows.append(values[r][ctx:])
-        elif attn_type == CROSS:
-            rows = range(key_lens[r])
-            put(expected_kv_cache, r, rows)
-            if shape.cross_writes[r]:
-                slots += [block_ids[r][p // bs] * bs + p % bs for p in rows]
-                key_rows.append(keys[r])
-                value_rows.append(values[r])
-            else:
-                put(kv_cache, r, rows)
-        else:
-            key_rows.append(keys[r])
-            value_rows.append(values[r])
-    # Padding rows carry garbage K/V and slot -1: a backend must skip them.
-    if key_rows and pad:
-        key_rows.append(randn(pad, kv_heads, dim) * 100)
-        value_rows.append(randn(pad, kv_heads, dim) * 100)
-        slots += [-1] * pad
-    key = torch.cat(key_rows) if key_rows else None
-    value = torch.cat(value_rows) if value_rows else None
+    def provide(req: int, positions: range) -> None:
+        rows.key_rows.append(keys[req][positions.start : positions.stop])
+        rows.value_rows.append(values[req][positions.start : positions.stop])
+        if attn_type.has_kv_cache:
+            rows.slots += [block_ids[req][p // bs] * bs + p % bs for p in positions]
 
-    query_positions = [
-        shape.ctx[r] + torch.arange(q) if attn_type in (DEC, CROSS) else torch.arange(q)
-        for r, q in enumerate(shape.query_lens)
-    ]
+    for r, key in enumerate(keys):
+        everything = range(len(key))
+        put(caches[1], r, everything if attn_type.has_kv_cache else range(0))
+        if attn_type == DEC:
+            put(caches[0], r, range(shape.ctx[r]))
+            provide(r, range(shape.ctx[r], len(key)))
+        elif attn_type == CROSS and not shape.cross_writes[r]:
+            put(caches[0], r, everything)
+        else:
+            provide(r, everything)
+    return rows
+
+
+def _common_metadata(
+    shape: BatchShape,
+    attn_type: AttentionType,
+    block_ids: list[list[int]],
+    slots: list[int],
+    query_positions: list[torch.Tensor],
+    device: torch.device | str,
+) -> CommonAttentionMetadata:
+    key_lens = _key_lens(shape, attn_type)
     qsl = torch.tensor([0, *torch.tensor(shape.query_lens).cumsum(0).tolist()], dtype=torch.int32)
     seq_lens = torch.tensor(key_lens, dtype=torch.int32)
     block_table = slot_mapping = None
-    if paged:
+    if attn_type.has_kv_cache:
         # One spare null column, like the runner's wider persistent block table.
-        width = max(blocks_per_req) + 1
-        block_table = torch.zeros(num_reqs, width, dtype=torch.int32)
+        block_table = torch.zeros(shape.num_reqs, max(map(len, block_ids)) + 1, dtype=torch.int32)
         for r, ids in enumerate(block_ids):
             block_table[r, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
         block_table = block_table.to(device)
         slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
-    common = CommonAttentionMetadata(
+    return CommonAttentionMetadata(
         query_start_loc=qsl.to(device),
         query_start_loc_cpu=qsl,
         seq_lens=seq_lens.to(device),
         seq_lens_cpu=seq_lens,
-        num_reqs=num_reqs,
-        num_actual_tokens=num_tokens,
+        num_reqs=shape.num_reqs,
+        num_actual_tokens=shape.num_tokens,
         max_query_len=max(shape.query_lens),
         max_seq_len=max(key_lens),
         causal=attn_type == DEC,
@@ -332,6 +323,45 @@ def make_batch(
         slot_mapping=slot_mapping,
         query_positions=torch.cat(query_positions).to(device),
     )
+
+
+def make_batch(
+    shape: BatchShape,
+    attn_type: AttentionType,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+) -> Batch:
+    """A random step of `shape` as `attn_type` sees it, with its expected output and cache."""
+    assert attn_type in shape.attn_types, f"{shape.name} is not a {attn_type.value} shape"
+    gen = torch.Generator().manual_seed(seed)
+    kv_heads, dim, pad = shape.num_kv_heads, shape.head_size, shape.num_pad_tokens
+    key_lens = _key_lens(shape, attn_type)
+
+    def randn(*size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=gen).to(dtype)
+
+    keys = [randn(n, kv_heads, dim) for n in key_lens]
+    values = [randn(n, kv_heads, dim) for n in key_lens]
+    query = randn(shape.num_tokens + pad, shape.num_heads, dim)
+    block_ids, num_blocks = _assign_blocks(key_lens, shape.block_size, attn_type.has_kv_cache, gen)
+    # Poison: finite, so masked-out reads of unwritten rows stay harmless.
+    kv_cache = randn(2, num_blocks, shape.block_size, kv_heads, dim) * 10
+    expected_kv_cache = kv_cache.clone()
+    rows = _fill_caches(shape, attn_type, (keys, values), block_ids, (kv_cache, expected_kv_cache))
+    # Padding rows carry garbage K/V and slot -1: a backend must skip them.
+    if rows.key_rows and pad:
+        rows.key_rows.append(randn(pad, kv_heads, dim) * 100)
+        rows.value_rows.append(randn(pad, kv_heads, dim) * 100)
+        if attn_type.has_kv_cache:
+            rows.slots += [-1] * pad
+    key = torch.cat(rows.key_rows) if rows.key_rows else None
+    value = torch.cat(rows.value_rows) if rows.value_rows else None
+    query_positions = [
+        shape.ctx[r] + torch.arange(q) if attn_type in (DEC, CROSS) else torch.arange(q)
+        for r, q in enumerate(shape.query_lens)
+    ]
+    common = _common_metadata(shape, attn_type, block_ids, rows.slots, query_positions, device)
     batch = Batch(
         shape=shape,
         attn_type=attn_type,

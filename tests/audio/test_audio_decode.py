@@ -169,10 +169,13 @@ def test_array_tuple_at_16k_is_passed_through_and_ints_are_scaled() -> None:
     np.testing.assert_array_equal(load_audio((tone.astype(np.float64), SAMPLE_RATE)), tone)
 
 
-def test_odd_rate_length_matches_librosa() -> None:
-    tone = sine(0.7, 22050)  # 15435 frames -> ceil(11200.0) at 16 kHz
-    audio = load_audio((tone, 22050))
-    np.testing.assert_array_equal(audio, librosa.resample(tone, orig_sr=22050, target_sr=16000))
+@pytest.mark.parametrize(("sr", "num_frames"), [(22050, 15435), (48000, 300_001), (11025, 1000)])
+def test_resampled_length_and_values_match_librosa(sr: int, num_frames: int) -> None:
+    tone = sine(num_frames / sr, sr)
+    audio = load_audio((tone, sr))
+    expected = librosa.resample(tone, orig_sr=sr, target_sr=SAMPLE_RATE)
+    assert audio.shape == (int(np.ceil(num_frames * SAMPLE_RATE / sr)),)
+    np.testing.assert_array_equal(audio, expected)
 
 
 # ----------------------------------------------------------------------------------------------

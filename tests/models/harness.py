@@ -93,8 +93,9 @@ class PagedRunner:
         )
         metadata = self.builder.build(common)  # one KV group: every layer shares it
         input_ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
-        with torch.inference_mode(), set_forward_context(
-            ForwardContext({name: metadata for name in self.layers})
+        with (
+            torch.inference_mode(),
+            set_forward_context(ForwardContext({name: metadata for name in self.layers})),
         ):
             hidden_states = self.model(input_ids, positions_t.to(self.device))  # [T, hidden]
             logits = self.model.compute_logits(hidden_states)  # [T, vocab]

@@ -27,7 +27,9 @@ def test_prefill_and_decode_match_transformers(tmp_path, overrides: dict) -> Non
     hf_model.save_pretrained(tmp_path)
     ours = load_model(ModelConfig(model=str(tmp_path)), "cpu", torch.float32)
     assert isinstance(ours, GPT2LMHeadModel)
-    assert (ours.lm_head.weight is ours.transformer.wte.weight) == hf_model.config.tie_word_embeddings
+    assert (
+        ours.lm_head.weight is ours.transformer.wte.weight
+    ) == hf_model.config.tie_word_embeddings
     assert_matches_hf(ours, hf_model)
     loaded = construct_model(hf_model.config, "cpu", torch.float32).load_weights(
         iterate_weights(str(tmp_path))

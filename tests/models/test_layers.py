@@ -102,7 +102,9 @@ def test_activations_match_transformers(name: str) -> None:
 
 def test_silu_and_mul_and_unknown_activation() -> None:
     gate, up = torch.randn(3, 5), torch.randn(3, 5)
-    torch.testing.assert_close(SiluAndMul()(torch.cat([gate, up], -1)), torch.nn.functional.silu(gate) * up)
+    torch.testing.assert_close(
+        SiluAndMul()(torch.cat([gate, up], -1)), torch.nn.functional.silu(gate) * up
+    )
     with pytest.raises(ValueError, match="unsupported activation"):
         get_act_fn("swiglu9000")
 

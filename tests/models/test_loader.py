@@ -108,7 +108,7 @@ def test_hub_id_downloads_safetensors_only_at_revision(llama_dir, monkeypatch) -
     config = ModelConfig(model="org/tiny-llama", revision="v2", hf_config=hf_model.config)
     ours = load_model(config, "cpu", torch.float32)
     assert isinstance(ours, LlamaForCausalLM)
-    (repo_id, kwargs), = calls
+    ((repo_id, kwargs),) = calls
     assert repo_id == "org/tiny-llama" and kwargs["revision"] == "v2"
     assert "*.safetensors" in kwargs["allow_patterns"]
     assert not any(p.endswith((".bin", ".pt")) for p in kwargs["allow_patterns"])

@@ -34,6 +34,7 @@ def make_state(
     max_num_reqs: int | None = None,
     whisper: WhisperTokenInfo | None = None,
     seed: int = 0,
+    device: str = "cpu",
 ) -> tuple[SamplingState, SamplingMetadata]:
     """Adds `reqs` (at `slots`, default 0..n-1) and returns the state and its step metadata."""
     slots = list(range(len(reqs))) if slots is None else list(slots)
@@ -41,7 +42,7 @@ def make_state(
         max_num_reqs=max_num_reqs or max(slots) + 1,
         max_model_len=max_model_len,
         vocab_size=vocab_size,
-        device=torch.device("cpu"),
+        device=torch.device(device),
         whisper=whisper,
         seed=seed,
     )

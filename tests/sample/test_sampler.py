@@ -89,6 +89,15 @@ def test_top_k_top_p_min_p_match_per_row_reference() -> None:
     assert any(len(reference_filter(logits[i].tolist(), 0, 0.5, 0.0)) > 1 for i in range(num_reqs))
 
 
+def test_top_p_always_keeps_the_most_likely_token() -> None:
+    logits = random_logits(4, seed=5)
+    # 1 - 1e-9 rounds to 1.0 in float32: every cumulative sum is "inside the tail".
+    result = apply_top_k_top_p(logits.clone(), None, torch.full((4,), 1e-9))
+    kept = ~torch.isinf(result)
+    assert torch.equal(kept.sum(dim=1), torch.ones(4, dtype=torch.int64))
+    assert torch.equal(kept.int().argmax(dim=1), logits.argmax(dim=1))
+
+
 def test_sampled_tokens_stay_inside_the_filters() -> None:
     params = SamplingParams(temperature=1.5, top_k=5, top_p=0.8, min_p=0.1)
     logits = random_logits(1, seed=4).expand(2000, -1).contiguous()
@@ -211,3 +220,35 @@ def test_logprob_outputs_only_when_asked(logprobs: int | None) -> None:
     assert (out.logprobs is None) == (logprobs is None)
     if out.logprobs is not None:
         assert out.logprobs.shape == (1, 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_matches_cpu() -> None:
+    """Rules and greedy picks agree across devices; seeded CUDA rows repeat."""
+    rules = SamplingParams(
+        repetition_penalty=1.3,
+        frequency_penalty=0.4,
+        no_repeat_ngram_size=2,
+        suppress_tokens=[0, 1],
+        min_tokens=3,
+        logprobs=4,
+    )
+    reqs = [
+        Req(params=rules.clone(temperature=0.0), outputs=[5, 6, 5], eos_token_id=2),
+        Req(params=rules.clone(seed=3, top_k=8, top_p=0.9, min_p=0.05), outputs=[7, 7]),
+        Req(params=SamplingParams(seed=11, temperature=0.8)),
+        Req(params=SamplingParams(temperature=0.0, allowed_token_ids=[9, 10, 11])),
+    ]
+    logits = random_logits(len(reqs), seed=21)
+    _, cpu_metadata = make_state(reqs)
+    cpu = Sampler()(logits, cpu_metadata)
+    gpu_tokens = []
+    for _ in range(2):
+        _, gpu_metadata = make_state(reqs, device="cuda")
+        gpu = Sampler()(logits.cuda(), gpu_metadata)
+        gpu_tokens.append(gpu.sampled_token_ids.cpu())
+        assert gpu.logprobs is not None and cpu.logprobs is not None
+        torch.testing.assert_close(gpu.logprobs[:, 1:].cpu(), cpu.logprobs[:, 1:])
+    assert torch.equal(gpu_tokens[0], gpu_tokens[1])
+    assert torch.equal(gpu_tokens[0][[0, 3]], cpu.sampled_token_ids[[0, 3]])

@@ -52,8 +52,12 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """query [T, H*D]; key/value [T', Hkv*D] (None for a cross layer with nothing to
         write this step). Returns [T, H*D]."""
-        metadata = get_forward_context().attn_metadata[self.layer_name]
+        context = get_forward_context()
         num_tokens = query.shape[0]
+        if context.profiling:
+            # Memory profiling runs the model before the KV cache exists: skip attention.
+            return torch.zeros_like(query)
+        metadata = context.attn_metadata[self.layer_name]
         q = query.view(num_tokens, self.num_heads, self.head_size)
         k = key.view(-1, self.num_kv_heads, self.head_size) if key is not None else None
         v = value.view(-1, self.num_kv_heads, self.head_size) if value is not None else None

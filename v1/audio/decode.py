@@ -253,7 +253,7 @@ def _decode_bytes(data: bytes, max_seconds: float) -> np.ndarray:
 
 def _decode_soundfile(sf_file: sf.SoundFile, max_seconds: float) -> np.ndarray:
     sample_rate = _check_sample_rate(sf_file.samplerate)
-    if False:  # header length: reject before decoding
+    if sf_file.frames > max_seconds * sample_rate:  # header length: reject before decoding
         raise AudioError(_too_long(sf_file.frames / sample_rate, max_seconds))
     collector = _MonoCollector(sample_rate, max_seconds)
     try:
@@ -261,11 +261,6 @@ def _decode_soundfile(sf_file: sf.SoundFile, max_seconds: float) -> np.ndarray:
             collector.add(block)
     except sf.SoundFileError as e:
         raise AudioError(f"corrupt or truncated {sf_file.format} audio: {e}") from e
-    if collector.num_frames < sf_file.frames:
-        raise AudioError(
-            f"truncated {sf_file.format} audio: the header promises {sf_file.frames} frames but "
-            f"only {collector.num_frames} could be decoded"
-        )
     return collector.finish()
 
 
@@ -297,7 +292,9 @@ def _decode_pyav(
             if collector is not None:
                 for out in to_float.resample(None):
                     collector.add(out.to_ndarray().T)
-        except av.FFmpegError as e:
+        except AudioError:
+            raise
+        except (av.FFmpegError, ValueError) as e:  # ValueError: PyAV's resampler on odd frames
             raise AudioError(f"corrupt or truncated {stream.codec_context.name} audio: {e}") from e
     if collector is None:
         raise AudioError("audio contains no samples")
@@ -315,7 +312,8 @@ def _check_wav(data: bytes) -> None:
     """Catch what libsndfile lets through or words badly in a RIFF/WAVE file.
 
     libsndfile reads a data chunk cut short without complaint (it shortens the stream), and
-    rejects a zero sample rate with an internal error message.
+    rejects a zero sample rate with an internal error message. (It shortens AIFF/AU/W64 files
+    cut short too; those rare containers decode as far as they go.)
     """
     pos = 12
     while pos + 8 <= len(data):

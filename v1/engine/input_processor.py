@@ -8,6 +8,7 @@ model's generation config (`GenerationDefaults`). Whisper audio goes to `whisper
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,126 @@ _PROMPT_KEYS = {
     "encoder_prompt": {"encoder_prompt", "decoder_prompt"},
     "text": {"text", "text_pair"},
 }
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """Generation-config fields that change greedy output, used as sampling defaults.
+
+    Each fills a SamplingParams field the user left unset (None; min_tokens left at 0), and only
+    where transformers' generate() applies it too (decoder-only and text encoder-decoder models):
+    - forced_bos_token_id -> forced_token_ids=[[0, id]], only for a one-token decoder prompt
+      (transformers forces it at decoder length 1 only);
+    - forced_eos_token_id -> forced_eos_token_id (forced as the last token of max_tokens);
+    - suppress_tokens, begin_suppress_tokens, no_repeat_ngram_size (> 0) -> the same fields;
+      begin_suppress_tokens is skipped when forced_bos applies (transformers then suppresses at
+      the second output token, which the params cannot express);
+    - min_length -> min_tokens = min_length - len(decoder prompt); min_new_tokens -> min_tokens;
+      clipped to max_tokens;
+    - eos_token_id (generation config, else tokenizer, else model config) is the request's EOS;
+      further ids of an EOS list join stop_token_ids unless ignore_eos (as vLLM).
+    Not used: max_length (max_tokens keeps vLLM's default of 16; None runs to max_model_len),
+    sampling knobs (temperature, top_k, top_p, penalties) and beam search settings.
+    """
+
+    decoder_start_token_id: int | None = None
+    eos_token_id: int | None = None
+    extra_eos_token_ids: tuple[int, ...] = ()
+    forced_bos_token_id: int | None = None
+    forced_eos_token_id: int | None = None
+    suppress_tokens: tuple[int, ...] | None = None
+    begin_suppress_tokens: tuple[int, ...] | None = None
+    no_repeat_ngram_size: int = 0
+    min_length: int = 0
+    min_new_tokens: int = 0
+
+    @classmethod
+    def from_model(cls, model_config: ModelConfig, tokenizer: Any) -> GenerationDefaults:
+        gc = load_generation_config(model_config)
+        vocab = model_config.vocab_size
+        eos_ids = _id_list(gc.eos_token_id)
+        if not eos_ids:
+            eos_ids = _id_list(tokenizer.eos_token_id) or _id_list(
+                getattr(model_config.hf_config, "eos_token_id", None)
+            )
+        eos = tokenizer.eos_token_id if tokenizer.eos_token_id in eos_ids else None
+        eos = eos if eos is not None else (eos_ids[0] if eos_ids else None)
+        start = None
+        if model_config.kind == ModelKind.ENCODER_DECODER:
+            start = _first_id(gc.decoder_start_token_id)
+            if start is None:
+                start = _first_id(getattr(model_config.hf_config, "decoder_start_token_id", None))
+            start = start if start is not None else _first_id(gc.bos_token_id)
+            if start is None:
+                raise ValueError(
+                    f"{model_config.model} sets no decoder_start_token_id (nor bos_token_id) in "
+                    f"its generation config or model config"
+                )
+
+        def in_vocab(ids: Any) -> tuple[int, ...] | None:
+            ids = _id_list(ids)
+            return tuple(t for t in ids if 0 <= t < vocab) or None
+
+        return cls(
+            decoder_start_token_id=start,
+            eos_token_id=eos,
+            extra_eos_token_ids=tuple(t for t in eos_ids if t != eos and 0 <= t < vocab),
+            forced_bos_token_id=_first_id(gc.forced_bos_token_id),
+            forced_eos_token_id=_first_id(gc.forced_eos_token_id),
+            suppress_tokens=in_vocab(gc.suppress_tokens),
+            begin_suppress_tokens=in_vocab(gc.begin_suppress_tokens),
+            no_repeat_ngram_size=gc.no_repeat_ngram_size or 0,
+            min_length=gc.min_length or 0,
+            min_new_tokens=gc.min_new_tokens or 0,
+        )
+
+    def apply(
+        self, params: SamplingParams, num_prompt_tokens: int
+    ) -> tuple[SamplingParams, int | None]:
+        """(params with the defaults filled in, the request's eos_token_id)."""
+        changes: dict[str, Any] = {}
+        forced_bos = (
+            self.forced_bos_token_id is not None
+            and num_prompt_tokens == 1
+            and params.forced_token_ids is None
+        )
+        if forced_bos:
+            changes["forced_token_ids"] = [[0, self.forced_bos_token_id]]
+        if params.forced_eos_token_id is None and self.forced_eos_token_id is not None:
+            changes["forced_eos_token_id"] = self.forced_eos_token_id
+        if params.suppress_tokens is None and self.suppress_tokens:
+            changes["suppress_tokens"] = list(self.suppress_tokens)
+        if params.begin_suppress_tokens is None and self.begin_suppress_tokens and not forced_bos:
+            changes["begin_suppress_tokens"] = list(self.begin_suppress_tokens)
+        if params.no_repeat_ngram_size is None and self.no_repeat_ngram_size > 0:
+            changes["no_repeat_ngram_size"] = self.no_repeat_ngram_size
+        min_tokens = max(self.min_length - num_prompt_tokens, self.min_new_tokens)
+        if params.min_tokens == 0 and min_tokens > 0:
+            cap = params.max_tokens if params.max_tokens is not None else min_tokens
+            changes["min_tokens"] = min(min_tokens, cap)
+        if self.extra_eos_token_ids and not params.ignore_eos:
+            stop_ids = list(params.stop_token_ids or [])
+            stop_ids += [t for t in self.extra_eos_token_ids if t not in stop_ids]
+            changes["stop_token_ids"] = stop_ids
+        return (params.clone(**changes) if changes else params), self.eos_token_id
+
+
+def load_generation_config(model_config: ModelConfig) -> Any:
+    """The model's GenerationConfig as transformers loads it: generation_config.json, else the
+    generation fields of config.json, else those of the loaded model config."""
+    from transformers import GenerationConfig
+
+    kwargs = {"revision": model_config.revision}
+    try:
+        return GenerationConfig.from_pretrained(model_config.model, **kwargs)
+    except OSError:
+        pass
+    try:
+        return GenerationConfig.from_pretrained(
+            model_config.model, config_file_name="config.json", _from_model_config=True, **kwargs
+        )
+    except OSError:
+        return GenerationConfig.from_model_config(model_config.hf_config)
 
 
 class InputProcessor:
@@ -82,12 +203,6 @@ class InputProcessor:
         if self.is_whisper:
             return self._whisper().build(
                 request_id, prompt, params, arrival_time=arrival_time, priority=priority
-            )
-        if isinstance(prompt, dict) and "multi_modal_data" in prompt:
-            _check_keys(prompt)
-            raise ValueError(
-                f"multi_modal_data (audio) is only accepted by Whisper models, not "
-                f"{self.model_config.architecture}"
             )
         if self.kind == ModelKind.ENCODER_ONLY:
             assert isinstance(params, PoolingParams)
@@ -196,7 +311,7 @@ class InputProcessor:
         if isinstance(enc_prompt, dict) and "encoder_prompt" in enc_prompt:
             raise ValueError("an encoder_prompt cannot itself be an encoder/decoder pair")
         enc_ids, _ = self._singleton(enc_prompt, add_special_tokens=True, what="encoder prompt")
-        enc_ids, _ = self._fit_encoder(enc_ids, None, truncate, text=None)
+        enc_ids, _ = self._fit_encoder(enc_ids, None, truncate)
         dec_ids = [start]
         if dec_prompt is not None:
             ids, _ = self._singleton(dec_prompt, add_special_tokens=False, what="decoder prompt")
@@ -206,18 +321,16 @@ class InputProcessor:
     def _encoder_only_input(
         self, prompt: Any, truncate: int | None
     ) -> tuple[list[int], list[int] | None]:
-        text: tuple[str, ...] | None = None
+        pair: tuple[str, str] | None = None
         if isinstance(prompt, dict) and "text" in prompt:
             _check_keys(prompt)
-            text = (_check_text(prompt["text"]), _check_text(prompt["text_pair"]))
-            enc = self.tokenizer(*text)
+            pair = (_check_text(prompt["text"]), _check_text(prompt["text_pair"]))
+            enc = self.tokenizer(*pair)
             ids, type_ids = list(enc["input_ids"]), _opt_list(enc.get("token_type_ids"))
         elif isinstance(prompt, dict) and "encoder_prompt" in prompt:
             raise ValueError("encoder/decoder prompt pairs need an encoder-decoder model")
         else:
             ids, type_ids = self._singleton(prompt, add_special_tokens=True, what="input")
-            if isinstance(prompt, (str, dict)) and "prompt_token_ids" not in prompt:
-                text = (prompt if isinstance(prompt, str) else prompt["prompt"],)
         if type_ids is not None:
             limit = getattr(self.model_config.hf_config, "type_vocab_size", 2)
             if len(type_ids) != len(ids) or any(not 0 <= t < limit for t in type_ids):
@@ -225,7 +338,7 @@ class InputProcessor:
                     f"token_type_ids must be one id in [0, {limit}) per input token "
                     f"({len(ids)} tokens, {len(type_ids)} type ids)"
                 )
-        return self._fit_encoder(ids, type_ids, truncate, text=text)
+        return self._fit_encoder(ids, type_ids, truncate, pair=pair)
 
     # ---- shared pieces ----
     def _singleton(
@@ -244,7 +357,13 @@ class InputProcessor:
                 raise ValueError("token_type_ids are only accepted by encoder-only models")
         elif isinstance(prompt, dict) and "prompt" in prompt:
             _check_keys(prompt)
-            return self._singleton(prompt["prompt"], add_special_tokens=add_special_tokens, what=what)
+            if prompt.get("multi_modal_data") is not None:
+                raise self._audio_error()
+            return self._singleton(
+                prompt["prompt"], add_special_tokens=add_special_tokens, what=what
+            )
+        elif isinstance(prompt, dict) and "multi_modal_data" in prompt:
+            raise self._audio_error()
         else:
             raise ValueError(
                 f"a {what} must be a string, {{'prompt': str}} or {{'prompt_token_ids': "
@@ -253,6 +372,12 @@ class InputProcessor:
         if not ids:
             raise ValueError(f"the {what} is empty after tokenization")
         return ids, type_ids
+
+    def _audio_error(self) -> ValueError:
+        return ValueError(
+            f"multi_modal_data (audio) is only accepted by Whisper models, not "
+            f"{self.model_config.architecture}"
+        )
 
     def _check_token_ids(self, ids: Any, what: str) -> list[int]:
         if not isinstance(ids, (list, tuple)):
@@ -264,8 +389,7 @@ class InputProcessor:
                 raise ValueError(f"prompt_token_ids of the {what} must be ints, got {t!r}")
             if not 0 <= t < self.vocab_size:
                 raise ValueError(
-                    f"token id {t} in the {what} is outside the vocabulary "
-                    f"[0, {self.vocab_size})"
+                    f"token id {t} in the {what} is outside the vocabulary [0, {self.vocab_size})"
                 )
         return list(ids)
 
@@ -275,7 +399,7 @@ class InputProcessor:
         type_ids: list[int] | None,
         truncate: int | None,
         *,
-        text: tuple[str, ...] | None,
+        pair: tuple[str, str] | None = None,
     ) -> tuple[list[int], list[int] | None]:
         """Checks an encoder input against the model's limit, truncating when asked."""
         limit = self.max_encoder_len if truncate is None else min(truncate, self.max_encoder_len)
@@ -286,9 +410,9 @@ class InputProcessor:
                 f"the input has {len(ids)} tokens, more than this model's limit of {limit} "
                 f"(set truncate_prompt_tokens to truncate it)"
             )
-        if text is not None:
-            # The tokenizer truncates text (and text pairs) the way the model was trained on.
-            enc = self.tokenizer(*text, truncation=True, max_length=limit)
+        if pair is not None:
+            # Text pairs: the tokenizer's longest-first truncation (what cross-encoders use).
+            enc = self.tokenizer(*pair, truncation=True, max_length=limit)
             return list(enc["input_ids"]), _opt_list(enc.get("token_type_ids"))
         keep_last = ids[-1] in self.special_ids and limit > 1
         head = limit - 1 if keep_last else limit
@@ -332,6 +456,17 @@ def _check_text(text: Any, what: str = "prompt") -> str:
     if not text:
         raise ValueError(f"the {what} is an empty string")
     return text
+
+
+def _id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(value)] if isinstance(value, int) else [int(t) for t in value]
+
+
+def _first_id(value: Any) -> int | None:
+    ids = _id_list(value)
+    return ids[0] if ids else None
 
 
 def _text_of(prompt: Any) -> str | None:

@@ -245,6 +245,28 @@ class ModelRunner:
     def layers_of_type(self, attn_type: AttentionType) -> list[str]:
         return [n for n, layer in self.attn_layers.items() if layer.attn_type == attn_type]
 
+    # ---- memory profiling (GPU) ----
+    @torch.inference_mode()
+    def profile_available_kv_bytes(self, utilization: float) -> int:
+        """Run a max-size dummy step (attention skipped: no cache yet), then give the KV cache
+        `utilization` of the device memory minus the measured peak."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.state.dummy_run(self.config.scheduler_config.max_num_batched_tokens)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        # Memory held outside PyTorch's allocator (CUDA context, other processes).
+        non_torch = total - free - torch.cuda.memory_reserved(self.device)
+        available = int(total * utilization) - peak - max(non_torch, 0)
+        if available <= 0:
+            raise ValueError(
+                f"no memory left for the KV cache: peak {peak / 2**30:.2f} GiB of "
+                f"{total / 2**30:.2f} GiB at gpu_memory_utilization={utilization}; lower "
+                "max_num_batched_tokens or raise gpu_memory_utilization"
+            )
+        return available
+
     def shutdown(self) -> None:
         self.model = None
         self.attn_layers = {}

@@ -94,7 +94,7 @@ def relative_bias(
     buckets = relative_position_bucket(
         rel, bias.bidirectional, bias.num_buckets, bias.max_distance
     )
-    return bias.table[buckets].permute(0, 3, 2, 1)  # [R, H, max_q, max_k]
+    return bias.table[buckets].permute(0, 3, 1, 2)  # [R, H, max_q, max_k]
 
 
 class SDPAImpl(AttentionImpl):

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from v1.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from v1.forward_context import ForwardContext, set_forward_context
 from v1.worker.input_batch import CachedRequestState
 
 if TYPE_CHECKING:
@@ -34,6 +35,19 @@ class ModelState:
 
     def execute(self, step: StepInputs, so: SchedulerOutput) -> ModelRunnerOutput:
         raise NotImplementedError
+
+    def dummy_run(self, num_tokens: int) -> None:
+        """A max-size forward for memory profiling (attention skipped)."""
+        runner = self.runner
+        input_ids = torch.zeros(num_tokens, dtype=torch.long, device=runner.device)
+        positions = torch.arange(num_tokens, device=runner.device) % runner.max_model_len
+        with set_forward_context(ForwardContext(profiling=True)):
+            hidden_states = self.forward_for_profile(input_ids, positions)
+        if hasattr(runner.model, "compute_logits"):
+            runner.model.compute_logits(hidden_states[: runner.max_num_reqs])
+
+    def forward_for_profile(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.runner.model(input_ids, positions)
 
 
 class GenerationState(ModelState):

@@ -1,0 +1,214 @@
+"""Triton kernels: paged varlen attention for all four attention types, and the KV write.
+
+One kernel serves every type: queries are packed [T, H, D]; keys come either from the paged
+cache through the block table (DECODER, ENCODER_DECODER) or from packed K/V that share the
+query offsets (ENCODER, ENCODER_ONLY). Optional bias: a materialized padded tensor, or T5
+relative-position buckets evaluated in the kernel. Torch references: `ops/reference.py`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+BIAS_NONE, BIAS_MATERIALIZED, BIAS_RELATIVE = 0, 1, 2
+
+
+@triton.jit
+def _relative_bucket(rel, REL_NB: tl.constexpr, REL_MAX_EXACT: tl.constexpr,
+                     REL_LOG_RATIO: tl.constexpr, BIDIRECTIONAL: tl.constexpr):
+    # Same arithmetic as transformers' T5Attention._relative_position_bucket (REL_NB is
+    # num_buckets, halved when bidirectional).
+    if BIDIRECTIONAL:
+        bucket = tl.where(rel > 0, REL_NB, 0)
+        n = tl.abs(rel)
+    else:
+        bucket = tl.zeros_like(rel)
+        n = tl.maximum(-rel, 0)
+    large = REL_MAX_EXACT + (
+        tl.log(tl.maximum(n, 1).to(tl.float32) / REL_MAX_EXACT) / REL_LOG_RATIO
+        * (REL_NB - REL_MAX_EXACT)
+    ).to(tl.int32)
+    large = tl.minimum(large, REL_NB - 1)
+    return bucket + tl.where(n < REL_MAX_EXACT, n, large)
+
+
+@triton.jit
+def _attention_kernel(
+    Q, K, V, Out,
+    query_start_loc, seq_lens, block_table, work_req, work_mblock,
+    Bias, bias_stride_r, bias_stride_h, bias_stride_q,
+    stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
+    scale,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGED: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr,
+    BIAS_MODE: tl.constexpr, REL_NB: tl.constexpr, REL_MAX_EXACT: tl.constexpr,
+    REL_LOG_RATIO: tl.constexpr, BIDIRECTIONAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    head = tl.program_id(1)
+    req = tl.load(work_req + pid)
+    mblock = tl.load(work_mblock + pid)
+    q_start = tl.load(query_start_loc + req)
+    q_len = tl.load(query_start_loc + req + 1) - q_start
+    kv_len = tl.load(seq_lens + req)
+    kv_head = head // (NUM_HEADS // NUM_KV_HEADS)
+
+    offs_m = mblock * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_mask = offs_m < q_len
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(
+        Q + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+        mask=m_mask[:, None] & d_mask[None, :], other=0.0,
+    )
+    # Query j sits at position kv_len - q_len + j (chunked prefill and decode alike).
+    q_pos = kv_len - q_len + offs_m
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    kv_end = kv_len
+    if CAUSAL:
+        kv_end = tl.minimum(kv_len, kv_len - q_len + (mblock + 1) * BLOCK_M)
+    for start_n in range(0, kv_end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < kv_end
+        if PAGED:
+            block_ids = tl.load(block_table + req * stride_bt + offs_n // PAGE, mask=n_mask, other=0)
+            rows = block_ids.to(tl.int64) * PAGE + offs_n % PAGE
+        else:
+            rows = (q_start + offs_n).to(tl.int64)
+        kv_off = rows[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :]
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * scale
+        if BIAS_MODE == 1:
+            b_ptr = Bias + req * bias_stride_r + head * bias_stride_h
+            s += tl.load(b_ptr + offs_m[:, None] * bias_stride_q + offs_n[None, :],
+                         mask=m_mask[:, None] & n_mask[None, :], other=0.0).to(tl.float32)
+        if BIAS_MODE == 2:
+            bucket = _relative_bucket(offs_n[None, :] - q_pos[:, None], REL_NB,
+                                      REL_MAX_EXACT, REL_LOG_RATIO, BIDIRECTIONAL)
+            s += tl.load(Bias + bucket * NUM_HEADS + head).to(tl.float32)
+        valid = n_mask[None, :]
+        if CAUSAL:
+            valid = valid & (offs_n[None, :] <= q_pos[:, None])
+        s = tl.where(valid, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(
+        Out + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+        out.to(Out.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :],
+    )
+
+
+@triton.jit
+def _write_kv_kernel(Key, Value, Cache, slot_mapping, stride_kt, stride_ct, cache_half,
+                     ROW: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    slot = tl.load(slot_mapping + row).to(tl.int64)
+    if slot >= 0:
+        offs = tl.arange(0, BLOCK)
+        mask = offs < ROW
+        k = tl.load(Key + row * stride_kt + offs, mask=mask)
+        v = tl.load(Value + row * stride_kt + offs, mask=mask)
+        tl.store(Cache + slot * stride_ct + offs, k.to(Cache.dtype.element_ty), mask=mask)
+        tl.store(Cache + cache_half + slot * stride_ct + offs, v.to(Cache.dtype.element_ty), mask=mask)
+
+
+def write_kv_cache(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """key/value [N, Hkv, D] -> kv_cache [2, num_blocks, block_size, Hkv, D] at flat slots."""
+    num_rows = slot_mapping.shape[0]
+    if num_rows == 0:
+        return
+    row = key.shape[1] * key.shape[2]
+    key = key.reshape(key.shape[0], row)
+    value = value.reshape(value.shape[0], row)
+    _write_kv_kernel[(num_rows,)](
+        key, value, kv_cache, slot_mapping, key.stride(0), row, kv_cache[0].numel(),
+        ROW=row, BLOCK=triton.next_power_of_2(row),
+    )
+
+
+def make_work_items(
+    query_start_loc_cpu: torch.Tensor, block_m: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(request, query block) of every program, from host offsets (no device sync)."""
+    query_lens = (query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]).long()
+    blocks = (query_lens + block_m - 1) // block_m
+    req = torch.repeat_interleave(torch.arange(len(query_lens)), blocks)
+    starts = torch.cumsum(blocks, 0) - blocks
+    mblock = torch.arange(int(blocks.sum())) - torch.repeat_interleave(starts, blocks)
+    return (req.to(torch.int32).to(device, non_blocking=True),
+            mblock.to(torch.int32).to(device, non_blocking=True))
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    work: tuple[torch.Tensor, torch.Tensor],
+    scale: float,
+    causal: bool,
+    block_table: torch.Tensor | None = None,
+    page_size: int = 1,
+    bias: torch.Tensor | None = None,
+    bias_mode: int = BIAS_NONE,
+    relative: tuple[int, int, bool] = (32, 128, True),
+    block_m: int = 64,
+    block_n: int = 64,
+) -> torch.Tensor:
+    """q [T, H, D]; k/v either the cache halves [num_blocks * page, Hkv, D] (block_table given)
+    or packed [T, Hkv, D] sharing the query offsets. Writes and returns out [T, H, D]."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k.shape[-2]
+    work_req, work_mblock = work
+    if work_req.numel() == 0:
+        return out
+    paged = block_table is not None
+    if bias is None:
+        bias = q  # unused pointer
+        bstrides = (0, 0, 0)
+    elif bias_mode == BIAS_MATERIALIZED:
+        bstrides = (bias.stride(0), bias.stride(1), bias.stride(2))
+    else:
+        bias = bias.contiguous()
+        bstrides = (0, 0, 0)
+    bt = block_table if paged else seq_lens
+    num_buckets, max_distance, bidirectional = relative
+    rel_nb = num_buckets // 2 if bidirectional else num_buckets
+    rel_max_exact = rel_nb // 2
+    grid = (work_req.numel(), num_heads)
+    _attention_kernel[grid](
+        q, k, v, out, query_start_loc, seq_lens, bt, work_req, work_mblock,
+        bias, *bstrides,
+        q.stride(0), q.stride(1), k.stride(-3), k.stride(-2), out.stride(0), out.stride(1),
+        bt.stride(0) if paged else 0,
+        scale,
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_D=max(triton.next_power_of_2(head_dim), 16), BLOCK_M=block_m, BLOCK_N=block_n,
+        PAGED=paged, PAGE=page_size, CAUSAL=causal,
+        BIAS_MODE=bias_mode, REL_NB=rel_nb, REL_MAX_EXACT=rel_max_exact,
+        REL_LOG_RATIO=math.log(max_distance / rel_max_exact), BIDIRECTIONAL=bidirectional,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4, num_stages=2,
+    )
+    return out

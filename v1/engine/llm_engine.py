@@ -1,0 +1,138 @@
+"""LLMEngine: the synchronous frontend (tokenizer + InputProcessor + OutputProcessor + client).
+
+`add_request` validates and queues (fanning n>1 out into child requests), `step` runs one core
+step and returns the user outputs it produced. The offline `LLM` drives it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from v1.config import EngineConfig
+from v1.core.client import EngineCoreClient
+from v1.engine.input_processor import InputProcessor, Params
+from v1.engine.output_processor import AnyRequestOutput, OutputProcessor, ParentRequest
+from v1.engine.tokenizer import get_tokenizer
+from v1.outputs import RequestOutputKind
+from v1.sampling_params import SamplingParams
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        multiprocess: bool,
+        tokenizer: Any = None,
+    ) -> None:
+        self.config = config
+        self.model_config = config.model_config
+        self.tokenizer = tokenizer if tokenizer is not None else get_tokenizer(self.model_config)
+        self.input_processor = InputProcessor(
+            self.model_config,
+            self.tokenizer,
+            max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        # The client last: it starts the core (and its process), which is the costly part.
+        self.engine_core = EngineCoreClient.make_client(config, multiprocess=multiprocess)
+        self._closed = False
+
+    # ---- requests ----
+    def process_request(
+        self, request_id: str, prompt: Any, params: Params, priority: int = 0
+    ) -> list[Any]:
+        """Validates one prompt without queueing it: the EngineCoreRequests it becomes (one per
+        completion). Raises ValueError on invalid input."""
+        if isinstance(params, SamplingParams) and params.n > 1:
+            parent = ParentRequest(request_id, params)
+            return [
+                self.input_processor.process(
+                    parent.child_request_id(i, request_id),
+                    prompt,
+                    parent.child_params(i),
+                    priority=priority,
+                )
+                for i in range(params.n)
+            ]
+        return [self.input_processor.process(request_id, prompt, params, priority=priority)]
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: Params,
+        priority: int = 0,
+        *,
+        output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
+    ) -> None:
+        """Validates and queues one request; n > 1 runs as n child requests merged into one
+        RequestOutput. Raises ValueError (nothing queued) on invalid input."""
+        self.add_processed_request(
+            request_id,
+            prompt,
+            params,
+            self.process_request(request_id, prompt, params, priority),
+            output_kind=output_kind,
+        )
+
+    def add_processed_request(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: Params,
+        core_requests: list[Any],
+        *,
+        output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
+    ) -> None:
+        """Queues what `process_request` returned (lets a caller validate a batch first)."""
+        if request_id in self.output_processor.parent_requests or any(
+            r.request_id in self.output_processor.request_states for r in core_requests
+        ):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_text, encoder_text = self.input_processor.prompt_texts(prompt)
+        parent = None
+        if isinstance(params, SamplingParams) and params.n > 1:
+            parent = ParentRequest(request_id, params)
+        for index, request in enumerate(core_requests):
+            self.output_processor.add_request(
+                request,
+                prompt_text,
+                parent,
+                index,
+                output_kind=output_kind,
+                encoder_prompt=encoder_text,
+            )
+            self.engine_core.add_request(request)
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        """Drops requests (n>1 parents included); they produce no further outputs."""
+        core_ids = self.output_processor.abort_requests(request_ids)
+        self.engine_core.abort_requests(core_ids)
+
+    # ---- running ----
+    def step(self) -> list[AnyRequestOutput]:
+        """One core step: the outputs it produced (per each request's output kind)."""
+        outputs = self.engine_core.get_output()
+        results, reqs_to_abort = self.output_processor.process_outputs(outputs.outputs)
+        if reqs_to_abort:
+            self.engine_core.abort_requests(reqs_to_abort)
+        return results
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.output_processor.get_num_unfinished_requests()
+
+    def get_stats(self) -> dict[str, Any]:
+        """The core's scheduler and KV cache counters (EngineCore.get_stats)."""
+        return self.engine_core.call_utility("get_stats")
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def shutdown(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.engine_core.shutdown()

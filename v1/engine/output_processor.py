@@ -1,0 +1,298 @@
+"""EngineCoreOutputs -> user outputs: detokenize, stop strings, logprobs, n>1 merge, deltas.
+
+One `RequestState` per request the core runs; a user request with n > 1 is a `ParentRequest`
+whose n children (ids f"{i}_{parent_id}") the core runs independently and which is merged back
+into one RequestOutput here. Requests that hit a stop string are returned for aborting in the core.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from v1.core.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
+from v1.engine.detokenizer import IncrementalDetokenizer, make_detokenizer
+from v1.outputs import (
+    CompletionOutput,
+    Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    RequestOutputKind,
+    SampleLogprobs,
+)
+from v1.sampling_params import SamplingParams
+
+AnyRequestOutput = RequestOutput | PoolingRequestOutput
+
+
+@dataclass
+class ParentRequest:
+    """A user request with n > 1 completions, run as n child requests."""
+
+    request_id: str
+    params: SamplingParams
+    completions: dict[int, CompletionOutput] = field(default_factory=dict)
+    """Latest (cumulative) completion per child index."""
+    finished_indices: set[int] = field(default_factory=set)
+    error: str | None = None
+    """The first error a child ended with."""
+
+    @property
+    def n(self) -> int:
+        return self.params.n
+
+    @staticmethod
+    def child_request_id(index: int, parent_id: str) -> str:
+        return f"{index}_{parent_id}"
+
+    @property
+    def child_ids(self) -> list[str]:
+        return [self.child_request_id(i, self.request_id) for i in range(self.n)]
+
+    @property
+    def finished(self) -> bool:
+        return len(self.finished_indices) == self.n
+
+    def child_params(self, index: int) -> SamplingParams:
+        """n=1 params of child `index`; a seeded parent gives child i the seed `seed + i` so the
+        completions differ but stay reproducible."""
+        seed = self.params.seed
+        return self.params.clone(n=1, seed=None if seed is None else seed + index)
+
+
+@dataclass
+class RequestState:
+    """What the frontend keeps for one request the core runs."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    output_kind: RequestOutputKind
+    detokenizer: IncrementalDetokenizer | None
+    """None for pooling requests."""
+    parent: ParentRequest | None = None
+    index: int = 0
+    encoder_prompt: str | None = None
+    encoder_prompt_token_ids: list[int] | None = None
+    num_logprobs: int | None = None
+    logprobs: SampleLogprobs = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    num_cached_tokens: int = 0
+    sent_tokens: int = 0
+    """Tokens (and logprobs) already reported in DELTA mode."""
+
+    @property
+    def user_request_id(self) -> str:
+        return self.parent.request_id if self.parent is not None else self.request_id
+
+
+class OutputProcessor:
+    """Frontend state of every running request (single process, not thread-safe)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.request_states: dict[str, RequestState] = {}
+        self.parent_requests: dict[str, ParentRequest] = {}
+        self._decoded_tokens: dict[int, str] = {}
+
+    # ---- bookkeeping ----
+    def add_request(
+        self,
+        request: EngineCoreRequest,
+        prompt: str | None,
+        parent: ParentRequest | None = None,
+        request_index: int = 0,
+        *,
+        output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
+        encoder_prompt: str | None = None,
+    ) -> None:
+        """Tracks a request sent to the core; children of an n>1 request pass their parent."""
+        req_id = request.request_id
+        if req_id in self.request_states:
+            raise ValueError(f"request id {req_id!r} is already in use")
+        params = request.sampling_params
+        detokenizer = None
+        if params is not None:
+            detokenizer = make_detokenizer(self.tokenizer, params, request.prompt_token_ids)
+        enc = request.encoder_input
+        self.request_states[req_id] = RequestState(
+            request_id=req_id,
+            prompt=prompt,
+            prompt_token_ids=list(request.prompt_token_ids),
+            output_kind=output_kind,
+            detokenizer=detokenizer,
+            parent=parent,
+            index=request_index,
+            encoder_prompt=encoder_prompt,
+            encoder_prompt_token_ids=enc.token_ids if enc is not None else None,
+            num_logprobs=params.logprobs if params is not None else None,
+        )
+        if parent is not None:
+            self.parent_requests[parent.request_id] = parent
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
+        """Forgets user requests (parents included); returns the core request ids to abort.
+        Aborted requests produce no further output."""
+        core_ids: list[str] = []
+        for req_id in request_ids:
+            parent = self.parent_requests.pop(req_id, None)
+            ids = parent.child_ids if parent is not None else [req_id]
+            core_ids += [i for i in ids if self.request_states.pop(i, None) is not None]
+        return core_ids
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.request_states)
+
+    def get_num_unfinished_requests(self) -> int:
+        """User requests still running (an n>1 request counts once)."""
+        return len({s.user_request_id for s in self.request_states.values()})
+
+    # ---- outputs ----
+    def process_outputs(
+        self, engine_core_outputs: Iterable[EngineCoreOutput]
+    ) -> tuple[list[AnyRequestOutput], list[str]]:
+        """(user outputs to report now, core request ids to abort: stop-string hits)."""
+        results: list[AnyRequestOutput] = []
+        reqs_to_abort: list[str] = []
+        for out in engine_core_outputs:
+            state = self.request_states.get(out.request_id)
+            if state is None:
+                continue  # aborted, or finished by a stop string while the core ran on
+            state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+            if state.detokenizer is None:
+                results.append(self._pooling_output(state, out))
+                del self.request_states[out.request_id]
+                continue
+            finish_reason, stop_reason = out.finish_reason, out.stop_reason
+            stop_str = state.detokenizer.update(
+                out.new_token_ids, finish_reason == FinishReason.STOP
+            )
+            if stop_str is not None:
+                if finish_reason is None:
+                    reqs_to_abort.append(out.request_id)
+                finish_reason, stop_reason = FinishReason.STOP, stop_str
+            self._update_logprobs(state, out)
+            finished = finish_reason is not None
+            completion = self._completion(state, finish_reason, stop_reason, finished)
+            if finished:
+                del self.request_states[out.request_id]
+            result = self._request_output(state, completion, finished, out.error)
+            if result is not None:
+                results.append(result)
+        return results, reqs_to_abort
+
+    def _pooling_output(self, state: RequestState, out: EngineCoreOutput) -> PoolingRequestOutput:
+        data = PoolingOutput(out.pooled_output) if out.pooled_output is not None else None
+        return PoolingRequestOutput(
+            request_id=state.request_id,
+            outputs=data,
+            prompt_token_ids=state.prompt_token_ids,
+            finished=True,
+            error=out.error,
+        )
+
+    def _update_logprobs(self, state: RequestState, out: EngineCoreOutput) -> None:
+        if state.num_logprobs is None or out.new_logprobs is None:
+            return
+        assert out.new_logprob_token_ids is not None and out.new_logprob_ranks is not None
+        for ids, lps, rank in zip(
+            out.new_logprob_token_ids, out.new_logprobs, out.new_logprob_ranks, strict=True
+        ):
+            # ids = [sampled, top-1, ..., top-N]; the sampled token keeps its own rank.
+            entry = {ids[0]: Logprob(lps[0], rank, self._decoded_token(ids[0]))}
+            for k, (tid, lp) in enumerate(zip(ids[1:], lps[1:], strict=True), start=1):
+                if tid not in entry:
+                    entry[tid] = Logprob(lp, k, self._decoded_token(tid))
+            state.logprobs.append(entry)
+            state.cumulative_logprob += lps[0]
+
+    def _decoded_token(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        text = self._decoded_tokens.get(token_id)
+        if text is None:
+            text = self._decoded_tokens[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def _completion(
+        self,
+        state: RequestState,
+        finish_reason: FinishReason | None,
+        stop_reason: int | str | None,
+        finished: bool,
+    ) -> CompletionOutput | None:
+        """This step's completion per the output kind; None when there is nothing to report."""
+        detok = state.detokenizer
+        assert detok is not None
+        delta = state.output_kind == RequestOutputKind.DELTA
+        if state.output_kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        text = detok.get_next_output_text(finished, delta)
+        start = state.sent_tokens if delta else 0
+        if delta:
+            state.sent_tokens = len(detok.token_ids)
+        want_logprobs = state.num_logprobs is not None
+        return CompletionOutput(
+            index=state.index,
+            text=text,
+            token_ids=detok.token_ids[start:],
+            cumulative_logprob=state.cumulative_logprob if want_logprobs else None,
+            logprobs=state.logprobs[start:] if want_logprobs else None,
+            finish_reason=str(finish_reason) if finish_reason is not None else None,
+            stop_reason=stop_reason,
+        )
+
+    def _request_output(
+        self,
+        state: RequestState,
+        completion: CompletionOutput | None,
+        finished: bool,
+        error: str | None,
+    ) -> RequestOutput | None:
+        parent = state.parent
+        if parent is None:
+            if completion is None:
+                return None
+            return self._make_request_output(state, state.request_id, [completion], finished, error)
+        if error is not None and parent.error is None:
+            parent.error = error
+        if completion is not None:
+            parent.completions[state.index] = completion
+        if finished:
+            parent.finished_indices.add(state.index)
+        all_finished = parent.finished
+        if all_finished:
+            self.parent_requests.pop(parent.request_id, None)
+        if state.output_kind == RequestOutputKind.DELTA:
+            outputs = [completion] if completion is not None else []
+        elif state.output_kind == RequestOutputKind.FINAL_ONLY and not all_finished:
+            return None
+        else:
+            outputs = [parent.completions[i] for i in sorted(parent.completions)]
+        if not outputs:
+            return None
+        return self._make_request_output(
+            state, parent.request_id, outputs, all_finished, parent.error
+        )
+
+    @staticmethod
+    def _make_request_output(
+        state: RequestState,
+        request_id: str,
+        outputs: list[CompletionOutput],
+        finished: bool,
+        error: str | None,
+    ) -> RequestOutput:
+        return RequestOutput(
+            request_id=request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=outputs,
+            finished=finished,
+            encoder_prompt=state.encoder_prompt,
+            encoder_prompt_token_ids=state.encoder_prompt_token_ids,
+            num_cached_tokens=state.num_cached_tokens,
+            error=error,
+        )
