@@ -12,7 +12,7 @@ from shapes import LoadedBackend
 
 from v1.attention.selector import load_backend
 
-BACKEND_NAMES = ["torch_sdpa"]
+BACKEND_NAMES = ["torch_sdpa", "triton", "flash_attn"]
 CUDA_ONLY = {"triton", "flash_attn"}
 
 

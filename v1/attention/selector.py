@@ -23,14 +23,22 @@ def load_backend(name: str) -> type[AttentionBackend]:
     return getattr(importlib.import_module(module), cls)
 
 
-def default_backend_name(device_type: str) -> str:
+def _importable(name: str) -> bool:
+    try:
+        load_backend(name)
+    except ImportError:
+        return False
+    return True
+
+
+def default_backend_name(device_type: str, block_size: int = 16, needs_bias: bool = False) -> str:
+    """flash_attn when installed and usable (no bias, 256-token blocks), else triton on CUDA,
+    else torch_sdpa."""
     if device_type != "cuda":
         return "torch_sdpa"
-    try:
-        importlib.import_module("v1.attention.backends.triton")
-    except ImportError:
-        return "torch_sdpa"
-    return "triton"
+    if not needs_bias and block_size % 256 == 0 and _importable("flash_attn"):
+        return "flash_attn"
+    return "triton" if _importable("triton") else "torch_sdpa"
 
 
 @contextmanager

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import queue
 import re
@@ -370,7 +371,12 @@ def run_engine_core(
     threading.Thread(
         target=_watch_parent, args=(proc, parent_pid), name="ParentWatch", daemon=True
     ).start()
-    sys.exit(proc.run())
+    code = proc.run()
+    # Everything is released; skip the interpreter's teardown of torch & co (seconds).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _send_failed_handshake(output_address: str, error: str) -> None:

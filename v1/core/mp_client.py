@@ -425,6 +425,12 @@ class AsyncMPClient(MPClient):
         if request_ids:
             self._send(EngineCoreRequestType.ABORT, list(request_ids))
 
+    def abort_requests_nowait(self, request_ids: list[str]) -> None:
+        """`abort_requests_async` without awaiting: for `finally` blocks of cancelled or
+        closed iterators, which must not await."""
+        if request_ids:
+            self._send(EngineCoreRequestType.ABORT, list(request_ids))
+
     async def get_output_async(self) -> EngineCoreOutputs:
         self._check_alive()
         q = self._output_queue()

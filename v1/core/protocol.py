@@ -73,6 +73,8 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True, array_like=True):
     stop_reason: int | str | None = None
     error: str | None = None
     num_cached_tokens: int = 0
+    extras: dict[str, float] | None = None
+    """Model-specific per-request results (Whisper: no_speech_prob)."""
 
     @property
     def finished(self) -> bool:

@@ -333,6 +333,9 @@ class Scheduler:
             stop_reason=request.stop_reason,
             num_cached_tokens=max(request.num_cached_tokens, 0),
         )
+        extras = runner_output.extras.get(request.request_id)
+        if extras:
+            out.extras = extras
         if runner_output.logprobs is not None and runner_output.logprobs[i] is not None:
             n = len(new_ids)
             out.new_logprob_token_ids = runner_output.logprob_token_ids[i][:n]

@@ -78,7 +78,10 @@ def weight_files(path: str) -> list[str]:
             f"{path} holds only pickled checkpoints ({', '.join(pickles)}); safetensors only: "
             "convert them (e.g. transformers' save_pretrained(..., safe_serialization=True))"
         )
-    raise ValueError(f"no *.safetensors weights in {path}")
+    raise ValueError(
+        f"no *.safetensors weights in {path} (pickled .bin/.pt checkpoints are never read: "
+        "safetensors only)"
+    )
 
 
 def iterate_weights(path: str | list[str]) -> Iterator[tuple[str, torch.Tensor]]:

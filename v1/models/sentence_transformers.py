@@ -82,7 +82,9 @@ def load_pooling_config(model_config: ModelConfig) -> ModelPoolingConfig:
     max_len = model_config.max_encoder_len
     if modules is not None:
         types = [m.get("type", "") for m in modules]
-        unsupported = sorted({t for t in types if t not in (ST_TRANSFORMER, ST_POOLING, ST_NORMALIZE)})
+        unsupported = sorted(
+            {t for t in types if t not in (ST_TRANSFORMER, ST_POOLING, ST_NORMALIZE)}
+        )
         if unsupported:
             raise ValueError(
                 f"{model_config.model}: sentence-transformers modules {unsupported} are not "

@@ -60,13 +60,15 @@ class ModelRunner:
         self.dtype = self.model_config.torch_dtype(device.type)
         self.max_num_reqs = config.scheduler_config.max_num_seqs
         self.max_model_len = self.model_config.effective_max_model_len
-        self.backend_name = default_backend_name(device.type)
-        self.backend = load_backend(self.backend_name)
         self.block_size = config.cache_config.block_size
+        needs_bias = self.model_config.hf_config.model_type in ("t5", "mt5", "umt5")
+        self.backend_name = default_backend_name(device.type, self.block_size, needs_bias)
+        self.backend = load_backend(self.backend_name)
         self.model: Any = None
         self.attn_layers: dict[str, Attention] = {}
         self.kv_cache_config: KVCacheConfig | None = None
         self.input_batch: InputBatch | None = None
+        self.cuda_graphs: Any = None
         self.state = _make_state(self.model_config.kind, self)
 
     # ---- set-up ----
@@ -122,6 +124,21 @@ class ModelRunner:
             self.builders.append(self.backend.get_builder_cls()(attn_type, self.device, self.block_size))
         self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, tables)
         self.state.on_kv_cache_ready()
+        self.cuda_graphs = None
+        if self.use_cuda_graphs:
+            from v1.worker.cuda_graphs import CudaGraphManager
+
+            self.cuda_graphs = CudaGraphManager(self, min(self.max_num_reqs, 256))
+            self.cuda_graphs.capture()
+
+    @property
+    def use_cuda_graphs(self) -> bool:
+        return (
+            self.device.type == "cuda"
+            and not self.config.enforce_eager
+            and self.backend_name == "triton"
+            and self.model_config.kind != ModelKind.ENCODER_ONLY
+        )
 
     # ---- the step ----
     @torch.inference_mode()
@@ -277,6 +294,10 @@ def _make_state(kind: ModelKind, runner: ModelRunner) -> Any:
         from v1.worker.model_states.decoder_only import DecoderOnlyState
 
         return DecoderOnlyState(runner)
+    if kind == ModelKind.ENCODER_DECODER and runner.model_config.is_whisper:
+        from v1.worker.model_states.whisper import WhisperState
+
+        return WhisperState(runner)
     if kind == ModelKind.ENCODER_DECODER:
         from v1.worker.model_states.encoder_decoder import EncoderDecoderState
 

@@ -1,0 +1,123 @@
+"""Shared test factories: a tiny trained tokenizer and tiny random transformers models on disk.
+
+Used by the engine, entrypoint, encoder-decoder and pooling tests. Everything is built offline in
+a temporary folder within a second or two; `ASSETS` points at the real checkpoints, if present.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+ASSETS = Path(__file__).resolve().parents[2] / "shared" / "assets"
+"""Real checkpoints and audio (see ../shared/assets/README.md); tests skip when absent."""
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "A journey of a thousand miles begins with a single step.",
+    "To be or not to be, that is the question.",
+    "All that glitters is not gold; all who wander are not lost.",
+    "Hello world! Engines serve models: encoder, decoder and both.",
+    "Numbers 0123456789 and symbols #$%&*()[]{}<>+-=/\\|~^_@ too.",
+    "Straße, café, naïve, 東京, Привет, مرحبا, 😀 — unicode text.",
+]
+
+SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
+
+
+def make_tiny_tokenizer(
+    path: str | os.PathLike[str], *, vocab_size: int = 384, add_bos: bool = True
+) -> Any:
+    """Trains a byte-level BPE tokenizer (GPT-2 style) on a small corpus and saves it as a
+    transformers PreTrainedTokenizerFast in `path`: ids 0-3 are <pad> <s> </s> <unk>; with
+    `add_bos` every encoded text starts with <s> (Llama style)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    if add_bos:
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
+        )
+    else:
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+    )
+    wrapped.save_pretrained(str(path))
+    return wrapped
+
+
+def make_tiny_model_dir(
+    config_cls: type,
+    model_cls: type,
+    path: str | os.PathLike[str],
+    *,
+    tokenizer_from: str | os.PathLike[str] | None = None,
+    seed: int = 0,
+    **config_kwargs: Any,
+) -> str:
+    """Saves a randomly initialised `model_cls(config_cls(**config_kwargs))` (float32) and a
+    tokenizer into `path`, returning it as a string.
+
+    `tokenizer_from`: a folder whose tokenizer files are copied (e.g. `ASSETS / "whisper-base"`);
+    default: a fresh `make_tiny_tokenizer`. `vocab_size` defaults to the tokenizer's size and is
+    raised to it if given smaller.
+    """
+    import torch
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    if tokenizer_from is None:
+        tokenizer = make_tiny_tokenizer(path)
+    else:
+        for item in Path(tokenizer_from).iterdir():
+            if item.is_file() and not item.name.endswith((".safetensors", ".bin")) and (
+                "token" in item.name or item.name in ("vocab.json", "vocab.txt", "merges.txt")
+            ):
+                shutil.copy(item, path / item.name)
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    config_kwargs["vocab_size"] = max(config_kwargs.get("vocab_size", 0), len(tokenizer))
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        token_id = getattr(tokenizer, name, None)
+        if token_id is not None:
+            config_kwargs.setdefault(name, token_id)
+    config = config_cls(**config_kwargs)
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32).eval()
+    model.save_pretrained(str(path))
+    return str(path)
+
+
+TINY_LLAMA = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
+"""A LlamaConfig for a GQA model that runs in milliseconds on CPU."""
+
+
+def make_tiny_llama_dir(path: str | os.PathLike[str], **overrides: Any) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return make_tiny_model_dir(LlamaConfig, LlamaForCausalLM, path, **{**TINY_LLAMA, **overrides})

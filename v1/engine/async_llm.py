@@ -1,0 +1,328 @@
+"""AsyncLLM: the asyncio frontend (the server is built on it) over a multiprocess EngineCore.
+
+Requests are validated by the InputProcessor and sent through the AsyncMPClient; one output
+handler task turns EngineCoreOutputs into RequestOutputs (OutputProcessor) and routes them to
+per-request queues that `generate` / `encode` iterate. Closing an iterator aborts its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
+
+from v1.config import EngineConfig, ModelKind, make_engine_config
+from v1.core.client import EngineDeadError
+from v1.core.mp_client import AsyncMPClient
+from v1.core.protocol import EngineCoreRequest
+from v1.engine.input_processor import InputProcessor, Params
+from v1.engine.output_processor import AnyRequestOutput, OutputProcessor, ParentRequest
+from v1.engine.tokenizer import get_tokenizer
+from v1.logger import init_logger
+from v1.outputs import PoolingRequestOutput, RequestOutput, RequestOutputKind
+from v1.pooling_params import PoolingParams
+from v1.sampling_params import SamplingParams
+
+logger = init_logger(__name__)
+
+_Item = AnyRequestOutput | BaseException
+
+
+class AsyncLLM:
+    """`async for out in llm.generate(prompt, params, request_id)`: streams RequestOutputs.
+
+    One event loop at a time (it moves to a new loop once the old one is closed). When the
+    EngineCore dies, every pending iterator raises EngineDeadError and later calls fail at once.
+    """
+
+    def __init__(self, model: str, **engine_args: Any) -> None:
+        """`engine_args`: flat EngineConfig fields (see `make_engine_config`)."""
+        self._setup(make_engine_config(model, **engine_args), tokenizer=None, client_kwargs={})
+
+    @classmethod
+    def from_engine_config(
+        cls, config: EngineConfig, *, tokenizer: Any = None, **client_kwargs: Any
+    ) -> AsyncLLM:
+        """`client_kwargs` go to AsyncMPClient (explicit addresses, a test executor factory)."""
+        self = cls.__new__(cls)
+        self._setup(config, tokenizer=tokenizer, client_kwargs=client_kwargs)
+        return self
+
+    def _setup(self, config: EngineConfig, tokenizer: Any, client_kwargs: dict[str, Any]) -> None:
+        self.config = config
+        self.model_config = config.model_config
+        self.tokenizer = tokenizer if tokenizer is not None else get_tokenizer(self.model_config)
+        self.input_processor = InputProcessor(
+            self.model_config,
+            self.tokenizer,
+            max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._queues: dict[str, asyncio.Queue[_Item | None]] = {}
+        self._output_handler: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._error: BaseException | None = None
+        self._closed = False
+        # Last: starting the core process is the slow, resource-holding part.
+        self.engine_core = AsyncMPClient(config, **client_kwargs)
+
+    # ---- state ----
+    @property
+    def errored(self) -> bool:
+        """The engine can no longer serve (the core died)."""
+        return self._error is not None or self.engine_core.is_dead and not self._closed
+
+    @property
+    def is_running(self) -> bool:
+        return not self._closed and not self.errored
+
+    @property
+    def dead_error(self) -> BaseException:
+        if self._error is not None:
+            return self._error
+        return EngineDeadError(self.engine_core.dead_error or "the engine is shut down")
+
+    def _check_running(self) -> None:
+        if not self.is_running:
+            raise self.dead_error
+
+    async def check_health(self) -> None:
+        """Raises EngineDeadError when the engine cannot serve."""
+        self._check_running()
+
+    async def get_stats(self) -> dict[str, Any]:
+        """The core's scheduler and KV cache counters (EngineCore.get_stats)."""
+        self._check_running()
+        return await self.engine_core.call_utility_async("get_stats")
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    # ---- requests ----
+    async def generate(
+        self,
+        prompt: Any,
+        sampling_params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+        *,
+        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+    ) -> AsyncIterator[RequestOutput]:
+        """Streams the request's outputs as they arrive (per `output_kind`); the last one has
+        `finished=True`. Cancelling or closing the iterator aborts the request; `abort()` from
+        elsewhere ends it without a final output."""
+        if not isinstance(sampling_params, SamplingParams):
+            raise ValueError("generate() needs SamplingParams (use encode() for pooling)")
+        async for out in self._run(request_id, prompt, sampling_params, priority, output_kind):
+            yield out
+
+    async def encode(
+        self,
+        prompt: Any,
+        pooling_params: PoolingParams,
+        request_id: str,
+        priority: int = 0,
+    ) -> AsyncIterator[PoolingRequestOutput]:
+        """The pooled output of an encoder-only model, as a one-item stream."""
+        if not isinstance(pooling_params, PoolingParams):
+            raise ValueError("encode() needs PoolingParams (use generate() for generation)")
+        if self.model_config.kind != ModelKind.ENCODER_ONLY:
+            raise ValueError(f"{self.model_config.model} is not a pooling (encoder-only) model")
+        async for out in self._run(
+            request_id, prompt, pooling_params, priority, RequestOutputKind.FINAL_ONLY
+        ):
+            yield out
+
+    async def transcribe(
+        self,
+        audio: Any,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        **options: Any,
+    ) -> Any:
+        """Transcribes audio with a Whisper model (the Whisper frontend builds the requests)."""
+        if not self.model_config.is_whisper:
+            raise ValueError(
+                f"transcribe() needs a Whisper model; {self.model_config.model} is "
+                f"{self.model_config.architecture}"
+            )
+        try:
+            from v1.engine import whisper_inputs
+        except ImportError as e:
+            raise ValueError("the Whisper frontend (v1.engine.whisper_inputs) is missing") from e
+        transcribe_async = getattr(whisper_inputs, "transcribe_async", None)
+        if transcribe_async is None:
+            raise ValueError("this build's Whisper frontend has no asyncio transcription")
+        return await transcribe_async(self, audio, sampling_params, request_id, **options)
+
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        """Stops requests; their iterators end without a final output. Unknown ids are ignored."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for req_id in ids:
+            q = self._queues.pop(req_id, None)
+            if q is not None:
+                q.put_nowait(None)
+        core_ids = self.output_processor.abort_requests(ids)
+        if core_ids and not self.engine_core.is_dead:
+            await self.engine_core.abort_requests_async(core_ids)
+
+    async def _run(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: Params,
+        priority: int,
+        output_kind: RequestOutputKind,
+    ) -> AsyncIterator[Any]:
+        q = await self._add_request(request_id, prompt, params, priority, output_kind)
+        finished = False
+        try:
+            while not finished:
+                item = q.get_nowait() if not q.empty() else await q.get()
+                if item is None:  # abort() already aborted it
+                    finished = True
+                    return
+                if isinstance(item, BaseException):
+                    finished = True  # nothing left to abort
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            # Reached on normal end, cancellation (CancelledError) and aclose (GeneratorExit);
+            # the abort must not await here. A queue no longer registered means abort() or a
+            # loop change already aborted the request (and the id may be in use again).
+            if self._queues.get(request_id) is q:
+                del self._queues[request_id]
+                if not finished:
+                    self._abort_now(request_id)
+
+    async def _add_request(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: Params,
+        priority: int,
+        output_kind: RequestOutputKind,
+    ) -> asyncio.Queue[_Item | None]:
+        self._check_running()
+        self._ensure_output_handler()
+        if request_id in self._queues or request_id in self.output_processor.parent_requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        core_requests = self._process(request_id, prompt, params, priority)
+        if any(r.request_id in self.output_processor.request_states for r in core_requests):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_text, encoder_text = self.input_processor.prompt_texts(prompt)
+        parent = None
+        if isinstance(params, SamplingParams) and params.n > 1:
+            parent = ParentRequest(request_id, params)
+        q: asyncio.Queue[_Item | None] = asyncio.Queue()
+        self._queues[request_id] = q
+        for index, request in enumerate(core_requests):
+            self.output_processor.add_request(
+                request,
+                prompt_text,
+                parent,
+                index,
+                output_kind=output_kind,
+                encoder_prompt=encoder_text,
+            )
+        try:
+            for request in core_requests:
+                await self.engine_core.add_request_async(request)
+        except BaseException:
+            self._queues.pop(request_id, None)
+            self.output_processor.abort_requests([request_id])
+            raise
+        return q
+
+    def _process(
+        self, request_id: str, prompt: Any, params: Params, priority: int
+    ) -> list[EngineCoreRequest]:
+        """Validated core requests: one, or n children for n > 1 sampling."""
+        if isinstance(params, SamplingParams) and params.n > 1:
+            parent = ParentRequest(request_id, params)
+            return [
+                self.input_processor.process(
+                    parent.child_request_id(i, request_id),
+                    prompt,
+                    parent.child_params(i),
+                    priority=priority,
+                )
+                for i in range(params.n)
+            ]
+        return [self.input_processor.process(request_id, prompt, params, priority=priority)]
+
+    def _abort_now(self, request_id: str) -> None:
+        """Abort without awaiting (safe in `finally` of a cancelled or closed iterator)."""
+        core_ids = self.output_processor.abort_requests([request_id])
+        if not core_ids:
+            return
+        try:
+            self.engine_core.abort_requests_nowait(core_ids)
+        except EngineDeadError:
+            pass  # the core is gone and its requests with it
+
+    # ---- output handling ----
+    def _ensure_output_handler(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            if self._loop is not None and not self._loop.is_closed():
+                raise RuntimeError("this AsyncLLM is in use by another running event loop")
+            self._move_to_loop(loop)
+        if self._output_handler is None or self._output_handler.done():
+            self._output_handler = loop.create_task(
+                self._handle_outputs(), name="AsyncLLM.output_handler"
+            )
+
+    def _move_to_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Requests of a closed loop have no consumer left: abort them."""
+        stale = list(self._queues)
+        self._queues.clear()
+        core_ids = self.output_processor.abort_requests(stale)
+        if core_ids and not self.engine_core.is_dead:
+            self.engine_core.abort_requests_nowait(core_ids)
+        self._output_handler = None
+        self._loop = loop
+
+    async def _handle_outputs(self) -> None:
+        try:
+            while True:
+                outputs = await self.engine_core.get_output_async()
+                results, reqs_to_abort = self.output_processor.process_outputs(outputs.outputs)
+                for result in results:
+                    q = self._queues.get(result.request_id)
+                    if q is not None:
+                        q.put_nowait(result)
+                if reqs_to_abort:
+                    await self.engine_core.abort_requests_async(reqs_to_abort)
+        except EngineDeadError as e:
+            self._fail_all(e)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a frontend bug must not hang every caller
+            logger.exception("AsyncLLM output handler failed")
+            self._fail_all(EngineDeadError(f"the output handler failed: {type(e).__name__}: {e}"))
+
+    def _fail_all(self, error: BaseException) -> None:
+        if self._closed:
+            return
+        self._error = error
+        for q in self._queues.values():
+            q.put_nowait(error)
+
+    # ---- lifecycle ----
+    def shutdown(self) -> None:
+        """Stops the core; pending and later calls raise EngineDeadError. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        error = EngineDeadError("the engine is shut down")
+        for q in self._queues.values():
+            q.put_nowait(error)
+        handler, self._output_handler = self._output_handler, None
+        if handler is not None and not handler.done():
+            try:
+                handler.cancel()
+            except RuntimeError:
+                pass  # its loop is closed: the task will never run again anyway
+        self.engine_core.shutdown()

@@ -1,0 +1,326 @@
+"""The offline API: `LLM(model).generate(...)`, `.embed`, `.classify`, `.score`, `.rerank`.
+
+Every prompt of a batch is validated before any is queued (invalid input raises ValueError and
+the engine keeps serving); results come back in input order. A request the engine fails makes
+the call raise `RequestFailedError` at the end, carrying every output.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from v1 import envs
+from v1.config import EngineConfig, ModelKind, make_engine_config
+from v1.engine.llm_engine import LLMEngine
+from v1.outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    RerankResult,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from v1.pooling_params import PoolingParams
+from v1.sampling_params import SamplingParams
+
+
+class RequestFailedError(RuntimeError):
+    """Some requests of a batch ended with an engine error; `outputs` holds every output in
+    input order (failed ones have `error` set)."""
+
+    def __init__(self, message: str, outputs: list[Any]) -> None:
+        super().__init__(message)
+        self.outputs = outputs
+
+
+class LLM:
+    """An engine for offline batches. Keyword arguments beyond the named ones go to
+    `make_engine_config` (e.g. enable_prefix_caching, gpu_memory_utilization, hf_overrides)."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        device: str = "auto",
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        seed: int = 0,
+        trust_remote_code: bool = False,
+        max_model_len: int | None = None,
+        enforce_eager: bool = False,
+        multiprocess: bool | None = None,
+        **engine_kwargs: Any,
+    ) -> None:
+        optional = {
+            "max_num_seqs": max_num_seqs,
+            "max_num_batched_tokens": max_num_batched_tokens,
+            "num_kv_blocks": num_kv_blocks,
+            "kv_cache_memory_bytes": kv_cache_memory_bytes,
+            "max_model_len": max_model_len,
+            "tokenizer": tokenizer,
+        }
+        config = make_engine_config(
+            model,
+            dtype=dtype,
+            device=device,
+            block_size=block_size,
+            seed=seed,
+            trust_remote_code=trust_remote_code,
+            enforce_eager=enforce_eager,
+            **{k: v for k, v in optional.items() if v is not None},
+            **engine_kwargs,
+        )
+        if multiprocess is None:
+            multiprocess = envs.V1_MULTIPROCESSING
+        self.config: EngineConfig = config
+        self.llm_engine = LLMEngine(config, multiprocess=multiprocess)
+        self._counter = itertools.count()
+
+    # ---- generation ----
+    def generate(
+        self,
+        prompts: Any,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Completions of one prompt or a list of prompts (str, TokensPrompt, TextPrompt or
+        {"encoder_prompt", "decoder_prompt"}), in input order. `sampling_params`: one for all
+        or one per prompt (default SamplingParams())."""
+        if self.config.model_config.kind == ModelKind.ENCODER_ONLY:
+            raise ValueError(
+                f"{self.config.model_config.architecture} is an encoder-only model: use embed, "
+                f"classify or score instead of generate"
+            )
+        prompts = _as_list(prompts)
+        params = _per_prompt(sampling_params, len(prompts), SamplingParams, "sampling_params")
+        return self._run(prompts, params, use_tqdm, priority)
+
+    # ---- pooling ----
+    def embed(
+        self,
+        prompts: Any,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """Embeddings (float32 lists) of one or more texts / TokensPrompts, in input order.
+        `truncate_prompt_tokens=-1` truncates to the model's limit."""
+        params = self._pooling_params(pooling_params, prompts, "embed", truncate_prompt_tokens)
+        outputs = self._run(_as_list(prompts), params, use_tqdm, None)
+        return [EmbeddingRequestOutput.from_base(o) for o in outputs]
+
+    def classify(
+        self,
+        prompts: Any,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[ClassificationRequestOutput]:
+        """Class probabilities of a sequence classification model, in input order."""
+        params = self._pooling_params(pooling_params, prompts, "classify", truncate_prompt_tokens)
+        outputs = self._run(_as_list(prompts), params, use_tqdm, None)
+        return [ClassificationRequestOutput.from_base(o) for o in outputs]
+
+    def score(
+        self,
+        text_1: str | Sequence[str],
+        text_2: str | Sequence[str],
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """Relevance of text pairs: one text_1 against each text_2, or pairwise for equal-length
+        lists. Cross-encoders (sequence classification models) score each pair in one pass;
+        embedding models return the cosine similarity of the two embeddings."""
+        pairs = _score_pairs(text_1, text_2)
+        if self._is_cross_encoder:
+            prompts = [{"text": a, "text_pair": b} for a, b in pairs]
+            params = self._pooling_params(None, prompts, "score", truncate_prompt_tokens)
+            outputs = self._run(prompts, params, use_tqdm, None)
+            return [ScoringRequestOutput.from_base(o) for o in outputs]
+        texts = list(dict.fromkeys(t for pair in pairs for t in pair))
+        embeddings = self.embed(
+            texts, use_tqdm=use_tqdm, truncate_prompt_tokens=truncate_prompt_tokens
+        )
+        by_text = {
+            t: np.asarray(e.outputs.embedding, dtype=np.float32)
+            for t, e in zip(texts, embeddings, strict=True)
+        }
+        results = []
+        for i, (a, b) in enumerate(pairs):
+            u, v = by_text[a], by_text[b]
+            denom = max(float(np.linalg.norm(u) * np.linalg.norm(v)), 1e-12)
+            results.append(
+                ScoringRequestOutput(
+                    request_id=f"score-{i}",
+                    outputs=ScoringOutput(float(np.dot(u, v)) / denom),
+                    prompt_token_ids=[],
+                    finished=True,
+                )
+            )
+        return results
+
+    def rerank(
+        self,
+        query: str,
+        documents: Sequence[str],
+        top_n: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RerankResult]:
+        """Documents ordered by relevance to `query` (best first), at most `top_n` of them."""
+        if isinstance(documents, str) or not documents:
+            raise ValueError("documents must be a non-empty list of strings")
+        if top_n is not None and top_n < 1:
+            raise ValueError(f"top_n must be >= 1, got {top_n}")
+        scores = self.score(query, list(documents), use_tqdm=use_tqdm)
+        results = [
+            RerankResult(i, doc, s.outputs.score)
+            for i, (doc, s) in enumerate(zip(documents, scores, strict=True))
+        ]
+        results.sort(key=lambda r: r.relevance_score, reverse=True)
+        return results[:top_n] if top_n is not None else results
+
+    # ---- misc ----
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.get_tokenizer()
+
+    def shutdown(self) -> None:
+        engine = self.__dict__.get("llm_engine")
+        if engine is not None:
+            engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:  # noqa: BLE001 - interpreter teardown: nothing left to report to
+            return
+
+    # ---- internals ----
+    @property
+    def _is_cross_encoder(self) -> bool:
+        return self.config.model_config.architecture.endswith("ForSequenceClassification")
+
+    def _pooling_params(
+        self,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None,
+        prompts: Any,
+        task: str,
+        truncate_prompt_tokens: int | None,
+    ) -> list[PoolingParams]:
+        mc = self.config.model_config
+        if mc.kind != ModelKind.ENCODER_ONLY:
+            raise ValueError(f"{mc.architecture} is a generative model: use generate, not {task}")
+        count = len(_as_list(prompts))
+        params = _per_prompt(
+            pooling_params, count, lambda: PoolingParams(task=task), "pooling_params"
+        )
+        changes: dict[str, Any] = {}
+        if truncate_prompt_tokens is not None:
+            if truncate_prompt_tokens == -1:
+                truncate_prompt_tokens = mc.max_encoder_len
+            changes["truncate_prompt_tokens"] = truncate_prompt_tokens
+        return [p.clone(task=task, **changes) for p in params]
+
+    def _run(
+        self,
+        prompts: list[Any],
+        params: list[Any],
+        use_tqdm: bool,
+        priority: Sequence[int] | None,
+    ) -> list[Any]:
+        """Validates every prompt, queues them all, steps until done; outputs in input order."""
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts")
+        engine = self.llm_engine
+        req_ids = [str(next(self._counter)) for _ in prompts]
+        processed = [
+            engine.process_request(req_id, prompt, p, priority[i] if priority else 0)
+            for i, (req_id, prompt, p) in enumerate(zip(req_ids, prompts, params, strict=True))
+        ]
+        for req_id, prompt, p, core_requests in zip(
+            req_ids, prompts, params, processed, strict=True
+        ):
+            engine.add_processed_request(req_id, prompt, p, core_requests)
+        outputs = self._run_engine(set(req_ids), use_tqdm and len(prompts) > 1)
+        ordered = [outputs[r] for r in req_ids]
+        failed = [(i, o.error) for i, o in enumerate(ordered) if o.error is not None]
+        if failed:
+            details = "; ".join(f"prompt {i}: {err}" for i, err in failed)
+            raise RequestFailedError(f"{len(failed)} request(s) failed: {details}", ordered)
+        return ordered
+
+    def _run_engine(self, req_ids: set[str], use_tqdm: bool) -> dict[str, Any]:
+        outputs: dict[str, RequestOutput | PoolingRequestOutput] = {}
+        bar = tqdm(
+            total=len(req_ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm
+        )
+        try:
+            while len(outputs) < len(req_ids):
+                if not self.llm_engine.has_unfinished_requests():
+                    missing = sorted(req_ids - outputs.keys())
+                    raise RuntimeError(f"requests {missing} ended without an output")
+                for out in self.llm_engine.step():
+                    if out.finished and out.request_id in req_ids:
+                        outputs[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            self.llm_engine.abort_request(sorted(req_ids - outputs.keys()))
+            raise
+        finally:
+            bar.close()
+        return outputs
+
+
+def _as_list(prompts: Any) -> list[Any]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, Sequence) and prompts and all(isinstance(p, int) for p in prompts):
+        raise ValueError('pass token ids as {"prompt_token_ids": [...]}, not a bare list of ints')
+    if not isinstance(prompts, Sequence) or not prompts:
+        raise ValueError("prompts must be a prompt or a non-empty list of prompts")
+    return list(prompts)
+
+
+def _per_prompt(params: Any, count: int, default: Any, name: str) -> list[Any]:
+    if params is None:
+        return [default() for _ in range(count)]
+    if isinstance(params, (SamplingParams, PoolingParams)):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"{name} has {len(params)} entries for {count} prompts")
+    return params
+
+
+def _score_pairs(text_1: str | Sequence[str], text_2: str | Sequence[str]) -> list[tuple[str, str]]:
+    left = [text_1] if isinstance(text_1, str) else list(text_1)
+    right = [text_2] if isinstance(text_2, str) else list(text_2)
+    if not left or not right:
+        raise ValueError("score needs at least one text on each side")
+    if len(left) == 1:
+        left = left * len(right)
+    if len(left) != len(right):
+        raise ValueError(
+            f"score pairs text_1 and text_2 one to one: got {len(left)} and {len(right)} texts"
+        )
+    for text in left + right:
+        if not isinstance(text, str):
+            raise ValueError(f"score takes strings, got {type(text).__name__}")
+    return list(zip(left, right, strict=True))

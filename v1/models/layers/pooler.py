@@ -1,0 +1,198 @@
+"""Pooling of packed encoder outputs: per-request token reductions (CLS, mean, max, last, ...)
+done as segment operations over the packed token axis, Matryoshka truncation, L2 normalization,
+classifier activations, and the `Pooler` that turns one step's hidden states into each request's
+float32 result for its task (embed, classify, score, encode).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from v1.models.sentence_transformers import ModelPoolingConfig, validate_pooling_params
+from v1.pooling_params import PoolingParams
+
+ClassifyFn = Callable[[torch.Tensor], torch.Tensor]
+"""First-token hidden states [N, hidden] -> classifier logits [N, num_labels] (float32)."""
+
+
+@dataclass
+class PoolingSegments:
+    """One step's requests as contiguous segments of the packed token axis."""
+
+    query_start_loc: torch.Tensor
+    """[R + 1] int64 token offsets."""
+    lengths: torch.Tensor
+    """[R] int64 tokens per request."""
+    token_req: torch.Tensor
+    """[T] int64 request index of each token."""
+    lengths_cpu: list[int]
+
+    @classmethod
+    def from_lengths(cls, lengths: np.ndarray, device: torch.device) -> PoolingSegments:
+        lengths_t = torch.as_tensor(np.asarray(lengths, dtype=np.int64))
+        qsl = torch.zeros(len(lengths_t) + 1, dtype=torch.int64)
+        torch.cumsum(lengths_t, 0, out=qsl[1:])
+        num_tokens = int(qsl[-1])
+        token_req = torch.repeat_interleave(
+            torch.arange(len(lengths_t)), lengths_t, output_size=num_tokens
+        )
+        return cls(qsl.to(device), lengths_t.to(device), token_req.to(device), lengths_t.tolist())
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.lengths_cpu)
+
+    @property
+    def first_token_indices(self) -> torch.Tensor:
+        return self.query_start_loc[:-1]
+
+    @property
+    def last_token_indices(self) -> torch.Tensor:
+        return self.query_start_loc[1:] - 1
+
+
+def segment_sum(values: torch.Tensor, seg: PoolingSegments) -> torch.Tensor:
+    """values [T, H] -> per-request sums [R, H]."""
+    out = values.new_zeros(seg.num_reqs, values.shape[1])
+    return out.index_add_(0, seg.token_req, values)
+
+
+def pool_tokens(hidden: torch.Tensor, seg: PoolingSegments, mode: str) -> torch.Tensor:
+    """hidden [T, H] -> [R, H] float32 by one sentence-transformers pooling mode."""
+    h = hidden.float()
+    lengths = seg.lengths.to(h.dtype)[:, None]  # [R, 1]
+    if mode == "cls":
+        return h[seg.first_token_indices]
+    if mode == "last":
+        return h[seg.last_token_indices]
+    if mode == "mean":
+        return segment_sum(h, seg) / lengths
+    if mode == "mean_sqrt_len":
+        return segment_sum(h, seg) / lengths.sqrt()
+    if mode == "max":
+        out = h.new_full((seg.num_reqs, h.shape[1]), float("-inf"))
+        index = seg.token_req[:, None].expand_as(h)
+        return out.scatter_reduce_(0, index, h, reduce="amax", include_self=True)
+    if mode == "weightedmean":
+        # Weight of a token = its 1-based index in its request (sentence-transformers).
+        local = torch.arange(h.shape[0], device=h.device) - seg.query_start_loc[seg.token_req]
+        weights = (local + 1).to(h.dtype)[:, None]  # [T, 1]
+        return segment_sum(h * weights, seg) / segment_sum(weights, seg)
+    raise ValueError(f"unknown pooling mode {mode!r}")
+
+
+def pool(hidden: torch.Tensor, seg: PoolingSegments, modes: tuple[str, ...]) -> torch.Tensor:
+    """Every mode's pooling, concatenated: [R, H * len(modes)] float32."""
+    parts = [pool_tokens(hidden, seg, mode) for mode in modes]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+
+def l2_normalize(x: torch.Tensor) -> torch.Tensor:
+    return F.normalize(x, p=2.0, dim=-1)
+
+
+def apply_classifier_activation(logits: torch.Tensor, activation: str) -> torch.Tensor:
+    """logits [N, L] -> sigmoid | softmax (over labels) | unchanged."""
+    if activation == "sigmoid":
+        return torch.sigmoid(logits)
+    if activation == "softmax":
+        return torch.softmax(logits, dim=-1)
+    if activation == "none":
+        return logits
+    raise ValueError(f"unknown classifier activation {activation!r}")
+
+
+class Pooler:
+    """One step's hidden states -> each request's float32 result for its PoolingParams.
+
+    - embed: the model's pooling modes, then `dimensions` (Matryoshka: the first N values),
+      then L2 normalization (params.normalize, default the model's); truncating before
+      normalizing keeps truncated embeddings unit-length, as vLLM does.
+    - classify: classifier logits [num_labels] of the first token, with the model's
+      activation (sigmoid for one label / multi-label, softmax otherwise) unless
+      activation=False.
+    - score: the same for a one-label cross-encoder, as a 1-element array.
+    - encode: per-token hidden states [n, hidden] (L2-normalized per token if normalize=True).
+    """
+
+    def __init__(self, config: ModelPoolingConfig, classify: ClassifyFn | None = None) -> None:
+        self.config = config
+        self.classify = classify
+
+    def check(self, params: PoolingParams) -> None:
+        validate_pooling_params(self.config, params)
+        if params.task in ("classify", "score") and self.classify is None:
+            raise ValueError(f"task {params.task!r}: this model has no classifier head")
+
+    def __call__(
+        self, hidden: torch.Tensor, seg: PoolingSegments, params: list[PoolingParams]
+    ) -> list[np.ndarray]:
+        for p in params:
+            self.check(p)
+        results: list[torch.Tensor | None] = [None] * len(params)
+        by_task: dict[str, list[int]] = {}
+        for i, p in enumerate(params):
+            by_task.setdefault(p.task, []).append(i)
+        if "embed" in by_task:
+            self._embed(hidden, seg, params, by_task["embed"], results)
+        heads = by_task.get("classify", []) + by_task.get("score", [])
+        if heads:
+            self._classify(hidden, seg, params, heads, results)
+        if "encode" in by_task:
+            tokens = hidden.float().split(seg.lengths_cpu)
+            for i in by_task["encode"]:
+                results[i] = l2_normalize(tokens[i]) if params[i].normalize else tokens[i]
+        return _to_numpy(results)
+
+    def _embed(
+        self,
+        hidden: torch.Tensor,
+        seg: PoolingSegments,
+        params: list[PoolingParams],
+        reqs: list[int],
+        results: list[torch.Tensor | None],
+    ) -> None:
+        pooled = pool(hidden, seg, self.config.pooling_modes)  # [R, E]
+        groups: dict[tuple[int | None, bool], list[int]] = {}
+        for i in reqs:
+            normalize = params[i].normalize
+            key = (params[i].dimensions, self.config.normalize if normalize is None else normalize)
+            groups.setdefault(key, []).append(i)
+        for (dims, normalize), idx in groups.items():
+            x = pooled[idx] if dims is None else pooled[idx, :dims]
+            x = l2_normalize(x) if normalize else x
+            for row, i in enumerate(idx):
+                results[i] = x[row]
+
+    def _classify(
+        self,
+        hidden: torch.Tensor,
+        seg: PoolingSegments,
+        params: list[PoolingParams],
+        reqs: list[int],
+        results: list[torch.Tensor | None],
+    ) -> None:
+        assert self.classify is not None
+        first = seg.first_token_indices[reqs]
+        logits = self.classify(hidden[first]).float()  # [N, num_labels]
+        activated = apply_classifier_activation(logits, self.config.classifier_activation)
+        for row, i in enumerate(reqs):
+            use_act = params[i].activation is not False
+            results[i] = activated[row] if use_act else logits[row]
+
+
+def _to_numpy(results: list[torch.Tensor | None]) -> list[np.ndarray]:
+    """Device tensors -> float32 numpy arrays with one device-to-host copy."""
+    assert all(r is not None for r in results)
+    flat = torch.cat([r.reshape(-1) for r in results]).float().cpu().numpy()  # sync: one copy
+    out, start = [], 0
+    for r in results:
+        n = r.numel()
+        out.append(flat[start : start + n].reshape(tuple(r.shape)))
+        start += n
+    return out
