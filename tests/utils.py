@@ -63,6 +63,26 @@ def make_tiny_tokenizer(
     return wrapped
 
 
+_WORDS = (
+    "the quick brown fox jumps over lazy dog hello world a an is not gold all that "
+    "glitters who wander are lost engine model serve text query document relevant"
+).split()
+
+
+def make_tiny_wordpiece_tokenizer(path: str | os.PathLike[str]) -> Any:
+    """A BERT-style WordPiece tokenizer (lower case, [CLS] a [SEP] b [SEP], token_type_ids)
+    over a small vocabulary, saved as a transformers BertTokenizer in `path`."""
+    from transformers import BertTokenizer
+
+    path = Path(path)
+    chars = "abcdefghijklmnopqrstuvwxyz0123456789.,!?;:'-"
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *chars, *(f"##{c}" for c in chars)]
+    vocab += [w for w in _WORDS if w not in vocab] + ["##ing", "##ed", "##s"]
+    tokenizer = BertTokenizer(vocab={token: i for i, token in enumerate(vocab)})
+    tokenizer.save_pretrained(str(path))
+    return tokenizer
+
+
 def make_tiny_model_dir(
     config_cls: type,
     model_cls: type,

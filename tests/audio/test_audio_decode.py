@@ -201,6 +201,15 @@ def test_pyav_encoded_sine_decodes(fmt: str, codec: str, sr: int, layout: str) -
     assert 0.4 < np.abs(audio).max() < 0.6
 
 
+def test_truncated_mp3_is_not_padded_to_its_header_length() -> None:
+    # libsndfile's MP3 reader pads a cut stream with silence to the Xing header's length;
+    # MP3 goes through ffmpeg, which returns what is there.
+    mp3 = encode_pyav(sine(2.0, 22050), 22050, "mp3", "libmp3lame")
+    audio = load_audio(mp3[: len(mp3) // 2])
+    assert audio.shape[0] / SAMPLE_RATE == pytest.approx(1.0, abs=0.15)
+    assert dominant_frequency(audio) == pytest.approx(440.0, abs=2.0)
+
+
 def test_flac_of_unknown_length_decodes_through_pyav() -> None:
     tone = sine(3.0, SAMPLE_RATE)
     flac = without_flac_length(encode_soundfile(tone, SAMPLE_RATE, "FLAC"))

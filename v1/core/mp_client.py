@@ -297,16 +297,20 @@ class MPClient(EngineCoreClient):
             raise EngineDeadError(self._dead_error)
 
     def _send(self, kind: EngineCoreRequestType, payload: Any) -> None:
+        with self._res.send_lock:
+            self._send_frames_locked([kind.value, *self._encoder.encode(payload)])
+
+    def _send_frames_locked(self, frames: list[Any]) -> None:
+        """Sends one multipart message (caller holds send_lock); waits only while no core is
+        connected, and raises EngineDeadError once the core is gone."""
         res = self._res
-        with res.send_lock:
-            frames: list[Any] = [kind.value, *self._encoder.encode(payload)]
-            while True:
-                self._check_alive()
-                try:
-                    res.input_socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-                    return
-                except zmq.Again:
-                    res.input_socket.poll(_POLL_MS, zmq.POLLOUT)  # no core connected (yet)
+        while True:
+            self._check_alive()
+            try:
+                res.input_socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                res.input_socket.poll(_POLL_MS, zmq.POLLOUT)  # no core connected (yet)
 
     def _start_utility(self, method: str, args: Sequence[Any]) -> Future:
         fut: Future = Future()

@@ -73,8 +73,9 @@ class MsgpackEncoder:
         if arr.dtype.kind not in _ARRAY_KINDS:
             raise TypeError(f"cannot send arrays of dtype {arr.dtype} (only bool and numbers)")
         assert self._aux is not None, "enc_hook outside encode()"
-        arr = np.ascontiguousarray(arr)  # copies only a non-contiguous array
         shape = arr.shape if shape is None else shape
+        if not arr.flags.c_contiguous:
+            arr = arr.copy(order="C")  # the only copy: a non-contiguous array
         self._aux.append(memoryview(arr.reshape(-1).view(np.uint8)))
         index = len(self._aux)  # frame 0 is the msgpack payload
         header = msgspec.msgpack.encode((dtype, shape, index))

@@ -1,0 +1,440 @@
+"""The EngineCore process driven through SyncMPClient with a scripted executor (no model):
+handshake, requests, utilities, malformed input, eager aborts, and every way of dying."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+
+from v1.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from v1.core.client import EngineDeadError
+from v1.core.mp_client import EngineCoreStartError, SyncMPClient, UtilityCallError
+from v1.core.protocol import EngineCoreRequest, EngineCoreRequestType, FinishReason
+from v1.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from v1.kv_cache.spec import FullAttentionSpec, KVCacheConfig, KVCacheSpec
+from v1.pooling_params import PoolingParams
+from v1.sampling_params import SamplingParams
+from v1.worker.executor import Executor
+
+pytestmark = pytest.mark.timeout(120)
+
+# Prompts starting with these tokens script the executor's behaviour.
+SLOW, DIE, HANG = 90, 91, 92
+STEP_SLEEP_S = 1.0
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class CoreDeath(BaseException):
+    """Escapes EngineCore's per-step error handling, like a real engine bug would."""
+
+
+class ScriptedExecutor(Executor):
+    """One FullAttention layer; token i of a request is 10 + (prompt_len + i) % 50. Requests
+    whose prompt starts with SLOW make their steps take STEP_SLEEP_S, DIE kills the core, HANG
+    blocks the step; pooling requests return [num_tokens] * 4 as float32."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.block_size = config.cache_config.block_size
+        self.marker: dict[str, int] = {}
+        self.num_tokens: dict[str, int] = {}
+        self.computed: dict[str, int] = {}
+        self.pooling: set[str] = set()
+
+    def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
+        return {"layers.0.self_attn": FullAttentionSpec(self.block_size, 1, 8, "float32")}
+
+    def determine_available_kv_bytes(self) -> int:
+        return 1 << 20
+
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        self.kv_cache_config = kv_cache_config
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        for req_id in so.finished_req_ids:
+            for table in (self.marker, self.num_tokens, self.computed):
+                table.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            self.marker[new.req_id] = new.prompt_token_ids[0]
+            self.num_tokens[new.req_id] = len(new.prompt_token_ids) + len(new.output_token_ids)
+            self.computed[new.req_id] = new.num_computed_tokens
+            if new.pooling_params is not None:
+                self.pooling.add(new.req_id)
+        req_ids = list(so.num_scheduled_tokens)
+        markers = {self.marker[r] for r in req_ids}
+        if DIE in markers:
+            raise CoreDeath("scripted engine bug")
+        if HANG in markers:
+            time.sleep(3600)
+        if SLOW in markers:
+            time.sleep(STEP_SLEEP_S)
+        sampled: list[list[int]] = []
+        pooled: list[Any] = []
+        for req_id in req_ids:
+            self.computed[req_id] += so.num_scheduled_tokens[req_id]
+            if req_id in self.pooling:
+                sampled.append([])
+                pooled.append(np.full(4, self.computed[req_id], dtype=np.float32))
+            elif self.computed[req_id] == self.num_tokens[req_id]:
+                sampled.append([10 + self.num_tokens[req_id] % 50])
+                self.num_tokens[req_id] += 1
+                pooled.append(None)
+            else:
+                sampled.append([])
+                pooled.append(None)
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, pooler_output=pooled)
+
+
+class FailingExecutor(ScriptedExecutor):
+    def __init__(self, config: EngineConfig) -> None:
+        raise ValueError("no weights in this folder")
+
+
+def factory_path(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Only a config.json: the scripted executor loads no weights."""
+    from transformers import LlamaConfig
+
+    path = tmp_path_factory.mktemp("fake-llama")
+    LlamaConfig(
+        vocab_size=100, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, intermediate_size=32, max_position_embeddings=256,
+        architectures=["LlamaForCausalLM"],
+    ).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def config(model_dir: str) -> EngineConfig:
+    return EngineConfig(
+        model_config=ModelConfig(model=model_dir),
+        cache_config=CacheConfig(block_size=4, num_kv_blocks=128),
+        scheduler_config=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=256),
+    )
+
+
+def start_client(config: EngineConfig, **kwargs: Any) -> SyncMPClient:
+    return SyncMPClient(config, executor_factory=factory_path(ScriptedExecutor), **kwargs)
+
+
+@pytest.fixture(scope="module")
+def shared(config: EngineConfig):
+    clients: dict[str, SyncMPClient] = {}
+    yield clients
+    for c in clients.values():
+        c.shutdown()
+
+
+@pytest.fixture
+def client(shared: dict[str, SyncMPClient], config: EngineConfig) -> SyncMPClient:
+    """A live client shared by the tests of this module (restarted if a test killed it)."""
+    c = shared.get("client")
+    if c is None or c.is_dead:
+        c = shared["client"] = start_client(config)
+    return c
+
+
+def request(req_id: str, max_tokens: int = 4, prompt: list[int] | None = None) -> EngineCoreRequest:
+    return EngineCoreRequest(
+        request_id=req_id,
+        prompt_token_ids=prompt or [5, 6, 7],
+        sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+    )
+
+
+def collect(client: SyncMPClient, req_ids: set[str], timeout: float = 30.0) -> dict[str, list]:
+    """Outputs per request until every one in `req_ids` has finished."""
+    got: dict[str, list] = {r: [] for r in req_ids}
+    pending = set(req_ids)
+    deadline = time.monotonic() + timeout
+    while pending:
+        outs = client.get_output(timeout=max(deadline - time.monotonic(), 0.01))
+        for o in outs.outputs:
+            got.setdefault(o.request_id, []).append(o)
+            if o.finished:
+                pending.discard(o.request_id)
+    return got
+
+
+def tokens(outs: list) -> list[int]:
+    return [t for o in outs for t in o.new_token_ids]
+
+
+def wait_until(cond, timeout: float) -> float:
+    start = time.monotonic()
+    while not cond():
+        assert time.monotonic() - start < timeout, "condition not met in time"
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
+def test_requests_stream_and_finish(client: SyncMPClient):
+    assert client.num_kv_blocks == 128 and client.max_model_len == 256
+    client.add_request(request("a", max_tokens=3))
+    client.add_request(request("b", max_tokens=6, prompt=[1] * 9))
+    got = collect(client, {"a", "b"})
+    assert tokens(got["a"]) == [13, 14, 15]
+    assert tokens(got["b"]) == [10 + n % 50 for n in range(9, 15)]
+    assert got["b"][-1].finish_reason == FinishReason.LENGTH
+    stats = client.call_utility("get_stats")
+    assert stats["num_requests"] == 0 and stats["num_kv_requests"] == 0
+
+
+def test_pooled_arrays_come_back_as_arrays(client: SyncMPClient):
+    client.add_request(
+        EngineCoreRequest(request_id="p", prompt_token_ids=[3] * 5, pooling_params=PoolingParams())
+    )
+    out = collect(client, {"p"})["p"][-1]
+    assert isinstance(out.pooled_output, np.ndarray) and out.pooled_output.dtype == np.float32
+    np.testing.assert_array_equal(out.pooled_output, np.full(4, 5.0, dtype=np.float32))
+
+
+def test_utility_calls(client: SyncMPClient):
+    info = client.call_utility("get_config_info")
+    assert info == {"num_kv_blocks": 128, "block_size": 4, "max_model_len": 256}
+    assert client.call_utility("is_healthy") is True
+    with pytest.raises(UtilityCallError, match="unknown utility method 'nope'"):
+        client.call_utility("nope")
+    results: list[Any] = []
+    threads = [
+        threading.Thread(target=lambda: results.append(client.call_utility("is_healthy")))
+        for _ in range(8)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert results == [True] * 8
+
+
+def test_bad_requests_fail_alone(client: SyncMPClient):
+    client.add_request(request("dup", max_tokens=2))
+    client.add_request(request("dup", max_tokens=2))
+    client.add_request(EngineCoreRequest(request_id="empty", prompt_token_ids=[],
+                                         sampling_params=SamplingParams()))
+    got = collect(client, {"dup", "empty"})
+    assert got["empty"][-1].finish_reason == FinishReason.ERROR
+    assert any("already in use" in (o.error or "") for o in got["dup"])
+    assert len(tokens(got["dup"])) == 2
+
+
+def send_raw(client: SyncMPClient, frames: list[bytes]) -> None:
+    with client._res.send_lock:
+        client._send_frames_locked(frames)
+
+
+def test_malformed_frames_are_dropped_and_the_core_keeps_running(client: SyncMPClient):
+    add = EngineCoreRequestType.ADD.value
+    bad_array = msgspec.msgpack.encode(
+        {"request_id": "badarr", "prompt_token_ids": [1],
+         "encoder_input": {"num_encoder_tokens": 1, "content_hash": "h",
+                           "audio": msgspec.msgpack.Ext(1, msgspec.msgpack.encode(["<f4", [4], 1]))}}
+    )
+    for frames in (
+        [b"\x7f", b"junk"],  # unknown message type
+        [b"\x00\x00", b"junk"],  # type frame of the wrong size
+        [add, b"\xc1\xc1\xc1"],  # not msgpack
+        [add],  # no payload
+        [add, msgspec.msgpack.encode([1, 2, 3])],  # wrong shape
+        [add, msgspec.msgpack.encode({"request_id": "badreq", "prompt_token_ids": "x"})],
+        [add, bad_array],  # array frame missing
+        [EngineCoreRequestType.ABORT.value, msgspec.msgpack.encode([1, 2])],
+        [EngineCoreRequestType.UTILITY.value, msgspec.msgpack.encode({"x": 1})],
+    ):
+        send_raw(client, frames)
+    client.add_request(request("after-garbage", max_tokens=3))
+    got = collect(client, {"after-garbage", "badreq", "badarr"})
+    # undecodable requests whose id is readable get an error instead of silence
+    assert got["badreq"][-1].finish_reason == FinishReason.ERROR
+    assert "malformed" in got["badreq"][-1].error
+    assert "refers to frame 1" in got["badarr"][-1].error
+    assert len(tokens(got["after-garbage"])) == 3
+    assert client._res.proc.is_alive() and client.call_utility("is_healthy")
+
+
+def test_abort_during_a_step_takes_effect_before_its_outputs(client: SyncMPClient):
+    client.add_request(request("slow", max_tokens=50, prompt=[SLOW, 1, 2]))
+    first = client.get_output(timeout=10 * STEP_SLEEP_S)
+    assert [o.request_id for o in first.outputs] == ["slow"]
+    t0 = time.monotonic()
+    client.abort_requests(["slow"])  # lands while the next (slow) step runs
+    with pytest.raises(TimeoutError):
+        client.get_output(timeout=2.5 * STEP_SLEEP_S)  # that step's token is never sent
+    assert time.monotonic() - t0 >= 2 * STEP_SLEEP_S
+    assert client.call_utility("get_stats")["num_requests"] == 0
+    # the id can be reused at once
+    client.add_request(request("slow", max_tokens=2))
+    assert len(tokens(collect(client, {"slow"})["slow"])) == 2
+
+
+def test_abort_and_readd_in_one_burst_keeps_order(client: SyncMPClient):
+    for _ in range(3):
+        client.add_request(request("x", max_tokens=100))
+        client.abort_requests(["x"])
+    client.add_request(request("x", max_tokens=3))
+    got = collect(client, {"x"})
+    assert got["x"][-1].finish_reason == FinishReason.LENGTH
+    assert client.call_utility("get_stats")["num_requests"] == 0
+
+
+def test_ipc_dir_is_private(client: SyncMPClient):
+    ipc_dir = client._res.ipc_dir
+    assert client.input_address.startswith(f"ipc://{ipc_dir}/")
+    assert stat.S_IMODE(os.stat(ipc_dir).st_mode) == 0o700
+
+
+@pytest.mark.parametrize("address", ["tcp://*:5555", "tcp://:5555", "udp://127.0.0.1:1"])
+def test_wildcard_or_unknown_addresses_are_refused(config: EngineConfig, address: str):
+    with pytest.raises(ValueError):
+        start_client(config, input_address=address, output_address="tcp://127.0.0.1:5556")
+
+
+def test_sigterm_shuts_the_core_down_gracefully(client: SyncMPClient):
+    proc = client._res.proc
+    os.kill(proc.pid, signal.SIGTERM)
+    proc.join(timeout=10)
+    assert proc.exitcode == 0
+    wait_until(lambda: client.is_dead, timeout=2)
+    with pytest.raises(EngineDeadError, match="exited with code 0"):
+        client.get_output()
+
+
+def test_failed_start_raises_a_clear_error(config: EngineConfig):
+    t0 = time.monotonic()
+    with pytest.raises(EngineCoreStartError, match="no weights in this folder"):
+        SyncMPClient(config, executor_factory=factory_path(FailingExecutor))
+    assert time.monotonic() - t0 < 60
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_fatal_error_sends_the_dead_sentinel_over_tcp(config: EngineConfig):
+    c = start_client(
+        config,
+        input_address=f"tcp://127.0.0.1:{free_port()}",
+        output_address=f"tcp://127.0.0.1:{free_port()}",
+    )
+    try:
+        c.add_request(request("ok", max_tokens=2))
+        assert len(tokens(collect(c, {"ok"})["ok"])) == 2
+        c.add_request(request("boom", prompt=[DIE]))
+        with pytest.raises(EngineDeadError, match="CoreDeath: scripted engine bug"):
+            collect(c, {"boom"})
+        c._res.proc.join(timeout=10)
+        assert c._res.proc.exitcode == 1
+        with pytest.raises(EngineDeadError):
+            c.add_request(request("later"))
+    finally:
+        c.shutdown()
+
+
+def test_sigkill_fails_every_pending_call_fast(config: EngineConfig):
+    c = start_client(config)
+    ipc_dir = c._res.ipc_dir
+    try:
+        c.add_request(request("stuck", prompt=[HANG]))
+        errors: dict[str, float] = {}
+
+        def pending(name: str, fn) -> None:
+            try:
+                fn()
+            except EngineDeadError:
+                errors[name] = time.monotonic()
+
+        threads = [
+            threading.Thread(target=pending, args=("get_output", c.get_output)),
+            threading.Thread(target=pending, args=("utility", lambda: c.call_utility("get_stats"))),
+        ]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)  # both are blocked: the core is stuck in a step
+        assert not errors
+        killed_at = time.monotonic()
+        os.kill(c.pid, signal.SIGKILL)
+        for t in threads:
+            t.join(timeout=5)
+        assert set(errors) == {"get_output", "utility"}
+        assert max(errors.values()) - killed_at < 2.0
+        for call in (c.get_output, lambda: c.add_request(request("new")),
+                     lambda: c.call_utility("get_stats"), lambda: c.abort_requests(["x"])):
+            t0 = time.monotonic()
+            with pytest.raises(EngineDeadError, match="exited with code -9"):
+                call()
+            assert time.monotonic() - t0 < 0.1
+    finally:
+        c.shutdown()
+        c.shutdown()  # idempotent
+    assert not os.path.exists(ipc_dir)
+
+
+FRONTEND = textwrap.dedent(
+    """
+    import sys, time
+    from v1.config import EngineConfig
+    from v1.core.mp_client import SyncMPClient
+
+    if __name__ == "__main__":
+        config = EngineConfig.from_json(sys.stdin.read())
+        client = SyncMPClient(config, executor_factory=sys.argv[1])
+        print(client.pid, flush=True)
+        time.sleep(600)
+    """
+)
+
+
+def _pid_gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return True
+
+
+def test_core_exits_when_its_frontend_is_killed(config: EngineConfig, tmp_path: Path):
+    script = tmp_path / "frontend.py"
+    script.write_text(FRONTEND)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(__file__).parent), str(REPO_ROOT), env.get("PYTHONPATH", "")]
+    )
+    core_pid = None
+    frontend = subprocess.Popen(
+        [sys.executable, str(script), factory_path(ScriptedExecutor)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True,
+    )
+    try:
+        frontend.stdin.write(config.to_json())
+        frontend.stdin.close()
+        line = frontend.stdout.readline()
+        assert line.strip().isdigit(), f"frontend failed: {line!r}"
+        core_pid = int(line)
+        assert not _pid_gone(core_pid)
+        frontend.kill()
+        frontend.wait(timeout=10)
+        elapsed = wait_until(lambda: _pid_gone(core_pid), timeout=10)
+        assert elapsed < 5.0
+    finally:
+        if frontend.poll() is None:
+            frontend.kill()
+        if core_pid is not None and not _pid_gone(core_pid):
+            os.kill(core_pid, signal.SIGKILL)
