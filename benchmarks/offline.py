@@ -28,6 +28,7 @@ import torch
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
     "special_tokens_map.json", "added_tokens.json", "normalizer.json", "preprocessor_config.json",
+    "vocab.txt",
 )
 
 

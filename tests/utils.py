@@ -28,11 +28,15 @@ SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
 
 
 def make_tiny_tokenizer(
-    path: str | os.PathLike[str], *, vocab_size: int = 384, add_bos: bool = True
+    path: str | os.PathLike[str],
+    *,
+    vocab_size: int = 384,
+    add_bos: bool = True,
+    add_eos: bool = False,
 ) -> Any:
     """Trains a byte-level BPE tokenizer (GPT-2 style) on a small corpus and saves it as a
-    transformers PreTrainedTokenizerFast in `path`: ids 0-3 are <pad> <s> </s> <unk>; with
-    `add_bos` every encoded text starts with <s> (Llama style)."""
+    transformers PreTrainedTokenizerFast in `path`: ids 0-3 are <pad> <s> </s> <unk>; `add_bos`
+    starts every encoded text with <s> (Llama style), `add_eos` ends it with </s> (BART style)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -46,12 +50,12 @@ def make_tiny_tokenizer(
         show_progress=False,
     )
     tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
-    if add_bos:
-        tok.post_processor = processors.TemplateProcessing(
-            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
-        )
-    else:
-        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    bos, eos = ("<s> " if add_bos else ""), (" </s>" if add_eos else "")
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos}$A{eos}",
+        pair=f"{bos}$A{eos} {bos}$B{eos}",
+        special_tokens=[("<s>", 1), ("</s>", 2)],
+    )
     wrapped = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token="<pad>",
@@ -77,7 +81,7 @@ def make_tiny_wordpiece_tokenizer(path: str | os.PathLike[str]) -> Any:
     path = Path(path)
     chars = "abcdefghijklmnopqrstuvwxyz0123456789.,!?;:'-"
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *chars, *(f"##{c}" for c in chars)]
-    vocab += [w for w in _WORDS if w not in vocab] + ["##ing", "##ed", "##s"]
+    vocab = list(dict.fromkeys([*vocab, *_WORDS, "##ing", "##ed", "##s"]))
     tokenizer = BertTokenizer(vocab={token: i for i, token in enumerate(vocab)})
     tokenizer.save_pretrained(str(path))
     return tokenizer
@@ -107,7 +111,8 @@ def make_tiny_model_dir(
     if tokenizer_from is None:
         tokenizer = make_tiny_tokenizer(path)
     else:
-        for item in Path(tokenizer_from).iterdir():
+        source = Path(tokenizer_from)
+        for item in source.iterdir() if source.resolve() != path.resolve() else []:
             if item.is_file() and not item.name.endswith((".safetensors", ".bin")) and (
                 "token" in item.name or item.name in ("vocab.json", "vocab.txt", "merges.txt")
             ):

@@ -159,7 +159,11 @@ def test_wire_layout_matches_docs():
         "request_id": "q",
         "prompt_token_ids": [1],
     }
-    assert msgspec.msgpack.decode(MsgpackEncoder().encode(UtilityRequest(3, "m"))[0]) == [3, "m", []]
+    assert msgspec.msgpack.decode(MsgpackEncoder().encode(UtilityRequest(3, "m"))[0]) == [
+        3,
+        "m",
+        [],
+    ]
 
 
 def test_decoded_arrays_are_views_of_the_received_zmq_frames():

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from v1.config import ModelConfig, make_engine_config
 from v1.core.engine_core import EngineCore
 from v1.core.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
+from v1.models import bert
 from v1.models.layers.pooler import Pooler, PoolingSegments, pool_tokens
 from v1.models.loader import construct_model, iterate_weights, load_model
 from v1.models.sentence_transformers import (
@@ -79,8 +80,12 @@ def make_hf_model(arch: str, seed: int = 0, **overrides: Any) -> torch.nn.Module
     return randomize_(hf_cls(config).float(), seed).eval()
 
 
-def save_checkpoint(hf_model: torch.nn.Module, path: Path, st_modules: list[str] | None = None,
-                    pooling: dict[str, Any] | None = None) -> str:
+def save_checkpoint(
+    hf_model: torch.nn.Module,
+    path: Path,
+    st_modules: list[str] | None = None,
+    pooling: dict[str, Any] | None = None,
+) -> str:
     """save_pretrained, plus sentence-transformers files when `st_modules` is given."""
     hf_model.save_pretrained(path)
     if st_modules is not None:
@@ -99,7 +104,9 @@ def make_core(path: str, **kwargs: Any) -> EngineCore:
     return EngineCore(make_engine_config(path, **kwargs))
 
 
-def random_inputs(lengths: list[int], seed: int = 0, type_ids: bool = False) -> list[dict[str, Any]]:
+def random_inputs(
+    lengths: list[int], seed: int = 0, type_ids: bool = False
+) -> list[dict[str, Any]]:
     """Token ids (and segment ids: a second segment from the middle on) per length."""
     rng = random.Random(seed)
     inputs = []
@@ -225,7 +232,9 @@ ST_FLAGS = {
     "modes, normalize",
     [(("mean",), True), (("cls", "max", "mean_sqrt_len"), False), (("weightedmean", "last"), True)],
 )
-def test_sentence_transformers_pooling(tmp_path: Path, modes: tuple[str, ...], normalize: bool) -> None:
+def test_sentence_transformers_pooling(
+    tmp_path: Path, modes: tuple[str, ...], normalize: bool
+) -> None:
     hf_model = make_hf_model("BertModel")
     st_modules = ["Transformer", "Pooling"] + (["Normalize"] if normalize else [])
     path = save_checkpoint(hf_model, tmp_path, st_modules, {ST_FLAGS[m]: True for m in modes})
@@ -299,6 +308,26 @@ def test_load_weights_covers_every_parameter(tmp_path: Path, arch: str) -> None:
     assert sum(p.numel() for p in ours.parameters()) == hf_numel
 
 
+@pytest.mark.parametrize(
+    "hf_cls, ours_cls",
+    [
+        (transformers.BertForMaskedLM, bert.BertForMaskedLM),
+        (transformers.XLMRobertaForMaskedLM, bert.XLMRobertaForMaskedLM),
+    ],
+)
+def test_masked_lm_checkpoints_load_as_encoders(tmp_path: Path, hf_cls: Any, ours_cls: Any) -> None:
+    """*ForMaskedLM checkpoints serve as embedding models: the LM head is skipped at load."""
+    model_type = "bert" if ours_cls is bert.BertForMaskedLM else "xlm-roberta"
+    config = transformers.AutoConfig.for_model(model_type, **TINY, pad_token_id=1)
+    hf_model = hf_cls(config).float()
+    hf_model.save_pretrained(tmp_path)
+    ours = ours_cls(config)
+    loaded = ours.load_weights(iterate_weights(str(tmp_path)))
+    assert loaded == {name for name, _ in ours.named_parameters()}
+    encoder = getattr(hf_model, hf_model.base_model_prefix)  # built without HF's pooler
+    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in encoder.parameters())
+
+
 def rewrite(src: str, dst: Path, rename: Any = None, drop: str | None = None) -> str:
     tensors = load_file(Path(src) / "model.safetensors")
     if drop is not None:
@@ -324,7 +353,9 @@ def test_bert_names_with_or_without_prefix_load_the_same(tmp_path: Path) -> None
         outs, _ = run_core(make_core(folder), inputs, PoolingParams(task="encode"))
         for inp, out in zip(inputs, outs, strict=True):
             expected = hf_hidden(hf_model, inp)
-            torch.testing.assert_close(torch.from_numpy(out.pooled_output), expected, atol=ATOL, rtol=0)
+            torch.testing.assert_close(
+                torch.from_numpy(out.pooled_output), expected, atol=ATOL, rtol=0
+            )
 
 
 def test_classifier_pooler_is_required_and_strangers_refused(tmp_path: Path) -> None:
@@ -342,8 +373,9 @@ def test_classifier_pooler_is_required_and_strangers_refused(tmp_path: Path) -> 
 # ---- per-request errors: clear messages, the engine keeps serving ----
 def test_bad_requests_fail_alone_and_the_engine_keeps_serving(tmp_path: Path) -> None:
     # RoBERTa: 34 position embeddings hold 32 tokens (positions start at padding_idx + 1).
-    hf_model, path = checkpoint(tmp_path, "RobertaForSequenceClassification",
-                                num_labels=3, max_position_embeddings=34)
+    hf_model, path = checkpoint(
+        tmp_path, "RobertaForSequenceClassification", num_labels=3, max_position_embeddings=34
+    )
     core = make_core(path, max_num_batched_tokens=64)
     good = random_inputs([32])[0]
     cases = [
@@ -435,7 +467,9 @@ def test_minilm_pooling_config() -> None:
     config = load_pooling_config(ModelConfig(model=str(MINILM)))
     assert config.pooling_modes == ("mean",) and config.normalize
     assert config.max_input_len == 256  # sentence_bert_config.json, below the 512 positions
-    assert config.is_sentence_transformers and not config.is_matryoshka and not config.has_classifier
+    assert (
+        config.is_sentence_transformers and not config.is_matryoshka and not config.has_classifier
+    )
 
 
 def test_sentence_transformers_files_are_checked(tmp_path: Path) -> None:

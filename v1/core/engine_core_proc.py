@@ -16,6 +16,7 @@ import re
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -163,6 +164,9 @@ class EngineCoreProc:
             if not core.has_work():
                 continue
             outputs = core.step()
+            # Yield the GIL: a step of pure-Python work would otherwise starve the input
+            # thread for many steps (aborts would land late).
+            time.sleep(0)
             self._apply_eager_aborts(outputs)
             if outputs.outputs:
                 outputs.scheduler_stats = core.scheduler.make_stats()

@@ -84,9 +84,9 @@ class IncrementalDetokenizer:
         """The text to report now: all of it (delta=False) or what is new since the previous
         call; while running, the last chars that could start a stop string are held back."""
         buffer_length = 0 if finished else self.stop_buffer_length
-        length = len(self.output_text) - buffer_length
+        length = max(len(self.output_text) - buffer_length, 0)
         if not delta:
-            return self.output_text[:length] if buffer_length else self.output_text
+            return self.output_text[:length]
         last = self._last_output_text_offset
         if last < length:
             self._last_output_text_offset = length
@@ -166,7 +166,7 @@ class SlowIncrementalDetokenizer(IncrementalDetokenizer):
         tokens = self._tokenizer.convert_ids_to_tokens(
             ids, skip_special_tokens=self.skip_special_tokens
         )
-        return [t or "" for t in tokens]
+        return [t for t in tokens if t]  # ids without a token (holes in the vocab) add nothing
 
     def _to_string(self, tokens: list[str]) -> str:
         if not self._added_vocab:

@@ -191,6 +191,22 @@ class LLM:
         results.sort(key=lambda r: r.relevance_score, reverse=True)
         return results[:top_n] if top_n is not None else results
 
+    # ---- speech ----
+    def transcribe(
+        self, audio: Any, sampling_params: SamplingParams | None = None, **options: Any
+    ) -> Any:
+        """Transcribes (or translates) audio with a Whisper model; the Whisper frontend
+        (`v1.engine.whisper_inputs.transcribe`) splits long audio and builds the requests."""
+        mc = self.config.model_config
+        if not mc.is_whisper:
+            raise ValueError(f"transcribe() needs a Whisper model; {mc.model} is {mc.architecture}")
+        from v1.engine import whisper_inputs
+
+        transcribe = getattr(whisper_inputs, "transcribe", None)
+        if transcribe is None:
+            raise ValueError("this build's Whisper frontend has no offline transcription")
+        return transcribe(self, audio, sampling_params, **options)
+
     # ---- misc ----
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()

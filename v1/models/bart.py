@@ -48,8 +48,12 @@ class BartVariant:
     """LayerNorm after the last layer of each stack (mBART)."""
 
 
-BART = BartVariant(pre_norm=False, learned_positions=True, layernorm_embedding=True, final_layer_norm=False)
-MBART = BartVariant(pre_norm=True, learned_positions=True, layernorm_embedding=True, final_layer_norm=True)
+BART = BartVariant(
+    pre_norm=False, learned_positions=True, layernorm_embedding=True, final_layer_norm=False
+)
+MBART = BartVariant(
+    pre_norm=True, learned_positions=True, layernorm_embedding=True, final_layer_norm=True
+)
 MARIAN = BartVariant(
     pre_norm=False, learned_positions=False, layernorm_embedding=False, final_layer_norm=False
 )
@@ -134,3 +138,286 @@ def _clamp_fp16(hidden_states: torch.Tensor) -> torch.Tensor:
     return hidden_states.clamp(-limit, limit)
 
 
+class LearnedPositions(VocabEmbedding):
+    """BART/mBART learned positions: position i reads row i + 2 (fairseq's padding offset)."""
+
+    def __init__(self, num_positions: int, embedding_dim: int) -> None:
+        super().__init__(num_positions + _LEARNED_POS_OFFSET, embedding_dim)
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        return super().forward(positions + _LEARNED_POS_OFFSET)
+
+
+class SinusoidalPositions(nn.Module):
+    """Marian's fixed table (not in checkpoints): positions [T] -> [T, dim]."""
+
+    def __init__(self, num_positions: int, embedding_dim: int) -> None:
+        super().__init__()
+        table = sinusoidal_table(num_positions, embedding_dim)
+        device = torch.empty(0).device  # the loader's device context, if any
+        table = table.to(device=device, dtype=torch.get_default_dtype())
+        self.register_buffer("weight", table, persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        return self.weight[positions]
+
+
+class BartEncoderLayer(nn.Module):
+    def __init__(self, cfg: Any, variant: BartVariant, prefix: str) -> None:
+        super().__init__()
+        d_model = cfg.d_model
+        self.pre_norm = variant.pre_norm
+        self.self_attn = BartSelfAttention(
+            d_model, cfg.encoder_attention_heads, AttentionType.ENCODER, f"{prefix}.self_attn"
+        )
+        self.self_attn_layer_norm = LayerNorm(d_model)
+        self.fc1 = ColumnLinear(d_model, cfg.encoder_ffn_dim, bias=True)
+        self.fc2 = RowLinear(cfg.encoder_ffn_dim, d_model, bias=True)
+        self.act = get_act_fn(cfg.activation_function)
+        self.final_layer_norm = LayerNorm(d_model)
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))  # [T, d] -> [T, ffn] -> [T, d]
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        hidden_states = _sublayer(
+            self.self_attn_layer_norm, self.pre_norm, hidden_states, self.self_attn
+        )
+        hidden_states = _sublayer(self.final_layer_norm, self.pre_norm, hidden_states, self.mlp)
+        return _clamp_fp16(hidden_states)
+
+
+class BartDecoderLayer(nn.Module):
+    def __init__(self, cfg: Any, variant: BartVariant, prefix: str) -> None:
+        super().__init__()
+        d_model, num_heads = cfg.d_model, cfg.decoder_attention_heads
+        self.pre_norm = variant.pre_norm
+        self.self_attn = BartSelfAttention(
+            d_model, num_heads, AttentionType.DECODER, f"{prefix}.self_attn"
+        )
+        self.self_attn_layer_norm = LayerNorm(d_model)
+        self.encoder_attn = BartCrossAttention(d_model, num_heads, f"{prefix}.encoder_attn")
+        self.encoder_attn_layer_norm = LayerNorm(d_model)
+        self.fc1 = ColumnLinear(d_model, cfg.decoder_ffn_dim, bias=True)
+        self.fc2 = RowLinear(cfg.decoder_ffn_dim, d_model, bias=True)
+        self.act = get_act_fn(cfg.activation_function)
+        self.final_layer_norm = LayerNorm(d_model)
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))  # [T, d] -> [T, ffn] -> [T, d]
+
+    def forward(
+        self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None
+    ) -> torch.Tensor:
+        hidden_states = _sublayer(
+            self.self_attn_layer_norm, self.pre_norm, hidden_states, self.self_attn
+        )
+        hidden_states = _sublayer(
+            self.encoder_attn_layer_norm,
+            self.pre_norm,
+            hidden_states,
+            self.encoder_attn,
+            encoder_hidden_states,
+        )
+        return _sublayer(self.final_layer_norm, self.pre_norm, hidden_states, self.mlp)
+
+
+class BartStack(nn.Module):
+    """What the encoder and decoder share: embeddings in, optional final LayerNorm out."""
+
+    def __init__(self, cfg: Any, variant: BartVariant, embed_tokens: VocabEmbedding) -> None:
+        super().__init__()
+        d_model = cfg.d_model
+        self.embed_scale = math.sqrt(d_model) if cfg.scale_embedding else 1.0
+        self.embed_tokens = embed_tokens
+        positions_cls = LearnedPositions if variant.learned_positions else SinusoidalPositions
+        self.embed_positions = positions_cls(cfg.max_position_embeddings, d_model)
+        self.layernorm_embedding = LayerNorm(d_model) if variant.layernorm_embedding else None
+        self.layer_norm = LayerNorm(d_model) if variant.final_layer_norm else None
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """ids, positions [T] -> scaled token embeddings + positions (+ LayerNorm) [T, d_model]."""
+        hidden_states = self.embed_tokens(input_ids) * self.embed_scale
+        hidden_states = hidden_states + self.embed_positions(positions)
+        if self.layernorm_embedding is not None:
+            hidden_states = self.layernorm_embedding(hidden_states)
+        return hidden_states
+
+    def final_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.layer_norm(hidden_states) if self.layer_norm is not None else hidden_states
+
+
+class BartEncoder(BartStack):
+    def __init__(
+        self, cfg: Any, variant: BartVariant, embed_tokens: VocabEmbedding, prefix: str
+    ) -> None:
+        super().__init__(cfg, variant, embed_tokens)
+        self.layers = nn.ModuleList(
+            BartEncoderLayer(cfg, variant, f"{prefix}.layers.{i}")
+            for i in range(cfg.encoder_layers)
+        )
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.embed(input_ids, positions)  # [Te, d_model]
+        for layer in self.layers:
+            hidden_states = layer(hidden_states)
+        return self.final_norm(hidden_states)
+
+
+class BartDecoder(BartStack):
+    def __init__(
+        self, cfg: Any, variant: BartVariant, embed_tokens: VocabEmbedding, prefix: str
+    ) -> None:
+        super().__init__(cfg, variant, embed_tokens)
+        self.layers = nn.ModuleList(
+            BartDecoderLayer(cfg, variant, f"{prefix}.layers.{i}")
+            for i in range(cfg.decoder_layers)
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None,
+    ) -> torch.Tensor:
+        hidden_states = self.embed(input_ids, positions)  # [T, d_model]
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, encoder_hidden_states)
+        return self.final_norm(hidden_states)
+
+
+class BartModel(nn.Module):
+    """The two stacks and their token embeddings, tied as transformers 5 ties them: with
+    tie_word_embeddings, `shared` is the encoder's, the decoder's and the LM head's weight
+    (Marian with share_encoder_decoder_embeddings=False: the decoder's and the head's only);
+    without it every embedding is separate."""
+
+    def __init__(self, cfg: Any, variant: BartVariant, prefix: str) -> None:
+        super().__init__()
+        d_model = cfg.d_model
+        tied = bool(getattr(cfg, "tie_word_embeddings", True))
+        share = bool(getattr(cfg, "share_encoder_decoder_embeddings", True))
+        decoder_vocab_size = cfg.vocab_size if share else cfg.decoder_vocab_size
+        if tied and share:
+            self.shared = VocabEmbedding(cfg.vocab_size, d_model)  # registered first: canonical
+            encoder_embed = decoder_embed = self.shared
+        else:
+            encoder_embed = VocabEmbedding(cfg.vocab_size, d_model)
+            decoder_embed = VocabEmbedding(decoder_vocab_size, d_model)
+        self.tie_lm_head = tied
+        self.encoder = BartEncoder(cfg, variant, encoder_embed, f"{prefix}.encoder")
+        self.decoder = BartDecoder(cfg, variant, decoder_embed, f"{prefix}.decoder")
+
+
+class BartForConditionalGeneration(nn.Module):
+    """Serves BartForConditionalGeneration checkpoints; mBART and Marian differ in `variant`."""
+
+    variant: ClassVar[BartVariant] = BART
+    # Names after `_rename_fused` (see _SELF_QKV / _CROSS_KV) -> fused parameters.
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, int | str]]] = {
+        "qkv_q": ("qkv_proj", "q"),
+        "qkv_k": ("qkv_proj", "k"),
+        "qkv_v": ("qkv_proj", "v"),
+        "kv_k": ("kv_proj", 0),
+        "kv_v": ("kv_proj", 1),
+    }
+    ignore_unexpected_patterns: ClassVar[tuple[str, ...]] = (
+        r"^model\.(encoder|decoder)\.version$",  # fairseq leftovers in old checkpoints
+        r"^model\.shared\.weight$",  # present in untied checkpoints too; read in load_weights
+    )
+
+    def __init__(self, hf_config: Any, prefix: str = "") -> None:
+        super().__init__()
+        self.config = hf_config
+        model_prefix = f"{prefix}.model" if prefix else "model"
+        self.model = BartModel(hf_config, self.variant, model_prefix)
+        decoder_embed = self.model.decoder.embed_tokens
+        self.lm_head = LMHead(
+            decoder_embed.num_embeddings,
+            hf_config.d_model,
+            bias=True,  # the checkpoint's final_logits_bias
+            tie_to=decoder_embed if self.model.tie_lm_head else None,
+        )
+        # Checkpoint names of tied weights -> the one local name they load into.
+        first: dict[int, str] = {}
+        self.tied_aliases: dict[str, str] = {}
+        for name, param in self.named_parameters(remove_duplicate=False):
+            canonical = first.setdefault(id(param), name)
+            if canonical != name:
+                self.tied_aliases[name] = canonical
+
+    def encode(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Packed encoder tokens [Te] of several requests (positions restart at 0 for each)
+        -> encoder output [Te, d_model]."""
+        return self.model.encoder(input_ids, positions)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Decoder tokens [T] of the whole batch -> hidden states [T, d_model].
+
+        encoder_hidden_states [Tw, d_model]: the encoder outputs of the requests on their first
+        step (in the runner's `encoder_reqs` order), projected into their cross blocks; None
+        when no request starts this step (cross-attention only reads)."""
+        return self.model.decoder(input_ids, positions, encoder_hidden_states)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden_states [N, d_model] -> logits [N, decoder vocab] float32 (+ final_logits_bias)."""
+        return self.lm_head(hidden_states)
+
+    def _hf_to_local(
+        self, weights: Iterable[tuple[str, torch.Tensor]], untied_shared: list[torch.Tensor]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        params = dict(self.named_parameters())
+        for name, tensor in weights:
+            if name == "final_logits_bias":
+                name, tensor = "lm_head.bias", tensor.reshape(-1)  # [1, V] -> [V]
+            elif name == "model.shared.weight" and name not in params:
+                untied_shared.append(tensor)
+            name = self.tied_aliases.get(name, name)
+            name = _SELF_QKV.sub(r".self_attn.qkv_\1.", name)
+            name = _CROSS_KV.sub(r".encoder_attn.kv_\1.", name)
+            yield name, tensor
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        untied_shared: list[torch.Tensor] = []
+        loaded = load_weights_into(
+            self,
+            self._hf_to_local(weights, untied_shared),
+            self.packed_modules_mapping,
+            self.ignore_unexpected_patterns,
+        )
+        params = dict(self.named_parameters())
+        # Untied checkpoints from older tools may keep only `shared` for the stacks' embeddings.
+        for name in ("model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight"):
+            param = params.get(name)
+            if param is not None and name not in loaded and untied_shared:
+                param.weight_loader(param, untied_shared[-1])
+                loaded.add(name)
+        # Checkpoints may omit final_logits_bias (transformers then keeps zeros).
+        if "lm_head.bias" not in loaded:
+            with torch.no_grad():
+                self.lm_head.bias.zero_()
+            loaded.add("lm_head.bias")
+        return loaded
+
+
+class MBartForConditionalGeneration(BartForConditionalGeneration):
+    """mBART: pre-norm layers and a final LayerNorm per stack. Target-language codes come from
+    the generation config's forced_bos_token_id (applied by the frontend)."""
+
+    variant = MBART
+
+
+class MarianMTModel(BartForConditionalGeneration):
+    """Marian (opus-mt): sinusoidal positions, scaled embeddings, a decoder vocabulary of
+    `decoder_vocab_size` when the encoder and decoder do not share embeddings."""
+
+    variant = MARIAN
+    ignore_unexpected_patterns = (
+        *BartForConditionalGeneration.ignore_unexpected_patterns,
+        r"^model\.(encoder|decoder)\.embed_positions\.weight$",  # the fixed sinusoidal table
+    )

@@ -172,7 +172,7 @@ def classifier_activation_of(hf_config: Any, num_labels: int) -> str:
             raise ValueError(f"unsupported classifier activation {named!r}")
         return _ST_ACTIVATIONS[short]
     problem = getattr(hf_config, "problem_type", None)
-    if num_labels == 2 or problem == "multi_label_classification":
+    if num_labels == 1 or problem == "multi_label_classification":
         return "sigmoid"
     return "softmax"
 

@@ -125,6 +125,7 @@ class Pooler:
         self.classify = classify
 
     def check(self, params: PoolingParams) -> None:
+        """ValueError when this model cannot serve `params` (run before the forward pass)."""
         validate_pooling_params(self.config, params)
         if params.task in ("classify", "score") and self.classify is None:
             raise ValueError(f"task {params.task!r}: this model has no classifier head")
@@ -132,8 +133,7 @@ class Pooler:
     def __call__(
         self, hidden: torch.Tensor, seg: PoolingSegments, params: list[PoolingParams]
     ) -> list[np.ndarray]:
-        for p in params:
-            self.check(p)
+        """Every request's result, in `params` order; params must have passed `check`."""
         results: list[torch.Tensor | None] = [None] * len(params)
         by_task: dict[str, list[int]] = {}
         for i, p in enumerate(params):
@@ -189,6 +189,8 @@ class Pooler:
 def _to_numpy(results: list[torch.Tensor | None]) -> list[np.ndarray]:
     """Device tensors -> float32 numpy arrays with one device-to-host copy."""
     assert all(r is not None for r in results)
+    if not results:
+        return []
     flat = torch.cat([r.reshape(-1) for r in results]).float().cpu().numpy()  # sync: one copy
     out, start = [], 0
     for r in results:

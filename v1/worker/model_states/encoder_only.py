@@ -78,9 +78,13 @@ class EncoderOnlyState(ModelState):
     def _check_inputs(self, step: StepInputs) -> None:
         too_long = step.num_scheduled > self.max_input_len
         if too_long.any():
-            names = [f"{r} ({n} tokens)" for r, n, bad in zip(
-                step.req_ids, step.num_scheduled.tolist(), too_long, strict=True
-            ) if bad]
+            names = [
+                f"{r} ({n} tokens)"
+                for r, n, bad in zip(
+                    step.req_ids, step.num_scheduled.tolist(), too_long, strict=True
+                )
+                if bad
+            ]
             raise ValueError(
                 f"inputs longer than the model's limit of {self.max_input_len} positions: "
                 f"{', '.join(names)}"

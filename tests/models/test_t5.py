@@ -1,0 +1,353 @@
+"""T5 v1.0, v1.1 (flan-T5) and mT5 through EngineCore against transformers' greedy `generate`
+(tokens and logprobs) under preemption and small token/encoder budgets, their weight loading
+(aliases, tied and untied heads), and T5EncoderModel through the encoder-only path."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import (
+    MT5Config,
+    MT5ForConditionalGeneration,
+    T5Config,
+    T5ForConditionalGeneration,
+)
+from transformers import T5EncoderModel as HFT5EncoderModel
+
+from v1.config import make_engine_config
+from v1.core.engine_core import EngineCore
+from v1.core.protocol import EncoderInput, EngineCoreOutput, EngineCoreRequest, FinishReason
+from v1.models import t5
+from v1.models.loader import construct_model, iterate_weights
+from v1.pooling_params import PoolingParams
+from v1.sampling_params import SamplingParams
+
+TINY_T5 = dict(
+    vocab_size=128,
+    d_model=32,
+    d_kv=8,
+    d_ff=64,
+    num_layers=2,
+    num_decoder_layers=2,
+    num_heads=4,
+    relative_attention_num_buckets=16,
+    relative_attention_max_distance=24,
+    decoder_start_token_id=0,
+    pad_token_id=0,
+    eos_token_id=1,
+)
+
+
+@dataclass(frozen=True)
+class Variant:
+    config_cls: type
+    model_cls: type
+    untied_head: bool
+    seed: int
+    """Seed and initializer_factor picked so greedy outputs do not collapse into one token."""
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
+VARIANTS = {
+    "t5-v1.0": Variant(
+        T5Config,
+        T5ForConditionalGeneration,
+        untied_head=False,
+        seed=1,
+        overrides=dict(feed_forward_proj="relu", initializer_factor=10.0),
+    ),
+    "flan-t5-v1.1": Variant(
+        T5Config,
+        T5ForConditionalGeneration,
+        untied_head=True,
+        seed=0,
+        overrides=dict(feed_forward_proj="gated-gelu", initializer_factor=5.0),
+    ),
+    # Heads * d_kv (64) != d_model, and a deeper encoder than decoder.
+    "mt5": Variant(
+        MT5Config,
+        MT5ForConditionalGeneration,
+        untied_head=True,
+        seed=2,
+        overrides=dict(initializer_factor=10.0, d_kv=16, num_layers=3),
+    ),
+}
+
+ENCODER_INPUTS = [
+    [5, 17, 3, 60, 42, 7, 7, 20, 64, 2],
+    [11],
+    list(range(2, 40)),
+    [50, 8, 30, 31, 32, 4, 9],
+    [90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 100, 101, 102, 103, 4, 5, 6, 7, 8, 9, 10, 12, 13],
+    [5, 17, 3, 60, 42, 7, 7, 20, 64, 2],  # same input as the first: one encoder run, shared KV
+]
+MAX_TOKENS = [18, 12, 20, 16, 18, 18]
+STOP_AT_EOS = 3
+"""This request stops at a chosen EOS token (the others ignore EOS)."""
+
+
+def write_checkpoint(path: Path, variant: Variant) -> Any:
+    """Save a random model as a real checkpoint would look (v1.0: tied, every embedding alias
+    stored; v1.1/mT5: `tie_word_embeddings: false` and a head of its own) and return
+    transformers' model loaded from it."""
+    cfg = variant.config_cls(**{**TINY_T5, **variant.overrides})
+    torch.manual_seed(variant.seed)
+    model = variant.model_cls(cfg)
+    state = {name: t.detach().clone().contiguous() for name, t in model.state_dict().items()}
+    if variant.untied_head:
+        gen = torch.Generator().manual_seed(variant.seed)
+        state["lm_head.weight"] = torch.randn(state["lm_head.weight"].shape, generator=gen)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    cfg.save_pretrained(path)
+    config_json = json.loads((path / "config.json").read_text())
+    config_json["tie_word_embeddings"] = not variant.untied_head
+    config_json.pop("scale_decoder_outputs", None)  # as checkpoints from before transformers 5
+    (path / "config.json").write_text(json.dumps(config_json))
+    hf_model = variant.model_cls.from_pretrained(path).eval()
+    tied = hf_model.lm_head.weight.data_ptr() == hf_model.shared.weight.data_ptr()
+    assert tied != variant.untied_head
+    return hf_model
+
+
+@pytest.fixture(params=list(VARIANTS), scope="module")
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    variant = VARIANTS[request.param]
+    path = tmp_path_factory.mktemp(request.param)
+    return variant, write_checkpoint(path, variant), str(path)
+
+
+@dataclass
+class Reference:
+    token_ids: list[int]
+    logprobs: list[float]
+    eos_token_id: int | None
+
+
+@torch.inference_mode()
+def hf_greedy(hf_model: Any, encoder_ids: list[int], max_tokens: int, eos: int | None) -> Reference:
+    """transformers' greedy generation: the tokens after decoder_start and their logprobs."""
+    hf_model.generation_config.eos_token_id = eos
+    out = hf_model.generate(
+        torch.tensor([encoder_ids]),
+        max_new_tokens=max_tokens,
+        do_sample=False,
+        num_beams=1,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    tokens = out.sequences[0, 1:].tolist()
+    logprobs = [
+        float(torch.log_softmax(step[0].float(), -1)[t])
+        for step, t in zip(out.logits, tokens, strict=True)
+    ]
+    return Reference(tokens, logprobs, eos)
+
+
+def references(hf_model: Any) -> list[Reference]:
+    refs = [
+        hf_greedy(hf_model, ids, n, eos=None)
+        for ids, n in zip(ENCODER_INPUTS, MAX_TOKENS, strict=True)
+    ]
+    # A stop token the model reaches mid-sequence: transformers ends at its first occurrence.
+    eos = refs[STOP_AT_EOS].token_ids[4]
+    refs[STOP_AT_EOS] = hf_greedy(hf_model, ENCODER_INPUTS[STOP_AT_EOS], MAX_TOKENS[STOP_AT_EOS], eos)
+    assert len(refs[STOP_AT_EOS].token_ids) <= 5
+    return refs
+
+
+def make_core(path: str, **overrides: Any) -> EngineCore:
+    kwargs = dict(
+        device="cpu",
+        num_kv_blocks=18,
+        block_size=4,
+        max_num_seqs=4,
+        max_num_batched_tokens=8,
+        max_num_encoder_input_tokens=48,
+    )
+    return EngineCore(make_engine_config(path, **{**kwargs, **overrides}))
+
+
+def drain(core: EngineCore, max_steps: int = 2000) -> dict[str, list[EngineCoreOutput]]:
+    outputs: dict[str, list[EngineCoreOutput]] = {}
+    for _ in range(max_steps):
+        if not core.has_work():
+            return outputs
+        for out in core.step().outputs:
+            assert out.error is None, out.error
+            outputs.setdefault(out.request_id, []).append(out)
+    raise AssertionError("the engine did not finish its requests")
+
+
+def generation_request(i: int, ref: Reference, decoder_start: int) -> EngineCoreRequest:
+    ids = ENCODER_INPUTS[i]
+    return EngineCoreRequest(
+        request_id=f"req-{i}",
+        prompt_token_ids=[decoder_start],
+        sampling_params=SamplingParams(
+            temperature=0,
+            max_tokens=MAX_TOKENS[i],
+            ignore_eos=ref.eos_token_id is None,
+            logprobs=0,
+        ),
+        encoder_input=EncoderInput(
+            num_encoder_tokens=len(ids), content_hash=f"ids:{ids}", token_ids=ids
+        ),
+        eos_token_id=ref.eos_token_id,
+    )
+
+
+def test_greedy_matches_transformers_under_preemption(checkpoint: tuple[Variant, Any, str]) -> None:
+    variant, hf_model, path = checkpoint
+    refs = references(hf_model)
+    # Greedy outputs that vary: a position-blind bias would not reproduce them.
+    assert max(len(set(r.token_ids)) for r in refs) >= 8
+    core = make_core(path)
+    decoder_start = hf_model.config.decoder_start_token_id
+    for i, ref in enumerate(refs):
+        core.add_request(generation_request(i, ref, decoder_start))
+    outputs = drain(core)
+
+    for i, ref in enumerate(refs):
+        outs = outputs[f"req-{i}"]
+        tokens = [t for o in outs for t in o.new_token_ids]
+        assert tokens == ref.token_ids, f"request {i}"
+        logprobs = [lp[0] for o in outs for lp in (o.new_logprobs or [])]
+        np.testing.assert_allclose(logprobs, ref.logprobs, atol=1e-4, rtol=0)
+        expected = FinishReason.LENGTH if ref.eos_token_id is None else FinishReason.STOP
+        assert outs[-1].finish_reason == expected
+    stats = core.get_stats()
+    assert stats["num_preemptions"] > 0
+    assert stats["num_used_blocks"] == 0 and stats["num_kv_requests"] == 0
+    assert stats["num_requests"] == 0
+    # Equal inputs share one encoder run unless a preemption re-ran one of them.
+    assert stats["num_encoder_runs"] >= len({str(ids) for ids in ENCODER_INPUTS})
+
+
+def test_batch_shape_does_not_change_outputs(checkpoint: tuple[Variant, Any, str]) -> None:
+    """One request at a time with ample blocks gives the same tokens as the crowded run."""
+    variant, hf_model, path = checkpoint
+    core = make_core(path, num_kv_blocks=64, max_num_seqs=1, max_num_batched_tokens=64)
+    i = 2  # the longest encoder input
+    ref = hf_greedy(hf_model, ENCODER_INPUTS[i], MAX_TOKENS[i], eos=None)
+    core.add_request(generation_request(i, ref, hf_model.config.decoder_start_token_id))
+    outs = drain(core)[f"req-{i}"]
+    assert [t for o in outs for t in o.new_token_ids] == ref.token_ids
+    assert core.get_stats()["num_preemptions"] == 0
+
+
+def test_load_weights_covers_every_parameter(checkpoint: tuple[Variant, Any, str]) -> None:
+    variant, hf_model, path = checkpoint
+    ours = construct_model(hf_model.config, "cpu", torch.float32)
+    assert type(ours).__name__ == variant.model_cls.__name__
+    loaded = ours.load_weights(iterate_weights(path))
+    assert loaded == {name for name, _ in ours.named_parameters()}
+    assert ours.lm_head.tied != variant.untied_head
+    assert (ours.lm_head.weight is ours.shared.weight) != variant.untied_head
+    torch.testing.assert_close(ours.lm_head.weight, hf_model.lm_head.weight, atol=0, rtol=0)
+    ours_numel = sum(p.numel() for p in ours.parameters())
+    assert ours_numel == sum(p.numel() for p in hf_model.parameters())
+    # Only v1.0 scales the decoder output by d_model**-0.5 before its (tied) head.
+    assert (ours.output_scale is not None) == (not variant.untied_head)
+
+
+def test_unknown_checkpoint_tensor_is_refused(checkpoint: tuple[Variant, Any, str]) -> None:
+    variant, hf_model, path = checkpoint
+    ours = construct_model(hf_model.config, "cpu", torch.float32)
+    weights = [
+        *iterate_weights(path),
+        # Old checkpoints carry this unused table: ignored.
+        ("decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight", torch.zeros(16, 4)),
+    ]
+    ours.load_weights(weights)
+    with pytest.raises(ValueError, match="match no parameter"):
+        ours.load_weights([*weights, ("decoder.block.0.layer.1.EncDecAttention.x.weight", torch.zeros(1))])
+
+
+def test_fp16_clamp_keeps_activations_finite() -> None:
+    x = torch.tensor([1.0, float("inf"), -float("inf"), -3.0], dtype=torch.float16)
+    out = t5._clamp_fp16(x)
+    limit = torch.finfo(torch.float16).max - 1000
+    assert torch.isfinite(out).all()
+    assert out.tolist() == [1.0, pytest.approx(limit, rel=1e-3), pytest.approx(-limit, rel=1e-3), -3.0]
+    y = torch.tensor([1.0, float("inf")], dtype=torch.float32)
+    assert t5._clamp_fp16(y) is y  # other dtypes are left alone, as in transformers
+
+
+# ---- T5EncoderModel (encoder-only: sentence-t5 style embeddings) ----
+
+SENTENCE_T5_MODULES = [
+    {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+    {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+]
+EMBED_INPUTS = [[5, 17, 3, 60, 42, 7, 7, 20, 64, 2], [11], list(range(2, 40)), [50, 8, 30, 31]]
+
+
+@pytest.fixture(scope="module")
+def encoder_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, str]:
+    """A sentence-t5-like folder: T5EncoderModel weights, mean pooling, L2 normalization."""
+    path = tmp_path_factory.mktemp("t5-encoder")
+    cfg = T5Config(**{**TINY_T5, "feed_forward_proj": "gated-gelu", "initializer_factor": 5.0})
+    torch.manual_seed(3)
+    hf_model = HFT5EncoderModel(cfg).eval()
+    hf_model.save_pretrained(path)
+    (path / "modules.json").write_text(json.dumps(SENTENCE_T5_MODULES))
+    (path / "1_Pooling").mkdir()
+    (path / "1_Pooling" / "config.json").write_text(
+        json.dumps({"word_embedding_dimension": cfg.d_model, "pooling_mode_mean_tokens": True})
+    )
+    return hf_model, str(path)
+
+
+@torch.inference_mode()
+def hf_hidden_states(hf_model: Any, ids: list[int]) -> torch.Tensor:
+    return hf_model(torch.tensor([ids])).last_hidden_state[0]  # [len, d_model]
+
+
+def run_pooling(path: str, task: str) -> list[np.ndarray]:
+    core = make_core(path, max_num_seqs=3, max_num_batched_tokens=64)
+    for i, ids in enumerate(EMBED_INPUTS):
+        core.add_request(
+            EngineCoreRequest(
+                request_id=f"emb-{i}",
+                prompt_token_ids=ids,
+                pooling_params=PoolingParams(task=task),
+            )
+        )
+    outputs = drain(core)
+    assert core.get_stats()["num_requests"] == 0
+    return [np.asarray(outputs[f"emb-{i}"][-1].pooled_output) for i in range(len(EMBED_INPUTS))]
+
+
+def test_encoder_model_hidden_states_match_transformers(encoder_checkpoint: tuple[Any, str]) -> None:
+    hf_model, path = encoder_checkpoint
+    hidden = run_pooling(path, "encode")
+    for ids, ours in zip(EMBED_INPUTS, hidden, strict=True):
+        np.testing.assert_allclose(ours, hf_hidden_states(hf_model, ids).numpy(), atol=1e-4, rtol=0)
+
+
+def test_encoder_model_mean_pooled_embeddings(encoder_checkpoint: tuple[Any, str]) -> None:
+    hf_model, path = encoder_checkpoint
+    embeddings = run_pooling(path, "embed")
+    for ids, ours in zip(EMBED_INPUTS, embeddings, strict=True):
+        expected = torch.nn.functional.normalize(hf_hidden_states(hf_model, ids).mean(0), dim=-1)
+        np.testing.assert_allclose(ours, expected.numpy(), atol=1e-5, rtol=0)
+
+
+def test_encoder_model_loads_from_a_full_t5_checkpoint(
+    checkpoint: tuple[Variant, Any, str],
+) -> None:
+    """The decoder and head of a full checkpoint are skipped; the encoder loads whole."""
+    variant, hf_model, path = checkpoint
+    ours = construct_model(hf_model.config, "cpu", torch.float32, architecture="T5EncoderModel")
+    loaded = ours.load_weights(iterate_weights(path))
+    assert loaded == {name for name, _ in ours.named_parameters()}
+    assert not any(name.startswith("decoder.") for name in loaded)

@@ -1,0 +1,350 @@
+"""Whisper requests at the frontend edge: one audio window + a decoder prompt -> EngineCoreRequest.
+
+Decodes and checks the audio (v1.audio), validates language and task, builds the decoder prompt
+(`<|startofprev|>` previous text, `<|startoftranscript|>`, language, task, `<|notimestamps|>`)
+from the generation config's token ids and fills Whisper's sampling defaults.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from v1.audio import SAMPLE_RATE, AudioError, load_audio
+from v1.config import ModelConfig
+from v1.core.protocol import EncoderInput, EngineCoreRequest, now
+from v1.logger import init_logger
+from v1.sampling_params import SamplingParams
+
+logger = init_logger(__name__)
+
+WINDOW_SECONDS = 30.0
+"""Audio one request (one encoder input) holds."""
+TASKS = ("transcribe", "translate")
+_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "multi_modal_data", "language", "task"})
+_VERBATIM_PREFIXES = ("<|startoftranscript|>", "<|startofprev|>")
+
+
+class WhisperInputError(ValueError):
+    """A Whisper prompt, language or task that cannot be served; the message says why."""
+
+
+@dataclass(frozen=True)
+class WhisperTokens:
+    """The special token ids a Whisper decoder prompt is built from."""
+
+    sot: int
+    """<|startoftranscript|> (the decoder start token)."""
+    eos: int
+    prev: int
+    """<|startofprev|>."""
+    no_timestamps: int
+    no_speech: int
+    timestamp_begin: int
+    task_ids: dict[str, int]
+    """Empty for English-only models."""
+    language_ids: dict[str, int]
+    """ISO code -> <|code|> id; empty for English-only models."""
+
+    @property
+    def multilingual(self) -> bool:
+        return bool(self.language_ids)
+
+    @property
+    def language_of_id(self) -> dict[int, str]:
+        return {token_id: code for code, token_id in self.language_ids.items()}
+
+
+class WhisperInputBuilder:
+    """Builds the EngineCoreRequest of one Whisper window.
+
+    Prompt forms (`build`):
+    - `{"prompt": text, "multi_modal_data": {"audio": audio}, "language": ..., "task": ...}`:
+      `text` (may be empty) is previous-text prompting; the decoder prompt is
+      `<|startofprev|> text` (when given) `<|startoftranscript|><|lang|><|task|>` and
+      `<|notimestamps|>` unless `params.whisper_timestamps`. `language` defaults to English
+      (automatic detection is `Transcriber`'s job); English-only models take no language token.
+    - the same with a text starting with `<|startoftranscript|>` or `<|startofprev|>`, or with
+      `"prompt_token_ids"`: the decoder prompt verbatim (as vLLM's Whisper prompts).
+    `audio` is anything `v1.audio.load_audio` reads (path, bytes, `(samples, sample_rate)`) and
+    at most one 30 s window long.
+    """
+
+    def __init__(self, model_config: ModelConfig, tokenizer: Any) -> None:
+        from v1.engine.input_processor import load_generation_config
+
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.generation_config = load_generation_config(model_config)
+        self.tokens = whisper_tokens(model_config, self.generation_config, tokenizer)
+        self.num_encoder_tokens: int = model_config.max_encoder_len
+        self.max_model_len = model_config.effective_max_model_len
+        gc = self.generation_config
+        self.suppress_tokens = _in_vocab(gc.suppress_tokens, model_config.vocab_size)
+        self.begin_suppress_tokens = _in_vocab(gc.begin_suppress_tokens, model_config.vocab_size)
+        self.max_prompt_text_tokens = model_config.hf_config.max_target_positions // 2 - 1
+        """Previous-text tokens kept (the last ones), as openai-whisper and transformers."""
+
+    # ---- public ----
+    def build(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams,
+        *,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> EngineCoreRequest:
+        """Raises ValueError (AudioError / WhisperInputError) on anything that cannot run."""
+        if not isinstance(prompt, Mapping):
+            raise WhisperInputError(
+                "a Whisper prompt is a dict {'prompt': text, 'multi_modal_data': {'audio': "
+                f"(samples, sample_rate)}}}}, got {type(prompt).__name__}"
+            )
+        unknown = set(prompt) - _PROMPT_KEYS
+        if unknown:
+            raise WhisperInputError(
+                f"unexpected Whisper prompt keys {sorted(unknown)}; allowed: {sorted(_PROMPT_KEYS)}"
+            )
+        samples = self._audio(prompt.get("multi_modal_data"))
+        decoder_ids = self._decoder_prompt(prompt, params.whisper_timestamps)
+        if len(decoder_ids) >= self.max_model_len:
+            raise WhisperInputError(
+                f"the decoder prompt has {len(decoder_ids)} tokens, which leaves no room to "
+                f"generate within max_model_len={self.max_model_len}"
+            )
+        return EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=decoder_ids,
+            sampling_params=self.sampling_params(params, len(decoder_ids)),
+            encoder_input=self.encoder_input(samples),
+            eos_token_id=self.tokens.eos,
+            arrival_time=now() if arrival_time is None else arrival_time,
+            priority=priority,
+        )
+
+    def encoder_input(self, samples: np.ndarray) -> EncoderInput:
+        """float32 16 kHz samples of one window; equal samples share one encoder run."""
+        samples = np.ascontiguousarray(samples, dtype=np.float32)
+        return EncoderInput(
+            num_encoder_tokens=self.num_encoder_tokens,
+            content_hash=hashlib.sha256(samples.tobytes()).hexdigest(),
+            audio=samples,
+        )
+
+    def sampling_params(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
+        """Whisper's generation-config defaults for the fields left unset (None): suppress and
+        begin-suppress tokens; max_tokens=None fills the decoder length."""
+        changes: dict[str, Any] = {}
+        if params.suppress_tokens is None and self.suppress_tokens:
+            changes["suppress_tokens"] = self.suppress_tokens
+        if params.begin_suppress_tokens is None and self.begin_suppress_tokens:
+            changes["begin_suppress_tokens"] = self.begin_suppress_tokens
+        if params.max_tokens is None:
+            changes["max_tokens"] = self.max_model_len - num_prompt_tokens
+        return params.clone(**changes) if changes else params
+
+    def decoder_prompt(
+        self,
+        *,
+        language: str | None = None,
+        task: str = "transcribe",
+        timestamps: bool = False,
+        previous_text_ids: list[int] | None = None,
+    ) -> list[int]:
+        """`<|startofprev|> previous` `<|startoftranscript|><|lang|><|task|>[<|notimestamps|>]`
+        (English-only models: no language or task token)."""
+        tokens = self.tokens
+        ids: list[int] = []
+        if previous_text_ids:
+            ids = [tokens.prev, *previous_text_ids[-self.max_prompt_text_tokens :]]
+        ids.append(tokens.sot)
+        code = self.check_language(language)
+        self.check_task(task)
+        if tokens.multilingual:
+            ids += [tokens.language_ids[code or "en"], tokens.task_ids[task]]
+        if not timestamps:
+            ids.append(tokens.no_timestamps)
+        return ids
+
+    def check_language(self, language: str | None) -> str | None:
+        """ISO code of `language` (an ISO code, `<|code|>` or a name such as "english"; any
+        case); None stays None. English-only models accept English only."""
+        if language is None:
+            return None
+        if not isinstance(language, str):
+            raise WhisperInputError(f"language must be a string, got {type(language).__name__}")
+        code = normalize_language(language)
+        if not self.tokens.multilingual:
+            if code != "en":
+                raise WhisperInputError(
+                    f"{self.model_config.model} is an English-only Whisper model; it cannot "
+                    f"transcribe language {language!r} (use a multilingual checkpoint)"
+                )
+            return code
+        if code is None or code not in self.tokens.language_ids:
+            raise WhisperInputError(
+                f"unsupported language {language!r}: pass an ISO 639-1 code such as 'en', 'fr' "
+                f"or 'de', or a name such as 'english' ({len(self.tokens.language_ids)} "
+                "languages are supported by this model)"
+            )
+        return code
+
+    def check_task(self, task: str) -> str:
+        if task not in TASKS:
+            raise WhisperInputError(f"task must be 'transcribe' or 'translate', got {task!r}")
+        if task == "translate" and not self.tokens.multilingual:
+            raise WhisperInputError(
+                f"{self.model_config.model} is an English-only Whisper model: it cannot "
+                "translate (use a multilingual checkpoint)"
+            )
+        return task
+
+    def text_prompt_ids(self, text: str) -> list[int]:
+        """Previous-text token ids of a prompt string (" " + stripped text, as openai-whisper)."""
+        text = text.strip()
+        if not text:
+            return []
+        ids = self.tokenizer(" " + text, add_special_tokens=False)["input_ids"]
+        return [t for t in ids if t < self.tokens.eos]
+
+    # ---- pieces ----
+    def _audio(self, multi_modal_data: Any) -> np.ndarray:
+        if not isinstance(multi_modal_data, Mapping) or "audio" not in multi_modal_data:
+            raise WhisperInputError(
+                "a Whisper request needs audio: {'multi_modal_data': {'audio': (samples, "
+                "sample_rate)}}"
+            )
+        extra = set(multi_modal_data) - {"audio"}
+        if extra:
+            raise WhisperInputError(
+                f"Whisper takes only audio, got multi_modal_data {sorted(extra)}"
+            )
+        samples = load_audio(multi_modal_data["audio"])
+        seconds = samples.shape[0] / SAMPLE_RATE
+        if seconds > WINDOW_SECONDS:
+            raise AudioError(
+                f"audio of {seconds:.1f} s is longer than one {WINDOW_SECONDS:g} s Whisper window; "
+                "use transcribe() for long-form audio"
+            )
+        return samples
+
+    def _decoder_prompt(self, prompt: Mapping[str, Any], timestamps: bool) -> list[int]:
+        explicit = prompt.get("prompt_token_ids")
+        text = prompt.get("prompt", "")
+        if explicit is not None:
+            if "prompt" in prompt:
+                raise WhisperInputError("pass either 'prompt' or 'prompt_token_ids', not both")
+            return self._check_ids(explicit)
+        if not isinstance(text, str):
+            raise WhisperInputError(f"the Whisper prompt text must be a string, got {text!r}")
+        if text.startswith(_VERBATIM_PREFIXES):
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            return self._check_ids(ids)
+        return self.decoder_prompt(
+            language=prompt.get("language"),
+            task=prompt.get("task", "transcribe"),
+            timestamps=timestamps,
+            previous_text_ids=self.text_prompt_ids(text),
+        )
+
+    def _check_ids(self, ids: Any) -> list[int]:
+        vocab = self.model_config.vocab_size
+        if not isinstance(ids, (list, tuple)) or not ids:
+            raise WhisperInputError("prompt_token_ids must be a non-empty list of token ids")
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise WhisperInputError(f"decoder prompt token {t!r} is not an id in [0, {vocab})")
+        return list(ids)
+
+
+def normalize_language(language: str) -> str | None:
+    """ISO code of an ISO code, `<|code|>` or an English language name; None if unknown."""
+    from transformers.models.whisper.tokenization_whisper import LANGUAGES, TO_LANGUAGE_CODE
+
+    key = language.strip().lower().removeprefix("<|").removesuffix("|>")
+    if key in LANGUAGES:
+        return key
+    return TO_LANGUAGE_CODE.get(key)
+
+
+def whisper_tokens(
+    model_config: ModelConfig, generation_config: Any, tokenizer: Any
+) -> WhisperTokens:
+    """Special ids from the generation config (what transformers' generate uses), with the
+    tokenizer as fallback for the few a config may omit."""
+    gc, hf = generation_config, model_config.hf_config
+
+    def token_id(name: str) -> int:
+        value = tokenizer.convert_tokens_to_ids(name)
+        if value is None or value == tokenizer.unk_token_id:
+            raise WhisperInputError(f"the tokenizer has no {name} token: not a Whisper tokenizer?")
+        return int(value)
+
+    eos = _first(gc.eos_token_id)
+    eos = eos if eos is not None else _first(hf.eos_token_id)
+    sot = _first(gc.decoder_start_token_id)
+    sot = sot if sot is not None else int(hf.decoder_start_token_id)
+    no_timestamps = getattr(gc, "no_timestamps_token_id", None)
+    if no_timestamps is None:
+        no_timestamps = token_id("<|notimestamps|>")
+    prev = getattr(gc, "prev_sot_token_id", None)
+    if prev is None:
+        prev = token_id("<|startofprev|>")
+    multilingual = getattr(gc, "is_multilingual", None)
+    lang_to_id = getattr(gc, "lang_to_id", None) or {}
+    if multilingual is None:
+        multilingual = bool(lang_to_id)
+    languages: dict[str, int] = {}
+    tasks: dict[str, int] = {}
+    if multilingual:
+        if not lang_to_id:
+            raise WhisperInputError(
+                f"{model_config.model}: the generation config of a multilingual Whisper model "
+                "has no lang_to_id"
+            )
+        languages = {token.strip("<|>"): int(i) for token, i in lang_to_id.items()}
+        task_to_id = getattr(gc, "task_to_id", None) or {}
+        tasks = {task: int(task_to_id[task]) for task in TASKS if task in task_to_id}
+        for task in TASKS:
+            tasks.setdefault(task, token_id(f"<|{task}|>"))
+    return WhisperTokens(
+        sot=sot,
+        eos=int(eos),
+        prev=int(prev),
+        no_timestamps=int(no_timestamps),
+        no_speech=int(no_timestamps) - 1,
+        timestamp_begin=int(no_timestamps) + 1,
+        task_ids=tasks,
+        language_ids=languages,
+    )
+
+
+def _first(value: Any) -> int | None:
+    if isinstance(value, (list, tuple)):
+        return int(value[0]) if value else None
+    return None if value is None else int(value)
+
+
+def _in_vocab(ids: Any, vocab_size: int) -> list[int] | None:
+    kept = [int(t) for t in ids or [] if 0 <= int(t) < vocab_size]
+    return kept or None
+
+
+async def transcribe_async(
+    llm: Any,
+    audio: Any,
+    sampling_params: SamplingParams | None = None,
+    request_id: str | None = None,
+    **options: Any,
+) -> Any:
+    """`AsyncLLM.transcribe`'s hook: `AsyncTranscriber(llm).transcribe(...)`."""
+    from v1.engine.transcription import AsyncTranscriber
+
+    return await AsyncTranscriber(llm).transcribe(
+        audio, sampling_params=sampling_params, request_id=request_id, **options
+    )

@@ -1,0 +1,361 @@
+"""Whisper: log-mel features computed on device, a conv front end and pre-norm encoder, and a
+pre-norm decoder with paged self-attention and cross-attention written once per request.
+
+Serves multilingual, `.en` and 128-mel (large-v3) checkpoints. The special token ids the
+sampler's timestamp rules and the no-speech probability need come from the generation config.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from functools import cached_property
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from v1.attention.backend import AttentionType
+from v1.attention.layer import Attention
+from v1.audio.features import LogMelSpectrogram
+from v1.logger import init_logger
+from v1.models.layers.activation import get_act_fn
+from v1.models.layers.embedding import LMHead, VocabEmbedding
+from v1.models.layers.linear import ColumnLinear, MergedColumnLinear, QKVLinear, RowLinear
+from v1.models.layers.norm import LayerNorm
+from v1.models.utils import load_weights_into
+from v1.sample.metadata import WhisperTokenInfo
+
+logger = init_logger(__name__)
+
+NUM_TIMESTAMP_TOKENS = 1501
+"""<|0.00|> ... <|30.00|>: the last ids of every Whisper vocabulary."""
+
+# Checkpoint projections are renamed onto fused parameters (as in bart.py): q/k/v of the
+# self-attentions and k/v of the cross-attentions share names that `packed_modules_mapping`
+# (one name component) cannot tell apart.
+_SELF_QKV = re.compile(r"\.self_attn\.([qkv])_proj\.")
+_CROSS_KV = re.compile(r"\.encoder_attn\.([kv])_proj\.")
+# Whisper's k projections have no bias; the fused layers hold a zero bias for their k rows.
+_K_WEIGHT = re.compile(r"\.(self_attn\.qkv|encoder_attn\.kv)_k\.weight$")
+
+
+class WhisperSelfAttention(nn.Module):
+    """Bidirectional (encoder) or causal paged (decoder) self-attention with fused q/k/v."""
+
+    def __init__(self, d_model: int, num_heads: int, attn_type: AttentionType, prefix: str) -> None:
+        super().__init__()
+        head_dim = d_model // num_heads
+        if head_dim * num_heads != d_model:
+            raise ValueError(f"d_model {d_model} is not a multiple of {num_heads} heads")
+        self.qkv_proj = QKVLinear(d_model, head_dim, num_heads, num_heads, bias=True)
+        self.out_proj = RowLinear(d_model, d_model, bias=True)
+        self.attn = Attention(
+            num_heads, head_dim, head_dim**-0.5, attn_type=attn_type, prefix=f"{prefix}.attn"
+        )
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden_states).chunk(3, dim=-1)  # 3 x [T, d_model]
+        return self.out_proj(self.attn(q, k, v))
+
+
+class WhisperCrossAttention(nn.Module):
+    """Decoder queries over the encoder output: K/V are projected and written into the cross
+    blocks on a request's first step only; later steps pass no encoder states and read them."""
+
+    def __init__(self, d_model: int, num_heads: int, prefix: str) -> None:
+        super().__init__()
+        head_dim = d_model // num_heads
+        self.q_proj = ColumnLinear(d_model, d_model, bias=True)
+        self.kv_proj = MergedColumnLinear(d_model, [d_model, d_model], bias=True)
+        self.out_proj = RowLinear(d_model, d_model, bias=True)
+        self.attn = Attention(
+            num_heads,
+            head_dim,
+            head_dim**-0.5,
+            attn_type=AttentionType.ENCODER_DECODER,
+            prefix=f"{prefix}.attn",
+        )
+
+    def forward(
+        self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None
+    ) -> torch.Tensor:
+        q = self.q_proj(hidden_states)  # [T, d_model]
+        k = v = None
+        if encoder_hidden_states is not None:
+            k, v = self.kv_proj(encoder_hidden_states).chunk(2, dim=-1)  # 2 x [Tw, d_model]
+        return self.out_proj(self.attn(q, k, v))
+
+
+class WhisperEncoderLayer(nn.Module):
+    def __init__(self, cfg: Any, prefix: str) -> None:
+        super().__init__()
+        d_model = cfg.d_model
+        self.self_attn = WhisperSelfAttention(
+            d_model, cfg.encoder_attention_heads, AttentionType.ENCODER, f"{prefix}.self_attn"
+        )
+        self.self_attn_layer_norm = LayerNorm(d_model)
+        self.fc1 = ColumnLinear(d_model, cfg.encoder_ffn_dim, bias=True)
+        self.fc2 = RowLinear(cfg.encoder_ffn_dim, d_model, bias=True)
+        self.act = get_act_fn(cfg.activation_function)
+        self.final_layer_norm = LayerNorm(d_model)
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))  # [T, d] -> [T, ffn] -> [T, d]
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        hidden_states = hidden_states + self.self_attn(self.self_attn_layer_norm(hidden_states))
+        hidden_states = hidden_states + self.mlp(self.final_layer_norm(hidden_states))
+        return _clamp_fp16(hidden_states)
+
+
+class WhisperDecoderLayer(nn.Module):
+    def __init__(self, cfg: Any, prefix: str) -> None:
+        super().__init__()
+        d_model, num_heads = cfg.d_model, cfg.decoder_attention_heads
+        self.self_attn = WhisperSelfAttention(
+            d_model, num_heads, AttentionType.DECODER, f"{prefix}.self_attn"
+        )
+        self.self_attn_layer_norm = LayerNorm(d_model)
+        self.encoder_attn = WhisperCrossAttention(d_model, num_heads, f"{prefix}.encoder_attn")
+        self.encoder_attn_layer_norm = LayerNorm(d_model)
+        self.fc1 = ColumnLinear(d_model, cfg.decoder_ffn_dim, bias=True)
+        self.fc2 = RowLinear(cfg.decoder_ffn_dim, d_model, bias=True)
+        self.act = get_act_fn(cfg.activation_function)
+        self.final_layer_norm = LayerNorm(d_model)
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))  # [T, d] -> [T, ffn] -> [T, d]
+
+    def forward(
+        self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None
+    ) -> torch.Tensor:
+        hidden_states = hidden_states + self.self_attn(self.self_attn_layer_norm(hidden_states))
+        hidden_states = hidden_states + self.encoder_attn(
+            self.encoder_attn_layer_norm(hidden_states), encoder_hidden_states
+        )
+        return hidden_states + self.mlp(self.final_layer_norm(hidden_states))
+
+
+def _clamp_fp16(hidden_states: torch.Tensor) -> torch.Tensor:
+    # transformers clamps fp16 encoder activations to stay finite (only once they overflow; we
+    # always clamp, which needs no host sync and changes only values near the fp16 max).
+    if hidden_states.dtype != torch.float16:
+        return hidden_states
+    limit = torch.finfo(torch.float16).max - 1000
+    return hidden_states.clamp(-limit, limit)
+
+
+class WhisperEncoder(nn.Module):
+    """log-mel [B, n_mels, 2 * max_source_positions] -> packed states [B * max_source_positions,
+    d_model]: two convolutions (the second halves the frames), learned positions, pre-norm
+    layers, a final LayerNorm."""
+
+    def __init__(self, cfg: Any, prefix: str) -> None:
+        super().__init__()
+        d_model = cfg.d_model
+        self.num_positions = cfg.max_source_positions
+        self.conv1 = nn.Conv1d(cfg.num_mel_bins, d_model, kernel_size=3, padding=1)
+        self.conv2 = nn.Conv1d(d_model, d_model, kernel_size=3, stride=2, padding=1)
+        self.conv1.requires_grad_(False)
+        self.conv2.requires_grad_(False)
+        self.embed_positions = VocabEmbedding(cfg.max_source_positions, d_model)
+        self.layers = nn.ModuleList(
+            WhisperEncoderLayer(cfg, f"{prefix}.layers.{i}") for i in range(cfg.encoder_layers)
+        )
+        self.layer_norm = LayerNorm(d_model)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        features = features.to(self.conv1.weight.dtype)
+        hidden_states = F.gelu(self.conv1(features))  # [B, d, 2P]
+        hidden_states = F.gelu(self.conv2(hidden_states))  # [B, d, P]
+        if hidden_states.shape[-1] != self.num_positions:
+            raise ValueError(
+                f"the encoder expects {2 * self.num_positions} mel frames, got {features.shape[-1]}"
+            )
+        hidden_states = hidden_states.transpose(1, 2) + self.embed_positions.weight  # [B, P, d]
+        hidden_states = hidden_states.reshape(-1, hidden_states.shape[-1])  # [B * P, d]
+        for layer in self.layers:
+            hidden_states = layer(hidden_states)
+        return self.layer_norm(hidden_states)
+
+
+class WhisperDecoder(nn.Module):
+    def __init__(self, cfg: Any, prefix: str) -> None:
+        super().__init__()
+        d_model = cfg.d_model
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, d_model)
+        self.embed_positions = VocabEmbedding(cfg.max_target_positions, d_model)
+        self.layers = nn.ModuleList(
+            WhisperDecoderLayer(cfg, f"{prefix}.layers.{i}") for i in range(cfg.decoder_layers)
+        )
+        self.layer_norm = LayerNorm(d_model)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None,
+    ) -> torch.Tensor:
+        # transformers defines embed_scale for Whisper but never applies it.
+        hidden_states = self.embed_tokens(input_ids) + self.embed_positions(positions)  # [T, d]
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, encoder_hidden_states)
+        return self.layer_norm(hidden_states)
+
+
+class WhisperModel(nn.Module):
+    def __init__(self, cfg: Any, prefix: str) -> None:
+        super().__init__()
+        self.encoder = WhisperEncoder(cfg, f"{prefix}.encoder")
+        self.decoder = WhisperDecoder(cfg, f"{prefix}.decoder")
+
+
+class WhisperForConditionalGeneration(nn.Module):
+    """Serves WhisperForConditionalGeneration checkpoints (the LM head is tied to the decoder's
+    token embedding, as in every Whisper checkpoint)."""
+
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, int | str]]] = {
+        "qkv_q": ("qkv_proj", "q"),
+        "qkv_k": ("qkv_proj", "k"),
+        "qkv_v": ("qkv_proj", "v"),
+        "kv_k": ("kv_proj", 0),
+        "kv_v": ("kv_proj", 1),
+    }
+    # Some conversions store the tied head; it is the decoder's embedding either way.
+    ignore_unexpected_patterns: ClassVar[tuple[str, ...]] = (r"^proj_out\.weight$",)
+
+    def __init__(self, hf_config: Any, prefix: str = "") -> None:
+        super().__init__()
+        self.config = hf_config
+        model_prefix = f"{prefix}.model" if prefix else "model"
+        self.model = WhisperModel(hf_config, model_prefix)
+        self.proj_out = LMHead(
+            hf_config.vocab_size, hf_config.d_model, tie_to=self.model.decoder.embed_tokens
+        )
+        # Features stay float32 whatever the model dtype (the loader's default dtype would
+        # otherwise make the Hann window and filters 16-bit on GPU).
+        self.mel = _make_log_mel(hf_config).float()
+        if self.mel.n_mels != hf_config.num_mel_bins:
+            raise ValueError(
+                f"the feature extractor makes {self.mel.n_mels} mel bins, the model expects "
+                f"{hf_config.num_mel_bins}"
+            )
+        self.decoder_start_token_id: int = hf_config.decoder_start_token_id
+        self.decoder_eos_token_id: int = self.token_info.eos_token_id
+        self.no_speech_token_id: int = self.token_info.no_timestamps_token_id - 1
+        """<|nospeech|> (<|nocaptions|> in older vocabularies), as transformers finds it."""
+
+    # ---- steps ----
+    def encode(self, audio: list[torch.Tensor]) -> torch.Tensor:
+        """1-D float32 16 kHz waveforms of at most one window each -> packed encoder states
+        [len(audio) * max_source_positions, d_model] (log-mel features computed on device)."""
+        features = self.mel(audio)  # [B, n_mels, 3000] float32
+        return self.model.encoder(features)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Decoder tokens [T] of the whole batch -> hidden states [T, d_model].
+
+        encoder_hidden_states [Tw, d_model]: the encoder outputs of the requests on their first
+        step (the runner's `encoder_reqs` order), projected into their cross blocks; None when
+        no request starts this step (cross-attention only reads)."""
+        return self.model.decoder(input_ids, positions, encoder_hidden_states)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden_states [N, d_model] -> logits [N, vocab] float32."""
+        return self.proj_out(hidden_states)
+
+    # ---- generation config ----
+    @cached_property
+    def generation_config(self) -> Any:
+        return _load_generation_config(self.config)
+
+    @cached_property
+    def token_info(self) -> WhisperTokenInfo:
+        cfg, gc = self.config, self.generation_config
+        eos = _first_id(getattr(gc, "eos_token_id", None))
+        eos = eos if eos is not None else _first_id(cfg.eos_token_id)
+        no_timestamps = getattr(gc, "no_timestamps_token_id", None)
+        if no_timestamps is None:
+            # Every Whisper vocabulary ends with <|notimestamps|> and the 1501 timestamps.
+            no_timestamps = cfg.vocab_size - NUM_TIMESTAMP_TOKENS - 1
+        if eos is None or not 0 <= eos < no_timestamps < cfg.vocab_size:
+            raise ValueError(
+                f"cannot find Whisper's special tokens (eos {eos}, <|notimestamps|> "
+                f"{no_timestamps}, vocab {cfg.vocab_size}): is the generation config complete?"
+            )
+        return WhisperTokenInfo(
+            eos_token_id=eos,
+            no_timestamps_token_id=no_timestamps,
+            timestamp_begin=no_timestamps + 1,
+            max_initial_timestamp_index=getattr(gc, "max_initial_timestamp_index", None),
+        )
+
+    def whisper_token_info(self) -> WhisperTokenInfo:
+        """What the sampler's timestamp rules need (from the generation config)."""
+        return self.token_info
+
+    # ---- weights ----
+    def _hf_to_local(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            name = _SELF_QKV.sub(r".self_attn.qkv_\1.", name)
+            name = _CROSS_KV.sub(r".encoder_attn.kv_\1.", name)
+            yield name, tensor
+            if _K_WEIGHT.search(name):
+                yield name.removesuffix("weight") + "bias", tensor.new_zeros(tensor.shape[0])
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return load_weights_into(
+            self,
+            self._hf_to_local(weights),
+            self.packed_modules_mapping,
+            self.ignore_unexpected_patterns,
+        )
+
+
+def _make_log_mel(cfg: Any) -> LogMelSpectrogram:
+    """The checkpoint folder's feature extractor when it has one, else the standard one for
+    the config's number of mel bins (the filters depend on nothing else)."""
+    from transformers import WhisperFeatureExtractor
+
+    path = getattr(cfg, "name_or_path", "") or ""
+    if path:
+        try:
+            return LogMelSpectrogram.from_pretrained(path)
+        except OSError:
+            pass  # no preprocessor_config.json there
+    return LogMelSpectrogram.from_feature_extractor(
+        WhisperFeatureExtractor(feature_size=cfg.num_mel_bins)
+    )
+
+
+def _load_generation_config(cfg: Any) -> Any:
+    """generation_config.json of the checkpoint folder, else one derived from the config."""
+    from transformers import GenerationConfig
+
+    path = getattr(cfg, "name_or_path", "") or ""
+    if path:
+        try:
+            return GenerationConfig.from_pretrained(path)
+        except OSError:
+            pass  # no generation_config.json there
+    logger.warning(
+        "no generation_config.json beside %r: Whisper special tokens are derived from the "
+        "vocabulary size",
+        path,
+    )
+    return GenerationConfig.from_model_config(cfg)
+
+
+def _first_id(value: Any) -> int | None:
+    if isinstance(value, (list, tuple)):
+        return int(value[0]) if value else None
+    return None if value is None else int(value)

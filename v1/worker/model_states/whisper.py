@@ -1,0 +1,83 @@
+"""Whisper at the runner level: the encoder-decoder strategy plus each request's no-speech
+probability (softmax of the raw logits at its <|startoftranscript|> position, probability of
+<|nospeech|>, as transformers and openai-whisper compute it), reported once per request in
+`ModelRunnerOutput.extras[req_id]["no_speech_prob"]`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from v1.core.sched_output import ModelRunnerOutput, NewRequestData
+from v1.forward_context import ForwardContext, set_forward_context
+from v1.worker.input_batch import CachedRequestState
+from v1.worker.model_states.encoder_decoder import EncoderDecoderState
+
+if TYPE_CHECKING:
+    from v1.worker.model_runner import StepInputs
+
+NO_SPEECH_PROB = "no_speech_prob"
+
+
+class WhisperState(EncoderDecoderState):
+    def on_model_loaded(self) -> None:
+        super().on_model_loaded()
+        model = self.runner.model
+        self.sot_token_id: int = model.decoder_start_token_id
+        self.no_speech_token_id: int = model.no_speech_token_id
+        self.sot_positions = np.full(self.runner.max_num_reqs, -1, dtype=np.int64)
+        """Per slot: index of <|startoftranscript|> in the request's prompt (-1: none)."""
+        self.pending_no_speech: dict[str, float] = {}
+        """Computed on a prompt chunk that did not sample yet: reported with the first token."""
+
+    def on_request_added(self, state: CachedRequestState, data: NewRequestData) -> None:
+        super().on_request_added(state, data)
+        prompt = data.prompt_token_ids
+        self.sot_positions[state.slot] = (
+            prompt.index(self.sot_token_id) if self.sot_token_id in prompt else -1
+        )
+
+    def on_request_removed(self, state: CachedRequestState) -> None:
+        super().on_request_removed(state)
+        self.sot_positions[state.slot] = -1
+        self.pending_no_speech.pop(state.req_id, None)
+
+    def sample(self, hidden_states: torch.Tensor, step: StepInputs) -> ModelRunnerOutput:
+        rows, row_reqs = self._sot_rows(step)
+        no_speech = None
+        if rows.size:
+            logits = self.runner.model.compute_logits(hidden_states[self.runner._to_device(rows)])
+            no_speech = logits.softmax(dim=-1)[:, self.no_speech_token_id]  # [k] float32
+        output = super().sample(hidden_states, step)
+        if no_speech is not None:
+            # sync: once per request, on the step that computes its <|startoftranscript|>.
+            for i, prob in zip(row_reqs.tolist(), no_speech.cpu().tolist(), strict=True):
+                self.pending_no_speech[step.req_ids[i]] = prob
+        if self.pending_no_speech:
+            for req_id, sampled in zip(output.req_ids, output.sampled_token_ids, strict=True):
+                if sampled and req_id in self.pending_no_speech:
+                    prob = self.pending_no_speech.pop(req_id)
+                    output.extras.setdefault(req_id, {})[NO_SPEECH_PROB] = prob
+        return output
+
+    def _sot_rows(self, step: StepInputs) -> tuple[np.ndarray, np.ndarray]:
+        """(packed token rows holding a <|startoftranscript|> this step, their request index)."""
+        sot = self.sot_positions[step.slots]  # [R]
+        computed = step.seq_lens - step.num_scheduled
+        hit = (sot >= computed) & (sot < step.seq_lens)
+        row_reqs = np.flatnonzero(hit)
+        rows = step.query_start_loc[:-1][row_reqs] + (sot - computed)[row_reqs]
+        return rows, row_reqs
+
+    def dummy_run(self, num_tokens: int) -> None:
+        """The decoder's max-size step, then the encoder on as many silent windows as one
+        step's encoder budget holds (attention skipped, as in every profiling pass)."""
+        super().dummy_run(num_tokens)
+        runner = self.runner
+        num_windows = max(1, runner.config.encoder_budget // runner.model_config.max_encoder_len)
+        silence = [torch.zeros(16_000, device=runner.device) for _ in range(num_windows)]
+        with set_forward_context(ForwardContext(profiling=True)):
+            runner.model.encode(silence)
