@@ -368,16 +368,15 @@ def test_abort_during_a_step_takes_effect_before_its_outputs(client: SyncMPClien
 
 
 def test_abort_and_readd_in_one_burst_keeps_order(client: SyncMPClient):
-    for _ in range(3):
-        client.add_request(request("x", max_tokens=100))
+    for _ in range(3):  # tokens 30..49: never those of the last x
+        client.add_request(request("x", max_tokens=20, prompt=[1] * 20))
         client.abort_requests(["x"])
-    client.add_request(request("x", max_tokens=3, prompt=[1] * 7))
-    # An earlier x may still finish if its abort lands late, but none may touch the last one.
+    client.add_request(request("x", max_tokens=3, prompt=[1] * 7))  # tokens 17, 18, 19
+    # An earlier x may still finish if its abort lands late, but no abort may hit the last one.
     last: list = []
     while not (last and last[-1].finished):
-        for o in client.get_output(timeout=30).outputs:
-            if last or o.new_token_ids[:1] == [17]:
-                last.append(o)
+        outs = client.get_output(timeout=30).outputs
+        last += [o for o in outs if o.request_id == "x" and set(o.new_token_ids) <= {17, 18, 19}]
     assert tokens(last) == [17, 18, 19] and last[-1].finish_reason == FinishReason.LENGTH
     assert client.call_utility("get_stats")["num_requests"] == 0
 

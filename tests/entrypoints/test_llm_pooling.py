@@ -1,6 +1,4 @@
-"""The offline pooling API end to end: real all-MiniLM-L6-v2 embeddings against transformers and
-the reference similarities, a tiny cross-encoder's score/rerank/classify on text pairs, and
-input errors that leave the engine serving."""
+"""LLM.embed / classify / score / rerank on tiny random BERTs (and MiniLM when present)."""
 
 from __future__ import annotations
 
@@ -10,183 +8,145 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-import transformers
+from transformers import BertConfig, BertForSequenceClassification
 
-from tests.models.hf_reference import randomize_
-from v1 import LLM, PoolingParams
+from tests.utils import ASSETS, make_tiny_model_dir, make_tiny_wordpiece_tokenizer
+from v1 import LLM, PoolingParams, SamplingParams
 
-MINILM = Path(__file__).resolve().parents[3] / "shared" / "assets" / "all-MiniLM-L6-v2"
-needs_minilm = pytest.mark.skipif(
-    not MINILM.is_dir(), reason="needs ../shared/assets/all-MiniLM-L6-v2"
+pytest.importorskip("v1.models.bert")
+
+TINY_BERT = dict(
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=64,
+    max_position_embeddings=64,
 )
-README_TEXTS = [
-    "The new movie is awesome",
-    "The new movie is so great",
-    "A monkey is playing drums.",
-]
-MORE_TEXTS = [
-    "Encoder-only models pool their hidden states into one vector per input text.",
-    "hi",
-    "A man is eating food while a woman plays the violin in the park next to the river.",
-]
-WORDS = [
-    "the",
-    "a",
-    "movie",
-    "is",
-    "great",
-    "bad",
-    "query",
-    "document",
-    "relevant",
-    "about",
-    "cats",
-    "dogs",
-    "play",
-    "music",
+ENGINE_ARGS = dict(multiprocess=False, max_num_batched_tokens=256, max_num_seqs=4)
+PAIRS = [
+    ("the quick brown fox", "the lazy dog"),
+    ("hello world", "a query document"),
+    ("all that glitters is not gold", "gold"),
 ]
 
 
-def make_llm(path: str | Path, **kwargs: Any) -> LLM:
-    kwargs = {"device": "cpu", "multiprocess": False, "max_num_batched_tokens": 32, **kwargs}
-    return LLM(str(path), **kwargs)
+def _cross_encoder(path: Path, num_labels: int) -> str:
+    make_tiny_wordpiece_tokenizer(path)
+    return make_tiny_model_dir(
+        BertConfig,
+        BertForSequenceClassification,
+        path,
+        tokenizer_from=path,
+        num_labels=num_labels,
+        **TINY_BERT,
+    )
 
 
 @pytest.fixture(scope="module")
-def minilm() -> LLM:
-    if not MINILM.is_dir():
-        pytest.skip("needs ../shared/assets/all-MiniLM-L6-v2")
-    llm = make_llm(MINILM)
-    yield llm
-    llm.shutdown()
+def scorer_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return _cross_encoder(tmp_path_factory.mktemp("scorer"), num_labels=1)
 
 
-@torch.inference_mode()
-def transformers_embeddings(texts: list[str]) -> np.ndarray:
-    """sentence-transformers' recipe by hand: mean over the attention mask, then L2 norm."""
-    tokenizer = transformers.AutoTokenizer.from_pretrained(MINILM)
-    model = transformers.AutoModel.from_pretrained(MINILM, dtype=torch.float32).eval()
-    batch = tokenizer(texts, padding=True, truncation=True, max_length=256, return_tensors="pt")
-    hidden = model(**batch).last_hidden_state
-    mask = batch["attention_mask"][..., None].float()
-    mean = (hidden * mask).sum(1) / mask.sum(1)
-    return torch.nn.functional.normalize(mean, dim=-1).numpy()
+@pytest.fixture(scope="module")
+def scorer(scorer_dir: str):
+    with LLM(scorer_dir, **ENGINE_ARGS) as llm:
+        yield llm
 
 
-# ---- real MiniLM ----
-@needs_minilm
-def test_minilm_embeddings_match_transformers(minilm: LLM) -> None:
-    texts = README_TEXTS + MORE_TEXTS  # ~50 tokens in all: several 32-token steps
-    ours = np.array([o.outputs.embedding for o in minilm.embed(texts, use_tqdm=False)])
-    expected = transformers_embeddings(texts)
-    assert ours.shape == (len(texts), 384)
-    np.testing.assert_allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-5)
-    cosines = (ours * expected).sum(1)
-    assert (cosines >= 0.99999).all(), cosines
+def _hf_logits(path: str, pairs: list[tuple[str, str]]) -> torch.Tensor:
+    from transformers import AutoTokenizer
+
+    model = BertForSequenceClassification.from_pretrained(path).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    with torch.no_grad():
+        return torch.cat([model(**tokenizer(a, b, return_tensors="pt")).logits for a, b in pairs])
 
 
-@needs_minilm
-def test_minilm_reference_similarities(minilm: LLM) -> None:
-    a, b, c = (np.array(o.outputs.embedding) for o in minilm.embed(README_TEXTS, use_tqdm=False))
-    assert abs(float(a @ b) - 0.89392) < 1e-4
-    assert abs(float(a @ c) - (-0.02990)) < 1e-4
-    scores = minilm.score(README_TEXTS[0], README_TEXTS[1:], use_tqdm=False)
-    np.testing.assert_allclose([s.outputs.score for s in scores], [0.89392, -0.02990], atol=1e-4)
+def test_cross_encoder_score_and_rerank(scorer: LLM, scorer_dir: str) -> None:
+    expected = torch.sigmoid(_hf_logits(scorer_dir, PAIRS))[:, 0].tolist()
+    outputs = scorer.score([a for a, _ in PAIRS], [b for _, b in PAIRS])
+    assert [o.outputs.score for o in outputs] == pytest.approx(expected, abs=1e-4)
+    assert all(o.finished and o.error is None for o in outputs)
+    query, docs = "the quick brown fox", ["the lazy dog", "hello world", "gold", "a query"]
+    one_to_many = scorer.score(query, docs)
+    expected = torch.sigmoid(_hf_logits(scorer_dir, [(query, d) for d in docs]))[:, 0].tolist()
+    assert [o.outputs.score for o in one_to_many] == pytest.approx(expected, abs=1e-4)
+    ranked = scorer.rerank(query, docs, top_n=3)
+    order = sorted(range(len(docs)), key=lambda i: -expected[i])[:3]
+    assert [r.index for r in ranked] == order
+    assert [r.document for r in ranked] == [docs[i] for i in order]
+    assert ranked[0].relevance_score == pytest.approx(max(expected), abs=1e-4)
 
 
-@needs_minilm
-def test_minilm_input_errors_leave_the_engine_serving(minilm: LLM) -> None:
-    with pytest.raises(ValueError, match="empty"):
-        minilm.embed("", use_tqdm=False)
-    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
-        minilm.embed("word " * 600, use_tqdm=False)
-    # Rejected at the frontend (ValueError) or, failing that, by the engine for this request.
-    with pytest.raises((ValueError, RuntimeError), match="Matryoshka"):
-        minilm.embed("hello", pooling_params=PoolingParams(dimensions=64), use_tqdm=False)
-    (truncated,) = minilm.embed("word " * 600, truncate_prompt_tokens=-1, use_tqdm=False)
-    assert len(truncated.outputs.embedding) == 384
-    (ok,) = minilm.embed(README_TEXTS[0], use_tqdm=False)
-    np.testing.assert_allclose(
-        ok.outputs.embedding, transformers_embeddings(README_TEXTS[:1])[0], atol=1e-5
-    )
+def test_classify(tmp_path: Path) -> None:
+    path = _cross_encoder(tmp_path / "cls", num_labels=3)
+    texts = ["the quick brown fox", "hello world"]
+    with LLM(path, **ENGINE_ARGS) as llm:
+        outputs = llm.classify(texts)
+    for text, out in zip(texts, outputs, strict=True):
+        logits = _single_logits(path, text)
+        assert out.outputs.num_classes == 3
+        assert out.outputs.probs == pytest.approx(torch.softmax(logits, -1).tolist(), abs=1e-4)
 
 
-@needs_minilm
-def test_minilm_matryoshka_when_enabled() -> None:
-    llm = make_llm(MINILM, hf_overrides={"is_matryoshka": True})
-    try:
-        full, short = llm.embed(
-            [README_TEXTS[0]] * 2,
-            pooling_params=[PoolingParams(normalize=False), PoolingParams(dimensions=64)],
-            use_tqdm=False,
+def _single_logits(path: str, text: str) -> torch.Tensor:
+    from transformers import AutoTokenizer
+
+    model = BertForSequenceClassification.from_pretrained(path).eval()
+    with torch.no_grad():
+        return model(**AutoTokenizer.from_pretrained(path)(text, return_tensors="pt")).logits[0]
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda llm: llm.generate("hello"), "encoder-only"),
+        (lambda llm: llm.embed(""), "empty"),
+        (lambda llm: llm.embed("the " * 100), "limit of 64"),
+        (lambda llm: llm.score(["a", "b"], ["c", "d", "e"]), "one to one"),
+        (lambda llm: llm.score([], "c"), "at least one"),
+        (lambda llm: llm.rerank("q", []), "non-empty"),
+        (lambda llm: llm.rerank("q", ["d"], top_n=0), "top_n"),
+        (lambda llm: llm.embed(["a", "b"], [PoolingParams()] * 3), "entries for 2 prompts"),
+        (lambda llm: llm.embed({"prompt_token_ids": [2, 10**6, 3]}), "vocabulary"),
+    ],
+)
+def test_invalid_pooling_calls_raise(scorer: LLM, call: Any, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        call(scorer)
+    assert not scorer.llm_engine.has_unfinished_requests()
+
+
+def test_truncation_and_input_order(scorer: LLM) -> None:
+    long_text = "the quick brown fox " * 40
+    (clipped,) = scorer.embed(long_text, truncate_prompt_tokens=-1)
+    assert len(clipped.prompt_token_ids) == 64 and clipped.prompt_token_ids[-1] == 3
+    short = scorer.embed([long_text, "hello"], truncate_prompt_tokens=6)
+    assert [len(o.prompt_token_ids) for o in short] == [6, 3]
+    assert all(isinstance(v, float) for v in short[0].outputs.embedding)
+    assert short[0].outputs.embedding != short[1].outputs.embedding
+
+
+def test_generator_rejects_pooling_calls(tiny_llama_dir: str) -> None:
+    with LLM(tiny_llama_dir, multiprocess=False, num_kv_blocks=16) as llm:
+        for call in (llm.embed, llm.classify):
+            with pytest.raises(ValueError, match="generative"):
+                call("hello")
+        with pytest.raises(ValueError, match="SamplingParams"):
+            llm.generate("hello", PoolingParams())
+        assert llm.generate("hello", SamplingParams(max_tokens=2))[0].outputs[0].token_ids
+
+
+@pytest.mark.skipif(not (ASSETS / "all-MiniLM-L6-v2").is_dir(), reason="needs MiniLM assets")
+def test_minilm_embeddings_and_cosine_scores() -> None:
+    """The reference values of ../shared/assets/README.md (sentence-transformers, fp32)."""
+    with LLM(str(ASSETS / "all-MiniLM-L6-v2"), **ENGINE_ARGS) as llm:
+        (emb,) = llm.embed("The new movie is awesome")
+        assert emb.outputs.hidden_size == 384
+        assert np.linalg.norm(emb.outputs.embedding) == pytest.approx(1.0, abs=1e-5)
+        scores = llm.score(
+            "The new movie is awesome", ["The new movie is so great", "A monkey is playing drums."]
         )
-    finally:
-        llm.shutdown()
-    head = np.array(full.outputs.embedding[:64])
-    np.testing.assert_allclose(short.outputs.embedding, head / np.linalg.norm(head), atol=1e-5)
-
-
-# ---- a tiny cross-encoder on text pairs ----
-def make_cross_encoder(path: Path, num_labels: int) -> torch.nn.Module:
-    """A random BertForSequenceClassification with a small WordPiece vocabulary."""
-    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS, *letters]
-    vocab += [f"##{c}" for c in letters]
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    transformers.BertTokenizerFast(vocab_file=str(path / "vocab.txt")).save_pretrained(path)
-    config = transformers.BertConfig(
-        vocab_size=len(vocab),
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=48,
-        max_position_embeddings=64,
-        num_labels=num_labels,
-        architectures=["BertForSequenceClassification"],
-    )
-    model = randomize_(transformers.BertForSequenceClassification(config).float()).eval()
-    model.save_pretrained(path)
-    return model
-
-
-@torch.inference_mode()
-def transformers_logits(model: torch.nn.Module, path: Path, a: str, b: str | None) -> torch.Tensor:
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    return model(**tokenizer(a, b, return_tensors="pt")).logits[0]
-
-
-def test_cross_encoder_score_and_rerank(tmp_path: Path) -> None:
-    model = make_cross_encoder(tmp_path, num_labels=1)
-    query = "query about cats"
-    docs = ["the cats play music", "dogs", "a great movie about dogs and cats", "bad document"]
-    llm = make_llm(tmp_path)
-    try:
-        scores = [s.outputs.score for s in llm.score(query, docs, use_tqdm=False)]
-        ranked = llm.rerank(query, docs, top_n=3, use_tqdm=False)
-        with pytest.raises((ValueError, RuntimeError), match="Matryoshka"):
-            llm.embed(query, pooling_params=PoolingParams(dimensions=4), use_tqdm=False)
-        again = llm.score(query, docs[0], use_tqdm=False)
-    finally:
-        llm.shutdown()
-    # CrossEncoder's default for one label: sigmoid of the logit; pairs carry segment ids.
-    expected = [float(torch.sigmoid(transformers_logits(model, tmp_path, query, d))) for d in docs]
-    np.testing.assert_allclose(scores, expected, atol=1e-4)
-    assert [r.index for r in ranked] == list(np.argsort(expected)[::-1][:3])
-    assert again[0].outputs.score == pytest.approx(expected[0], abs=1e-4)
-
-
-def test_sequence_classifier_classify(tmp_path: Path) -> None:
-    model = make_cross_encoder(tmp_path, num_labels=3)
-    texts = ["the movie is great", "bad", "dogs play music about the cats " * 3]
-    llm = make_llm(tmp_path)
-    try:
-        probs = [o.outputs.probs for o in llm.classify(texts, use_tqdm=False)]
-        raw = llm.classify(texts[0], pooling_params=PoolingParams(activation=False), use_tqdm=False)
-    finally:
-        llm.shutdown()
-    for text, p in zip(texts, probs, strict=True):
-        expected = torch.softmax(transformers_logits(model, tmp_path, text, None), dim=-1)
-        np.testing.assert_allclose(p, expected.numpy(), atol=1e-4)
-    logits = transformers_logits(model, tmp_path, texts[0], None)
-    np.testing.assert_allclose(raw[0].outputs.probs, logits.numpy(), atol=1e-4)
+        assert [s.outputs.score for s in scores] == pytest.approx([0.89392, -0.02990], abs=1e-4)
+        ranked = llm.rerank("The new movie is awesome", ["A monkey is playing drums.", "The new movie is so great"])
+        assert [r.index for r in ranked] == [1, 0]

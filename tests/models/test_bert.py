@@ -380,7 +380,7 @@ def test_bad_requests_fail_alone_and_the_engine_keeps_serving(tmp_path: Path) ->
     good = random_inputs([32])[0]
     cases = [
         ({"ids": []}, PoolingParams(), "empty"),
-        (random_inputs([33])[0], PoolingParams(task="encode"), "limit of 32 positions"),
+        (random_inputs([33])[0], PoolingParams(task="encode"), "limit of 32"),
         (good, PoolingParams(dimensions=8), "Matryoshka"),
         (good, PoolingParams(task="score"), "one label"),
     ]

@@ -98,6 +98,7 @@ def write_checkpoint(path: Path, variant: Variant) -> Any:
     stored; v1.1/mT5: `tie_word_embeddings: false` and a head of its own) and return
     transformers' model loaded from it."""
     cfg = variant.config_cls(**{**TINY_T5, **variant.overrides})
+    cfg.architectures = [variant.model_cls.__name__]
     torch.manual_seed(variant.seed)
     model = variant.model_cls(cfg)
     state = {name: t.detach().clone().contiguous() for name, t in model.state_dict().items()}

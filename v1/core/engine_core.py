@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from v1.config import EngineConfig
+from v1.config import EngineConfig, ModelKind
 from v1.core.protocol import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -48,6 +48,7 @@ class EngineCore:
         self.scheduler = Scheduler(config, self.kv_cache_config)
         self.max_model_len = config.model_config.effective_max_model_len
         self._pending_outputs: list[EngineCoreOutput] = []
+        self._pooling_config = self._load_pooling_config()
         logger.info(
             "EngineCore ready: %d KV blocks of %d tokens, %d KV groups",
             self.kv_cache_config.num_blocks,
@@ -81,14 +82,39 @@ class EngineCore:
                 f"encoder input of {enc.num_encoder_tokens} positions exceeds the encoder cache "
                 f"({self.config.encoder_cache_size})"
             )
-        if (
-            request.pooling_params is not None
-            and len(request.prompt_token_ids) > self.config.scheduler_config.max_num_batched_tokens
-        ):
+        if request.pooling_params is not None:
+            self._check_pooling_request(request)
+
+    def _check_pooling_request(self, request: EngineCoreRequest) -> None:
+        num_tokens = len(request.prompt_token_ids)
+        budget = self.config.scheduler_config.max_num_batched_tokens
+        if num_tokens > budget:
             raise ValueError(
-                f"input of {len(request.prompt_token_ids)} tokens exceeds max_num_batched_tokens="
-                f"{self.config.scheduler_config.max_num_batched_tokens}"
+                f"input of {num_tokens} tokens exceeds max_num_batched_tokens={budget}"
             )
+        if self._pooling_config is None:
+            return  # the model folder's pooling files could not be read; the runner checks
+        if num_tokens > self._pooling_config.max_input_len:
+            raise ValueError(
+                f"input of {num_tokens} tokens exceeds the model's limit of "
+                f"{self._pooling_config.max_input_len}"
+            )
+        from v1.models.sentence_transformers import validate_pooling_params
+
+        validate_pooling_params(self._pooling_config, request.pooling_params)
+
+    def _load_pooling_config(self) -> Any:
+        """Pooling limits of an encoder-only model, read from its folder's JSON files (torch-free),
+        so bad pooling requests fail alone at admission instead of failing a whole step."""
+        if self.config.model_config.kind != ModelKind.ENCODER_ONLY:
+            return None
+        from v1.models.sentence_transformers import load_pooling_config
+
+        try:
+            return load_pooling_config(self.config.model_config)
+        except OSError as e:
+            logger.warning("pooling config unavailable (%s); limits checked by the runner only", e)
+            return None
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)

@@ -149,23 +149,23 @@ class LLM:
             params = self._pooling_params(None, prompts, "score", truncate_prompt_tokens)
             outputs = self._run(prompts, params, use_tqdm, None)
             return [ScoringRequestOutput.from_base(o) for o in outputs]
+        # Bi-encoder: embed every distinct text once, then cosine per pair.
         texts = list(dict.fromkeys(t for pair in pairs for t in pair))
-        embeddings = self.embed(
+        embedded = self.embed(
             texts, use_tqdm=use_tqdm, truncate_prompt_tokens=truncate_prompt_tokens
         )
-        by_text = {
-            t: np.asarray(e.outputs.embedding, dtype=np.float32)
-            for t, e in zip(texts, embeddings, strict=True)
-        }
+        by_text = dict(zip(texts, embedded, strict=True))
         results = []
-        for i, (a, b) in enumerate(pairs):
-            u, v = by_text[a], by_text[b]
-            denom = max(float(np.linalg.norm(u) * np.linalg.norm(v)), 1e-12)
+        for a, b in pairs:
+            ea, eb = by_text[a], by_text[b]
+            u = np.asarray(ea.outputs.embedding, dtype=np.float32)
+            v = np.asarray(eb.outputs.embedding, dtype=np.float32)
+            cosine = float(np.dot(u, v)) / max(float(np.linalg.norm(u) * np.linalg.norm(v)), 1e-12)
             results.append(
                 ScoringRequestOutput(
-                    request_id=f"score-{i}",
-                    outputs=ScoringOutput(float(np.dot(u, v)) / denom),
-                    prompt_token_ids=[],
+                    request_id=f"{ea.request_id}_{eb.request_id}",
+                    outputs=ScoringOutput(cosine),
+                    prompt_token_ids=ea.prompt_token_ids + eb.prompt_token_ids,
                     finished=True,
                 )
             )

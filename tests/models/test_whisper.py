@@ -1,0 +1,304 @@
+"""Whisper model and runner state: the real checkpoint loads strictly; tiny random Whisper models
+(multilingual and English-only layouts) run through the EngineCore and must match transformers'
+greedy tokens and raw logprobs, also under preemption; no-speech probabilities and encoder runs.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from tests.models.hf_reference import randomize_
+from tests.utils import ASSETS
+from v1.config import make_engine_config
+from v1.core.engine_core import EngineCore
+from v1.core.protocol import EngineCoreRequest
+from v1.engine.tokenizer import get_tokenizer
+from v1.engine.whisper_inputs import WhisperInputBuilder
+from v1.sampling_params import SamplingParams
+
+WHISPER_BASE = ASSETS / "whisper-base"
+pytestmark = pytest.mark.skipif(
+    not WHISPER_BASE.is_dir(), reason=f"needs the real whisper-base folder at {WHISPER_BASE}"
+)
+WINDOW = 1500
+"""Encoder positions of one window."""
+TINY = dict(
+    d_model=32,
+    encoder_layers=2,
+    decoder_layers=2,
+    encoder_attention_heads=4,
+    decoder_attention_heads=4,
+    encoder_ffn_dim=64,
+    decoder_ffn_dim=64,
+    max_source_positions=WINDOW,
+    max_target_positions=448,
+    num_mel_bins=80,
+)
+
+
+def _english_only_generation_config(gen: dict[str, Any]) -> dict[str, Any]:
+    """An `.en` layout: every special id one lower (no extra multilingual text token), no
+    language or task tokens."""
+
+    def shift(ids: list[int]) -> list[int]:
+        return [t - 1 if t >= 50257 else t for t in ids]
+
+    gen = {k: v for k, v in gen.items() if k not in ("lang_to_id", "task_to_id")}
+    gen.update(
+        is_multilingual=False,
+        bos_token_id=50256,
+        eos_token_id=50256,
+        pad_token_id=50256,
+        decoder_start_token_id=50257,
+        no_timestamps_token_id=50362,
+        prev_sot_token_id=50360,
+        begin_suppress_tokens=[220, 50256],
+        suppress_tokens=shift(gen["suppress_tokens"]),
+        forced_decoder_ids=None,
+    )
+    return gen
+
+
+def make_tiny_whisper_dir(path: Path, *, english_only: bool = False, seed: int = 0) -> str:
+    """A random 2+2-layer, 32-wide Whisper with the real vocabulary, whisper-base's tokenizer
+    and feature extractor, and a multilingual or English-only generation config."""
+    from transformers import GenerationConfig, WhisperConfig, WhisperForConditionalGeneration
+
+    path.mkdir(parents=True, exist_ok=True)
+    for item in WHISPER_BASE.iterdir():
+        if item.suffix != ".safetensors" and item.name not in ("config.json", "generation_config.json"):
+            shutil.copy(item, path / item.name)
+    gen = json.loads((WHISPER_BASE / "generation_config.json").read_text())
+    if english_only:
+        gen = _english_only_generation_config(gen)
+    cfg = WhisperConfig(
+        vocab_size=51864 if english_only else 51865,
+        decoder_start_token_id=gen["decoder_start_token_id"],
+        eos_token_id=gen["eos_token_id"],
+        bos_token_id=gen["bos_token_id"],
+        pad_token_id=gen["pad_token_id"],
+        **TINY,
+    )
+    torch.manual_seed(seed)
+    # std 0.5: outputs depend on the audio (smaller weights give one repeated token).
+    model = randomize_(WhisperForConditionalGeneration(cfg), seed, std=0.5).eval()
+    model.generation_config = GenerationConfig(**gen)
+    model.save_pretrained(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_whisper_dir(tmp_path_factory.mktemp("tiny_whisper"))
+
+
+@pytest.fixture(scope="module")
+def tiny_en_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_whisper_dir(tmp_path_factory.mktemp("tiny_whisper_en"), english_only=True)
+
+
+def make_core(path: str, **overrides: Any) -> EngineCore:
+    args = dict(
+        device="cpu",
+        num_kv_blocks=2048,
+        max_num_encoder_input_tokens=4 * WINDOW,
+        encoder_cache_size=8 * WINDOW,
+    )
+    return EngineCore(make_engine_config(path, **{**args, **overrides}))
+
+
+def make_builder(core: EngineCore) -> WhisperInputBuilder:
+    model_config = core.config.model_config
+    return WhisperInputBuilder(model_config, get_tokenizer(model_config))
+
+
+def make_waves(n: int, seed: int = 0) -> list[np.ndarray]:
+    """Distinct noisy waveforms of different lengths (0.5 s to 20 s)."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.uniform(0.5, 20.0, size=n)
+    return [(0.1 * rng.standard_normal(int(16_000 * s))).astype(np.float32) for s in lengths]
+
+
+def run_all(core: EngineCore, requests: list[EngineCoreRequest]) -> dict[str, dict[str, Any]]:
+    """Runs the requests to completion: req_id -> tokens, logprobs, extras, error."""
+    results: dict[str, dict[str, Any]] = {
+        r.request_id: {"tokens": [], "logprobs": [], "extras": {}, "error": None} for r in requests
+    }
+    for request in requests:
+        core.add_request(request)
+    while core.has_work():
+        for out in core.step().outputs:
+            res = results[out.request_id]
+            res["tokens"] += out.new_token_ids
+            res["logprobs"] += out.new_logprobs or []
+            res["extras"].update(out.extras or {})
+            res["error"] = res["error"] or out.error
+    stats = core.get_stats()
+    assert stats["num_kv_requests"] == 0 and stats["num_used_blocks"] == 0
+    return results
+
+
+def hf_generate(path: str, waves: list[np.ndarray], max_new_tokens: int, **kwargs: Any) -> Any:
+    from transformers import WhisperFeatureExtractor, WhisperForConditionalGeneration
+
+    model = WhisperForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    features = WhisperFeatureExtractor.from_pretrained(path)(
+        waves, sampling_rate=16_000, return_tensors="pt"
+    ).input_features
+    with torch.inference_mode():
+        return model.generate(
+            input_features=features,
+            max_new_tokens=max_new_tokens,
+            return_dict_in_generate=True,
+            output_logits=True,
+            **kwargs,
+        )
+
+
+def until_eos(tokens: list[int], eos: int) -> list[int]:
+    return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
+
+
+# ---- the real checkpoint ----
+
+
+def test_real_checkpoint_loads_every_parameter_and_reads_its_configs() -> None:
+    from v1.models.loader import iterate_weights, load_model_from_weights
+
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(str(WHISPER_BASE))
+    model = load_model_from_weights(
+        hf_config, iterate_weights(str(WHISPER_BASE)), "cpu", torch.float32
+    )
+    loaded = model.load_weights(iterate_weights(str(WHISPER_BASE)))
+    assert loaded == {name for name, _ in model.named_parameters()}
+    assert model.proj_out.weight is model.model.decoder.embed_tokens.weight
+    # The fused k rows of the q/k/v and k/v projections hold Whisper's absent k bias: zeros.
+    d = hf_config.d_model
+    assert not model.model.encoder.layers[0].self_attn.qkv_proj.bias[d : 2 * d].any()
+    assert not model.model.decoder.layers[0].encoder_attn.kv_proj.bias[:d].any()
+    info = model.whisper_token_info()
+    assert (info.eos_token_id, info.no_timestamps_token_id, info.timestamp_begin) == (
+        50257,
+        50363,
+        50364,
+    )
+    assert info.max_initial_timestamp_index == 50
+    assert model.no_speech_token_id == 50362  # <|nocaptions|> in this vocabulary
+    assert model.decoder_eos_token_id == 50257
+    assert model.mel.n_mels == 80
+
+
+# ---- tiny models against transformers ----
+
+
+@pytest.mark.parametrize("english_only", [False, True], ids=["multilingual", "english_only"])
+def test_greedy_tokens_and_logprobs_match_transformers_under_preemption(
+    tiny_dir: str, tiny_en_dir: str, english_only: bool
+) -> None:
+    path = tiny_en_dir if english_only else tiny_dir
+    waves = make_waves(4, seed=1)
+    max_tokens = 24
+    # Room for two requests' cross blocks (94 each) and their prompts, not for their growth.
+    core = make_core(path, num_kv_blocks=192, max_num_seqs=4)
+    builder = make_builder(core)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=3)
+    prompt = {"prompt": "", "language": None if english_only else "en"}
+    requests = [
+        builder.build(f"r{i}", {**prompt, "multi_modal_data": {"audio": (w, 16_000)}}, params)
+        for i, w in enumerate(waves)
+    ]
+    expected_prompt = [50257, 50362] if english_only else [50258, 50259, 50359, 50363]
+    assert requests[0].prompt_token_ids == expected_prompt
+    results = run_all(core, requests)
+    assert core.get_stats()["num_preemptions"] > 0
+
+    lang = {} if english_only else {"language": "en", "task": "transcribe"}
+    hf = hf_generate(path, waves, max_tokens, **lang)
+    eos = builder.tokens.eos
+    for i in range(len(waves)):
+        ours = results[f"r{i}"]
+        assert ours["error"] is None
+        theirs = until_eos(hf.sequences[i, len(expected_prompt) :].tolist(), eos)
+        assert ours["tokens"] == theirs
+        raw = torch.stack([step[i] for step in hf.logits[: len(theirs)]]).log_softmax(-1)
+        for step, (token, logprobs) in enumerate(zip(theirs, ours["logprobs"], strict=True)):
+            assert logprobs[0] == pytest.approx(raw[step, token].item(), abs=1e-4)
+    assert len({tuple(r["tokens"]) for r in results.values()}) > 1, "outputs ignore the audio"
+
+
+def test_timestamp_tokens_match_transformers(tiny_dir: str) -> None:
+    waves = make_waves(3, seed=2)
+    core = make_core(tiny_dir)
+    builder = make_builder(core)
+    params = SamplingParams(temperature=0.0, max_tokens=20, whisper_timestamps=True)
+    requests = [
+        builder.build(f"t{i}", {"multi_modal_data": {"audio": (w, 16_000)}}, params)
+        for i, w in enumerate(waves)
+    ]
+    assert requests[0].prompt_token_ids == [50258, 50259, 50359]  # no <|notimestamps|>
+    results = run_all(core, requests)
+    hf = hf_generate(tiny_dir, waves, 20, language="en", task="transcribe", return_timestamps=True)
+    for i in range(len(waves)):
+        theirs = until_eos(hf.sequences[i, 3:].tolist(), 50257)
+        assert results[f"t{i}"]["tokens"] == theirs
+        assert theirs[0] >= 50364, "the first output is a timestamp"
+
+
+def test_no_speech_prob_is_the_nospeech_probability_at_startoftranscript(tiny_dir: str) -> None:
+    """Also with a <|startofprev|> prompt (SOT not first) and a prompt split over prefill
+    chunks (the probability is reported with the first sampled token)."""
+    from transformers import WhisperFeatureExtractor, WhisperForConditionalGeneration
+
+    (wave,) = make_waves(1, seed=3)
+    core = make_core(tiny_dir, max_num_batched_tokens=4, enable_chunked_prefill=True)
+    builder = make_builder(core)
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    audio = {"audio": (wave, 16_000)}
+    plain = builder.build("plain", {"multi_modal_data": audio, "language": "en"}, params)
+    prompted = builder.build(
+        "prompted", {"prompt": "the quick brown fox", "multi_modal_data": audio}, params
+    )
+    assert prompted.prompt_token_ids[0] == 50361 and len(prompted.prompt_token_ids) > 8
+    results = run_all(core, [plain, prompted])
+
+    model = WhisperForConditionalGeneration.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    features = WhisperFeatureExtractor.from_pretrained(tiny_dir)(
+        [wave], sampling_rate=16_000, return_tensors="pt"
+    ).input_features
+    for request in (plain, prompted):
+        ids = torch.tensor([request.prompt_token_ids])
+        with torch.inference_mode():
+            logits = model(input_features=features, decoder_input_ids=ids).logits[0]
+        sot = request.prompt_token_ids.index(50258)
+        expected = logits[sot].softmax(-1)[50362].item()
+        assert results[request.request_id]["extras"]["no_speech_prob"] == pytest.approx(
+            expected, rel=1e-4
+        )
+
+
+def test_encoder_runs_once_per_distinct_audio(tiny_dir: str) -> None:
+    core = make_core(tiny_dir)
+    builder = make_builder(core)
+    waves = make_waves(2, seed=4)
+    params = SamplingParams(temperature=0.0, max_tokens=5)
+    audios = [waves[0], waves[0].copy(), waves[1]]
+    requests = [
+        builder.build(f"e{i}", {"multi_modal_data": {"audio": (w, 16_000)}}, params)
+        for i, w in enumerate(audios)
+    ]
+    assert requests[0].encoder_input.content_hash == requests[1].encoder_input.content_hash
+    results = run_all(core, requests)
+    assert core.get_stats()["num_encoder_runs"] == 2
+    assert results["e0"]["tokens"] == results["e1"]["tokens"]
+    # The cached output serves a later request for the same audio without another run.
+    run_all(core, [builder.build("again", {"multi_modal_data": {"audio": (audios[2], 16_000)}}, params)])
+    assert core.get_stats()["num_encoder_runs"] == 2
