@@ -67,10 +67,37 @@ def make_tiny_tokenizer(
     return wrapped
 
 
-_WORDS = (
-    "the quick brown fox jumps over lazy dog hello world a an is not gold all that "
-    "glitters who wander are lost engine model serve text query document relevant"
-).split()
+_WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "lazy",
+    "dog",
+    "hello",
+    "world",
+    "a",
+    "an",
+    "is",
+    "not",
+    "gold",
+    "all",
+    "that",
+    "glitters",
+    "who",
+    "wander",
+    "are",
+    "lost",
+    "engine",
+    "model",
+    "serve",
+    "text",
+    "query",
+    "document",
+    "relevant",
+]
 
 
 def make_tiny_wordpiece_tokenizer(path: str | os.PathLike[str]) -> Any:
@@ -113,8 +140,10 @@ def make_tiny_model_dir(
     else:
         source = Path(tokenizer_from)
         for item in source.iterdir() if source.resolve() != path.resolve() else []:
-            if item.is_file() and not item.name.endswith((".safetensors", ".bin")) and (
-                "token" in item.name or item.name in ("vocab.json", "vocab.txt", "merges.txt")
+            if (
+                item.is_file()
+                and not item.name.endswith((".safetensors", ".bin"))
+                and ("token" in item.name or item.name in ("vocab.json", "vocab.txt", "merges.txt"))
             ):
                 shutil.copy(item, path / item.name)
         tokenizer = AutoTokenizer.from_pretrained(str(path))

@@ -34,3 +34,9 @@ V1_MAX_AUDIO_SECONDS: int = _int("V1_MAX_AUDIO_SECONDS", 3 * 3600)
 
 V1_MAX_AUDIO_BYTES: int = _int("V1_MAX_AUDIO_BYTES", 100 << 20)
 """Largest encoded audio upload accepted, in bytes."""
+
+V1_MAX_REQUEST_BYTES: int = _int("V1_MAX_REQUEST_BYTES", 32 << 20)
+"""Largest JSON request body the API server accepts, in bytes (audio uploads: V1_MAX_AUDIO_BYTES)."""
+
+V1_MAX_PENDING_REQUESTS: int = _int("V1_MAX_PENDING_REQUESTS", 1024)
+"""Inference requests the API server holds at once; more are answered 503 (`--max-pending`)."""

@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 
-from tests.utils import make_tiny_llama_dir
 from v1.config import EngineConfig, make_engine_config
 from v1.core.client import EngineDeadError
 from v1.engine.async_llm import AsyncLLM
@@ -26,10 +25,9 @@ PROMPTS = ["The quick brown fox", "Hello world!", "To be or not to be", "A journ
 
 
 @pytest.fixture(scope="module")
-def config(tmp_path_factory: pytest.TempPathFactory) -> EngineConfig:
-    model = make_tiny_llama_dir(tmp_path_factory.mktemp("tiny-llama"))
+def config(tiny_llama_dir: str) -> EngineConfig:
     return make_engine_config(
-        model, device="cpu", block_size=16, num_kv_blocks=1024, max_num_seqs=256
+        tiny_llama_dir, device="cpu", block_size=16, num_kv_blocks=1024, max_num_seqs=256
     )
 
 

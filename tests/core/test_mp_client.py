@@ -109,28 +109,10 @@ def factory_path(cls: type) -> str:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """Only a config.json: the scripted executor loads no weights."""
-    from transformers import LlamaConfig
-
-    path = tmp_path_factory.mktemp("fake-llama")
-    LlamaConfig(
-        vocab_size=100,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        intermediate_size=32,
-        max_position_embeddings=256,
-        architectures=["LlamaForCausalLM"],
-    ).save_pretrained(path)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def config(model_dir: str) -> EngineConfig:
+def config(tiny_llama_dir: str) -> EngineConfig:
+    """The scripted executor loads no weights: only the model's config.json is read."""
     return EngineConfig(
-        model_config=ModelConfig(model=model_dir),
+        model_config=ModelConfig(model=tiny_llama_dir),
         cache_config=CacheConfig(block_size=4, num_kv_blocks=128),
         scheduler_config=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=256),
     )

@@ -342,9 +342,7 @@ def test_legacy_generation_fields_in_config_json(tmp_path: Path, bart_tokenizer)
 
 
 def test_decoder_only_generation_defaults(tmp_path: Path, tiny_tokenizer) -> None:
-    cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2
-    )
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2)
     gen = {"eos_token_id": 2, "suppress_tokens": [9], "min_length": 5, "forced_bos_token_id": 7}
     proc = make_processor(tmp_path, cfg, tiny_tokenizer, generation_config=gen)
     p = proc.process("r", {"prompt_token_ids": [1, 4, 5]}, SamplingParams()).sampling_params

@@ -53,7 +53,12 @@ def test_final_only_reports_once_with_the_full_text(processor, tiny_tokenizer) -
     assert res.request_id == "a" and res.finished and res.prompt == "prompt text"
     assert res.prompt_token_ids == PROMPT
     (c,) = res.outputs
-    assert (c.text, c.token_ids, c.finish_reason, c.stop_reason) == ("hello world", ids, "length", None)
+    assert (c.text, c.token_ids, c.finish_reason, c.stop_reason) == (
+        "hello world",
+        ids,
+        "length",
+        None,
+    )
     assert c.logprobs is None and c.cumulative_logprob is None
     assert not processor.has_unfinished_requests()
 
@@ -128,7 +133,9 @@ def test_delta_outputs_add_up_to_the_final_output(processor, tiny_tokenizer) -> 
     for i, t in enumerate(ids):
         finish = FinishReason.LENGTH if i == len(ids) - 1 else None
         lp = {"new_logprob_token_ids": [[t]], "new_logprobs": [[-1.0]], "new_logprob_ranks": [3]}
-        results, _ = processor.process_outputs([out("d", [t], finish, **lp), out("c", [t], finish, **lp)])
+        results, _ = processor.process_outputs(
+            [out("d", [t], finish, **lp), out("c", [t], finish, **lp)]
+        )
         delta, cumulative = results
         assert delta.finished == cumulative.finished == (finish is not None)
         texts.append(delta.outputs[0].text)
@@ -169,7 +176,9 @@ def test_n_children_stream_deltas_per_child(processor) -> None:
     parent = ParentRequest("p", SamplingParams(n=2))
     for i, child in enumerate(parent.child_ids):
         add(processor, child, parent.child_params(i), RequestOutputKind.DELTA, parent, i)
-    results, _ = processor.process_outputs([out("0_p", [40]), out("1_p", [41], FinishReason.LENGTH)])
+    results, _ = processor.process_outputs(
+        [out("0_p", [40]), out("1_p", [41], FinishReason.LENGTH)]
+    )
     assert [(r.request_id, r.outputs[0].index, r.finished) for r in results] == [
         ("p", 0, False),
         ("p", 1, False),
@@ -188,6 +197,12 @@ def test_abort_parent_aborts_its_children(processor) -> None:
     assert sorted(processor.abort_requests(["p", "solo", "unknown"])) == ["0_p", "1_p", "solo"]
     assert not processor.has_unfinished_requests()
     assert processor.process_outputs([out("0_p", [1], FinishReason.LENGTH)]) == ([], [])
+    # Children aborted one by one: the parent goes with the last of them.
+    parent = ParentRequest("q", SamplingParams(n=2))
+    for i, child in enumerate(parent.child_ids):
+        add(processor, child, parent.child_params(i), parent=parent, index=i)
+    assert processor.abort_requests(["0_q"]) == ["0_q"] and "q" in processor.parent_requests
+    assert processor.abort_requests(["1_q"]) == ["1_q"] and not processor.parent_requests
 
 
 def test_duplicate_request_id_rejected(processor) -> None:

@@ -157,7 +157,8 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(llm: LLM) -> None
     ]
     prompts = batch_prompts()
     batch = llm.generate(
-        [prompts[0], prompt, prompts[5], prompts[7], prompt], [others[0], seeded, others[1], others[2], seeded]
+        [prompts[0], prompt, prompts[5], prompts[7], prompt],
+        [others[0], seeded, others[1], others[2], seeded],
     )
     assert batch[1].outputs[0].token_ids == alone
     assert batch[4].outputs[0].token_ids == alone
@@ -194,7 +195,11 @@ def test_stop_strings_and_stop_token_ids(llm: LLM) -> None:
     index = full.text.find(stop)
     for include in (False, True):
         params = SamplingParams(
-            temperature=0, max_tokens=16, ignore_eos=True, stop=[stop], include_stop_str_in_output=include
+            temperature=0,
+            max_tokens=16,
+            ignore_eos=True,
+            stop=[stop],
+            include_stop_str_in_output=include,
         )
         (c,) = llm.generate(prompt, params)[0].outputs
         assert c.text == full.text[: index + (len(stop) if include else 0)]
@@ -203,7 +208,8 @@ def test_stop_strings_and_stop_token_ids(llm: LLM) -> None:
     stop_id = full.token_ids[4]
     first = full.token_ids.index(stop_id)
     (c,) = llm.generate(
-        prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop_token_ids=[stop_id])
+        prompt,
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop_token_ids=[stop_id]),
     )[0].outputs
     assert c.token_ids == full.token_ids[: first + 1]
     assert (c.finish_reason, c.stop_reason) == ("stop", stop_id)
@@ -270,7 +276,7 @@ def test_generation_config_defaults_match_transformers(llama_dir: str, tmp_path:
         "eos_token_id": 2,
         "no_repeat_ngram_size": 2,
         "suppress_tokens": [10, 11, 12],
-        "min_length": 30,
+        "min_length": 12,
         "forced_eos_token_id": 2,
     }
     path = copy_model(llama_dir, tmp_path / "gen", gen)
@@ -283,7 +289,12 @@ def test_generation_config_defaults_match_transformers(llama_dir: str, tmp_path:
             assert out.outputs[0].token_ids == ref
             assert ref[-1] == 2  # forced EOS at the length limit
         # Explicit params win over the generation config.
-        (out,) = gen_llm.generate(prompts[2], SamplingParams(temperature=0, max_tokens=20, no_repeat_ngram_size=0, suppress_tokens=[]))
+        (out,) = gen_llm.generate(
+            prompts[2],
+            SamplingParams(
+                temperature=0, max_tokens=20, no_repeat_ngram_size=0, suppress_tokens=[]
+            ),
+        )
         ref, _ = hf_greedy(
             hf,
             prompts[2]["prompt_token_ids"],
@@ -393,7 +404,9 @@ def test_other_decoder_only_architectures(arch: str, make: Any, tmp_path: Path) 
     hf = AutoModelForCausalLM.from_pretrained(path).eval()
     prompts = batch_prompts(5)
     with LLM(path, **ENGINE_ARGS) as model:
-        outputs = model.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+        outputs = model.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+        )
         for prompt, out in zip(prompts, outputs, strict=True):
             ref, _ = hf_greedy(hf, prompt["prompt_token_ids"], 10)
             assert out.outputs[0].token_ids == ref

@@ -148,5 +148,7 @@ def test_minilm_embeddings_and_cosine_scores() -> None:
             "The new movie is awesome", ["The new movie is so great", "A monkey is playing drums."]
         )
         assert [s.outputs.score for s in scores] == pytest.approx([0.89392, -0.02990], abs=1e-4)
-        ranked = llm.rerank("The new movie is awesome", ["A monkey is playing drums.", "The new movie is so great"])
+        ranked = llm.rerank(
+            "The new movie is awesome", ["A monkey is playing drums.", "The new movie is so great"]
+        )
         assert [r.index for r in ranked] == [1, 0]

@@ -15,6 +15,8 @@ import torch
 import transformers
 from torch import nn
 
+from tests.utils import make_tiny_tokenizer
+from v1 import LLM
 from v1.attention.backend import AttentionType, CommonAttentionMetadata
 from v1.attention.backends.torch_sdpa import SDPAMetadataBuilder, TorchSDPABackend
 from v1.config import ModelConfig, make_engine_config
@@ -103,16 +105,25 @@ def randomize_(model: nn.Module, seed: int) -> None:
         bias.copy_(0.1 * torch.randn(bias.shape, generator=gen))
 
 
-def make_checkpoint(path: Path, variant: str, seed: int = 0) -> tuple[nn.Module, str]:
+def make_checkpoint(
+    path: Path,
+    variant: str,
+    seed: int = 0,
+    generation: dict[str, Any] | None = None,
+    **config_overrides: Any,
+) -> tuple[nn.Module, str]:
+    """A random `variant` saved in `path` with a generation config of the given rules."""
     model_type, overrides = VARIANTS[variant]
-    hf_model = transformers.AutoModelForSeq2SeqLM.from_config(tiny_config(model_type, **overrides))
+    cfg = tiny_config(model_type, **{**overrides, **config_overrides})
+    hf_model = transformers.AutoModelForSeq2SeqLM.from_config(cfg)
     randomize_(hf_model, seed)
     hf_model.generation_config = transformers.GenerationConfig(
-        bos_token_id=BOS,
-        pad_token_id=PAD,
-        eos_token_id=EOS,
-        decoder_start_token_id=DECODER_START,
-        forced_eos_token_id=EOS,
+        bos_token_id=cfg.bos_token_id,
+        pad_token_id=cfg.pad_token_id,
+        eos_token_id=cfg.eos_token_id,
+        decoder_start_token_id=cfg.decoder_start_token_id,
+        forced_eos_token_id=cfg.eos_token_id,
+        **(generation or {}),
     )
     hf_model.save_pretrained(path)
     return hf_model.eval(), str(path)
@@ -252,31 +263,47 @@ class EncDecRunner:
 
 
 @torch.inference_mode()
-def hf_decoder_logits(hf_model: nn.Module, enc_ids: list[int], dec_ids: list[int]) -> Any:
-    out = hf_model(input_ids=torch.tensor([enc_ids]), decoder_input_ids=torch.tensor([dec_ids]))
-    return out.logits[0].float()  # [len(dec_ids), vocab]
+def hf_decoder_logits(
+    hf_model: nn.Module, enc_prompts: list[list[int]], dec_prompts: list[list[int]]
+) -> list[torch.Tensor]:
+    """transformers' logits [len(dec), vocab] of each pair, in one right-padded batch (the
+    decoder is causal, so its right padding changes no real row)."""
+
+    def pad(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(r) for r in rows)
+        ids = torch.tensor([r + [PAD] * (width - len(r)) for r in rows])
+        return ids, torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+
+    input_ids, mask = pad(enc_prompts)
+    decoder_ids, _ = pad(dec_prompts)
+    logits = hf_model(
+        input_ids=input_ids, attention_mask=mask, decoder_input_ids=decoder_ids
+    ).logits.float()
+    return [row[: len(dec)] for row, dec in zip(logits, dec_prompts, strict=True)]
 
 
 def test_paged_logits_match_transformers(checkpoint: tuple[str, nn.Module, str]) -> None:
+    """A packed first step (encoder, decoder prompts, cross K/V written), then decode steps
+    that only read the cross blocks; every step's logits against transformers'."""
     variant, hf_model, path = checkpoint
-    model_type = VARIANTS[variant][0]
     ours = load_model(ModelConfig(model=path), "cpu", torch.float32)
-    assert type(ours) is CLASSES[model_type]
+    assert type(ours) is CLASSES[VARIANTS[variant][0]]
     enc_prompts = encoder_prompts(3, seed=1)
     seqs = [[DECODER_START], [DECODER_START, 7, 9], [DECODER_START, 5]]
+    prompt_lens = [len(s) for s in seqs]
     runner = EncDecRunner(ours)
-    for logits, enc, seq in zip(runner.start(enc_prompts, seqs), enc_prompts, seqs, strict=True):
-        torch.testing.assert_close(logits, hf_decoder_logits(hf_model, enc, seq), atol=ATOL, rtol=0)
+    ours_logits = runner.start(enc_prompts, seqs)
+    for logits, seq in zip(ours_logits, seqs, strict=True):
         seq.append(int(logits[-1].argmax()))
     for _ in range(3):
         step = runner.decode([seq[-1] for seq in seqs])
-        for logits, enc, seq in zip(step, enc_prompts, seqs, strict=True):
-            expected = hf_decoder_logits(hf_model, enc, seq)[-1]
-            torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
+        for i, (logits, seq) in enumerate(zip(step, seqs, strict=True)):
+            ours_logits[i] = torch.cat([ours_logits[i], logits[None]])
             seq.append(int(logits.argmax()))
-    assert logits.shape[-1] == hf_model.config.get_text_config().vocab_size or (
-        logits.shape[-1] == hf_model.config.decoder_vocab_size
-    )
+    expected = hf_decoder_logits(hf_model, enc_prompts, [s[:-1] for s in seqs])
+    for ours_row, hf_row, n in zip(ours_logits, expected, prompt_lens, strict=True):
+        assert ours_row.shape == (n + 3, hf_model.lm_head.out_features)  # Marian: decoder vocab
+        torch.testing.assert_close(ours_row, hf_row, atol=ATOL, rtol=0)
 
 
 def test_load_weights_covers_every_parameter(checkpoint: tuple[str, nn.Module, str]) -> None:
@@ -284,14 +311,15 @@ def test_load_weights_covers_every_parameter(checkpoint: tuple[str, nn.Module, s
     ours = construct_model(hf_model.config, "cpu", torch.float32)
     loaded = ours.load_weights(iterate_weights(path))
     assert loaded == {name for name, _ in ours.named_parameters()}
-    # Same number of weights once transformers' tied copies and fixed tables are left out.
-    hf_params = {id(p): p for n, p in hf_model.named_parameters() if "embed_positions" not in n}
-    if VARIANTS[variant][0] != "marian":
-        hf_params |= {id(p): p for n, p in hf_model.named_parameters() if "embed_positions" in n}
-    tied = hf_model.config.tie_word_embeddings
-    if not tied:  # untied: transformers keeps an unused `shared` copy
-        hf_params.pop(id(hf_model.model.shared.weight), None)
-    hf_numel = sum(p.numel() for p in hf_params.values()) + hf_model.final_logits_bias.numel()
+    # As many weights as transformers (whose named_parameters lists tied ones once), less its
+    # Marian sinusoidal table (a buffer here) and the `shared` copy untied models never use.
+    is_marian = VARIANTS[variant][0] == "marian"
+    hf_numel = hf_model.final_logits_bias.numel() + sum(
+        p.numel()
+        for name, p in hf_model.named_parameters()
+        if not (is_marian and "embed_positions" in name)
+        and not (name == "model.shared.weight" and not hf_model.config.tie_word_embeddings)
+    )
     assert sum(p.numel() for p in ours.parameters()) == hf_numel
 
 
@@ -349,7 +377,7 @@ def make_core(path: str, **overrides: Any) -> EngineCore:
         device="cpu",
         max_num_seqs=3,
         block_size=BLOCK,
-        num_kv_blocks=20,
+        num_kv_blocks=14,
         enable_prefix_caching=False,
     )
     args.update(overrides)
@@ -394,10 +422,18 @@ def assert_all_blocks_free(core: EngineCore) -> None:
 
 
 @torch.inference_mode()
-def hf_generate(hf_model: nn.Module, enc_ids: list[int], **kwargs: Any) -> tuple[list[int], Any]:
-    """transformers' greedy tokens after the decoder start and their raw logprobs."""
+def hf_generate(
+    hf_model: nn.Module, prompts: list[list[int]], **kwargs: Any
+) -> list[tuple[list[int], list[float]]]:
+    """transformers' greedy tokens after the decoder start (up to EOS) and their raw logprobs,
+    for a right-padded batch of encoder prompts."""
+    width = max(len(p) for p in prompts)
+    pad = hf_model.config.pad_token_id
+    input_ids = torch.tensor([p + [pad] * (width - len(p)) for p in prompts])
+    mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in prompts])
     out = hf_model.generate(
-        torch.tensor([enc_ids]),
+        input_ids,
+        attention_mask=mask,
         do_sample=False,
         num_beams=1,
         max_new_tokens=kwargs.pop("max_new_tokens", 12),
@@ -405,27 +441,38 @@ def hf_generate(hf_model: nn.Module, enc_ids: list[int], **kwargs: Any) -> tuple
         return_dict_in_generate=True,
         **kwargs,
     )
-    tokens = out.sequences[0, 1:].tolist()
-    logprobs = [
-        torch.log_softmax(step[0].float(), -1)[t].item()
-        for step, t in zip(out.logits, tokens, strict=True)
-    ]
-    return tokens, logprobs
+    logprobs = torch.stack(out.logits, dim=1).float().log_softmax(-1)  # [B, steps, vocab]
+    results = []
+    for row, row_logprobs in zip(out.sequences[:, 1:].tolist(), logprobs, strict=True):
+        tokens = row[: row.index(EOS) + 1] if EOS in row else row
+        results.append((tokens, [row_logprobs[i, t].item() for i, t in enumerate(tokens)]))
+    return results
 
 
-@pytest.mark.parametrize("variant", ENGINE_VARIANTS)
+ENGINE_CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "bart": ("bart", {}),
+    "mbart-prefix-caching": ("mbart", {"enable_prefix_caching": True}),
+    # Room for about one encoder output: evictions, and encoder re-runs after preemption.
+    "marian-small-encoder-cache": (
+        "marian",
+        {"encoder_cache_size": 32, "max_num_encoder_input_tokens": 32},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(ENGINE_CASES))
 def test_greedy_matches_transformers_under_preemption(
-    variant: str, engine_checkpoints: dict[str, Any]
+    case: str, engine_checkpoints: dict[str, Any]
 ) -> None:
+    variant, engine_overrides = ENGINE_CASES[case]
     hf_model, path = engine_checkpoints[variant]
     prompts = encoder_prompts(7, seed=2)  # 3..27 tokens; 7 requests over max_num_seqs=3
-    core = make_core(path)
+    core = make_core(path, **engine_overrides)
     for i, ids in enumerate(prompts):
         core.add_request(core_request(f"r{i}", ids, logprobs=0))
     outputs = drain(core)
     all_tokens = []
-    for i, ids in enumerate(prompts):
-        tokens, logprobs = hf_generate(hf_model, ids)
+    for i, (tokens, logprobs) in enumerate(hf_generate(hf_model, prompts)):
         got = outputs[f"r{i}"]
         assert got["tokens"] == tokens, f"request {i}"
         np.testing.assert_allclose(got["logprobs"], logprobs, atol=1e-4)
@@ -446,7 +493,7 @@ def test_aborts_mid_decode_free_self_and_cross_blocks(
     prompts = encoder_prompts(6, seed=3)
     core = make_core(path, num_kv_blocks=24, enable_prefix_caching=prefix_caching)
     for i, ids in enumerate(prompts):
-        core.add_request(core_request(f"r{i}", ids, max_tokens=20))
+        core.add_request(core_request(f"r{i}", ids, max_tokens=16))
     outputs: dict[str, Any] = {}
     for _ in range(4):
         for out in core.step().outputs:
@@ -459,11 +506,9 @@ def test_aborts_mid_decode_free_self_and_cross_blocks(
     core.abort_requests(sorted(aborted))
     assert core.get_stats()["num_kv_requests"] == len(running) - 2
     outputs = drain(core, {r: {"tokens": o["tokens"], "logprobs": []} for r, o in outputs.items()})
-    for i, ids in enumerate(prompts):
-        req_id = f"r{i}"
-        if req_id in aborted:
-            continue
-        assert outputs[req_id]["tokens"] == hf_generate(hf_model, ids, max_new_tokens=20)[0]
+    for i, (tokens, _) in enumerate(hf_generate(hf_model, prompts, max_new_tokens=16)):
+        if f"r{i}" not in aborted:
+            assert outputs[f"r{i}"]["tokens"] == tokens, f"request {i}"
     assert_all_blocks_free(core)
 
 
@@ -472,13 +517,37 @@ def test_same_encoder_input_runs_the_encoder_once(engine_checkpoints: dict[str, 
     ids = encoder_prompts(3, seed=4)[2]
     core = make_core(path, max_num_seqs=4, num_kv_blocks=40)
     for i in range(3):
-        request = core_request(f"r{i}", ids)
+        request = core_request(f"r{i}", ids, max_tokens=6)
         request.encoder_input.content_hash = "same"
         core.add_request(request)
     outputs = drain(core)
-    expected = hf_generate(hf_model, ids)[0]
+    expected = hf_generate(hf_model, [ids], max_new_tokens=6)[0][0]
     assert all(outputs[f"r{i}"]["tokens"] == expected for i in range(3))
     assert core.get_stats()["num_encoder_runs"] == 1
+    assert_all_blocks_free(core)
+
+
+def test_long_decoder_prompt_is_chunked(engine_checkpoints: dict[str, Any]) -> None:
+    """Cross K/V are written by the first chunk only; later chunks and decode steps read them."""
+    hf_model, path = engine_checkpoints["mbart"]
+    enc_prompts = encoder_prompts(2, seed=9)
+    dec_prompts = [[DECODER_START, *range(10, 19)], [DECODER_START, 50]]
+    core = make_core(path, max_num_batched_tokens=4, num_kv_blocks=40)
+    for i, (enc, dec) in enumerate(zip(enc_prompts, dec_prompts, strict=True)):
+        request = core_request(f"r{i}", enc, max_tokens=6)
+        request.prompt_token_ids = dec
+        core.add_request(request)
+    outputs = drain(core)
+    for i, (enc, dec) in enumerate(zip(enc_prompts, dec_prompts, strict=True)):
+        with torch.inference_mode():
+            out = hf_model.generate(
+                torch.tensor([enc]),
+                decoder_input_ids=torch.tensor([dec]),
+                do_sample=False,
+                num_beams=1,
+                max_new_tokens=6,
+            )[0, len(dec) :].tolist()
+        assert outputs[f"r{i}"]["tokens"] == (out[: out.index(EOS) + 1] if EOS in out else out)
     assert_all_blocks_free(core)
 
 
@@ -500,15 +569,104 @@ def test_generation_rules_match_transformers(variant: str, tmp_path: Path) -> No
         suppress_tokens=[40, 41, 42],
         forced_token_ids=[[0, forced_bos]] if forced_bos is not None else None,
     )
-    prompts = encoder_prompts(5, seed=6)
+    prompts = encoder_prompts(4, seed=6)
     core = make_core(path, num_kv_blocks=40)
     for i, ids in enumerate(prompts):
-        core.add_request(core_request(f"r{i}", ids, max_tokens=14, **our_rules))
+        core.add_request(core_request(f"r{i}", ids, max_tokens=12, **our_rules))
     outputs = drain(core)
-    for i, ids in enumerate(prompts):
-        tokens = hf_generate(hf_model, ids, max_new_tokens=14, **hf_rules)[0]
+    for i, (tokens, _) in enumerate(hf_generate(hf_model, prompts, max_new_tokens=12, **hf_rules)):
         assert outputs[f"r{i}"]["tokens"] == tokens, f"request {i}"
         assert len(tokens) >= 6 and not {40, 41, 42} & set(tokens)
         if forced_bos is not None:
             assert tokens[0] == forced_bos
     assert_all_blocks_free(core)
+
+
+# ---------------------------------------------------------------------------------------------
+# Through LLM: prompt forms and the model's generation-config defaults
+# ---------------------------------------------------------------------------------------------
+
+LLM_ARGS = dict(
+    multiprocess=False, device="cpu", block_size=BLOCK, num_kv_blocks=24, max_num_seqs=3
+)
+LANG_CODE = 300
+"""An mBART-style target-language token, forced first by the generation config."""
+LLM_RULES = dict(no_repeat_ngram_size=3, min_length=5, suppress_tokens=[20, 21, 22])
+
+
+def make_llm_checkpoint(path: Path, variant: str) -> tuple[nn.Module, Any, str]:
+    """A model folder with the tiny tokenizer (<pad>=0 <s>=1 </s>=2, '<s> text </s>') and a
+    generation config with every rule the frontend has to turn into sampling defaults."""
+    tokenizer = make_tiny_tokenizer(path, add_bos=True, add_eos=True)
+    rules = dict(LLM_RULES)
+    if variant.startswith("mbart"):
+        rules["forced_bos_token_id"] = LANG_CODE
+    special = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=2)
+    hf_model, _ = make_checkpoint(
+        path, variant, seed=7, generation=rules, vocab_size=len(tokenizer), **special
+    )
+    return hf_model, tokenizer, str(path)
+
+
+@pytest.mark.parametrize("variant", ["bart", "mbart"])
+def test_llm_generate_applies_generation_config(variant: str, tmp_path: Path) -> None:
+    hf_model, tokenizer, path = make_llm_checkpoint(tmp_path, variant)
+    rng = np.random.default_rng(8)
+    token_prompts = [rng.integers(4, 380, size=n).tolist() + [EOS] for n in (3, 9, 16, 24)]
+    text = "The quick brown fox jumps over the lazy dog."
+    decoder_text = "hello world"
+    prompts = [
+        *({"prompt_token_ids": ids} for ids in token_prompts),
+        text,
+        {"encoder_prompt": text, "decoder_prompt": decoder_text},
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=10)
+    with LLM(path, **LLM_ARGS) as llm:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        stats = llm.llm_engine.get_stats()
+    text_ids = tokenizer(text)["input_ids"]
+    expected = hf_generate(hf_model, [*token_prompts, text_ids], max_new_tokens=10)
+    decoder_ids = [2, *tokenizer(decoder_text, add_special_tokens=False)["input_ids"]]
+    with torch.inference_mode():
+        pair = hf_model.generate(
+            torch.tensor([text_ids]),
+            decoder_input_ids=torch.tensor([decoder_ids]),
+            do_sample=False,
+            num_beams=1,
+            max_new_tokens=10,
+        )[0, len(decoder_ids) :].tolist()
+    expected.append((pair[: pair.index(EOS) + 1] if EOS in pair else pair, []))
+    for i, (output, (tokens, _)) in enumerate(zip(outputs, expected, strict=True)):
+        assert output.outputs[0].token_ids == tokens, f"prompt {i}"
+    assert outputs[0].encoder_prompt_token_ids == token_prompts[0]
+    assert outputs[-1].prompt_token_ids == decoder_ids
+    # The rules were in force (so the comparison covered them): min_length, suppression, BOS.
+    for output in outputs[:-1]:
+        tokens = output.outputs[0].token_ids
+        assert len(tokens) >= 4 and not set(tokens) & {20, 21, 22}
+        assert (tokens[0] == LANG_CODE) == variant.startswith("mbart")
+    assert outputs[-1].outputs[0].token_ids[0] != LANG_CODE  # not forced after a decoder prompt
+    assert stats["num_kv_requests"] == 0 and stats["num_used_blocks"] == 0
+
+
+def test_llm_encoder_prompt_over_the_limit(tmp_path: Path) -> None:
+    hf_model, _, path = make_llm_checkpoint(tmp_path, "bart")
+    limit = hf_model.config.max_position_embeddings
+    too_long = [(7 * i) % 370 + 5 for i in range(limit + 6)] + [EOS]
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    with LLM(path, **LLM_ARGS) as llm:
+        with pytest.raises(ValueError, match=f"limit of {limit}"):
+            llm.generate({"prompt_token_ids": too_long}, params, use_tqdm=False)
+        # Truncation keeps the first tokens and the final special token.
+        truncated = llm.generate(
+            {"prompt_token_ids": too_long},
+            params.clone(truncate_prompt_tokens=20),
+            use_tqdm=False,
+        )[0]
+        # The engine is still serving.
+        short = llm.generate({"prompt_token_ids": too_long[:10]}, params, use_tqdm=False)[0]
+    kept = too_long[:19] + [EOS]
+    assert truncated.encoder_prompt_token_ids == kept
+    expected = hf_generate(hf_model, [kept, too_long[:10]], max_new_tokens=6)
+    assert truncated.outputs[0].token_ids == expected[0][0]
+    assert short.outputs[0].token_ids == expected[1][0]

@@ -21,6 +21,7 @@ from transformers import (
 )
 from transformers import T5EncoderModel as HFT5EncoderModel
 
+from tests.utils import make_tiny_tokenizer
 from v1.config import make_engine_config
 from v1.core.engine_core import EngineCore
 from v1.core.protocol import EncoderInput, EngineCoreOutput, EngineCoreRequest, FinishReason
@@ -51,7 +52,8 @@ class Variant:
     model_cls: type
     untied_head: bool
     seed: int
-    """Seed and initializer_factor picked so greedy outputs do not collapse into one token."""
+    """Seed and initializer_factor picked so that greedy outputs do not collapse into one
+    repeated token."""
     overrides: dict[str, Any] = field(default_factory=dict)
 
 
@@ -60,8 +62,8 @@ VARIANTS = {
         T5Config,
         T5ForConditionalGeneration,
         untied_head=False,
-        seed=1,
-        overrides=dict(feed_forward_proj="relu", initializer_factor=10.0),
+        seed=2,
+        overrides=dict(feed_forward_proj="relu", initializer_factor=5.0),
     ),
     "flan-t5-v1.1": Variant(
         T5Config,
@@ -76,7 +78,7 @@ VARIANTS = {
         MT5ForConditionalGeneration,
         untied_head=True,
         seed=2,
-        overrides=dict(initializer_factor=10.0, d_kv=16, num_layers=3),
+        overrides=dict(initializer_factor=5.0, d_kv=16, num_layers=3),
     ),
 }
 
@@ -93,6 +95,11 @@ STOP_AT_EOS = 3
 """This request stops at a chosen EOS token (the others ignore EOS)."""
 
 
+BIAS_GAIN = 20.0
+"""Random q.k scores are large enough to saturate softmax on their own, which would make the
+relative bias irrelevant (and a wrong bias undetectable); scaled up, the bias decides."""
+
+
 def write_checkpoint(path: Path, variant: Variant) -> Any:
     """Save a random model as a real checkpoint would look (v1.0: tied, every embedding alias
     stored; v1.1/mT5: `tie_word_embeddings: false` and a head of its own) and return
@@ -102,6 +109,9 @@ def write_checkpoint(path: Path, variant: Variant) -> Any:
     torch.manual_seed(variant.seed)
     model = variant.model_cls(cfg)
     state = {name: t.detach().clone().contiguous() for name, t in model.state_dict().items()}
+    for name in state:
+        if name.endswith("relative_attention_bias.weight"):
+            state[name] = state[name] * BIAS_GAIN
     if variant.untied_head:
         gen = torch.Generator().manual_seed(variant.seed)
         state["lm_head.weight"] = torch.randn(state["lm_head.weight"].shape, generator=gen)
@@ -115,14 +125,28 @@ def write_checkpoint(path: Path, variant: Variant) -> Any:
     hf_model = variant.model_cls.from_pretrained(path).eval()
     tied = hf_model.lm_head.weight.data_ptr() == hf_model.shared.weight.data_ptr()
     assert tied != variant.untied_head
+    for stack in (hf_model.encoder, hf_model.decoder):
+        assert bias_direction_changes_logits(hf_model, stack)
     return hf_model
 
 
-@pytest.fixture(params=list(VARIANTS), scope="module")
-def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    variant = VARIANTS[request.param]
-    path = tmp_path_factory.mktemp(request.param)
-    return variant, write_checkpoint(path, variant), str(path)
+@torch.inference_mode()
+def bias_direction_changes_logits(hf_model: Any, stack: Any) -> bool:
+    """Whether flipping one stack's bidirectional buckets changes transformers' logits: the
+    checkpoint can tell a correct relative bias from a wrong one."""
+    inputs = dict(
+        input_ids=torch.tensor([ENCODER_INPUTS[2]]),
+        decoder_input_ids=torch.tensor([[0, *range(40, 52)]]),
+        use_cache=False,
+    )
+    attn = stack.block[0].layer[0].SelfAttention
+    before = hf_model(**inputs).logits
+    attn.is_decoder = not attn.is_decoder  # transformers buckets bidirectionally iff not
+    try:
+        after = hf_model(**inputs).logits
+    finally:
+        attn.is_decoder = not attn.is_decoder
+    return bool((before - after).abs().max() > 1.0)
 
 
 @dataclass
@@ -159,9 +183,60 @@ def references(hf_model: Any) -> list[Reference]:
     ]
     # A stop token the model reaches mid-sequence: transformers ends at its first occurrence.
     eos = refs[STOP_AT_EOS].token_ids[4]
-    refs[STOP_AT_EOS] = hf_greedy(hf_model, ENCODER_INPUTS[STOP_AT_EOS], MAX_TOKENS[STOP_AT_EOS], eos)
+    refs[STOP_AT_EOS] = hf_greedy(
+        hf_model, ENCODER_INPUTS[STOP_AT_EOS], MAX_TOKENS[STOP_AT_EOS], eos
+    )
     assert len(refs[STOP_AT_EOS].token_ids) <= 5
     return refs
+
+
+class Checkpoints:
+    """Variant name -> (variant, transformers model, folder) and its references, each built
+    once per module on first use."""
+
+    def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
+        self.tmp_path_factory = tmp_path_factory
+        self.built: dict[str, tuple[Variant, Any, str]] = {}
+        self.refs: dict[str, list[Reference]] = {}
+
+    def get(self, name: str) -> tuple[Variant, Any, str]:
+        if name not in self.built:
+            variant, path = VARIANTS[name], self.tmp_path_factory.mktemp(name)
+            self.built[name] = (variant, write_checkpoint(path, variant), str(path))
+        return self.built[name]
+
+    def references(self, name: str) -> list[Reference]:
+        if name not in self.refs:
+            self.refs[name] = references(self.get(name)[1])
+        return self.refs[name]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
+    return Checkpoints(tmp_path_factory)
+
+
+@pytest.fixture(params=list(VARIANTS))
+def variant_name(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture
+def checkpoint(checkpoints: Checkpoints, variant_name: str) -> tuple[Variant, Any, str]:
+    return checkpoints.get(variant_name)
+
+
+@pytest.fixture
+def hf_refs(checkpoints: Checkpoints, variant_name: str) -> list[Reference]:
+    return checkpoints.references(variant_name)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The offline API detokenizes; the ids it decodes need not mean anything."""
+    path = tmp_path_factory.mktemp("tokenizer")
+    make_tiny_tokenizer(path)
+    return str(path)
 
 
 def make_core(path: str, **overrides: Any) -> EngineCore:
@@ -205,9 +280,11 @@ def generation_request(i: int, ref: Reference, decoder_start: int) -> EngineCore
     )
 
 
-def test_greedy_matches_transformers_under_preemption(checkpoint: tuple[Variant, Any, str]) -> None:
+def test_greedy_matches_transformers_under_preemption(
+    checkpoint: tuple[Variant, Any, str], hf_refs: list[Reference]
+) -> None:
     variant, hf_model, path = checkpoint
-    refs = references(hf_model)
+    refs = hf_refs
     # Greedy outputs that vary: a position-blind bias would not reproduce them.
     assert max(len(set(r.token_ids)) for r in refs) >= 8
     core = make_core(path)
@@ -232,16 +309,34 @@ def test_greedy_matches_transformers_under_preemption(checkpoint: tuple[Variant,
     assert stats["num_encoder_runs"] >= len({str(ids) for ids in ENCODER_INPUTS})
 
 
-def test_batch_shape_does_not_change_outputs(checkpoint: tuple[Variant, Any, str]) -> None:
-    """One request at a time with ample blocks gives the same tokens as the crowded run."""
-    variant, hf_model, path = checkpoint
-    core = make_core(path, num_kv_blocks=64, max_num_seqs=1, max_num_batched_tokens=64)
-    i = 2  # the longest encoder input
-    ref = hf_greedy(hf_model, ENCODER_INPUTS[i], MAX_TOKENS[i], eos=None)
-    core.add_request(generation_request(i, ref, hf_model.config.decoder_start_token_id))
-    outs = drain(core)[f"req-{i}"]
-    assert [t for o in outs for t in o.new_token_ids] == ref.token_ids
-    assert core.get_stats()["num_preemptions"] == 0
+def test_llm_generate_matches_transformers(checkpoints: Checkpoints, tokenizer_dir: str) -> None:
+    """Token-id prompts through the offline API are encoder prompts; every request runs in
+    one batch here (ample blocks and budget), unlike the crowded EngineCore run."""
+    from v1 import LLM
+
+    _, _, path = checkpoints.get("flan-t5-v1.1")
+    hf_refs = checkpoints.references("flan-t5-v1.1")
+    llm = LLM(
+        path,
+        tokenizer=tokenizer_dir,
+        multiprocess=False,
+        device="cpu",
+        num_kv_blocks=64,
+        block_size=4,
+    )
+    try:
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
+        outputs = llm.generate(
+            [{"prompt_token_ids": ids} for ids in ENCODER_INPUTS], params, use_tqdm=False
+        )
+    finally:
+        llm.shutdown()
+    for i, (out, ref) in enumerate(zip(outputs, hf_refs, strict=True)):
+        tokens = list(out.outputs[0].token_ids)
+        if ref.eos_token_id is None:
+            assert tokens == ref.token_ids, f"request {i}"
+        else:  # transformers stopped at the EOS this request ignores
+            assert tokens[: len(ref.token_ids)] == ref.token_ids
 
 
 def test_load_weights_covers_every_parameter(checkpoint: tuple[Variant, Any, str]) -> None:
@@ -265,11 +360,16 @@ def test_unknown_checkpoint_tensor_is_refused(checkpoint: tuple[Variant, Any, st
     weights = [
         *iterate_weights(path),
         # Old checkpoints carry this unused table: ignored.
-        ("decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight", torch.zeros(16, 4)),
+        (
+            "decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight",
+            torch.zeros(16, 4),
+        ),
     ]
     ours.load_weights(weights)
     with pytest.raises(ValueError, match="match no parameter"):
-        ours.load_weights([*weights, ("decoder.block.0.layer.1.EncDecAttention.x.weight", torch.zeros(1))])
+        ours.load_weights(
+            [*weights, ("decoder.block.0.layer.1.EncDecAttention.x.weight", torch.zeros(1))]
+        )
 
 
 def test_fp16_clamp_keeps_activations_finite() -> None:
@@ -277,7 +377,12 @@ def test_fp16_clamp_keeps_activations_finite() -> None:
     out = t5._clamp_fp16(x)
     limit = torch.finfo(torch.float16).max - 1000
     assert torch.isfinite(out).all()
-    assert out.tolist() == [1.0, pytest.approx(limit, rel=1e-3), pytest.approx(-limit, rel=1e-3), -3.0]
+    assert out.tolist() == [
+        1.0,
+        pytest.approx(limit, rel=1e-3),
+        pytest.approx(-limit, rel=1e-3),
+        -3.0,
+    ]
     y = torch.tensor([1.0, float("inf")], dtype=torch.float32)
     assert t5._clamp_fp16(y) is y  # other dtypes are left alone, as in transformers
 
@@ -287,7 +392,12 @@ def test_fp16_clamp_keeps_activations_finite() -> None:
 SENTENCE_T5_MODULES = [
     {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
     {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-    {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+    {
+        "idx": 2,
+        "name": "2",
+        "path": "2_Normalize",
+        "type": "sentence_transformers.models.Normalize",
+    },
 ]
 EMBED_INPUTS = [[5, 17, 3, 60, 42, 7, 7, 20, 64, 2], [11], list(range(2, 40)), [50, 8, 30, 31]]
 
@@ -328,7 +438,9 @@ def run_pooling(path: str, task: str) -> list[np.ndarray]:
     return [np.asarray(outputs[f"emb-{i}"][-1].pooled_output) for i in range(len(EMBED_INPUTS))]
 
 
-def test_encoder_model_hidden_states_match_transformers(encoder_checkpoint: tuple[Any, str]) -> None:
+def test_encoder_model_hidden_states_match_transformers(
+    encoder_checkpoint: tuple[Any, str],
+) -> None:
     hf_model, path = encoder_checkpoint
     hidden = run_pooling(path, "encode")
     for ids, ours in zip(EMBED_INPUTS, hidden, strict=True):

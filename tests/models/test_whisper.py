@@ -39,47 +39,67 @@ TINY = dict(
     decoder_ffn_dim=64,
     max_source_positions=WINDOW,
     max_target_positions=448,
-    num_mel_bins=80,
 )
 
 
-def _english_only_generation_config(gen: dict[str, Any]) -> dict[str, Any]:
-    """An `.en` layout: every special id one lower (no extra multilingual text token), no
-    language or task tokens."""
+def _shifted(gen: dict[str, Any], first: int, delta: int) -> dict[str, Any]:
+    """The generation config with every special id >= `first` moved by `delta`."""
 
-    def shift(ids: list[int]) -> list[int]:
-        return [t - 1 if t >= 50257 else t for t in ids]
+    def move(t: int) -> int:
+        return t + delta if t >= first else t
 
-    gen = {k: v for k, v in gen.items() if k not in ("lang_to_id", "task_to_id")}
-    gen.update(
-        is_multilingual=False,
-        bos_token_id=50256,
-        eos_token_id=50256,
-        pad_token_id=50256,
-        decoder_start_token_id=50257,
-        no_timestamps_token_id=50362,
-        prev_sot_token_id=50360,
-        begin_suppress_tokens=[220, 50256],
-        suppress_tokens=shift(gen["suppress_tokens"]),
-        forced_decoder_ids=None,
-    )
+    out = dict(gen)
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id"):
+        out[key] = move(gen[key])
+    for key in ("no_timestamps_token_id", "prev_sot_token_id"):
+        out[key] = move(gen[key])
+    for key in ("suppress_tokens", "begin_suppress_tokens"):
+        out[key] = [move(t) for t in gen[key]]
+    for key in ("lang_to_id", "task_to_id"):
+        out[key] = {k: move(v) for k, v in gen[key].items()}
+    out["forced_decoder_ids"] = None
+    return out
+
+
+def generation_config_for(layout: str) -> dict[str, Any]:
+    """whisper-base's generation config, or the `.en` layout (every special id one lower, no
+    language or task tokens), or large-v3's (a 100th language, <|yue|>, before the tasks)."""
+    gen = json.loads((WHISPER_BASE / "generation_config.json").read_text())
+    if layout == "english_only":
+        gen = _shifted(gen, 50257, -1)
+        for key in ("lang_to_id", "task_to_id"):
+            del gen[key]
+        gen["is_multilingual"] = False
+    elif layout == "large_v3":
+        gen = _shifted(gen, 50358, 1)
+        gen["lang_to_id"]["<|yue|>"] = 50358
     return gen
 
 
-def make_tiny_whisper_dir(path: Path, *, english_only: bool = False, seed: int = 0) -> str:
-    """A random 2+2-layer, 32-wide Whisper with the real vocabulary, whisper-base's tokenizer
-    and feature extractor, and a multilingual or English-only generation config."""
-    from transformers import GenerationConfig, WhisperConfig, WhisperForConditionalGeneration
+VOCAB_SIZES = {"multilingual": 51865, "english_only": 51864, "large_v3": 51866}
+
+
+def make_tiny_whisper_dir(path: Path, *, layout: str = "multilingual", seed: int = 0) -> str:
+    """A random 2+2-layer, 32-wide Whisper with a real vocabulary layout (multilingual,
+    english_only or large_v3 with 128 mel bins), whisper-base's tokenizer and a matching
+    feature extractor and generation config."""
+    from transformers import (
+        GenerationConfig,
+        WhisperConfig,
+        WhisperFeatureExtractor,
+        WhisperForConditionalGeneration,
+    )
 
     path.mkdir(parents=True, exist_ok=True)
     for item in WHISPER_BASE.iterdir():
-        if item.suffix != ".safetensors" and item.name not in ("config.json", "generation_config.json"):
+        if item.suffix != ".safetensors" and not item.name.endswith("config.json"):
             shutil.copy(item, path / item.name)
-    gen = json.loads((WHISPER_BASE / "generation_config.json").read_text())
-    if english_only:
-        gen = _english_only_generation_config(gen)
+    num_mel_bins = 128 if layout == "large_v3" else 80
+    WhisperFeatureExtractor(feature_size=num_mel_bins).save_pretrained(str(path))
+    gen = generation_config_for(layout)
     cfg = WhisperConfig(
-        vocab_size=51864 if english_only else 51865,
+        vocab_size=VOCAB_SIZES[layout],
+        num_mel_bins=num_mel_bins,
         decoder_start_token_id=gen["decoder_start_token_id"],
         eos_token_id=gen["eos_token_id"],
         bos_token_id=gen["bos_token_id"],
@@ -101,7 +121,12 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def tiny_en_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return make_tiny_whisper_dir(tmp_path_factory.mktemp("tiny_whisper_en"), english_only=True)
+    return make_tiny_whisper_dir(tmp_path_factory.mktemp("tiny_whisper_en"), layout="english_only")
+
+
+@pytest.fixture(scope="module")
+def tiny_v3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_whisper_dir(tmp_path_factory.mktemp("tiny_whisper_v3"), layout="large_v3")
 
 
 def make_core(path: str, **overrides: Any) -> EngineCore:
@@ -145,21 +170,39 @@ def run_all(core: EngineCore, requests: list[EngineCoreRequest]) -> dict[str, di
     return results
 
 
-def hf_generate(path: str, waves: list[np.ndarray], max_new_tokens: int, **kwargs: Any) -> Any:
+def hf_generate(
+    path: str,
+    waves: list[np.ndarray],
+    max_new_tokens: int,
+    suppress_tokens: list[int] | None = None,
+    **kwargs: Any,
+) -> list[tuple[list[int], torch.Tensor]]:
+    """transformers' greedy output tokens (after the prompt, up to EOS) and raw logprobs
+    [steps, vocab] per waveform, one audio per generate() call (its batched short-form output
+    loses rows when sequences end at different steps, transformers 5.23)."""
     from transformers import WhisperFeatureExtractor, WhisperForConditionalGeneration
 
     model = WhisperForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
-    features = WhisperFeatureExtractor.from_pretrained(path)(
-        waves, sampling_rate=16_000, return_tensors="pt"
-    ).input_features
-    with torch.inference_mode():
-        return model.generate(
-            input_features=features,
-            max_new_tokens=max_new_tokens,
-            return_dict_in_generate=True,
-            output_logits=True,
-            **kwargs,
-        )
+    if suppress_tokens is not None:
+        model.generation_config.suppress_tokens = suppress_tokens
+    extractor = WhisperFeatureExtractor.from_pretrained(path)
+    eos = model.generation_config.eos_token_id
+    results = []
+    for wave in waves:
+        features = extractor([wave], sampling_rate=16_000, return_tensors="pt").input_features
+        with torch.inference_mode():
+            out = model.generate(
+                input_features=features,
+                max_new_tokens=max_new_tokens,
+                return_dict_in_generate=True,
+                output_logits=True,
+                **kwargs,
+            )
+        num_new = len(out.logits)
+        tokens = until_eos(out.sequences[0, -num_new:].tolist(), eos)
+        logprobs = torch.cat(out.logits[: len(tokens)]).float().log_softmax(-1)
+        results.append((tokens, logprobs))
+    return results
 
 
 def until_eos(tokens: list[int], eos: int) -> list[int]:
@@ -170,9 +213,9 @@ def until_eos(tokens: list[int], eos: int) -> list[int]:
 
 
 def test_real_checkpoint_loads_every_parameter_and_reads_its_configs() -> None:
-    from v1.models.loader import iterate_weights, load_model_from_weights
-
     from transformers import AutoConfig
+
+    from v1.models.loader import iterate_weights, load_model_from_weights
 
     hf_config = AutoConfig.from_pretrained(str(WHISPER_BASE))
     model = load_model_from_weights(
@@ -200,39 +243,90 @@ def test_real_checkpoint_loads_every_parameter_and_reads_its_configs() -> None:
 # ---- tiny models against transformers ----
 
 
-@pytest.mark.parametrize("english_only", [False, True], ids=["multilingual", "english_only"])
+@pytest.mark.parametrize("layout", ["multilingual", "english_only", "large_v3"])
 def test_greedy_tokens_and_logprobs_match_transformers_under_preemption(
-    tiny_dir: str, tiny_en_dir: str, english_only: bool
+    layout: str, request: pytest.FixtureRequest
 ) -> None:
-    path = tiny_en_dir if english_only else tiny_dir
+    fixture = {"multilingual": "tiny_dir", "english_only": "tiny_en_dir", "large_v3": "tiny_v3_dir"}
+    path = request.getfixturevalue(fixture[layout])
+    english_only = layout == "english_only"
     waves = make_waves(4, seed=1)
     max_tokens = 24
     # Room for two requests' cross blocks (94 each) and their prompts, not for their growth.
     core = make_core(path, num_kv_blocks=192, max_num_seqs=4)
     builder = make_builder(core)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=3)
+    # Random weights emit timestamp tokens even under <|notimestamps|>, after which transformers
+    # decodes the rest of the window as a new segment: suppress them on both sides.
+    tokens = builder.tokens
+    suppress = builder.suppress_tokens + list(range(tokens.timestamp_begin, VOCAB_SIZES[layout]))
+    params = SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, logprobs=3, suppress_tokens=suppress
+    )
     prompt = {"prompt": "", "language": None if english_only else "en"}
     requests = [
         builder.build(f"r{i}", {**prompt, "multi_modal_data": {"audio": (w, 16_000)}}, params)
         for i, w in enumerate(waves)
     ]
-    expected_prompt = [50257, 50362] if english_only else [50258, 50259, 50359, 50363]
+    expected_prompt = {
+        "multilingual": [50258, 50259, 50359, 50363],
+        "english_only": [50257, 50362],
+        "large_v3": [50258, 50259, 50360, 50364],
+    }[layout]
     assert requests[0].prompt_token_ids == expected_prompt
     results = run_all(core, requests)
     assert core.get_stats()["num_preemptions"] > 0
 
     lang = {} if english_only else {"language": "en", "task": "transcribe"}
-    hf = hf_generate(path, waves, max_tokens, **lang)
-    eos = builder.tokens.eos
-    for i in range(len(waves)):
+    hf = hf_generate(path, waves, max_tokens, suppress, **lang)
+    for i, (theirs, raw) in enumerate(hf):
         ours = results[f"r{i}"]
         assert ours["error"] is None
-        theirs = until_eos(hf.sequences[i, len(expected_prompt) :].tolist(), eos)
         assert ours["tokens"] == theirs
-        raw = torch.stack([step[i] for step in hf.logits[: len(theirs)]]).log_softmax(-1)
         for step, (token, logprobs) in enumerate(zip(theirs, ours["logprobs"], strict=True)):
             assert logprobs[0] == pytest.approx(raw[step, token].item(), abs=1e-4)
     assert len({tuple(r["tokens"]) for r in results.values()}) > 1, "outputs ignore the audio"
+
+
+def hf_timestamp_generate(
+    path: str, waves: list[np.ndarray], prompt: list[int], max_new_tokens: int
+) -> list[list[int]]:
+    """One greedy pass of transformers' GenerationMixin.generate with Whisper's logits
+    processors (begin-suppress, suppress, timestamp rules), per waveform. Whisper's own
+    generate() would re-decode the window after a closed segment (seeking)."""
+    from transformers import LogitsProcessorList, WhisperFeatureExtractor
+    from transformers import WhisperForConditionalGeneration as HFWhisper
+    from transformers.generation.logits_process import (
+        SuppressTokensAtBeginLogitsProcessor,
+        SuppressTokensLogitsProcessor,
+        WhisperTimeStampLogitsProcessor,
+    )
+    from transformers.models.whisper.generation_whisper import WhisperGenerationMixin
+
+    model = HFWhisper.from_pretrained(path, dtype=torch.float32).eval()
+    extractor = WhisperFeatureExtractor.from_pretrained(path)
+    gc = model.generation_config
+    processors = LogitsProcessorList(
+        [
+            SuppressTokensAtBeginLogitsProcessor(gc.begin_suppress_tokens, len(prompt)),
+            SuppressTokensLogitsProcessor(gc.suppress_tokens),
+            WhisperTimeStampLogitsProcessor(gc, begin_index=len(prompt)),
+        ]
+    )
+    results = []
+    for wave in waves:
+        features = extractor([wave], sampling_rate=16_000, return_tensors="pt").input_features
+        with torch.inference_mode():
+            out = super(WhisperGenerationMixin, model).generate(
+                input_features=features,
+                decoder_input_ids=torch.tensor([prompt]),
+                logits_processor=processors,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                suppress_tokens=None,
+                begin_suppress_tokens=None,
+            )
+        results.append(until_eos(out[0, len(prompt) :].tolist(), gc.eos_token_id))
+    return results
 
 
 def test_timestamp_tokens_match_transformers(tiny_dir: str) -> None:
@@ -244,13 +338,12 @@ def test_timestamp_tokens_match_transformers(tiny_dir: str) -> None:
         builder.build(f"t{i}", {"multi_modal_data": {"audio": (w, 16_000)}}, params)
         for i, w in enumerate(waves)
     ]
-    assert requests[0].prompt_token_ids == [50258, 50259, 50359]  # no <|notimestamps|>
+    prompt = [50258, 50259, 50359]  # no <|notimestamps|>
+    assert requests[0].prompt_token_ids == prompt
     results = run_all(core, requests)
-    hf = hf_generate(tiny_dir, waves, 20, language="en", task="transcribe", return_timestamps=True)
-    for i in range(len(waves)):
-        theirs = until_eos(hf.sequences[i, 3:].tolist(), 50257)
+    for i, theirs in enumerate(hf_timestamp_generate(tiny_dir, waves, prompt, 20)):
         assert results[f"t{i}"]["tokens"] == theirs
-        assert theirs[0] >= 50364, "the first output is a timestamp"
+        assert 50364 <= theirs[0] <= 50364 + 50, "the first output is an early timestamp"
 
 
 def test_no_speech_prob_is_the_nospeech_probability_at_startoftranscript(tiny_dir: str) -> None:
@@ -300,5 +393,7 @@ def test_encoder_runs_once_per_distinct_audio(tiny_dir: str) -> None:
     assert core.get_stats()["num_encoder_runs"] == 2
     assert results["e0"]["tokens"] == results["e1"]["tokens"]
     # The cached output serves a later request for the same audio without another run.
-    run_all(core, [builder.build("again", {"multi_modal_data": {"audio": (audios[2], 16_000)}}, params)])
+    run_all(
+        core, [builder.build("again", {"multi_modal_data": {"audio": (audios[2], 16_000)}}, params)]
+    )
     assert core.get_stats()["num_encoder_runs"] == 2

@@ -240,7 +240,10 @@ class EngineCoreProc:
                     return
                 try:
                     payload = decoders[kind].decode(frames[1:])
-                except DecodeError as e:
+                except Exception as e:  # noqa: BLE001 - bad input is the sender's error, not ours
+                    if not isinstance(e, DecodeError):  # e.g. a params check that raised oddly
+                        logger.exception("could not decode a %s message", kind.name)
+                        e = DecodeError(f"malformed message: {type(e).__name__}: {e}")
                     logger.error("dropped a malformed %s message: %s", kind.name, e)
                     answer = _answer_undecodable(kind, frames[1:], str(e))
                     if answer is not None:
@@ -260,15 +263,19 @@ class EngineCoreProc:
 
     def _output_loop(self) -> None:
         encoder = MsgpackEncoder()
-        while True:
-            outputs = self.output_queue.get()
-            if outputs is None:
-                return
-            try:
-                frames = encoder.encode(outputs)
-            except (TypeError, ValueError, OverflowError) as e:
-                frames = encoder.encode(_unencodable(outputs, f"{type(e).__name__}: {e}"))
-            self.output_socket.send_multipart(frames, copy=False)
+        try:
+            while True:
+                outputs = self.output_queue.get()
+                if outputs is None:
+                    return
+                try:
+                    frames = encoder.encode(outputs)
+                except (TypeError, ValueError, OverflowError) as e:
+                    frames = encoder.encode(_unencodable(outputs, f"{type(e).__name__}: {e}"))
+                self.output_socket.send_multipart(frames, copy=False)
+        except Exception as e:  # noqa: BLE001 - outputs can no longer leave: stop the core
+            logger.exception("EngineCore output thread failed")
+            self.input_queue.put(_Fatal(f"output thread failed: {type(e).__name__}: {e}"))
 
 
 def _answer_undecodable(
@@ -285,10 +292,10 @@ def _answer_undecodable(
         if isinstance(req_id, str):
             out = EngineCoreOutput(req_id, [], finish_reason=FinishReason.ERROR, error=error)
             return EngineCoreOutputs(outputs=[out], timestamp=now())
-    if kind is EngineCoreRequestType.UTILITY and isinstance(raw, list) and raw:
-        if isinstance(raw[0], int) and not isinstance(raw[0], bool):
-            out = UtilityOutput(raw[0], failure_message=error)
-            return EngineCoreOutputs(utility_output=out, timestamp=now())
+    call_id = raw[0] if isinstance(raw, list) and raw else None
+    if kind is EngineCoreRequestType.UTILITY and type(call_id) is int:
+        out = UtilityOutput(call_id, failure_message=error)
+        return EngineCoreOutputs(utility_output=out, timestamp=now())
     return None
 
 
@@ -317,31 +324,39 @@ def load_executor_factory(path: str) -> Callable[[EngineConfig], Any]:
     return obj
 
 
-def _watch_parent(proc: EngineCoreProc, parent_pid: int) -> None:
-    """Exits the process when the frontend that started it is gone."""
-    import multiprocessing
-    from multiprocessing.connection import wait
+class _ParentWatch(threading.Thread):
+    """Exits the process when the frontend that started it is gone: at once while the core is
+    still starting, through a graceful shutdown once it serves (`proc` set)."""
 
-    parent = multiprocessing.parent_process()
-    sentinels = [parent.sentinel] if parent is not None else []
-    while not proc.stopping.is_set():
-        if sentinels:
-            wait(sentinels, timeout=PARENT_POLL_S)
-        else:
-            proc.stopping.wait(PARENT_POLL_S)
-        parent_gone = os.getppid() != parent_pid or (parent is not None and not _alive(parent))
-        if parent_gone and not proc.stopping.is_set():
-            logger.warning("the frontend process %d is gone; EngineCore exits", parent_pid)
-            proc.request_shutdown()
-            if not proc.stopping.wait(PARENT_POLL_S * 2):
-                os._exit(1)  # the busy loop is stuck in a step; nobody is waiting for it
-            return
+    def __init__(self, parent_pid: int) -> None:
+        super().__init__(name="ParentWatch", daemon=True)
+        self.parent_pid = parent_pid
+        self.proc: EngineCoreProc | None = None
+        self.stopped = threading.Event()
 
+    def run(self) -> None:
+        import multiprocessing
+        from multiprocessing.connection import wait
 
-def _alive(parent: Any) -> bool:
-    from multiprocessing.connection import wait
-
-    return not wait([parent.sentinel], timeout=0)
+        # A spawned core holds a pipe whose other end only the parent has: readable = gone.
+        parent = multiprocessing.parent_process()
+        sentinels = [parent.sentinel] if parent is not None else []
+        while not self.stopped.is_set():
+            if sentinels:
+                gone = bool(wait(sentinels, timeout=PARENT_POLL_S))
+            else:
+                self.stopped.wait(PARENT_POLL_S)
+                gone = False
+            gone = gone or os.getppid() != self.parent_pid
+            if not gone or self.stopped.is_set():
+                continue
+            logger.warning("the frontend process %d is gone; EngineCore exits", self.parent_pid)
+            proc = self.proc
+            if proc is not None:
+                proc.request_shutdown()
+                if proc.stopping.wait(PARENT_POLL_S * 2):
+                    return
+            os._exit(1)  # still starting, or stuck in a step: nobody waits for it
 
 
 def run_engine_core(
@@ -359,7 +374,8 @@ def run_engine_core(
         raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    parent_pid = os.getppid() if parent_pid is None else parent_pid
+    watch = _ParentWatch(os.getppid() if parent_pid is None else parent_pid)
+    watch.start()  # before the (possibly long) model load
     addresses = CoreAddresses(input_address, output_address)
     try:
         config = EngineConfig.from_json(config_json)
@@ -372,10 +388,9 @@ def run_engine_core(
         proc = EngineCoreProc(config, addresses, factory)
     except Exception:
         sys.exit(1)  # the failed handshake is already sent
-    threading.Thread(
-        target=_watch_parent, args=(proc, parent_pid), name="ParentWatch", daemon=True
-    ).start()
+    watch.proc = proc
     code = proc.run()
+    watch.stopped.set()
     # Everything is released; skip the interpreter's teardown of torch & co (seconds).
     logging.shutdown()
     sys.stdout.flush()

@@ -9,6 +9,7 @@ on a thread. A watcher turns the core's death into `EngineDeadError` for every c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import multiprocessing
 import os
@@ -86,11 +87,9 @@ def _release(res: _Resources) -> None:
     res.stop.set()
     proc = res.proc
     if proc is not None and proc.is_alive():
-        with res.send_lock:
-            try:
-                res.input_socket.send(EngineCoreRequestType.SHUTDOWN.value, flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass  # no peer: the signals below still work
+        # No peer (zmq.Again): the signals below still work.
+        with res.send_lock, contextlib.suppress(zmq.ZMQError):
+            res.input_socket.send(EngineCoreRequestType.SHUTDOWN.value, flags=zmq.NOBLOCK)
         proc.join(timeout=5)
         if proc.is_alive():
             logger.warning("EngineCore (pid %d) ignored SHUTDOWN; terminating it", proc.pid)
@@ -157,9 +156,7 @@ class MPClient(EngineCoreClient):
             target=self._reader_loop, name="EngineCoreClientReader", daemon=True
         )
         self._res.reader.start()
-        threading.Thread(
-            target=self._watch_process, name="EngineCoreWatcher", daemon=True
-        ).start()
+        threading.Thread(target=self._watch_process, name="EngineCoreWatcher", daemon=True).start()
 
     # ---- start-up ----
     def _bind(self, input_address: str | None, output_address: str | None) -> _Resources:
@@ -235,6 +232,14 @@ class MPClient(EngineCoreClient):
 
     # ---- background threads ----
     def _reader_loop(self) -> None:
+        try:
+            self._read_outputs()
+        except Exception as e:  # noqa: BLE001 - nobody would read outputs: fail every caller
+            if not self._res.stop.is_set():
+                logger.exception("the EngineCore client's reader failed")
+                self._set_dead(f"the client's output reader failed: {type(e).__name__}: {e}")
+
+    def _read_outputs(self) -> None:
         decoder = MsgpackDecoder(EngineCoreOutputs)
         sock, stop = self._res.output_socket, self._res.stop
         while not stop.is_set():

@@ -149,8 +149,10 @@ def _tensor_from_buffer(buf: Buffer, dtype_name: str, shape: list[int]) -> Any:
     nbytes = memoryview(buf).nbytes
     count = _num_elements(shape)
     if count * dtype.itemsize != nbytes:
-        raise DecodeError(f"tensor of shape {shape} and {dtype_name} needs "
-                          f"{count * dtype.itemsize} bytes; its frame holds {nbytes}")
+        raise DecodeError(
+            f"tensor of shape {shape} and {dtype_name} needs "
+            f"{count * dtype.itemsize} bytes; its frame holds {nbytes}"
+        )
     raw = np.frombuffer(buf, dtype=np.uint8)
     with warnings.catch_warnings():
         # A read-only frame gives a read-only tensor; torch warns that it cannot enforce that.

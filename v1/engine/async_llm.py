@@ -8,6 +8,7 @@ per-request queues that `generate` / `encode` iterate. Closing an iterator abort
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
@@ -61,7 +62,8 @@ class AsyncLLM:
         self._queues: dict[str, asyncio.Queue[_Item | None]] = {}
         self._output_handler: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._error: BaseException | None = None
+        self._error: str | None = None
+        """Why the engine cannot serve any more (set once the core or the handler died)."""
         self._closed = False
         # Last: starting the core process is the slow, resource-holding part.
         self.engine_core = AsyncMPClient(config, **client_kwargs)
@@ -77,10 +79,10 @@ class AsyncLLM:
         return not self._closed and not self.errored
 
     @property
-    def dead_error(self) -> BaseException:
-        if self._error is not None:
-            return self._error
-        return EngineDeadError(self.engine_core.dead_error or "the engine is shut down")
+    def dead_error(self) -> EngineDeadError:
+        """A fresh EngineDeadError saying why the engine is down (one per raise)."""
+        reason = self._error or self.engine_core.dead_error or "the engine is shut down"
+        return EngineDeadError(reason)
 
     def _check_running(self) -> None:
         if not self.is_running:
@@ -140,19 +142,17 @@ class AsyncLLM:
         request_id: str | None = None,
         **options: Any,
     ) -> Any:
-        """Transcribes audio with a Whisper model (the Whisper frontend builds the requests)."""
+        """Transcribes (or translates) audio with a Whisper model: one TranscriptionResult per
+        input, long audio in 30 s windows. `options`: language, task ("transcribe" or
+        "translate"), timestamps, prompt, condition_on_previous_text (see
+        `v1.engine.transcription.AsyncTranscriber`)."""
         if not self.model_config.is_whisper:
             raise ValueError(
                 f"transcribe() needs a Whisper model; {self.model_config.model} is "
                 f"{self.model_config.architecture}"
             )
-        try:
-            from v1.engine import whisper_inputs
-        except ImportError as e:
-            raise ValueError("the Whisper frontend (v1.engine.whisper_inputs) is missing") from e
-        transcribe_async = getattr(whisper_inputs, "transcribe_async", None)
-        if transcribe_async is None:
-            raise ValueError("this build's Whisper frontend has no asyncio transcription")
+        from v1.engine.whisper_inputs import transcribe_async
+
         return await transcribe_async(self, audio, sampling_params, request_id, **options)
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
@@ -257,10 +257,8 @@ class AsyncLLM:
         core_ids = self.output_processor.abort_requests([request_id])
         if not core_ids:
             return
-        try:
+        with contextlib.suppress(EngineDeadError):  # the core is gone, its requests with it
             self.engine_core.abort_requests_nowait(core_ids)
-        except EngineDeadError:
-            pass  # the core is gone and its requests with it
 
     # ---- output handling ----
     def _ensure_output_handler(self) -> None:
@@ -296,19 +294,19 @@ class AsyncLLM:
                 if reqs_to_abort:
                     await self.engine_core.abort_requests_async(reqs_to_abort)
         except EngineDeadError as e:
-            self._fail_all(e)
+            self._fail_all(str(e))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - a frontend bug must not hang every caller
             logger.exception("AsyncLLM output handler failed")
-            self._fail_all(EngineDeadError(f"the output handler failed: {type(e).__name__}: {e}"))
+            self._fail_all(f"the output handler failed: {type(e).__name__}: {e}")
 
-    def _fail_all(self, error: BaseException) -> None:
+    def _fail_all(self, reason: str) -> None:
         if self._closed:
             return
-        self._error = error
+        self._error = reason
         for q in self._queues.values():
-            q.put_nowait(error)
+            q.put_nowait(EngineDeadError(reason))
 
     # ---- lifecycle ----
     def shutdown(self) -> None:
@@ -316,13 +314,10 @@ class AsyncLLM:
         if self._closed:
             return
         self._closed = True
-        error = EngineDeadError("the engine is shut down")
         for q in self._queues.values():
-            q.put_nowait(error)
+            q.put_nowait(EngineDeadError("the engine is shut down"))
         handler, self._output_handler = self._output_handler, None
         if handler is not None and not handler.done():
-            try:
+            with contextlib.suppress(RuntimeError):  # its loop is closed: it never runs again
                 handler.cancel()
-            except RuntimeError:
-                pass  # its loop is closed: the task will never run again anyway
         self.engine_core.shutdown()

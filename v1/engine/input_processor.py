@@ -199,6 +199,8 @@ class InputProcessor:
         """Validates and tokenizes one prompt; raises ValueError on anything the core would
         reject or the model cannot serve."""
         self._check_params(params)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an int, got {priority!r}")
         arrival_time = now() if arrival_time is None else arrival_time
         if self.is_whisper:
             return self._whisper().build(
@@ -273,7 +275,7 @@ class InputProcessor:
                     f"{self.model_config.architecture} is an encoder-only (pooling) model: use "
                     f"embed/classify/score with PoolingParams, not {type(params).__name__}"
                 )
-            if params.task in ("classify", "score") and not self._has_classifier:
+            if params.task in ("classify", "score") and not self.has_classifier:
                 raise ValueError(
                     f"task {params.task!r} needs a sequence classification model; "
                     f"{self.model_config.architecture} has no classifier head (use task 'embed')"
@@ -289,7 +291,8 @@ class InputProcessor:
             raise ValueError("stop strings need detokenize=True")
 
     @property
-    def _has_classifier(self) -> bool:
+    def has_classifier(self) -> bool:
+        """A sequence classification model (classify; score as a cross-encoder)."""
         return self.model_config.architecture.endswith("ForSequenceClassification")
 
     # ---- prompts per model kind ----
@@ -324,7 +327,7 @@ class InputProcessor:
         pair: tuple[str, str] | None = None
         if isinstance(prompt, dict) and "text" in prompt:
             _check_keys(prompt)
-            pair = (_check_text(prompt["text"]), _check_text(prompt["text_pair"]))
+            pair = (_check_text(prompt["text"]), _check_text(prompt.get("text_pair")))
             enc = self.tokenizer(*pair)
             ids, type_ids = list(enc["input_ids"]), _opt_list(enc.get("token_type_ids"))
         elif isinstance(prompt, dict) and "encoder_prompt" in prompt:

@@ -139,8 +139,19 @@ class OutputProcessor:
         for req_id in request_ids:
             parent = self.parent_requests.pop(req_id, None)
             ids = parent.child_ids if parent is not None else [req_id]
-            core_ids += [i for i in ids if self.request_states.pop(i, None) is not None]
+            for core_id in ids:
+                state = self.request_states.pop(core_id, None)
+                if state is None:
+                    continue
+                core_ids.append(core_id)
+                if state.parent is not None and parent is None:
+                    # One child aborted alone: it will never finish, so neither will the parent.
+                    self._drop_parent_if_idle(state.parent)
         return core_ids
+
+    def _drop_parent_if_idle(self, parent: ParentRequest) -> None:
+        if not any(i in self.request_states for i in parent.child_ids):
+            self.parent_requests.pop(parent.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.request_states)

@@ -335,6 +335,16 @@ def _in_vocab(ids: Any, vocab_size: int) -> list[int] | None:
     return kept or None
 
 
+def transcribe(
+    llm: Any, audio: Any, sampling_params: SamplingParams | None = None, **options: Any
+) -> Any:
+    """`LLM.transcribe`'s hook: `Transcriber(llm.llm_engine).transcribe(...)` (options: language,
+    task, timestamps, prompt, condition_on_previous_text)."""
+    from v1.engine.transcription import Transcriber
+
+    return Transcriber(llm.llm_engine).transcribe(audio, sampling_params=sampling_params, **options)
+
+
 async def transcribe_async(
     llm: Any,
     audio: Any,

@@ -8,7 +8,7 @@ the call raise `RequestFailedError` at the end, carrying every output.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -104,7 +104,9 @@ class LLM:
                 f"classify or score instead of generate"
             )
         prompts = _as_list(prompts)
-        params = _per_prompt(sampling_params, len(prompts), SamplingParams, "sampling_params")
+        params = _per_prompt(
+            sampling_params, len(prompts), SamplingParams, SamplingParams, "sampling_params"
+        )
         return self._run(prompts, params, use_tqdm, priority)
 
     # ---- pooling ----
@@ -144,7 +146,7 @@ class LLM:
         lists. Cross-encoders (sequence classification models) score each pair in one pass;
         embedding models return the cosine similarity of the two embeddings."""
         pairs = _score_pairs(text_1, text_2)
-        if self._is_cross_encoder:
+        if self.llm_engine.input_processor.has_classifier:
             prompts = [{"text": a, "text_pair": b} for a, b in pairs]
             params = self._pooling_params(None, prompts, "score", truncate_prompt_tokens)
             outputs = self._run(prompts, params, use_tqdm, None)
@@ -229,10 +231,6 @@ class LLM:
             return
 
     # ---- internals ----
-    @property
-    def _is_cross_encoder(self) -> bool:
-        return self.config.model_config.architecture.endswith("ForSequenceClassification")
-
     def _pooling_params(
         self,
         pooling_params: PoolingParams | Sequence[PoolingParams] | None,
@@ -245,7 +243,7 @@ class LLM:
             raise ValueError(f"{mc.architecture} is a generative model: use generate, not {task}")
         count = len(_as_list(prompts))
         params = _per_prompt(
-            pooling_params, count, lambda: PoolingParams(task=task), "pooling_params"
+            pooling_params, count, lambda: PoolingParams(task=task), PoolingParams, "pooling_params"
         )
         changes: dict[str, Any] = {}
         if truncate_prompt_tokens is not None:
@@ -266,14 +264,26 @@ class LLM:
             raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts")
         engine = self.llm_engine
         req_ids = [str(next(self._counter)) for _ in prompts]
-        processed = [
-            engine.process_request(req_id, prompt, p, priority[i] if priority else 0)
-            for i, (req_id, prompt, p) in enumerate(zip(req_ids, prompts, params, strict=True))
-        ]
-        for req_id, prompt, p, core_requests in zip(
-            req_ids, prompts, params, processed, strict=True
-        ):
-            engine.add_processed_request(req_id, prompt, p, core_requests)
+        processed = []
+        for i, (req_id, prompt, p) in enumerate(zip(req_ids, prompts, params, strict=True)):
+            try:
+                processed.append(
+                    engine.process_request(req_id, prompt, p, priority[i] if priority else 0)
+                )
+            except ValueError as e:
+                if len(prompts) == 1:
+                    raise
+                raise ValueError(f"prompt {i}: {e}") from e
+        queued: list[str] = []
+        try:
+            for req_id, prompt, p, core_requests in zip(
+                req_ids, prompts, params, processed, strict=True
+            ):
+                engine.add_processed_request(req_id, prompt, p, core_requests)
+                queued.append(req_id)
+        except BaseException:
+            engine.abort_request(queued)
+            raise
         outputs = self._run_engine(set(req_ids), use_tqdm and len(prompts) > 1)
         ordered = [outputs[r] for r in req_ids]
         failed = [(i, o.error) for i, o in enumerate(ordered) if o.error is not None]
@@ -314,14 +324,20 @@ def _as_list(prompts: Any) -> list[Any]:
     return list(prompts)
 
 
-def _per_prompt(params: Any, count: int, default: Any, name: str) -> list[Any]:
+def _per_prompt(
+    params: Any, count: int, default: Callable[[], Any], kind: type, name: str
+) -> list[Any]:
+    """One params object per prompt: the default, one shared, or a list of `count`."""
     if params is None:
         return [default() for _ in range(count)]
     if isinstance(params, (SamplingParams, PoolingParams)):
-        return [params] * count
+        params = [params] * count
     params = list(params)
     if len(params) != count:
         raise ValueError(f"{name} has {len(params)} entries for {count} prompts")
+    for p in params:
+        if not isinstance(p, kind):
+            raise ValueError(f"{name} must be {kind.__name__}, got {type(p).__name__}")
     return params
 
 

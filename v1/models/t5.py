@@ -41,9 +41,9 @@ def _clamp_fp16(hidden_states: torch.Tensor) -> torch.Tensor:
     if hidden_states.dtype != torch.float16:
         return hidden_states
     finfo = torch.finfo(torch.float16)
-    clamp_value = torch.where(
-        torch.isinf(hidden_states).any(), finfo.max - 1000, finfo.max
-    ).to(hidden_states.dtype)
+    clamp_value = torch.where(torch.isinf(hidden_states).any(), finfo.max - 1000, finfo.max).to(
+        hidden_states.dtype
+    )
     return torch.clamp(hidden_states, min=-clamp_value, max=clamp_value)
 
 
@@ -83,7 +83,9 @@ class T5SelfAttention(nn.Module):
                 cfg.relative_attention_num_buckets, num_heads
             )
         # T5 folds the scaling into its initialization: no 1/sqrt(d) here.
-        self.attn = Attention(num_heads, head_dim, 1.0, attn_type=attn_type, prefix=f"{prefix}.attn")
+        self.attn = Attention(
+            num_heads, head_dim, 1.0, attn_type=attn_type, prefix=f"{prefix}.attn"
+        )
 
     def forward(self, hidden_states: torch.Tensor, bias: RelativePositionBias) -> torch.Tensor:
         q_size = self.qkv_proj.q_size
@@ -330,7 +332,9 @@ class T5ForConditionalGeneration(nn.Module):
         shared = self.shared.weight
         if tensor is None:
             return set()
-        if "shared.weight" in loaded and torch.equal(tensor.to(shared.device, shared.dtype), shared):
+        if "shared.weight" in loaded and torch.equal(
+            tensor.to(shared.device, shared.dtype), shared
+        ):
             return set()
         self.lm_head.weight = nn.Parameter(torch.empty_like(shared), requires_grad=False)
         self.lm_head.tied = False

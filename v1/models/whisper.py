@@ -348,9 +348,9 @@ def _load_generation_config(cfg: Any) -> Any:
         except OSError:
             pass  # no generation_config.json there
     logger.warning(
-        "no generation_config.json beside %r: Whisper special tokens are derived from the "
+        "no generation_config.json for %r: Whisper's special tokens are derived from the "
         "vocabulary size",
-        path,
+        path or cfg.model_type,
     )
     return GenerationConfig.from_model_config(cfg)
 

@@ -1,0 +1,345 @@
+"""The OpenAI-compatible HTTP server: `build_app(engine, args)` and `run_server(args)`.
+
+Routes /v1/models, /health, /metrics, /version and the endpoint families (serving_*.py) over one
+AsyncLLM. A pure-ASGI middleware checks the API key, bounds the inference requests in flight
+(503 + Retry-After) and counts requests per endpoint and status; body sizes are capped by FastAPI
+while the body streams in (JSON: V1_MAX_REQUEST_BYTES; audio: --max-audio-bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Annotated, Any
+
+from fastapi import FastAPI, File, Form, Request, UploadFile
+from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+import v1
+from v1.entrypoints.openai.errors import (
+    APIError,
+    ClientDisconnected,
+    error_response,
+    install_error_handlers,
+)
+from v1.entrypoints.openai.metrics import ServerMetrics
+from v1.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    ModelCard,
+    ModelList,
+    RerankRequest,
+    ScoreRequest,
+)
+from v1.entrypoints.openai.serving_completions import ServingCompletions
+from v1.entrypoints.openai.serving_embeddings import ServingEmbeddings
+from v1.entrypoints.openai.serving_engine import ServerSettings, json_response
+from v1.entrypoints.openai.serving_score import ServingScore
+from v1.entrypoints.openai.serving_transcriptions import AudioRequest, ServingTranscriptions
+from v1.logger import init_logger
+
+logger = init_logger(__name__)
+
+INFERENCE_PATHS = frozenset(
+    {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/embeddings",
+        "/v1/audio/transcriptions",
+        "/v1/audio/translations",
+        "/v1/rerank",
+        "/v2/rerank",
+        "/v1/score",
+    }
+)
+"""Routes that hold engine work; they count against --max-pending."""
+_OTHER_PATHS = frozenset({"/health", "/metrics", "/version", "/v1/models"})
+_PUBLIC_PATHS = frozenset({"/health"})
+_FORM_OVERHEAD_BYTES = 1 << 20
+"""Room for the multipart framing and text fields around the audio file."""
+_RETRY_AFTER_S = 1
+
+
+class ServerMiddleware:
+    """API key, in-flight bound and request metrics, before any body is read."""
+
+    def __init__(self, app: ASGIApp, settings: ServerSettings, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.api_key = settings.api_key.encode() if settings.api_key else None
+        self.max_pending = settings.max_pending
+        self.metrics = metrics
+        self.in_flight = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope["path"]
+        endpoint = _endpoint_label(path)
+        status: dict[str, int] = {}
+
+        async def send_and_record(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            rejection = self._reject(scope, path)
+            if rejection is not None:
+                await error_response(rejection)(scope, receive, send_and_record)
+                return
+            if path not in INFERENCE_PATHS:
+                await self.app(scope, receive, send_and_record)
+                return
+            self.in_flight += 1
+            self.metrics.in_flight.set(self.in_flight)
+            try:
+                await self.app(scope, receive, send_and_record)
+            finally:
+                self.in_flight -= 1
+                self.metrics.in_flight.set(self.in_flight)
+        finally:
+            # No response started: the client went away first (nginx's 499).
+            self.metrics.observe_request(endpoint, status.get("code", 499))
+
+    def _reject(self, scope: Scope, path: str) -> APIError | None:
+        if self.api_key is not None and path not in _PUBLIC_PATHS:
+            given = _bearer_token(scope)
+            if given is None or not hmac.compare_digest(given, self.api_key):
+                return APIError(
+                    401,
+                    "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+        if path in INFERENCE_PATHS and self.in_flight >= self.max_pending:
+            self.metrics.rejected.inc()
+            return APIError(
+                503,
+                f"the server is busy ({self.in_flight} requests in flight, the limit is "
+                f"{self.max_pending}); retry later",
+                code="overloaded",
+                headers={"Retry-After": str(_RETRY_AFTER_S)},
+            )
+        return None
+
+
+def _bearer_token(scope: Scope) -> bytes | None:
+    for name, value in scope.get("headers", []):
+        if name == b"authorization":
+            scheme, _, token = value.partition(b" ")
+            return token.strip() if scheme.lower() == b"bearer" else None
+    return None
+
+
+def _endpoint_label(path: str) -> str:
+    if path in INFERENCE_PATHS or path in _OTHER_PATHS:
+        return path
+    if path.startswith("/v1/models/"):
+        return "/v1/models"
+    return "other"
+
+
+def settings_from_args(args: argparse.Namespace) -> ServerSettings:
+    names = getattr(args, "served_model_name", None) or [args.model]
+    kwargs: dict[str, Any] = {}
+    for name in ("max_pending", "max_audio_bytes", "max_audio_seconds", "max_request_bytes"):
+        value = getattr(args, name, None)
+        if value is not None:
+            kwargs[name] = value
+    return ServerSettings(
+        served_model_names=tuple(names),
+        model_path=args.model,
+        api_key=getattr(args, "api_key", None) or None,
+        chat_template=getattr(args, "chat_template", None),
+        **kwargs,
+    )
+
+
+def build_app(engine: Any, args: argparse.Namespace | ServerSettings) -> FastAPI:
+    """The FastAPI app serving `engine` (an AsyncLLM); it shuts the engine down on exit."""
+    settings = args if isinstance(args, ServerSettings) else settings_from_args(args)
+    metrics = ServerMetrics(settings.model_name)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        logger.info("serving %s as %s", settings.model_path, list(settings.served_model_names))
+        try:
+            yield
+        finally:
+            engine.shutdown()
+
+    app = FastAPI(
+        title="v1-engine OpenAI-compatible server",
+        version=v1.__version__,
+        lifespan=lifespan,
+        max_body_size=settings.max_request_bytes,
+    )
+    install_error_handlers(app)
+
+    @app.exception_handler(ClientDisconnected)
+    async def _disconnected(request: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=499)
+
+    app.add_middleware(ServerMiddleware, settings=settings, metrics=metrics)
+    _add_info_routes(app, engine, settings, metrics)
+    _add_inference_routes(app, engine, settings, metrics)
+    app.state.engine = engine
+    app.state.settings = settings
+    app.state.metrics = metrics
+    return app
+
+
+def _add_info_routes(
+    app: FastAPI, engine: Any, settings: ServerSettings, metrics: ServerMetrics
+) -> None:
+    max_model_len = engine.model_config.effective_max_model_len
+
+    def cards() -> list[ModelCard]:
+        return [
+            ModelCard(id=name, root=settings.model_path, max_model_len=max_model_len)
+            for name in settings.served_model_names
+        ]
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.errored:
+            return error_response(
+                APIError(503, f"the engine is not running: {engine.dead_error}", code="engine_dead")
+            )
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": v1.__version__})
+
+    @app.get("/metrics")
+    async def metrics_route() -> Response:
+        body, content_type = await metrics.render(engine)
+        return Response(body, media_type=content_type)
+
+    @app.get("/v1/models")
+    async def list_models() -> Response:
+        return json_response(ModelList(data=cards()))
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> Response:
+        for card in cards():
+            if card.id == model_id:
+                return json_response(card)
+        raise APIError(
+            404, f"the model {model_id!r} does not exist", param="model", code="model_not_found"
+        )
+
+
+def _add_inference_routes(
+    app: FastAPI, engine: Any, settings: ServerSettings, metrics: ServerMetrics
+) -> None:
+    completions = ServingCompletions(engine, settings, metrics)
+    embeddings = ServingEmbeddings(engine, settings, metrics)
+    scores = ServingScore(engine, settings, metrics)
+    audio = ServingTranscriptions(engine, settings, metrics)
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, request: Request) -> Response:
+        return await completions.create_completion(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+        return await completions.create_chat_completion(body, request)
+
+    @app.post("/v1/embeddings")
+    async def create_embedding(body: EmbeddingRequest, request: Request) -> Response:
+        return await embeddings.create_embedding(body, request)
+
+    @app.post("/v1/score")
+    async def create_score(body: ScoreRequest, request: Request) -> Response:
+        return await scores.create_score(body, request)
+
+    async def create_rerank(body: RerankRequest, request: Request) -> Response:
+        return await scores.create_rerank(body, request)
+
+    for path in ("/v1/rerank", "/v2/rerank"):
+        app.add_api_route(path, create_rerank, methods=["POST"])
+
+    upload_limits: dict[str, Any] = {
+        "max_body_size": settings.max_audio_bytes + _FORM_OVERHEAD_BYTES,
+        "form_limits": {"max_files": 1, "max_fields": 32, "max_part_size": 64 << 10},
+    }
+
+    @app.post("/v1/audio/transcriptions", **upload_limits)
+    async def create_transcription(
+        request: Request,
+        file: Annotated[UploadFile, File()],
+        model: Annotated[str | None, Form()] = None,
+        language: Annotated[str | None, Form()] = None,
+        prompt: Annotated[str | None, Form()] = None,
+        temperature: Annotated[float, Form()] = 0.0,
+        response_format: Annotated[str, Form()] = "json",
+        timestamp_granularities: Annotated[
+            list[str] | None, Form(alias="timestamp_granularities[]")
+        ] = None,
+        stream: Annotated[bool, Form()] = False,
+    ) -> Response:
+        req = AudioRequest(
+            "transcribe",
+            file,
+            model,
+            language,
+            prompt,
+            temperature,
+            response_format,
+            timestamp_granularities or [],
+            stream,
+        )
+        return await audio.create(req, request)
+
+    @app.post("/v1/audio/translations", **upload_limits)
+    async def create_translation(
+        request: Request,
+        file: Annotated[UploadFile, File()],
+        model: Annotated[str | None, Form()] = None,
+        language: Annotated[str | None, Form()] = None,
+        prompt: Annotated[str | None, Form()] = None,
+        temperature: Annotated[float, Form()] = 0.0,
+        response_format: Annotated[str, Form()] = "json",
+        stream: Annotated[bool, Form()] = False,
+    ) -> Response:
+        req = AudioRequest(
+            "translate", file, model, language, prompt, temperature, response_format, [], stream
+        )
+        return await audio.create(req, request)
+
+
+def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> None:
+    """Starts the engine, then serves it with uvicorn on uvloop until SIGINT / SIGTERM."""
+    import uvicorn
+
+    from v1.engine.async_llm import AsyncLLM
+
+    settings = settings_from_args(args)
+    engine = AsyncLLM(args.model, **engine_kwargs)
+    try:
+        app = build_app(engine, settings)
+    except BaseException:
+        engine.shutdown()
+        raise
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        loop="uvloop",
+        http="httptools",
+        log_level=getattr(args, "uvicorn_log_level", "info"),
+        access_log=False,
+        timeout_graceful_shutdown=5,
+    )
+    server = uvicorn.Server(config)
+    try:
+        server.run()
+    finally:
+        engine.shutdown()  # idempotent; covers a failed bind, where lifespan never ran

@@ -1,0 +1,140 @@
+"""Errors of the OpenAI-compatible server: one body shape, `{"error": {message, type, param,
+code}}`, for every failure, and the exception handlers that produce it (validation 400 instead of
+FastAPI's 422, engine death 503, unexpected exceptions 500). Messages are bounded in length.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from v1.core.client import EngineDeadError
+from v1.logger import init_logger
+
+logger = init_logger(__name__)
+
+MAX_MESSAGE_CHARS = 1000
+"""Error messages are cut to this length (they may quote user input)."""
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+    499: "client_closed_request",
+    503: "service_unavailable_error",
+}
+
+
+class APIError(HTTPException):
+    """A failure with its HTTP status and the fields of the OpenAI error body."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        error_type: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(status_code=status_code, detail=message, headers=dict(headers or {}))
+        self.message = message
+        self.param = param
+        self.code = code
+        self.error_type = error_type or _TYPES.get(status_code, "server_error")
+
+
+class ClientDisconnected(Exception):
+    """The client went away before the response; its engine requests were aborted."""
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def bounded(message: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    return message if len(message) <= limit else message[: limit - 15] + "... (truncated)"
+
+
+def error_body(
+    message: str, error_type: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {
+        "error": {"message": bounded(message), "type": error_type, "param": param, "code": code}
+    }
+
+
+def error_response(error: APIError) -> JSONResponse:
+    body = error_body(error.message, error.error_type, error.param, error.code)
+    return JSONResponse(body, status_code=error.status_code, headers=error.headers)
+
+
+def engine_dead_error(e: BaseException) -> APIError:
+    return APIError(503, f"the engine is not running: {e}", code="engine_dead")
+
+
+def validation_message(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | None]:
+    """(message, param) of pydantic / FastAPI validation errors."""
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", "")
+        return f"the request body is not valid JSON: {detail}".rstrip(": "), None
+    parts = []
+    for err in errors[:5]:
+        loc = [str(p) for p in err.get("loc", ()) if p not in ("body", "form")]
+        # Union members show up in the location (e.g. "str", "list[int]"); drop them.
+        loc = [p for p in loc if not (p.startswith(("list[", "dict[")) or p in ("str", "int"))]
+        msg = err.get("msg", "invalid value")
+        if err.get("type") in ("model_attributes_type", "dict_type") and not loc:
+            msg = "the request body must be a JSON object"
+        parts.append(f"{'.'.join(loc)}: {msg}" if loc else msg)
+    more = f" (and {len(errors) - 5} more errors)" if len(errors) > 5 else ""
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "form")]
+    return "; ".join(parts) + more, (loc[0] if loc else None)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error the app produces gets the OpenAI error body."""
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = validation_message(_json_safe(exc.errors()))
+        return error_response(APIError(400, message, param=param, code="invalid_value"))
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
+        if isinstance(exc, APIError):
+            return error_response(exc)
+        if exc.status_code == 413:
+            message = "the request body is larger than this server accepts"
+            return error_response(APIError(413, message, code="payload_too_large"))
+        detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        return error_response(APIError(exc.status_code, detail, headers=exc.headers))
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        return error_response(engine_dead_error(exc))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        message = f"internal server error: {type(exc).__name__}: {exc}"
+        return error_response(APIError(500, message))
+
+
+def _json_safe(errors: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in err.items() if k in ("type", "loc", "msg", "ctx")} for err in errors]

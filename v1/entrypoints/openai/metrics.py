@@ -1,0 +1,170 @@
+"""Prometheus metrics of the API server (prometheus_client, one registry per app).
+
+Counters and latency histograms are updated as requests run; the engine gauges (waiting, running,
+KV cache usage) are refreshed from `AsyncLLM.get_stats()` on every scrape of /metrics.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from v1.core.client import EngineDeadError
+from v1.logger import init_logger
+
+logger = init_logger(__name__)
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+
+class ServerMetrics:
+    """Every metric the server exports; `render()` is the body of /metrics."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        r, labels = self.registry, {"model_name": model_name}
+        self.requests = Counter(
+            "v1_http_requests",
+            "HTTP requests by endpoint and status.",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.errors = Counter(
+            "v1_http_request_errors",
+            "HTTP requests answered with a 4xx or 5xx status.",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "v1_http_requests_in_flight", "Inference requests the server holds now.", registry=r
+        )
+        self.rejected = Counter(
+            "v1_http_requests_rejected",
+            "Requests refused with 503 because the server was full.",
+            registry=r,
+        )
+        self.waiting = Gauge(
+            "v1_num_requests_waiting",
+            "Requests waiting in the engine's queue.",
+            list(labels),
+            registry=r,
+        ).labels(**labels)
+        self.running = Gauge(
+            "v1_num_requests_running", "Requests the engine is running.", list(labels), registry=r
+        ).labels(**labels)
+        self.kv_usage = Gauge(
+            "v1_kv_cache_usage_perc",
+            "Fraction of KV cache blocks in use (0-1).",
+            list(labels),
+            registry=r,
+        ).labels(**labels)
+        self.kv_used_blocks = Gauge(
+            "v1_kv_cache_used_blocks", "KV cache blocks in use.", list(labels), registry=r
+        ).labels(**labels)
+        self.preemptions = Gauge(
+            "v1_num_preemptions", "Preemptions since the engine started.", list(labels), registry=r
+        ).labels(**labels)
+        self.engine_healthy = Gauge(
+            "v1_engine_healthy", "1 while the engine core is alive.", registry=r
+        )
+        self.ttft = Histogram(
+            "v1_time_to_first_token_seconds",
+            "Time from arrival to the first output token.",
+            list(labels),
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        ).labels(**labels)
+        self.itl = Histogram(
+            "v1_inter_token_latency_seconds",
+            "Time between output tokens of a request.",
+            list(labels),
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        ).labels(**labels)
+        self.e2e = Histogram(
+            "v1_e2e_request_latency_seconds",
+            "Time from arrival to the end of a request.",
+            ["model_name", "endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "v1_prompt_tokens", "Prompt (input) tokens processed.", list(labels), registry=r
+        ).labels(**labels)
+        self.generation_tokens = Counter(
+            "v1_generation_tokens", "Tokens generated.", list(labels), registry=r
+        ).labels(**labels)
+        self.audio_seconds = Counter(
+            "v1_audio_seconds_processed",
+            "Seconds of audio transcribed or translated.",
+            list(labels),
+            registry=r,
+        ).labels(**labels)
+        self.model_name = model_name
+
+    def observe_request(self, endpoint: str, status: int) -> None:
+        self.requests.labels(endpoint, str(status)).inc()
+        if status >= 400:
+            self.errors.labels(endpoint, str(status)).inc()
+
+    def observe_e2e(self, endpoint: str, seconds: float) -> None:
+        self.e2e.labels(self.model_name, endpoint).observe(seconds)
+
+    async def render(self, engine: Any) -> tuple[bytes, str]:
+        """Refreshes the engine gauges (when the engine is alive) and renders every metric."""
+        healthy = not engine.errored
+        if healthy:
+            try:
+                self._set_engine_stats(await engine.get_stats())
+            except EngineDeadError:
+                healthy = False
+        self.engine_healthy.set(1 if healthy else 0)
+        if not healthy:
+            self.running.set(0)
+            self.waiting.set(0)
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def _set_engine_stats(self, stats: dict[str, Any]) -> None:
+        self.waiting.set(stats.get("num_waiting_reqs", 0))
+        self.running.set(stats.get("num_running_reqs", 0))
+        self.kv_usage.set(stats.get("kv_cache_usage", 0.0))
+        self.kv_used_blocks.set(stats.get("num_used_blocks", 0))
+        self.preemptions.set(stats.get("num_preemptions", 0))
+
+
+class RequestTimer:
+    """Latency of one generation request: time to first token, gaps between tokens, total."""
+
+    def __init__(self, metrics: ServerMetrics, endpoint: str) -> None:
+        self.metrics = metrics
+        self.endpoint = endpoint
+        self.arrival = time.perf_counter()
+        self._last: float | None = None
+
+    def tokens(self, num_new_tokens: int) -> None:
+        """Called per engine output carrying `num_new_tokens` new tokens (summed over choices)."""
+        if num_new_tokens <= 0:
+            return
+        t = time.perf_counter()
+        if self._last is None:
+            self.metrics.ttft.observe(t - self.arrival)
+        else:
+            gap = (t - self._last) / num_new_tokens
+            for _ in range(min(num_new_tokens, 64)):
+                self.metrics.itl.observe(gap)
+        self.metrics.generation_tokens.inc(num_new_tokens)
+        self._last = t
+
+    def finish(self, num_prompt_tokens: int) -> None:
+        self.metrics.prompt_tokens.inc(num_prompt_tokens)
+        self.metrics.observe_e2e(self.endpoint, time.perf_counter() - self.arrival)

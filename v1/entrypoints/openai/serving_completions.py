@@ -1,0 +1,575 @@
+"""/v1/completions and /v1/chat/completions over AsyncLLM.generate.
+
+Prompts are tokenized here (decoder-only models) so that lengths are checked against the
+context before anything runs; chat messages go through the sandboxed chat template. Responses are
+one JSON body, or server-sent `data:` chunks ending with `data: [DONE]` when `stream` is set.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from v1.config import ModelKind
+from v1.core.client import EngineDeadError
+from v1.entrypoints.openai.chat_template import ChatTemplate
+from v1.entrypoints.openai.errors import APIError, bad_request, engine_dead_error
+from v1.entrypoints.openai.metrics import RequestTimer, ServerMetrics
+from v1.entrypoints.openai.protocol import (
+    MAX_BATCH_INPUTS,
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    ChatDelta,
+    ChatLogprobEntry,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+    SamplingFields,
+    UsageInfo,
+    random_id,
+)
+from v1.entrypoints.openai.serving_engine import (
+    SSE_DONE,
+    ServerSettings,
+    ServingBase,
+    SSEResponse,
+    close_all,
+    json_response,
+    map_input_errors,
+    merge_streams,
+    prime_all,
+    run_until_disconnected,
+    sse_error,
+    sse_model,
+)
+from v1.outputs import CompletionOutput, RequestOutput, RequestOutputKind
+from v1.sampling_params import SamplingParams
+
+_OPTIONAL_SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+
+
+@dataclass
+class _Prompt:
+    engine_prompt: Any
+    num_decoder_tokens: int
+    """Decoder-prompt tokens, counted against max_model_len."""
+    text: str | None = None
+    """The prompt as text (echo)."""
+
+
+@dataclass
+class _Job:
+    """One validated completions or chat request."""
+
+    request_id: str
+    model: str
+    endpoint: str
+    prompts: list[_Prompt]
+    params: list[SamplingParams]
+    n: int
+    chat: bool
+    echo: bool = False
+    include_usage: bool = False
+    top_logprobs: int = 0
+
+
+@dataclass
+class _Usage:
+    prompt_tokens: dict[int, int] = field(default_factory=dict)
+    completion_tokens: int = 0
+
+    def add_prompt(self, i: int, out: RequestOutput) -> None:
+        if i not in self.prompt_tokens:
+            self.prompt_tokens[i] = len(out.prompt_token_ids or []) + len(
+                out.encoder_prompt_token_ids or []
+            )
+
+    def info(self) -> UsageInfo:
+        prompt = sum(self.prompt_tokens.values())
+        return UsageInfo(
+            prompt_tokens=prompt,
+            completion_tokens=self.completion_tokens,
+            total_tokens=prompt + self.completion_tokens,
+        )
+
+
+class ServingCompletions(ServingBase):
+    """Text generation endpoints of a decoder-only or text encoder-decoder model."""
+
+    def __init__(self, engine: Any, settings: ServerSettings, metrics: ServerMetrics) -> None:
+        super().__init__(engine, settings, metrics)
+        self.vocab_size: int = self.model_config.vocab_size
+        self.decoder_only = self.model_config.kind == ModelKind.DECODER_ONLY
+        self.chat_template = (
+            ChatTemplate(self.tokenizer, settings.chat_template) if self.is_generator else None
+        )
+
+    # ---- endpoints ----
+    async def create_completion(self, body: CompletionRequest, request: Request) -> Response:
+        model = self.check_model(body.model)
+        self._check_generator("/v1/completions")
+        _reject_unsupported(body)
+        if body.suffix:
+            raise bad_request("suffix is not supported", param="suffix")
+        if body.best_of is not None and body.best_of != body.n:
+            raise bad_request("best_of must equal n (beam search is not supported)", "best_of")
+        if body.echo and body.logprobs is not None:
+            raise bad_request("echo with logprobs (prompt logprobs) is not supported", "echo")
+        prompts = self._completion_prompts(body.prompt, body.truncate_prompt_tokens)
+        explicit = "max_tokens" in body.model_fields_set and body.max_tokens is not None
+        params = [
+            self._sampling_params(body, p, body.max_tokens, explicit, body.logprobs, "prompt")
+            for p in prompts
+        ]
+        job = _Job(
+            random_id("cmpl"),
+            model,
+            "/v1/completions",
+            prompts,
+            params,
+            body.n,
+            chat=False,
+            echo=body.echo,
+            include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        )
+        return await self._run(job, body.stream, request)
+
+    async def create_chat_completion(
+        self, body: ChatCompletionRequest, request: Request
+    ) -> Response:
+        model = self.check_model(body.model)
+        self._check_generator("/v1/chat/completions")
+        _reject_unsupported(body)
+        if body.tools:
+            raise bad_request("tools (function calling) are not supported", param="tools")
+        if body.top_logprobs and not body.logprobs:
+            raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
+        assert self.chat_template is not None
+        text = self.chat_template.render(
+            body.messages,
+            add_generation_prompt=body.add_generation_prompt,
+            extra=body.chat_template_kwargs,
+        )
+        prompt = self._text_prompt(text, False, body.truncate_prompt_tokens, "messages")
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = self._sampling_params(
+            body, prompt, max_tokens, max_tokens is not None, logprobs, "messages"
+        )
+        job = _Job(
+            random_id("chatcmpl"),
+            model,
+            "/v1/chat/completions",
+            [prompt],
+            [params],
+            body.n,
+            chat=True,
+            include_usage=bool(body.stream_options and body.stream_options.include_usage),
+            top_logprobs=body.top_logprobs or 0,
+        )
+        return await self._run(job, body.stream, request)
+
+    # ---- validation ----
+    def _check_generator(self, endpoint: str) -> None:
+        if not self.is_generator:
+            raise self.wrong_endpoint(endpoint, "a text generation model")
+
+    def _completion_prompts(self, prompt: Any, truncate: int | None) -> list[_Prompt]:
+        if isinstance(prompt, str):
+            items: list[Any] = [prompt]
+        elif prompt and isinstance(prompt[0], int):
+            items = [prompt]
+        else:
+            items = list(prompt)
+        if not items:
+            raise bad_request("prompt must not be empty", param="prompt")
+        if len(items) > MAX_BATCH_INPUTS:
+            raise bad_request(
+                f"at most {MAX_BATCH_INPUTS} prompts per request, got {len(items)}", "prompt"
+            )
+        out = []
+        for i, item in enumerate(items):
+            where = "prompt" if len(items) == 1 else f"prompt[{i}]"
+            if isinstance(item, str):
+                out.append(self._text_prompt(item, True, truncate, where))
+            else:
+                out.append(self._ids_prompt(item, truncate, where))
+        return out
+
+    def _text_prompt(
+        self, text: str, add_special_tokens: bool, truncate: int | None, where: str
+    ) -> _Prompt:
+        if not text:
+            raise bad_request(f"{where} is an empty string", param=where.split("[")[0])
+        if not self.decoder_only:
+            return _Prompt(text, 1, text)  # the encoder's input; the decoder starts from 1 token
+        ids = self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+        if not ids:
+            raise bad_request(f"{where} is empty after tokenization", param=where.split("[")[0])
+        if truncate is not None:
+            ids = ids[-truncate:]
+        return _Prompt({"prompt_token_ids": list(ids)}, len(ids), text)
+
+    def _ids_prompt(self, ids: list[int], truncate: int | None, where: str) -> _Prompt:
+        if not ids:
+            raise bad_request(f"{where} is an empty list of token ids", param="prompt")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise bad_request(
+                f"{where} holds token id {bad[0]}, outside the vocabulary [0, {self.vocab_size})",
+                param="prompt",
+                code="invalid_token_id",
+            )
+        num = min(len(ids), truncate) if truncate is not None else len(ids)
+        text = self.tokenizer.decode(ids[-num:])
+        return _Prompt({"prompt_token_ids": list(ids)}, num if self.decoder_only else 1, text)
+
+    def _sampling_params(
+        self,
+        body: SamplingFields,
+        prompt: _Prompt,
+        max_tokens: int | None,
+        explicit: bool,
+        logprobs: int | None,
+        prompt_param: str,
+    ) -> SamplingParams:
+        room = self.max_model_len - prompt.num_decoder_tokens
+        if room < 1:
+            raise bad_request(
+                f"the prompt has {prompt.num_decoder_tokens} tokens; this model's maximum context "
+                f"length is {self.max_model_len} tokens, which leaves no room to generate",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
+        if max_tokens is None:
+            max_tokens = room
+        elif max_tokens > room:
+            if explicit:
+                raise bad_request(
+                    f"this model's maximum context length is {self.max_model_len} tokens; you "
+                    f"requested {prompt.num_decoder_tokens + max_tokens} tokens "
+                    f"({prompt.num_decoder_tokens} in the prompt, {max_tokens} for the "
+                    "completion). Reduce the prompt or max_tokens.",
+                    param="max_tokens",
+                    code="context_length_exceeded",
+                )
+            max_tokens = room
+        kwargs: dict[str, Any] = {
+            name: getattr(body, name)
+            for name in _OPTIONAL_SAMPLING_FIELDS
+            if getattr(body, name) is not None
+        }
+        stop = [body.stop] if isinstance(body.stop, str) else body.stop
+        try:
+            return SamplingParams(
+                n=body.n,
+                max_tokens=max_tokens,
+                min_tokens=body.min_tokens,
+                seed=body.seed,
+                stop=stop or None,
+                stop_token_ids=body.stop_token_ids,
+                ignore_eos=body.ignore_eos,
+                skip_special_tokens=body.skip_special_tokens,
+                include_stop_str_in_output=body.include_stop_str_in_output,
+                truncate_prompt_tokens=body.truncate_prompt_tokens,
+                logprobs=logprobs,
+                **kwargs,
+            )
+        except ValueError as e:
+            field_name = str(e).split(" ", 1)[0]
+            raise bad_request(str(e), param=field_name) from e
+
+    # ---- running ----
+    async def _run(self, job: _Job, stream: bool, request: Request) -> Response:
+        kind = RequestOutputKind.DELTA if stream else RequestOutputKind.CUMULATIVE
+        gens = [
+            self.engine.generate(p.engine_prompt, params, f"{job.request_id}-{i}", output_kind=kind)
+            for i, (p, params) in enumerate(zip(job.prompts, job.params, strict=True))
+        ]
+        timer = RequestTimer(self.metrics, job.endpoint)
+        if stream:
+            streams = await map_input_errors(prime_all(request, gens))
+            make = self._stream_chat if job.chat else self._stream_completion
+            return SSEResponse(
+                make(job, streams, timer), on_close=partial(close_all, [*streams, *gens])
+            )
+        finals, usage = await map_input_errors(
+            run_until_disconnected(request, self._collect(gens, timer))
+        )
+        if job.chat:
+            return json_response(self._chat_response(job, finals, usage))
+        return json_response(self._completion_response(job, finals, usage))
+
+    async def _collect(
+        self, gens: list[AsyncIterator[RequestOutput]], timer: RequestTimer
+    ) -> tuple[list[RequestOutput], _Usage]:
+        finals: list[RequestOutput | None] = [None] * len(gens)
+        seen: dict[tuple[int, int], int] = {}
+        usage = _Usage()
+        async for i, out in merge_streams(gens):
+            new = 0
+            for c in out.outputs:
+                key = (i, c.index)
+                new += len(c.token_ids) - seen.get(key, 0)
+                seen[key] = len(c.token_ids)
+            timer.tokens(new)
+            usage.add_prompt(i, out)
+            finals[i] = out
+        usage.completion_tokens = sum(seen.values())
+        timer.finish(sum(usage.prompt_tokens.values()))
+        for out in finals:
+            if out is None or not out.finished:
+                raise APIError(500, "a request ended without a result (it was aborted)")
+            if out.error is not None:
+                raise _engine_failed(out.error)
+        return finals, usage  # type: ignore[return-value]
+
+    # ---- responses ----
+    def _completion_response(
+        self, job: _Job, finals: list[RequestOutput], usage: _Usage
+    ) -> CompletionResponse:
+        choices = []
+        for i, out in enumerate(finals):
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                text = (job.prompts[i].text or "") + c.text if job.echo else c.text
+                logprobs = self._completion_logprobs(c, {}, 0) if c.logprobs is not None else None
+                choices.append(
+                    CompletionChoice(
+                        index=i * job.n + c.index,
+                        text=text,
+                        logprobs=logprobs,
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                    )
+                )
+        return CompletionResponse(
+            id=job.request_id, model=job.model, choices=choices, usage=usage.info()
+        )
+
+    def _chat_response(
+        self, job: _Job, finals: list[RequestOutput], usage: _Usage
+    ) -> ChatCompletionResponse:
+        choices = [
+            ChatChoice(
+                index=c.index,
+                message=ChatResponseMessage(content=c.text),
+                logprobs=self._chat_logprobs(c, job.top_logprobs),
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            for c in sorted(finals[0].outputs, key=lambda c: c.index)
+        ]
+        return ChatCompletionResponse(
+            id=job.request_id, model=job.model, choices=choices, usage=usage.info()
+        )
+
+    async def _stream_completion(
+        self, job: _Job, streams: list[AsyncIterator[RequestOutput]], timer: RequestTimer
+    ) -> AsyncIterator[str]:
+        usage = _Usage()
+        offsets: dict[int, int] = {}
+        echoed: set[int] = set()
+        try:
+            async for i, out in merge_streams(streams):
+                if out.error is not None:
+                    yield sse_error(_engine_failed(out.error))
+                    return
+                usage.add_prompt(i, out)
+                num_new = sum(len(c.token_ids) for c in out.outputs)
+                usage.completion_tokens += num_new
+                timer.tokens(num_new)
+                choices = []
+                for c in out.outputs:
+                    index = i * job.n + c.index
+                    text = c.text
+                    if job.echo and index not in echoed:
+                        echoed.add(index)
+                        text = (job.prompts[i].text or "") + text
+                    if not text and c.finish_reason is None:
+                        continue
+                    logprobs = None
+                    if c.logprobs is not None:
+                        logprobs = self._completion_logprobs(c, offsets, index)
+                    choices.append(
+                        CompletionChoice(
+                            index=index,
+                            text=text,
+                            logprobs=logprobs,
+                            finish_reason=c.finish_reason,
+                            stop_reason=c.stop_reason,
+                        )
+                    )
+                if choices:
+                    yield sse_model(
+                        CompletionStreamResponse(
+                            id=job.request_id, model=job.model, choices=choices
+                        )
+                    )
+            if job.include_usage:
+                yield sse_model(
+                    CompletionStreamResponse(
+                        id=job.request_id, model=job.model, choices=[], usage=usage.info()
+                    )
+                )
+            yield SSE_DONE
+        except EngineDeadError as e:
+            yield sse_error(engine_dead_error(e))
+        except ValueError as e:
+            yield sse_error(bad_request(str(e)))
+        finally:
+            timer.finish(sum(usage.prompt_tokens.values()))
+
+    async def _stream_chat(
+        self, job: _Job, streams: list[AsyncIterator[RequestOutput]], timer: RequestTimer
+    ) -> AsyncIterator[str]:
+        usage = _Usage()
+        started: set[int] = set()
+        try:
+            async for _, out in merge_streams(streams):
+                if out.error is not None:
+                    yield sse_error(_engine_failed(out.error))
+                    return
+                usage.add_prompt(0, out)
+                num_new = sum(len(c.token_ids) for c in out.outputs)
+                usage.completion_tokens += num_new
+                timer.tokens(num_new)
+                for choice in self._chat_chunks(job, out.outputs, started):
+                    yield sse_model(
+                        ChatCompletionStreamResponse(
+                            id=job.request_id, model=job.model, choices=[choice]
+                        )
+                    )
+            if job.include_usage:
+                yield sse_model(
+                    ChatCompletionStreamResponse(
+                        id=job.request_id, model=job.model, choices=[], usage=usage.info()
+                    )
+                )
+            yield SSE_DONE
+        except EngineDeadError as e:
+            yield sse_error(engine_dead_error(e))
+        except ValueError as e:
+            yield sse_error(bad_request(str(e)))
+        finally:
+            timer.finish(sum(usage.prompt_tokens.values()))
+
+    def _chat_chunks(
+        self, job: _Job, outputs: list[CompletionOutput], started: set[int]
+    ) -> list[ChatStreamChoice]:
+        chunks = []
+        for c in outputs:
+            if c.index not in started:
+                started.add(c.index)
+                delta = ChatDelta(role="assistant", content="")
+                chunks.append(ChatStreamChoice(index=c.index, delta=delta))
+            if c.text or c.token_ids and c.logprobs is not None:
+                chunks.append(
+                    ChatStreamChoice(
+                        index=c.index,
+                        delta=ChatDelta(content=c.text),
+                        logprobs=self._chat_logprobs(c, job.top_logprobs),
+                    )
+                )
+            if c.finish_reason is not None:
+                chunks.append(
+                    ChatStreamChoice(
+                        index=c.index, delta=ChatDelta(), finish_reason=c.finish_reason
+                    )
+                )
+        return chunks
+
+    # ---- logprobs ----
+    def _token_text(self, token_id: int, decoded: str | None) -> str:
+        return decoded if decoded is not None else self.tokenizer.decode([token_id])
+
+    def _completion_logprobs(
+        self, c: CompletionOutput, offsets: dict[int, int], index: int
+    ) -> CompletionLogprobs:
+        """Legacy completions logprobs; `offsets` carries each choice's text offset across
+        streamed chunks."""
+        out = CompletionLogprobs()
+        pos = offsets.get(index, 0)
+        for token_id, entry in zip(c.token_ids, c.logprobs or [], strict=False):
+            sampled = entry.get(token_id)
+            text = self._token_text(token_id, sampled.decoded_token if sampled else None)
+            out.tokens.append(text)
+            out.token_logprobs.append(_finite(sampled.logprob) if sampled else None)
+            out.top_logprobs.append(
+                {
+                    self._token_text(t, lp.decoded_token): _logprob(lp.logprob)
+                    for t, lp in entry.items()
+                }
+            )
+            out.text_offset.append(pos)
+            pos += len(text)
+        offsets[index] = pos
+        return out
+
+    def _chat_logprobs(self, c: CompletionOutput, top_n: int) -> ChatLogprobs | None:
+        if c.logprobs is None:
+            return None
+        content = []
+        for token_id, entry in zip(c.token_ids, c.logprobs, strict=False):
+            sampled = entry.get(token_id)
+            text = self._token_text(token_id, sampled.decoded_token if sampled else None)
+            ranked = sorted(
+                ((t, lp) for t, lp in entry.items() if lp.rank is not None and lp.rank <= top_n),
+                key=lambda item: item[1].rank or 0,
+            )
+            top = []
+            for t, lp in ranked:
+                tok = self._token_text(t, lp.decoded_token)
+                top.append(
+                    {"token": tok, "logprob": _logprob(lp.logprob), "bytes": list(tok.encode())}
+                )
+            content.append(
+                ChatLogprobEntry(
+                    token=text,
+                    logprob=_logprob(sampled.logprob) if sampled else _MIN_LOGPROB,
+                    bytes=list(text.encode()),
+                    top_logprobs=top,
+                )
+            )
+        return ChatLogprobs(content=content)
+
+
+def _reject_unsupported(body: SamplingFields) -> None:
+    if body.logit_bias:
+        raise bad_request("logit_bias is not supported", param="logit_bias")
+
+
+def _engine_failed(error: str) -> APIError:
+    return APIError(500, f"the engine failed the request: {error}", code="engine_error")
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+_MIN_LOGPROB = -9999.0
+"""Stands for -inf where the API wants a number (JSON has no infinity)."""
+
+
+def _logprob(value: float) -> float:
+    return value if math.isfinite(value) else _MIN_LOGPROB

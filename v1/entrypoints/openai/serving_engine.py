@@ -1,0 +1,279 @@
+"""What every endpoint family shares: the server settings, the served-model check, the engine's
+model kind, and request plumbing (watching for a client disconnect while the engine works,
+merging per-prompt output streams, server-sent events that abort the engine when the client goes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, TypeVar
+
+import anyio
+from fastapi import Request
+from pydantic import BaseModel
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from v1 import envs
+from v1.config import ModelKind
+from v1.entrypoints.openai.errors import APIError, ClientDisconnected, bad_request, error_body
+from v1.entrypoints.openai.metrics import ServerMetrics
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """Server options (`v1 serve` flags other than the engine's)."""
+
+    served_model_names: tuple[str, ...]
+    """Names clients may use in `model`; the first is the one reported."""
+    model_path: str
+    api_key: str | None = None
+    max_pending: int = envs.V1_MAX_PENDING_REQUESTS
+    """Inference requests held at once; more get 503 with Retry-After."""
+    max_audio_bytes: int = envs.V1_MAX_AUDIO_BYTES
+    max_audio_seconds: float = float(envs.V1_MAX_AUDIO_SECONDS)
+    max_request_bytes: int = envs.V1_MAX_REQUEST_BYTES
+    chat_template: str | None = None
+    """A Jinja chat template (text) replacing the tokenizer's."""
+
+    def __post_init__(self) -> None:
+        if not self.served_model_names or not all(self.served_model_names):
+            raise ValueError("served model names must be non-empty strings")
+        for name in ("max_pending", "max_audio_bytes", "max_request_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_audio_seconds <= 0:
+            raise ValueError(f"max_audio_seconds must be > 0, got {self.max_audio_seconds}")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+
+class ServingBase:
+    """Shared state and checks of the endpoint families."""
+
+    def __init__(self, engine: Any, settings: ServerSettings, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.metrics = metrics
+        self.model_config = engine.model_config
+        self.tokenizer = engine.get_tokenizer()
+        self.max_model_len: int = self.model_config.effective_max_model_len
+
+    @property
+    def model_name(self) -> str:
+        return self.settings.model_name
+
+    def check_model(self, requested: str | None) -> str:
+        """The served name to report; 404 for a model this server does not serve."""
+        if requested is None or requested in self.settings.served_model_names:
+            return self.model_name
+        raise APIError(
+            404,
+            f"the model {requested!r} does not exist on this server; it serves "
+            f"{list(self.settings.served_model_names)}",
+            param="model",
+            code="model_not_found",
+        )
+
+    # ---- model kinds ----
+    @property
+    def is_generator(self) -> bool:
+        return self.model_config.kind != ModelKind.ENCODER_ONLY and not self.model_config.is_whisper
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.model_config.kind == ModelKind.ENCODER_ONLY
+
+    def wrong_endpoint(self, endpoint: str, needs: str) -> APIError:
+        mc = self.model_config
+        kind = "a Whisper speech model" if mc.is_whisper else f"a {mc.kind.value} model"
+        return bad_request(
+            f"{endpoint} needs {needs}; the model {self.model_name!r} ({mc.architecture}) is "
+            f"{kind}",
+            param="model",
+            code="wrong_model_kind",
+        )
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Returns when the client closes the connection (call after the body was read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def run_until_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
+    """`await awaitable`, cancelled (aborting its engine requests) if the client disconnects
+    first; then raises ClientDisconnected."""
+    task = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+    if task.cancelled():
+        raise ClientDisconnected()
+    return task.result()
+
+
+async def prime_all(request: Request, gens: Sequence[AsyncIterator[T]]) -> list[AsyncIterator[T]]:
+    """Pulls the first item of every stream (surfacing input errors before any byte of a
+    streamed response is sent) and returns streams that start with it again. On any failure
+    every stream is closed (aborting its engine request)."""
+
+    async def first(gen: AsyncIterator[T]) -> list[T]:
+        try:
+            return [await gen.__anext__()]
+        except StopAsyncIteration:
+            return []
+
+    try:
+        firsts = await run_until_disconnected(request, asyncio.gather(*(first(g) for g in gens)))
+    except BaseException:
+        await close_all(gens)
+        raise
+    return [_prepend(head, gen) for head, gen in zip(firsts, gens, strict=True)]
+
+
+async def _prepend(head: list[T], gen: AsyncIterator[T]) -> AsyncIterator[T]:
+    async with contextlib.aclosing(gen):  # type: ignore[type-var]
+        for item in head:
+            yield item
+        async for item in gen:
+            yield item
+
+
+async def close_all(gens: Sequence[AsyncIterator[Any]]) -> None:
+    for gen in gens:
+        aclose = getattr(gen, "aclose", None)
+        if aclose is not None:
+            with contextlib.suppress(Exception):
+                await aclose()
+
+
+async def merge_streams(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """(stream index, item) from several streams as items arrive; closing the merged stream
+    cancels and closes every input stream."""
+    if len(streams) == 1:
+        async with contextlib.aclosing(streams[0]) as only:  # type: ignore[type-var]
+            async for item in only:
+                yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    done = object()
+
+    async def drain(i: int, stream: AsyncIterator[T]) -> None:
+        try:
+            async with contextlib.aclosing(stream):  # type: ignore[type-var]
+                async for item in stream:
+                    queue.put_nowait((i, item))
+            queue.put_nowait((i, done))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.ensure_future(drain(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def gather_or_cancel(awaitables: Sequence[Awaitable[T]]) -> list[T]:
+    """asyncio.gather that cancels (aborting their engine requests) the rest when one fails."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+async def map_input_errors(awaitable: Awaitable[T]) -> T:
+    """`await awaitable` with the engine's input errors (ValueError, AudioError included) as
+    400s; EngineDeadError is left to the app's handler (503)."""
+    try:
+        return await awaitable
+    except ValueError as e:
+        raise bad_request(str(e)) from e
+
+
+def json_response(body: BaseModel, status_code: int = 200) -> Response:
+    """A pydantic body as JSON (non-finite floats become null instead of failing)."""
+    return Response(body.model_dump_json(), status_code, media_type="application/json")
+
+
+def sse_model(body: BaseModel) -> str:
+    return f"data: {body.model_dump_json()}\n\n"
+
+
+def sse_event(data: Any) -> str:
+    """One server-sent event carrying `data` as JSON."""
+    return f"data: {json.dumps(data, ensure_ascii=False, allow_nan=False)}\n\n"
+
+
+def sse_error(error: APIError) -> str:
+    return sse_event(error_body(error.message, error.error_type, error.param, error.code))
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    """text/event-stream whose generator is closed (aborting its engine requests) as soon as the
+    client disconnects, even while no event is being produced; `on_close` runs at the end."""
+
+    media_type = "text/event-stream"
+
+    def __init__(
+        self,
+        content: AsyncIterator[str],
+        on_close: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def run_then_stop(func: Callable[[], Awaitable[None]]) -> None:
+                    with contextlib.suppress(OSError):
+                        await func()
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(run_then_stop, partial(self.stream_response, send))
+                await run_then_stop(partial(self.listen_for_disconnect, receive))
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+            if self.on_close is not None:
+                await self.on_close()

@@ -1,0 +1,295 @@
+"""/v1/audio/transcriptions and /v1/audio/translations with a Whisper model.
+
+The upload (size-capped while it streams in, see api_server) is decoded off the event loop with
+the server's byte and duration limits, then transcribed by AsyncLLM.transcribe. `stream=true`
+drives the Whisper transcription plan itself so text deltas go out as tokens are decoded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from fastapi import Request, UploadFile
+from fastapi.responses import PlainTextResponse, Response
+
+from v1.audio import SAMPLE_RATE, AudioError, load_audio
+from v1.core.client import EngineDeadError
+from v1.entrypoints.openai import transcript_formats as formats
+from v1.entrypoints.openai.errors import APIError, bad_request, engine_dead_error
+from v1.entrypoints.openai.metrics import ServerMetrics
+from v1.entrypoints.openai.protocol import TRANSCRIPTION_FORMATS, random_id
+from v1.entrypoints.openai.serving_engine import (
+    ServerSettings,
+    ServingBase,
+    SSEResponse,
+    json_response,
+    map_input_errors,
+    merge_streams,
+    run_until_disconnected,
+    sse_error,
+    sse_event,
+)
+from v1.outputs import CompletionOutput, RequestOutput, RequestOutputKind
+from v1.sampling_params import SamplingParams
+
+_TIMED_FORMATS = ("srt", "vtt", "verbose_json")
+
+
+@dataclass
+class AudioRequest:
+    """The multipart fields of a transcription or translation request."""
+
+    task: str
+    file: UploadFile
+    model: str | None = None
+    language: str | None = None
+    prompt: str | None = None
+    temperature: float = 0.0
+    response_format: str = "json"
+    timestamp_granularities: list[str] = field(default_factory=list)
+    stream: bool = False
+
+
+class ServingTranscriptions(ServingBase):
+    def __init__(self, engine: Any, settings: ServerSettings, metrics: ServerMetrics) -> None:
+        super().__init__(engine, settings, metrics)
+        self.builder: Any = None
+        if self.model_config.is_whisper:
+            from v1.engine.whisper_inputs import WhisperInputBuilder
+
+            self.builder = WhisperInputBuilder(self.model_config, self.tokenizer)
+
+    async def create(self, req: AudioRequest, request: Request) -> Response:
+        endpoint = f"/v1/audio/{'translations' if req.task == 'translate' else 'transcriptions'}"
+        self.check_model(req.model)
+        if self.builder is None:
+            raise self.wrong_endpoint(endpoint, "a Whisper speech model")
+        language = self._check_options(req)
+        samples = await self._decode(req.file)
+        duration = samples.shape[0] / SAMPLE_RATE
+        params = SamplingParams(temperature=req.temperature, max_tokens=None)
+        options = {
+            "language": language,
+            "task": req.task,
+            "timestamps": req.response_format in _TIMED_FORMATS,
+            "prompt": req.prompt or None,
+        }
+        request_id = random_id("trsc")
+        if req.stream:
+            return SSEResponse(self._stream(samples, params, options, request_id, duration))
+        try:
+            results = await map_input_errors(
+                run_until_disconnected(
+                    request,
+                    self.engine.transcribe((samples, SAMPLE_RATE), params, request_id, **options),
+                )
+            )
+        except (APIError, EngineDeadError):
+            raise
+        except RuntimeError as e:  # TranscriptionError: the engine failed a window
+            raise APIError(500, f"transcription failed: {e}", code="engine_error") from e
+        self.metrics.audio_seconds.inc(duration)
+        return self._format(results[0], req)
+
+    # ---- input ----
+    def _check_options(self, req: AudioRequest) -> str | None:
+        """Validated options; returns the ISO language code (None: detect)."""
+        if req.response_format not in TRANSCRIPTION_FORMATS:
+            raise bad_request(
+                f"response_format must be one of {list(TRANSCRIPTION_FORMATS)}, got "
+                f"{req.response_format!r}",
+                param="response_format",
+            )
+        for granularity in req.timestamp_granularities:
+            if granularity not in ("segment", "word"):
+                raise bad_request(
+                    f"timestamp_granularities must be 'segment' (or 'word'), got {granularity!r}",
+                    param="timestamp_granularities",
+                )
+            if granularity == "word":
+                raise bad_request(
+                    "word timestamps are not supported; use timestamp_granularities[]=segment",
+                    param="timestamp_granularities",
+                )
+            if req.response_format != "verbose_json":
+                raise bad_request(
+                    "timestamp_granularities needs response_format=verbose_json",
+                    param="timestamp_granularities",
+                )
+        if not math.isfinite(req.temperature) or not 0.0 <= req.temperature <= 1.0:
+            raise bad_request(
+                f"temperature must be in [0, 1], got {req.temperature}", param="temperature"
+            )
+        if req.stream and req.response_format not in ("json", "text"):
+            raise bad_request(
+                "stream=true is available with response_format json or text only",
+                param="stream",
+            )
+        try:
+            self.builder.check_task(req.task)
+            return self.builder.check_language(req.language or None)
+        except ValueError as e:
+            raise bad_request(str(e), param="language") from e
+
+    async def _decode(self, upload: UploadFile) -> np.ndarray:
+        limit = self.settings.max_audio_bytes
+        if upload.size is not None and upload.size > limit:
+            raise APIError(
+                413,
+                f"the audio file is {upload.size} bytes, more than the limit of {limit} bytes",
+                param="file",
+                code="payload_too_large",
+            )
+        data = await upload.read(limit + 1)
+        if len(data) > limit:
+            raise APIError(
+                413,
+                f"the audio file is larger than {limit} bytes",
+                param="file",
+                code="payload_too_large",
+            )
+        try:
+            return await asyncio.to_thread(
+                load_audio,
+                data,
+                max_seconds=self.settings.max_audio_seconds,
+                max_bytes=limit,
+            )
+        except AudioError as e:
+            raise bad_request(str(e), param="file", code="invalid_audio") from e
+
+    # ---- output ----
+    def _format(self, result: Any, req: AudioRequest) -> Response:
+        fmt = req.response_format
+        if fmt == "text":
+            return PlainTextResponse(result.text.strip() + "\n")
+        if fmt == "srt":
+            return PlainTextResponse(formats.to_srt(result.segments))
+        if fmt == "vtt":
+            return PlainTextResponse(formats.to_vtt(result.segments), media_type="text/vtt")
+        if fmt == "verbose_json":
+            return json_response(formats.to_verbose_json(result, req.task, req.temperature))
+        return json_response(formats.to_json(result))
+
+    async def _stream(
+        self,
+        samples: np.ndarray,
+        params: SamplingParams,
+        options: dict[str, Any],
+        request_id: str,
+        duration: float,
+    ) -> AsyncIterator[str]:
+        """`transcript.text.delta` events in audio order, then `transcript.text.done`."""
+        from v1.engine.transcription import TranscriptionOptions, TranscriptionPlanner
+
+        opts = TranscriptionOptions(
+            language=options["language"],
+            task=options["task"],
+            timestamps=False,
+            prompt=options["prompt"],
+            sampling_params=params,
+        )
+        try:
+            plan = TranscriptionPlanner(self.builder, opts, request_id).plan(0, samples)
+            sent = None
+            while True:
+                try:
+                    batch = plan.send(sent)
+                except StopIteration as stop:
+                    result = stop.value
+                    break
+                window_stream = _WindowStream(len(batch))
+                async for delta in window_stream.run(self.engine, batch):
+                    yield sse_event({"type": "transcript.text.delta", "delta": delta})
+                sent = window_stream.window_outputs()
+            self.metrics.audio_seconds.inc(duration)
+            yield sse_event(
+                {
+                    "type": "transcript.text.done",
+                    "text": result.text,
+                    "usage": formats.usage(duration).model_dump(),
+                }
+            )
+        except EngineDeadError as e:
+            yield sse_error(engine_dead_error(e))
+        except ValueError as e:
+            yield sse_error(bad_request(str(e)))
+        except RuntimeError as e:
+            yield sse_error(APIError(500, f"transcription failed: {e}", code="engine_error"))
+
+
+class _WindowStream:
+    """Runs one batch of window requests, yielding their text in window order: deltas of a
+    later window wait until every earlier window has finished."""
+
+    def __init__(self, num_windows: int) -> None:
+        self.outputs = [
+            CompletionOutput(index=0, text="", token_ids=[], cumulative_logprob=None, logprobs=[])
+            for _ in range(num_windows)
+        ]
+        self.finished = [False] * num_windows
+        self.buffered: list[list[str]] = [[] for _ in range(num_windows)]
+        self.current = 0
+
+    async def run(self, engine: Any, batch: list[Any]) -> AsyncIterator[str]:
+        gens = [
+            engine.generate(r.prompt, r.params, r.request_id, output_kind=RequestOutputKind.DELTA)
+            for r in batch
+        ]
+        async for k, out in merge_streams(gens):
+            if out.error is not None:
+                raise RuntimeError(f"window {k}: {out.error}")
+            delta = self._add(k, out)
+            if delta:
+                if k == self.current:
+                    yield delta
+                else:
+                    self.buffered[k].append(delta)
+            for text in self._advance():
+                yield text
+        if not all(self.finished):
+            raise RuntimeError("a window request ended without a result (aborted)")
+
+    def _add(self, k: int, out: RequestOutput) -> str:
+        acc, c = self.outputs[k], out.outputs[0]
+        acc.text += c.text
+        acc.token_ids = [*acc.token_ids, *c.token_ids]
+        if c.logprobs is not None and acc.logprobs is not None:
+            acc.logprobs.extend(c.logprobs)
+        else:
+            acc.logprobs = None
+        if out.finished:
+            acc.finish_reason = c.finish_reason
+            self.finished[k] = True
+        return c.text
+
+    def _advance(self) -> list[str]:
+        texts: list[str] = []
+        while self.current < len(self.finished) and self.finished[self.current]:
+            self.current += 1
+            if self.current < len(self.finished):
+                texts += self.buffered[self.current]
+                self.buffered[self.current].clear()
+        return [t for t in texts if t]
+
+    def window_outputs(self) -> list[Any]:
+        from v1.engine.transcription import window_output
+
+        return [
+            window_output(
+                RequestOutput(
+                    request_id=f"window-{k}",
+                    prompt=None,
+                    prompt_token_ids=None,
+                    outputs=[acc],
+                    finished=True,
+                ),
+                f"window {k}",
+            )
+            for k, acc in enumerate(self.outputs)
+        ]

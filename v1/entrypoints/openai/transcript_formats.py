@@ -1,0 +1,87 @@
+"""Transcription results as text, SubRip (srt), WebVTT (vtt) and OpenAI's json / verbose_json
+bodies; shared by the server and `v1 transcribe`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from v1.entrypoints.openai.protocol import (
+    TranscriptionResponse,
+    TranscriptionSegmentOut,
+    TranscriptionUsage,
+    TranscriptionVerboseResponse,
+)
+
+
+def format_timestamp(seconds: float, decimal_marker: str) -> str:
+    """HH:MM:SS<marker>mmm (srt uses ",", vtt ".")."""
+    millis = max(0, round(seconds * 1000))
+    hours, millis = divmod(millis, 3_600_000)
+    minutes, millis = divmod(millis, 60_000)
+    secs, millis = divmod(millis, 1000)
+    return f"{hours:02d}:{minutes:02d}:{secs:02d}{decimal_marker}{millis:03d}"
+
+
+def to_srt(segments: Sequence[Any]) -> str:
+    blocks = [
+        f"{i}\n{format_timestamp(s.start, ',')} --> {format_timestamp(s.end, ',')}\n"
+        f"{s.text.strip()}\n"
+        for i, s in enumerate(segments, start=1)
+    ]
+    return "\n".join(blocks)
+
+
+def to_vtt(segments: Sequence[Any]) -> str:
+    blocks = [
+        f"{format_timestamp(s.start, '.')} --> {format_timestamp(s.end, '.')}\n{s.text.strip()}\n"
+        for s in segments
+    ]
+    return "WEBVTT\n\n" + "\n".join(blocks)
+
+
+def language_name(code: str) -> str:
+    """Whisper's English name of an ISO code ("en" -> "english"); the code when unknown."""
+    from transformers.models.whisper.tokenization_whisper import LANGUAGES
+
+    return LANGUAGES.get(code, code)
+
+
+def usage(duration: float) -> TranscriptionUsage:
+    return TranscriptionUsage(seconds=math.ceil(duration))
+
+
+def to_json(result: Any) -> TranscriptionResponse:
+    return TranscriptionResponse(text=result.text, usage=usage(result.duration))
+
+
+def to_verbose_json(
+    result: Any, task: str, temperature: float, with_segments: bool = True
+) -> TranscriptionVerboseResponse:
+    segments = None
+    if with_segments:
+        segments = [
+            TranscriptionSegmentOut(
+                id=s.id,
+                seek=int(math.floor(s.start / 30.0)) * 3000,
+                start=s.start,
+                end=s.end,
+                text=s.text,
+                tokens=list(s.tokens),
+                temperature=temperature,
+                avg_logprob=s.avg_logprob if math.isfinite(s.avg_logprob) else None,
+                compression_ratio=s.compression_ratio,
+                no_speech_prob=s.no_speech_prob,
+            )
+            for s in result.segments
+        ]
+    return TranscriptionVerboseResponse(
+        task=task,  # type: ignore[arg-type]
+        language=language_name(result.language),
+        duration=round(result.duration, 3),
+        text=result.text,
+        segments=segments,
+        usage=usage(result.duration),
+    )
