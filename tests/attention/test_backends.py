@@ -142,3 +142,23 @@ def test_bias_matches_reference(
     # The bias must matter, or this test could not tell a backend that drops it.
     assert (expected - batch.expected).abs().max() > 1e-2
     batch.assert_output(run_step(backend, batch, bias), expected)
+
+
+def _as_fused_views(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q/k/v as strided column slices of one fused projection, with k copied out (as RoPE
+    does), so q, k and v all have different row strides."""
+    q, k, v = batch.query, batch.key, batch.value
+    fused = torch.cat([q.flatten(1), torch.zeros_like(q.flatten(1)[:, :8]), v.flatten(1)], dim=1)
+    q_view = fused[:, : q[0].numel()].view(q.shape)
+    v_view = fused[:, -v[0].numel():].view(v.shape)
+    assert q_view.stride(0) != k.stride(0) != v_view.stride(0)
+    return q_view, k.clone(), v_view
+
+
+@pytest.mark.parametrize(("shape_name", "attn_type"), [("mixed", DEC), ("encoder", ENC)])
+def test_strided_inputs_from_a_fused_projection(
+    backend: LoadedBackend, shape_name: str, attn_type: AttentionType
+) -> None:
+    batch = make_batch(SHAPES[shape_name], attn_type, torch.float32, backend.device, seed=9)
+    batch.query, batch.key, batch.value = _as_fused_views(batch)
+    batch.assert_output(run_step(backend, batch))

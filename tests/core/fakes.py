@@ -25,16 +25,36 @@ VOCAB = 100
 
 def _hf_config(kind: str) -> Any:
     if kind == "encoder_decoder":
-        return BartConfig(vocab_size=VOCAB, d_model=16, encoder_layers=1, decoder_layers=1,
-                          encoder_attention_heads=2, decoder_attention_heads=2,
-                          max_position_embeddings=256, architectures=["BartForConditionalGeneration"])
+        return BartConfig(
+            vocab_size=VOCAB,
+            d_model=16,
+            encoder_layers=1,
+            decoder_layers=1,
+            encoder_attention_heads=2,
+            decoder_attention_heads=2,
+            max_position_embeddings=256,
+            architectures=["BartForConditionalGeneration"],
+        )
     if kind == "encoder_only":
-        return BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1,
-                          num_attention_heads=2, intermediate_size=32,
-                          max_position_embeddings=256, architectures=["BertModel"])
-    return LlamaConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1,
-                       num_attention_heads=2, num_key_value_heads=1, intermediate_size=32,
-                       max_position_embeddings=256, architectures=["LlamaForCausalLM"])
+        return BertConfig(
+            vocab_size=VOCAB,
+            hidden_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=32,
+            max_position_embeddings=256,
+            architectures=["BertModel"],
+        )
+    return LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=32,
+        max_position_embeddings=256,
+        architectures=["LlamaForCausalLM"],
+    )
 
 
 def make_config(kind: str = "decoder_only", **overrides: Any) -> EngineConfig:
@@ -44,8 +64,9 @@ def make_config(kind: str = "decoder_only", **overrides: Any) -> EngineConfig:
     cache.setdefault("block_size", 4)
     max_model_len = overrides.pop("max_model_len", None)
     return EngineConfig(
-        model_config=ModelConfig(model=f"fake-{kind}", hf_config=_hf_config(kind),
-                                 max_model_len=max_model_len),
+        model_config=ModelConfig(
+            model=f"fake-{kind}", hf_config=_hf_config(kind), max_model_len=max_model_len
+        ),
         cache_config=CacheConfig(**cache),
         scheduler_config=SchedulerConfig(**overrides),
     )
@@ -63,7 +84,9 @@ def layer_specs(config: EngineConfig) -> dict[str, KVCacheSpec]:
 
 def make_scheduler(kind: str = "decoder_only", **overrides: Any) -> Scheduler:
     config = make_config(kind, **overrides)
-    kv_config = get_kv_cache_config(layer_specs(config), num_blocks=config.cache_config.num_kv_blocks)
+    kv_config = get_kv_cache_config(
+        layer_specs(config), num_blocks=config.cache_config.num_kv_blocks
+    )
     return Scheduler(config, kv_config)
 
 
@@ -80,12 +103,16 @@ def make_request(
     ignore_eos: bool = True,
     prompt: list[int] | None = None,
 ) -> Request:
-    tokens = prompt if prompt is not None else [3 + (hash((req_id, i)) % 90) for i in range(prompt_len)]
+    tokens = (
+        prompt if prompt is not None else [3 + (hash((req_id, i)) % 90) for i in range(prompt_len)]
+    )
     encoder_input = None
     if encoder_len:
-        encoder_input = EncoderInput(num_encoder_tokens=encoder_len,
-                                     content_hash=encoder_hash or f"h-{req_id}",
-                                     token_ids=list(range(encoder_len)))
+        encoder_input = EncoderInput(
+            num_encoder_tokens=encoder_len,
+            content_hash=encoder_hash or f"h-{req_id}",
+            token_ids=list(range(encoder_len)),
+        )
     return Request(
         req_id,
         tokens,
@@ -140,7 +167,11 @@ class FakeRunner:
             self.computed[new.req_id] = new.num_computed_tokens
             if new.pooling_params is not None:
                 self.pooling.add(new.req_id)
-        for req_id, n in zip(so.scheduled_cached_reqs.req_ids, so.scheduled_cached_reqs.num_computed_tokens, strict=True):
+        for req_id, n in zip(
+            so.scheduled_cached_reqs.req_ids,
+            so.scheduled_cached_reqs.num_computed_tokens,
+            strict=True,
+        ):
             assert self.computed[req_id] == n, (req_id, self.computed[req_id], n)
         for h in so.encoder_hashes_to_run:
             assert h not in self.encoder_hashes, f"encoder of {h} run twice while cached"
@@ -162,8 +193,12 @@ class FakeRunner:
             else:
                 sampled.append([])
                 pooled.append(None)
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, pooler_output=pooled,
-                                 num_encoder_runs=len(so.encoder_hashes_to_run))
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            sampled_token_ids=sampled,
+            pooler_output=pooled,
+            num_encoder_runs=len(so.encoder_hashes_to_run),
+        )
 
 
 class FakeExecutor:
@@ -194,8 +229,9 @@ class FakeExecutor:
         return None
 
 
-def make_engine_core(kind: str = "decoder_only", token_fn: Any = None, fail_on: Any = None,
-                     **overrides: Any) -> EngineCore:
+def make_engine_core(
+    kind: str = "decoder_only", token_fn: Any = None, fail_on: Any = None, **overrides: Any
+) -> EngineCore:
     config = make_config(kind, **overrides)
     return EngineCore(config, lambda c: FakeExecutor(c, token_fn, fail_on))
 

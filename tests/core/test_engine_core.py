@@ -33,10 +33,14 @@ def test_add_step_finish():
 
 def test_bad_request_becomes_error_output_and_core_survives():
     core = make_engine_core(max_model_len=16)
-    core.add_request(EngineCoreRequest(request_id="empty", prompt_token_ids=[],
-                                       sampling_params=SamplingParams()))
-    core.add_request(EngineCoreRequest(request_id="long", prompt_token_ids=[5] * 16,
-                                       sampling_params=SamplingParams()))
+    core.add_request(
+        EngineCoreRequest(request_id="empty", prompt_token_ids=[], sampling_params=SamplingParams())
+    )
+    core.add_request(
+        EngineCoreRequest(
+            request_id="long", prompt_token_ids=[5] * 16, sampling_params=SamplingParams()
+        )
+    )
     core.add_request(to_core_request(make_request("ok", prompt_len=4, max_tokens=2)))
     core.add_request(to_core_request(make_request("ok", prompt_len=4, max_tokens=2)))  # dup id
     outs = drain(core)
@@ -78,25 +82,41 @@ def test_abort_mid_decode():
 def _random_request(rng: random.Random, i: int, kind: str) -> EngineCoreRequest:
     params = SamplingParams(max_tokens=rng.randint(1, 40), ignore_eos=rng.random() < 0.5)
     if kind == "encoder_only":
-        return EngineCoreRequest(request_id=f"q{i}", prompt_token_ids=[5] * rng.randint(1, 30),
-                                 pooling_params=PoolingParams())
+        return EngineCoreRequest(
+            request_id=f"q{i}",
+            prompt_token_ids=[5] * rng.randint(1, 30),
+            pooling_params=PoolingParams(),
+        )
     encoder_input = None
     prompt = [rng.randint(3, 90) for _ in range(rng.randint(1, 50))]
     if kind == "encoder_decoder":
         n = rng.randint(1, 40)
-        encoder_input = EncoderInput(num_encoder_tokens=n, content_hash=f"h{rng.randint(0, 20)}-{n}",
-                                     token_ids=[1] * n)
+        encoder_input = EncoderInput(
+            num_encoder_tokens=n, content_hash=f"h{rng.randint(0, 20)}-{n}", token_ids=[1] * n
+        )
         prompt = prompt[: rng.randint(1, 3)]
-    return EngineCoreRequest(request_id=f"q{i}", prompt_token_ids=prompt, sampling_params=params,
-                             encoder_input=encoder_input, eos_token_id=2)
+    return EngineCoreRequest(
+        request_id=f"q{i}",
+        prompt_token_ids=prompt,
+        sampling_params=params,
+        encoder_input=encoder_input,
+        eos_token_id=2,
+    )
 
 
 def _simulate(kind: str, seed: int, steps: int) -> None:
     rng = random.Random(seed)
-    core = make_engine_core(kind, token_fn=lambda rid, n: rng.choice([2, 7, 8, 9, 10, 11]),
-                            num_kv_blocks=40, block_size=4, max_num_seqs=8,
-                            max_num_batched_tokens=48, max_num_encoder_input_tokens=60,
-                            encoder_cache_size=80, policy=rng.choice(["fcfs", "priority"]))
+    core = make_engine_core(
+        kind,
+        token_fn=lambda rid, n: rng.choice([2, 7, 8, 9, 10, 11]),
+        num_kv_blocks=40,
+        block_size=4,
+        max_num_seqs=8,
+        max_num_batched_tokens=48,
+        max_num_encoder_input_tokens=60,
+        encoder_cache_size=80,
+        policy=rng.choice(["fcfs", "priority"]),
+    )
     live: set[str] = set()
     finished = 0
     for i in range(steps):
@@ -125,7 +145,8 @@ def _simulate(kind: str, seed: int, steps: int) -> None:
     assert kv.num_requests == 0 and kv.num_free_blocks == kv.num_total_blocks
     assert not core.scheduler.requests
     assert not core.scheduler.encoder_cache.refs or all(
-        not refs for refs in core.scheduler.encoder_cache.refs.values())
+        not refs for refs in core.scheduler.encoder_cache.refs.values()
+    )
 
 
 def test_randomized_simulation_decoder_only():

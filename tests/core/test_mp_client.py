@@ -413,6 +413,7 @@ def test_sigkill_fails_every_pending_call_fast(cores: dict[str, Any]):
     ipc_dir = c._res.ipc_dir
     try:
         c.add_request(request("stuck", prompt=[HANG]))
+        time.sleep(1.0)  # the core takes it and hangs in its first step: calls now stay pending
         errors: dict[str, float] = {}
 
         def pending(name: str, fn) -> None:
@@ -444,7 +445,8 @@ def test_sigkill_fails_every_pending_call_fast(cores: dict[str, Any]):
             t0 = time.monotonic()
             with pytest.raises(EngineDeadError, match="exited with code -9"):
                 call()
-            assert time.monotonic() - t0 < 0.1
+            # "at once": no waiting on the dead core (the slack is for loaded CI machines)
+            assert time.monotonic() - t0 < 0.5
     finally:
         c.shutdown()
         c.shutdown()  # idempotent

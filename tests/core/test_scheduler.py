@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.core.fakes import FakeRunner, make_request, make_requests, make_scheduler, run_scheduler_step
+from tests.core.fakes import (
+    FakeRunner,
+    make_request,
+    make_requests,
+    make_scheduler,
+    run_scheduler_step,
+)
 from v1.core.request import RequestStatus
 
 
@@ -76,8 +82,12 @@ def test_new_then_cached_deltas():
 def test_preemption_order(policy):
     # 3 requests of 8-token prompts need 2 blocks each, growing; 7 usable blocks force preemption.
     sched = make_scheduler(num_kv_blocks=8, policy=policy, enable_prefix_caching=False)
-    reqs = [make_request(f"r{i}", prompt_len=8, max_tokens=8, priority=[2, 0, 1][i],
-                         arrival_time=float(i)) for i in range(3)]
+    reqs = [
+        make_request(
+            f"r{i}", prompt_len=8, max_tokens=8, priority=[2, 0, 1][i], arrival_time=float(i)
+        )
+        for i in range(3)
+    ]
     for r in reqs:
         sched.add_request(r)
     runner = FakeRunner()
@@ -145,7 +155,9 @@ def test_stop_checks():
     for r in (eos_req, stop_req, len_req):
         sched.add_request(r)
     tokens = {"eos": [5, 2], "stop": [5, 6, 17], "len": [7] * 10}
-    runner = FakeRunner(lambda rid, n: tokens[rid][min(n - (3 if rid != "len" else 9), len(tokens[rid]) - 1)])
+    runner = FakeRunner(
+        lambda rid, n: tokens[rid][min(n - (3 if rid != "len" else 9), len(tokens[rid]) - 1)]
+    )
     run_to_completion(sched, runner)
     assert eos_req.output_token_ids == [5, 2] and eos_req.status == RequestStatus.FINISHED_STOPPED
     assert stop_req.output_token_ids == [5, 6, 17] and stop_req.stop_reason == 17
@@ -189,6 +201,7 @@ def test_pooling_requests_run_whole_and_finish():
 
 # ---- encoder-decoder ----
 
+
 def test_cross_blocks_allocated_once_and_freed():
     sched = make_scheduler("encoder_decoder", block_size=4, num_kv_blocks=64)
     req = make_request("a", prompt_len=1, max_tokens=6, encoder_len=10)
@@ -208,8 +221,9 @@ def test_cross_blocks_allocated_once_and_freed():
 
 
 def test_encoder_budget_and_cache_capacity():
-    sched = make_scheduler("encoder_decoder", max_num_encoder_input_tokens=20, encoder_cache_size=30,
-                           num_kv_blocks=128)
+    sched = make_scheduler(
+        "encoder_decoder", max_num_encoder_input_tokens=20, encoder_cache_size=30, num_kv_blocks=128
+    )
     for r in make_requests(4, prompt_len=1, max_tokens=2, encoder_len=10):
         sched.add_request(r)
     runner = FakeRunner()
@@ -227,23 +241,27 @@ def test_encoder_budget_and_cache_capacity():
 def test_same_encoder_input_runs_once():
     sched = make_scheduler("encoder_decoder", num_kv_blocks=128)
     for i in range(3):
-        sched.add_request(make_request(f"r{i}", prompt_len=1, max_tokens=3, encoder_len=8,
-                                       encoder_hash="same"))
+        sched.add_request(
+            make_request(f"r{i}", prompt_len=1, max_tokens=3, encoder_len=8, encoder_hash="same")
+        )
     runner = FakeRunner()
     so, _ = run_scheduler_step(sched, runner)
     assert so.encoder_hashes_to_run == {"same": "r0"}
     assert sorted(so.encoder_reqs) == ["r0", "r1", "r2"]  # each writes its own cross blocks
     run_to_completion(sched, runner)
     # A later request with the same content reuses the cached output.
-    sched.add_request(make_request("late", prompt_len=1, max_tokens=1, encoder_len=8, encoder_hash="same"))
+    sched.add_request(
+        make_request("late", prompt_len=1, max_tokens=1, encoder_len=8, encoder_hash="same")
+    )
     so, _ = run_scheduler_step(sched, runner)
     assert so.encoder_hashes_to_run == {} and so.encoder_reqs == ["late"]
     assert runner.num_encoder_runs == 1
 
 
 def test_encoder_decoder_preemption_frees_cross_blocks_and_rewrites_them():
-    sched = make_scheduler("encoder_decoder", block_size=4, num_kv_blocks=10,
-                           enable_prefix_caching=False)
+    sched = make_scheduler(
+        "encoder_decoder", block_size=4, num_kv_blocks=10, enable_prefix_caching=False
+    )
     reqs = make_requests(3, prompt_len=1, max_tokens=12, encoder_len=8)
     for r in reqs:
         sched.add_request(r)

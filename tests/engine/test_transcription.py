@@ -12,12 +12,14 @@ import hashlib
 import io
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import soundfile as sf
+import torch
 
 from tests.models.test_whisper import WHISPER_BASE, make_tiny_whisper_dir
 from tests.utils import ASSETS
@@ -42,6 +44,15 @@ ENGINE_ARGS = dict(
     encoder_cache_size=12 * 1500,
 )
 HAS_EXTRAS = "extras" in {f.name for f in dataclasses.fields(RequestOutput)}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Decode steps are many small ops, faster on one thread (and the suite shares the cores)."""
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +115,15 @@ def make_tiny_whisper_dir(path: Path, *, layout: str = "multilingual", seed: int
     return str(path)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """These steps are many small ops, faster on one thread (and the suite shares the cores)."""
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)
+
+
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return make_tiny_whisper_dir(tmp_path_factory.mktemp("tiny_whisper"))
@@ -171,37 +181,50 @@ def run_all(core: EngineCore, requests: list[EngineCoreRequest]) -> dict[str, di
 
 
 def hf_generate(
-    path: str,
-    waves: list[np.ndarray],
-    max_new_tokens: int,
-    suppress_tokens: list[int] | None = None,
-    **kwargs: Any,
+    path: str, waves: list[np.ndarray], prompt: list[int], max_new_tokens: int, timestamps: bool
 ) -> list[tuple[list[int], torch.Tensor]]:
-    """transformers' greedy output tokens (after the prompt, up to EOS) and raw logprobs
-    [steps, vocab] per waveform, one audio per generate() call (its batched short-form output
-    loses rows when sequences end at different steps, transformers 5.23)."""
-    from transformers import WhisperFeatureExtractor, WhisperForConditionalGeneration
+    """transformers' greedy tokens (after the prompt, up to EOS) and raw logprobs [steps, vocab]
+    per waveform: one batched pass of GenerationMixin.generate with Whisper's logits processors
+    (begin-suppress, suppress, timestamp rules when `timestamps`), as Whisper's generate() sets
+    them up. Whisper's own generate() re-decodes a window after a closed timestamp segment,
+    which random weights produce even under <|notimestamps|>."""
+    from transformers import LogitsProcessorList, WhisperFeatureExtractor
+    from transformers import WhisperForConditionalGeneration as HFWhisper
+    from transformers.generation.logits_process import (
+        SuppressTokensAtBeginLogitsProcessor,
+        SuppressTokensLogitsProcessor,
+        WhisperTimeStampLogitsProcessor,
+    )
+    from transformers.models.whisper.generation_whisper import WhisperGenerationMixin
 
-    model = WhisperForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
-    if suppress_tokens is not None:
-        model.generation_config.suppress_tokens = suppress_tokens
-    extractor = WhisperFeatureExtractor.from_pretrained(path)
-    eos = model.generation_config.eos_token_id
+    model = HFWhisper.from_pretrained(path, dtype=torch.float32).eval()
+    gc = model.generation_config
+    processors = [
+        SuppressTokensAtBeginLogitsProcessor(gc.begin_suppress_tokens, len(prompt)),
+        SuppressTokensLogitsProcessor(gc.suppress_tokens),
+    ]
+    if timestamps:
+        processors.append(WhisperTimeStampLogitsProcessor(gc, begin_index=len(prompt)))
+    features = WhisperFeatureExtractor.from_pretrained(path)(
+        waves, sampling_rate=16_000, return_tensors="pt"
+    ).input_features
+    with torch.inference_mode():
+        out = super(WhisperGenerationMixin, model).generate(
+            input_features=features,
+            decoder_input_ids=torch.tensor([prompt] * len(waves)),
+            logits_processor=LogitsProcessorList(processors),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            suppress_tokens=None,
+            begin_suppress_tokens=None,
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
+    raw = torch.stack(out.logits, dim=1).float().log_softmax(-1)  # [B, steps, vocab]
     results = []
-    for wave in waves:
-        features = extractor([wave], sampling_rate=16_000, return_tensors="pt").input_features
-        with torch.inference_mode():
-            out = model.generate(
-                input_features=features,
-                max_new_tokens=max_new_tokens,
-                return_dict_in_generate=True,
-                output_logits=True,
-                **kwargs,
-            )
-        num_new = len(out.logits)
-        tokens = until_eos(out.sequences[0, -num_new:].tolist(), eos)
-        logprobs = torch.cat(out.logits[: len(tokens)]).float().log_softmax(-1)
-        results.append((tokens, logprobs))
+    for i in range(len(waves)):
+        tokens = until_eos(out.sequences[i, len(prompt) :].tolist(), gc.eos_token_id)
+        results.append((tokens, raw[i, : len(tokens)]))
     return results
 
 
@@ -255,13 +278,7 @@ def test_greedy_tokens_and_logprobs_match_transformers_under_preemption(
     # Room for two requests' cross blocks (94 each) and their prompts, not for their growth.
     core = make_core(path, num_kv_blocks=192, max_num_seqs=4)
     builder = make_builder(core)
-    # Random weights emit timestamp tokens even under <|notimestamps|>, after which transformers
-    # decodes the rest of the window as a new segment: suppress them on both sides.
-    tokens = builder.tokens
-    suppress = builder.suppress_tokens + list(range(tokens.timestamp_begin, VOCAB_SIZES[layout]))
-    params = SamplingParams(
-        temperature=0.0, max_tokens=max_tokens, logprobs=3, suppress_tokens=suppress
-    )
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=3)
     prompt = {"prompt": "", "language": None if english_only else "en"}
     requests = [
         builder.build(f"r{i}", {**prompt, "multi_modal_data": {"audio": (w, 16_000)}}, params)
@@ -276,8 +293,7 @@ def test_greedy_tokens_and_logprobs_match_transformers_under_preemption(
     results = run_all(core, requests)
     assert core.get_stats()["num_preemptions"] > 0
 
-    lang = {} if english_only else {"language": "en", "task": "transcribe"}
-    hf = hf_generate(path, waves, max_tokens, suppress, **lang)
+    hf = hf_generate(path, waves, expected_prompt, max_tokens, timestamps=False)
     for i, (theirs, raw) in enumerate(hf):
         ours = results[f"r{i}"]
         assert ours["error"] is None
@@ -285,48 +301,6 @@ def test_greedy_tokens_and_logprobs_match_transformers_under_preemption(
         for step, (token, logprobs) in enumerate(zip(theirs, ours["logprobs"], strict=True)):
             assert logprobs[0] == pytest.approx(raw[step, token].item(), abs=1e-4)
     assert len({tuple(r["tokens"]) for r in results.values()}) > 1, "outputs ignore the audio"
-
-
-def hf_timestamp_generate(
-    path: str, waves: list[np.ndarray], prompt: list[int], max_new_tokens: int
-) -> list[list[int]]:
-    """One greedy pass of transformers' GenerationMixin.generate with Whisper's logits
-    processors (begin-suppress, suppress, timestamp rules), per waveform. Whisper's own
-    generate() would re-decode the window after a closed segment (seeking)."""
-    from transformers import LogitsProcessorList, WhisperFeatureExtractor
-    from transformers import WhisperForConditionalGeneration as HFWhisper
-    from transformers.generation.logits_process import (
-        SuppressTokensAtBeginLogitsProcessor,
-        SuppressTokensLogitsProcessor,
-        WhisperTimeStampLogitsProcessor,
-    )
-    from transformers.models.whisper.generation_whisper import WhisperGenerationMixin
-
-    model = HFWhisper.from_pretrained(path, dtype=torch.float32).eval()
-    extractor = WhisperFeatureExtractor.from_pretrained(path)
-    gc = model.generation_config
-    processors = LogitsProcessorList(
-        [
-            SuppressTokensAtBeginLogitsProcessor(gc.begin_suppress_tokens, len(prompt)),
-            SuppressTokensLogitsProcessor(gc.suppress_tokens),
-            WhisperTimeStampLogitsProcessor(gc, begin_index=len(prompt)),
-        ]
-    )
-    results = []
-    for wave in waves:
-        features = extractor([wave], sampling_rate=16_000, return_tensors="pt").input_features
-        with torch.inference_mode():
-            out = super(WhisperGenerationMixin, model).generate(
-                input_features=features,
-                decoder_input_ids=torch.tensor([prompt]),
-                logits_processor=processors,
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                suppress_tokens=None,
-                begin_suppress_tokens=None,
-            )
-        results.append(until_eos(out[0, len(prompt) :].tolist(), gc.eos_token_id))
-    return results
 
 
 def test_timestamp_tokens_match_transformers(tiny_dir: str) -> None:
@@ -341,7 +315,7 @@ def test_timestamp_tokens_match_transformers(tiny_dir: str) -> None:
     prompt = [50258, 50259, 50359]  # no <|notimestamps|>
     assert requests[0].prompt_token_ids == prompt
     results = run_all(core, requests)
-    for i, theirs in enumerate(hf_timestamp_generate(tiny_dir, waves, prompt, 20)):
+    for i, (theirs, _) in enumerate(hf_generate(tiny_dir, waves, prompt, 20, timestamps=True)):
         assert results[f"t{i}"]["tokens"] == theirs
         assert 50364 <= theirs[0] <= 50364 + 50, "the first output is an early timestamp"
 

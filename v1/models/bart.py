@@ -313,7 +313,7 @@ class BartForConditionalGeneration(nn.Module):
     """Serves BartForConditionalGeneration checkpoints; mBART and Marian differ in `variant`."""
 
     variant: ClassVar[BartVariant] = BART
-    # Names after `_rename_fused` (see _SELF_QKV / _CROSS_KV) -> fused parameters.
+    # Checkpoint names as renamed by `_hf_to_local` (_SELF_QKV, _CROSS_KV) -> fused parameters.
     packed_modules_mapping: ClassVar[dict[str, tuple[str, int | str]]] = {
         "qkv_q": ("qkv_proj", "q"),
         "qkv_k": ("qkv_proj", "k"),
@@ -335,7 +335,7 @@ class BartForConditionalGeneration(nn.Module):
         self.lm_head = LMHead(
             decoder_embed.num_embeddings,
             hf_config.d_model,
-            bias=True,  # the checkpoint's final_logits_bias
+            bias=False,  # the checkpoint's final_logits_bias
             tie_to=decoder_embed if self.model.tie_lm_head else None,
         )
         # Checkpoint names of tied weights -> the one local name they load into.

@@ -18,6 +18,8 @@ class Worker:
         self.config = config
         self.device = torch.device(config.device_config.resolved)
         if self.device.type == "cuda":
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         torch.manual_seed(config.model_config.seed)
         self.model_runner = ModelRunner(config, self.device)

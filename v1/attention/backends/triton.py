@@ -72,6 +72,7 @@ class TritonImpl(AttentionImpl):
             query_start_loc=common.query_start_loc,
             seq_lens=common.seq_lens,
             work=attn_metadata.work,
+            query_positions=common.query_positions,
             scale=self.scale,
             causal=common.causal,
             block_table=common.block_table if paged else None,

@@ -39,9 +39,10 @@ def _relative_bucket(rel, REL_NB: tl.constexpr, REL_MAX_EXACT: tl.constexpr,
 @triton.jit
 def _attention_kernel(
     Q, K, V, Out,
-    query_start_loc, seq_lens, block_table, work_req, work_mblock,
+    query_start_loc, seq_lens, block_table, work_req, work_mblock, query_positions,
     Bias, bias_stride_r, bias_stride_h, bias_stride_q,
-    stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
+    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh,
+    stride_bt,
     scale,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -68,6 +69,10 @@ def _attention_kernel(
     )
     # Query j sits at position kv_len - q_len + j (chunked prefill and decode alike).
     q_pos = kv_len - q_len + offs_m
+    if BIAS_MODE == 2:
+        # Relative positions use the query's own sequence position (for cross-attention that
+        # is the decoder position, not an offset into the encoder keys).
+        bias_pos = tl.load(query_positions + q_start + offs_m, mask=m_mask, other=0).to(tl.int32)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -83,17 +88,18 @@ def _attention_kernel(
             rows = block_ids.to(tl.int64) * PAGE + offs_n % PAGE
         else:
             rows = (q_start + offs_n).to(tl.int64)
-        kv_off = rows[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :]
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
-        v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
+        k = tl.load(K + rows[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        v = tl.load(V + rows[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * scale
         if BIAS_MODE == 1:
             b_ptr = Bias + req * bias_stride_r + head * bias_stride_h
             s += tl.load(b_ptr + offs_m[:, None] * bias_stride_q + offs_n[None, :],
                          mask=m_mask[:, None] & n_mask[None, :], other=0.0).to(tl.float32)
         if BIAS_MODE == 2:
-            bucket = _relative_bucket(offs_n[None, :] - q_pos[:, None], REL_NB,
+            bucket = _relative_bucket(offs_n[None, :] - bias_pos[:, None], REL_NB,
                                       REL_MAX_EXACT, REL_LOG_RATIO, BIDIRECTIONAL)
             s += tl.load(Bias + bucket * NUM_HEADS + head).to(tl.float32)
         valid = n_mask[None, :]
@@ -115,7 +121,7 @@ def _attention_kernel(
 
 
 @triton.jit
-def _write_kv_kernel(Key, Value, Cache, slot_mapping, stride_kt, stride_ct, cache_half,
+def _write_kv_kernel(Key, Value, Cache, slot_mapping, stride_kt, stride_vt, stride_ct, cache_half,
                      ROW: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     slot = tl.load(slot_mapping + row).to(tl.int64)
@@ -123,7 +129,7 @@ def _write_kv_kernel(Key, Value, Cache, slot_mapping, stride_kt, stride_ct, cach
         offs = tl.arange(0, BLOCK)
         mask = offs < ROW
         k = tl.load(Key + row * stride_kt + offs, mask=mask)
-        v = tl.load(Value + row * stride_kt + offs, mask=mask)
+        v = tl.load(Value + row * stride_vt + offs, mask=mask)
         tl.store(Cache + slot * stride_ct + offs, k.to(Cache.dtype.element_ty), mask=mask)
         tl.store(Cache + cache_half + slot * stride_ct + offs, v.to(Cache.dtype.element_ty), mask=mask)
 
@@ -136,10 +142,13 @@ def write_kv_cache(
     if num_rows == 0:
         return
     row = key.shape[1] * key.shape[2]
+    # Rows may be strided views of a fused QKV projection; each head's values are contiguous.
     key = key.reshape(key.shape[0], row)
     value = value.reshape(value.shape[0], row)
+    assert key.stride(1) == 1 and value.stride(1) == 1
     _write_kv_kernel[(num_rows,)](
-        key, value, kv_cache, slot_mapping, key.stride(0), row, kv_cache[0].numel(),
+        key, value, kv_cache, slot_mapping, key.stride(0), value.stride(0), row,
+        kv_cache[0].numel(),
         ROW=row, BLOCK=triton.next_power_of_2(row),
     )
 
@@ -166,6 +175,7 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     work: tuple[torch.Tensor, torch.Tensor],
+    query_positions: torch.Tensor | None = None,
     scale: float,
     causal: bool,
     block_table: torch.Tensor | None = None,
@@ -197,10 +207,14 @@ def paged_attention(
     rel_nb = num_buckets // 2 if bidirectional else num_buckets
     rel_max_exact = rel_nb // 2
     grid = (work_req.numel(), num_heads)
+    if bias_mode == BIAS_RELATIVE and query_positions is None:
+        raise ValueError("relative-position bias needs query_positions")
     _attention_kernel[grid](
         q, k, v, out, query_start_loc, seq_lens, bt, work_req, work_mblock,
+        query_positions if query_positions is not None else seq_lens,
         bias, *bstrides,
-        q.stride(0), q.stride(1), k.stride(-3), k.stride(-2), out.stride(0), out.stride(1),
+        q.stride(0), q.stride(1), k.stride(-3), k.stride(-2), v.stride(-3), v.stride(-2),
+        out.stride(0), out.stride(1),
         bt.stride(0) if paged else 0,
         scale,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,

@@ -39,6 +39,11 @@ class EncoderDecoderState(GenerationState):
         for content_hash in so.free_encoder_hashes:
             self.encoder_outputs.pop(content_hash, None)
         num_runs = self._run_encoders(so.encoder_hashes_to_run)
+        graphs = self.runner.cuda_graphs
+        if graphs is not None and graphs.can_run(step, so):
+            output = self.sample(graphs.run(step), step)
+            output.num_encoder_runs = num_runs
+            return output
         metadata = self.runner.decoder_attn_metadata(step)
         metadata.update(self._cross_attn_metadata(step, so.encoder_reqs))
         encoder_hidden_states = None
@@ -54,6 +59,10 @@ class EncoderDecoderState(GenerationState):
         output = self.sample(hidden_states, step)
         output.num_encoder_runs = num_runs
         return output
+
+    def decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """A decoder step whose cross K/V are all in the cache already (what CUDA graphs run)."""
+        return self.runner.model(input_ids, positions, encoder_hidden_states=None)
 
     # ---- encoder ----
     def _run_encoders(self, hashes_to_run: dict[str, str]) -> int:
