@@ -115,7 +115,7 @@ class BartCrossAttention(nn.Module):
         q = self.q_proj(hidden_states)  # [T, d_model]
         k = v = None
         if encoder_hidden_states is not None:
-            k, v = self.kv_proj(encoder_hidden_states).chunk(2, dim=-1)  # 2 x [Tw, d_model]
+            v, k = self.kv_proj(encoder_hidden_states).chunk(2, dim=-1)  # 2 x [Tw, d_model]
         return self.out_proj(self.attn(q, k, v))
 
 
@@ -335,7 +335,7 @@ class BartForConditionalGeneration(nn.Module):
         self.lm_head = LMHead(
             decoder_embed.num_embeddings,
             hf_config.d_model,
-            bias=False,  # the checkpoint's final_logits_bias
+            bias=True,  # the checkpoint's final_logits_bias
             tie_to=decoder_embed if self.model.tie_lm_head else None,
         )
         # Checkpoint names of tied weights -> the one local name they load into.

@@ -21,8 +21,12 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.utils import ASSETS, make_tiny_llama_dir, make_tiny_model_dir
-from tests.utils import make_tiny_wordpiece_tokenizer
+from tests.utils import (
+    ASSETS,
+    make_tiny_llama_dir,
+    make_tiny_model_dir,
+    make_tiny_wordpiece_tokenizer,
+)
 
 API_KEY = "test-key-123"
 WHISPER_DIR = ASSETS / "whisper-base"
@@ -227,8 +231,17 @@ def _server_specs(root: Path) -> dict[str, Any]:
     return {
         "llama_server": lambda: (
             make_chat_llama_dir(root / "llama", CHAT_TEMPLATE),
-            ["--api-key", API_KEY, "--served-model-name", "tiny-llama", "tiny-llama-alias",
-             "--num-kv-blocks", "96", "--max-num-seqs", "16"],
+            [
+                "--api-key",
+                API_KEY,
+                "--served-model-name",
+                "tiny-llama",
+                "tiny-llama-alias",
+                "--num-kv-blocks",
+                "96",
+                "--max-num-seqs",
+                "16",
+            ],
         ),
         "doomed_server": lambda: (
             make_chat_llama_dir(root / "llama_plain", None),
@@ -236,8 +249,14 @@ def _server_specs(root: Path) -> dict[str, Any]:
         ),
         "whisper_server": lambda: (
             str(WHISPER_DIR),
-            ["--served-model-name", "whisper-1", "--max-audio-bytes", str(MAX_AUDIO_BYTES),
-             "--max-num-seqs", "16"],
+            [
+                "--served-model-name",
+                "whisper-1",
+                "--max-audio-bytes",
+                str(MAX_AUDIO_BYTES),
+                "--max-num-seqs",
+                "16",
+            ],
         ),
         "minilm_server": lambda: (str(MINILM_DIR), ["--served-model-name", "minilm"]),
         "scorer_server": lambda: (

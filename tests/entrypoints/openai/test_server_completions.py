@@ -233,10 +233,11 @@ def test_client_disconnect_aborts_the_request(llama_server: RemoteServer) -> Non
     assert metrics['v1_num_requests_running{model_name="tiny-llama"}'] == 0
     assert metrics['v1_kv_cache_used_blocks{model_name="tiny-llama"}'] == 0
     # Streaming: close the stream after the first event.
-    with llama_server.http(timeout=60) as http:
-        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
-            first = next(r.iter_lines())
-            assert first.startswith("data: {")
+    with (
+        llama_server.http(timeout=60) as http,
+        http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r,
+    ):
+        assert next(r.iter_lines()).startswith("data: {")
     start = time.monotonic()
     metrics = _wait_idle(llama_server)
     assert metrics['v1_num_requests_running{model_name="tiny-llama"}'] == 0

@@ -136,7 +136,11 @@ def test_score_pairs(scorer_server: RemoteServer) -> None:
     with scorer_server.http(timeout=60) as http:
         response = http.post(
             "/v1/score",
-            json={"model": "scorer", "text_1": [a for a, _ in pairs], "text_2": [b for _, b in pairs]},
+            json={
+                "model": "scorer",
+                "text_1": [a for a, _ in pairs],
+                "text_2": [b for _, b in pairs],
+            },
         )
         many = http.post("/v1/score", json={"text_1": QUERY, "text_2": DOCS})
     assert response.status_code == 200, response.text
