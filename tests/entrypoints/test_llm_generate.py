@@ -253,11 +253,6 @@ def test_eos_min_tokens_and_ignore_eos(llm: LLM, llama_dir: str, tmp_path: Path)
         assert_engine_idle(eos_llm)
 
 
-@pytest.mark.xfail(
-    reason="the runner's min_tokens rule takes EOS from config.json, not the request's "
-    "eos_token_id (NewRequestData carries none)",
-    strict=False,
-)
 def test_min_tokens_holds_back_a_generation_config_eos(
     llm: LLM, llama_dir: str, tmp_path: Path
 ) -> None:

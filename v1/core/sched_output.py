@@ -27,6 +27,8 @@ class NewRequestData:
     num_computed_tokens: int
     encoder_input: EncoderInput | None = None
     token_type_ids: list[int] | None = None
+    eos_token_id: int | None = None
+    """The request's EOS (min_tokens holds it back)."""
 
 
 @dataclass

@@ -248,6 +248,7 @@ class Scheduler:
                 num_computed_tokens=r.num_computed_tokens,
                 encoder_input=r.encoder_input,
                 token_type_ids=r.token_type_ids,
+                eos_token_id=r.eos_token_id,
             )
             for r in scheduled_new
         ]

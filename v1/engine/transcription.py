@@ -318,8 +318,14 @@ class Transcriber:
         condition_on_previous_text: bool = False,
     ) -> list[TranscriptionResult]:
         """One result per input, in order. Windows of every input run batched (sequentially per
-        input with `condition_on_previous_text`). Raises ValueError (AudioError for audio) on
-        bad input before anything runs, TranscriptionError if the engine fails a request."""
+        input with `condition_on_previous_text`, each prompted with the text so far); without
+        a language, one decoder step over the language tokens picks it from the first window.
+
+        `audio`: a path, bytes, `(samples, sample_rate)` or a list of them. `prompt`: previous
+        text for the first window. `sampling_params`: per window (default greedy with no token
+        cap; its max_tokens caps every window, logprobs is raised to 0 for avg_logprob).
+        Raises ValueError (AudioError for audio) on bad input before anything runs, and
+        TranscriptionError if the engine fails a request."""
         options = TranscriptionOptions(
             language, task, timestamps, prompt, sampling_params, condition_on_previous_text
         )

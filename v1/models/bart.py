@@ -115,7 +115,7 @@ class BartCrossAttention(nn.Module):
         q = self.q_proj(hidden_states)  # [T, d_model]
         k = v = None
         if encoder_hidden_states is not None:
-            v, k = self.kv_proj(encoder_hidden_states).chunk(2, dim=-1)  # 2 x [Tw, d_model]
+            k, v = self.kv_proj(encoder_hidden_states).chunk(2, dim=-1)  # 2 x [Tw, d_model]
         return self.out_proj(self.attn(q, k, v))
 
 

@@ -48,6 +48,12 @@ TINY_BERT = dict(
 STARTUP_TIMEOUT_S = 240.0
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "uses_servers(*names): server fixtures a test gets through server_pool.get"
+    )
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -300,7 +306,11 @@ def server_pool(request: pytest.FixtureRequest) -> Iterator[ServerPool]:
     root = Path(tempfile.mkdtemp(prefix="v1_openai_"))
     pool = ServerPool(root)
     # Start every server some collected test needs, at once.
-    wanted = {name for item in request.session.items for name in getattr(item, "fixturenames", ())}
+    wanted: set[str] = set()
+    for item in request.session.items:
+        wanted.update(getattr(item, "fixturenames", ()))
+        for marker in item.iter_markers("uses_servers"):
+            wanted.update(marker.args)
     for name in pool.specs:
         missing = _NEEDS_ASSETS.get(name)
         if name in wanted and (missing is None or missing.exists()):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 import time
 from typing import Any
@@ -29,41 +30,58 @@ def test_chat_without_a_template_is_400(doomed_server: RemoteServer) -> None:
     assert "chat template" in error["message"] and error["param"] == "messages"
 
 
-def test_overload_is_503_with_retry_after(doomed_server: RemoteServer) -> None:
-    with doomed_server.http(timeout=60) as a, doomed_server.http(timeout=60) as b:
-        with (
-            a.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as first,
-            b.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as second,
-        ):
-            assert next(first.iter_lines()).startswith("data: ")
-            assert next(second.iter_lines()).startswith("data: ")
-            with doomed_server.http(timeout=30) as c:
-                response = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
-                health = c.get("/health")
-            error = assert_error_body(response, 503)
-            assert error["code"] == "overloaded"
-            assert int(response.headers["Retry-After"]) >= 1
-            assert health.status_code == 200  # only inference routes are bounded
-    deadline = time.monotonic() + 10
-    while doomed_server.metric("v1_http_requests_in_flight") > 0 and time.monotonic() < deadline:
+def _half_sent_request(server: RemoteServer) -> socket.socket:
+    """A completions request whose body never finishes: it holds a slot while the server
+    waits for the rest."""
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"
+    )
+    return sock
+
+
+def _wait_in_flight(server: RemoteServer, expected: float, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while server.metric("v1_http_requests_in_flight") != expected:
+        assert time.monotonic() < deadline, "in-flight count never reached the expected value"
         time.sleep(0.05)
-    with doomed_server.http(timeout=60) as c:
-        assert c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def test_overload_is_503_with_retry_after(doomed_server: RemoteServer) -> None:
+    held = [_half_sent_request(doomed_server) for _ in range(2)]  # --max-pending 2
+    try:
+        _wait_in_flight(doomed_server, 2)
+        with doomed_server.http(timeout=30) as http:
+            response = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            health = http.get("/health")
+        error = assert_error_body(response, 503)
+        assert error["code"] == "overloaded"
+        assert int(response.headers["Retry-After"]) >= 1
+        assert health.status_code == 200  # only inference routes are bounded
+    finally:
+        for sock in held:
+            sock.close()
+    _wait_in_flight(doomed_server, 0)
+    with doomed_server.http(timeout=60) as http:
+        ok = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert ok.status_code == 200
     assert doomed_server.metric("v1_http_requests_rejected_total") == 1
 
 
 def test_killing_the_core_fails_in_flight_requests(doomed_server: RemoteServer) -> None:
     outcome: dict[str, Any] = {}
+    heavy = {**LONG, "n": 8, "temperature": 1.0}  # still running when the core is killed
 
     def plain() -> None:
         with doomed_server.http(timeout=60) as http:
-            outcome["plain"] = http.post("/v1/completions", json=LONG)
+            outcome["plain"] = http.post("/v1/completions", json=heavy)
 
     def streamed() -> None:
         lines = []
         with (
             doomed_server.http(timeout=60) as http,
-            http.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r,
+            http.stream("POST", "/v1/completions", json={**heavy, "stream": True}) as r,
         ):
             for line in r.iter_lines():
                 lines.append(line)
@@ -94,8 +112,9 @@ def test_killing_the_core_fails_in_flight_requests(doomed_server: RemoteServer) 
         assert not t.is_alive()
     error = assert_error_body(outcome["plain"], 503)
     assert error["code"] == "engine_dead"
-    last = outcome["stream"][-1] if outcome["stream"] else ""
-    assert '"error"' in last and "engine_dead" in last, outcome["stream"][-3:]
+    events = [line for line in outcome["stream"] if line]
+    last = events[-1] if events else ""
+    assert '"error"' in last and "engine_dead" in last, events[-3:]
     with doomed_server.http(timeout=30) as http:
         after = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert_error_body(after, 503)

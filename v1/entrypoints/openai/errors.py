@@ -11,8 +11,9 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from v1.core.client import EngineDeadError
 from v1.logger import init_logger
@@ -116,9 +117,11 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(APIError(400, message, param=param, code="invalid_value"))
 
     @app.exception_handler(HTTPException)
-    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: HTTPException) -> Response:
         if isinstance(exc, APIError):
             return error_response(exc)
+        if isinstance(exc.__cause__, ClientDisconnect):  # left while sending the body
+            return Response(status_code=499)
         if exc.status_code == 413:
             message = "the request body is larger than this server accepts"
             return error_response(APIError(413, message, code="payload_too_large"))

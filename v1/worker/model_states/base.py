@@ -80,6 +80,8 @@ class GenerationState(ModelState):
         )
 
     def eos_token_id(self, data: NewRequestData) -> int | None:
+        if data.eos_token_id is not None:
+            return data.eos_token_id
         eos = getattr(self.runner.model_config.hf_config, "eos_token_id", None)
         return eos[0] if isinstance(eos, list) else eos
 

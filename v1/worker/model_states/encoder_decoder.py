@@ -32,6 +32,8 @@ class EncoderDecoderState(GenerationState):
         return info() if callable(info) else None
 
     def eos_token_id(self, data: Any) -> int | None:
+        if data.eos_token_id is not None:
+            return data.eos_token_id
         gen_eos = getattr(self.runner.model, "decoder_eos_token_id", None)
         return gen_eos if gen_eos is not None else super().eos_token_id(data)
 
