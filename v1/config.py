@@ -329,12 +329,20 @@ class EngineConfig:
         sc = self.scheduler_config
         if sc.max_num_encoder_input_tokens is not None:
             return sc.max_num_encoder_input_tokens
-        return max(sc.max_num_batched_tokens, self.model_config.max_encoder_len)
+        mc = self.model_config
+        if mc.is_whisper:
+            # Whisper windows are 1500 positions each: encode up to 16 windows per step.
+            return max(sc.max_num_batched_tokens, 16 * mc.max_encoder_len)
+        return max(sc.max_num_batched_tokens, mc.max_encoder_len)
 
     @property
     def encoder_cache_size(self) -> int:
         sc = self.scheduler_config
-        return sc.encoder_cache_size if sc.encoder_cache_size is not None else self.encoder_budget
+        if sc.encoder_cache_size is not None:
+            return sc.encoder_cache_size
+        # Room for a second step's worth, so outputs shared by content hash (language
+        # detection, then transcription) survive until their second use.
+        return 2 * self.encoder_budget
 
     def to_json(self) -> str:
         """Plain JSON of the user-set fields, for passing to an EngineCore process."""

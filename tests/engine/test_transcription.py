@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import difflib
 import hashlib
 import io
@@ -27,7 +26,6 @@ from v1 import LLM
 from v1.audio import AudioError, load_audio
 from v1.engine.transcription import Transcriber, TranscriptionResult
 from v1.engine.whisper_inputs import WhisperInputBuilder, WhisperInputError
-from v1.outputs import RequestOutput
 from v1.sampling_params import SamplingParams
 
 AUDIO = ASSETS / "audio"
@@ -43,7 +41,6 @@ ENGINE_ARGS = dict(
     max_num_encoder_input_tokens=6 * 1500,
     encoder_cache_size=12 * 1500,
 )
-HAS_EXTRAS = "extras" in {f.name for f in dataclasses.fields(RequestOutput)}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -294,11 +291,6 @@ def test_real_long_form_70s_segments_cover_the_audio_in_order(
     assert got.count("universe") == 2
 
 
-@pytest.mark.xfail(
-    not HAS_EXTRAS,
-    strict=True,
-    reason="RequestOutput does not carry EngineCoreOutput.extras (no_speech_prob) yet",
-)
 def test_real_no_speech_prob_reaches_the_segments(
     real_llm: LLM, clips: dict[str, np.ndarray]
 ) -> None:

@@ -82,6 +82,8 @@ class RequestState:
     num_cached_tokens: int = 0
     sent_tokens: int = 0
     """Tokens (and logprobs) already reported in DELTA mode."""
+    extras: dict[str, float] = field(default_factory=dict)
+    """Model-specific per-request results from the core (Whisper: no_speech_prob)."""
 
     @property
     def user_request_id(self) -> str:
@@ -172,6 +174,8 @@ class OutputProcessor:
             if state is None:
                 continue  # aborted, or finished by a stop string while the core ran on
             state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+            if out.extras:
+                state.extras.update(out.extras)
             if state.detokenizer is None:
                 results.append(self._pooling_output(state, out))
                 del self.request_states[out.request_id]
@@ -306,4 +310,5 @@ class OutputProcessor:
             encoder_prompt_token_ids=state.encoder_prompt_token_ids,
             num_cached_tokens=state.num_cached_tokens,
             error=error,
+            extras=state.extras or None,
         )

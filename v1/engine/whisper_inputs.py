@@ -110,13 +110,13 @@ class WhisperInputBuilder:
             raise WhisperInputError(
                 f"unexpected Whisper prompt keys {sorted(unknown)}; allowed: {sorted(_PROMPT_KEYS)}"
             )
-        samples = self._audio(prompt.get("multi_modal_data"))
         decoder_ids = self._decoder_prompt(prompt, params.whisper_timestamps)
         if len(decoder_ids) >= self.max_model_len:
             raise WhisperInputError(
                 f"the decoder prompt has {len(decoder_ids)} tokens, which leaves no room to "
                 f"generate within max_model_len={self.max_model_len}"
             )
+        samples = self._audio(prompt.get("multi_modal_data"))
         return EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=decoder_ids,

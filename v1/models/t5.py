@@ -41,9 +41,8 @@ def _clamp_fp16(hidden_states: torch.Tensor) -> torch.Tensor:
     if hidden_states.dtype != torch.float16:
         return hidden_states
     finfo = torch.finfo(torch.float16)
-    clamp_value = torch.where(torch.isinf(hidden_states).any(), finfo.max - 1000, finfo.max).to(
-        hidden_states.dtype
-    )
+    has_inf = torch.isinf(hidden_states).any()  # no sync: stays on device
+    clamp_value = torch.where(has_inf, finfo.max - 1000, finfo.max).to(hidden_states.dtype)
     return torch.clamp(hidden_states, min=-clamp_value, max=clamp_value)
 
 
@@ -332,7 +331,7 @@ class T5ForConditionalGeneration(nn.Module):
         shared = self.shared.weight
         if tensor is None:
             return set()
-        if True or torch.equal(
+        if "shared.weight" in loaded and torch.equal(
             tensor.to(shared.device, shared.dtype), shared
         ):
             return set()

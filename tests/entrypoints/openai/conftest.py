@@ -247,6 +247,8 @@ def _server_specs(root: Path) -> dict[str, Any]:
                 "96",
                 "--max-num-seqs",
                 "16",
+                "--max-request-bytes",
+                "1000000",
             ],
         ),
         "doomed_server": lambda: (

@@ -2,8 +2,8 @@
 
 Routes /v1/models, /health, /metrics, /version and the endpoint families (serving_*.py) over one
 AsyncLLM. A pure-ASGI middleware checks the API key, bounds the inference requests in flight
-(503 + Retry-After) and counts requests per endpoint and status; body sizes are capped by FastAPI
-while the body streams in (JSON: V1_MAX_REQUEST_BYTES; audio: --max-audio-bytes).
+(503 + Retry-After), caps body sizes while the body streams in (JSON: --max-request-bytes; audio:
+--max-audio-bytes) and counts requests per endpoint and status.
 """
 
 from __future__ import annotations
@@ -59,18 +59,26 @@ INFERENCE_PATHS = frozenset(
 """Routes that hold engine work; they count against --max-pending."""
 _OTHER_PATHS = frozenset({"/health", "/metrics", "/version", "/v1/models"})
 _PUBLIC_PATHS = frozenset({"/health"})
+_AUDIO_PATHS = frozenset({"/v1/audio/transcriptions", "/v1/audio/translations"})
 _FORM_OVERHEAD_BYTES = 1 << 20
 """Room for the multipart framing and text fields around the audio file."""
 _RETRY_AFTER_S = 1
 
 
 class ServerMiddleware:
-    """API key, in-flight bound and request metrics, before any body is read."""
+    """API key, in-flight bound, body size cap and request metrics, before any body is read.
+
+    The body cap is checked against Content-Length first, then counted as the body streams in
+    (chunked uploads): past it, reading the body raises a 413 APIError, so nothing past the cap
+    is ever buffered.
+    """
 
     def __init__(self, app: ASGIApp, settings: ServerSettings, metrics: ServerMetrics) -> None:
         self.app = app
         self.api_key = settings.api_key.encode() if settings.api_key else None
         self.max_pending = settings.max_pending
+        self.json_limit = settings.max_request_bytes
+        self.audio_limit = settings.max_audio_bytes + _FORM_OVERHEAD_BYTES
         self.metrics = metrics
         self.in_flight = 0
 
@@ -87,11 +95,13 @@ class ServerMiddleware:
                 status["code"] = message["status"]
             await send(message)
 
+        limit = self.audio_limit if path in _AUDIO_PATHS else self.json_limit
         try:
-            rejection = self._reject(scope, path)
+            rejection = self._reject(scope, path) or _check_declared_size(scope, limit)
             if rejection is not None:
                 await error_response(rejection)(scope, receive, send_and_record)
                 return
+            receive = _size_limited(receive, limit)
             if path not in INFERENCE_PATHS:
                 await self.app(scope, receive, send_and_record)
                 return
@@ -126,6 +136,41 @@ class ServerMiddleware:
                 headers={"Retry-After": str(_RETRY_AFTER_S)},
             )
         return None
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(
+        413,
+        f"the request body is larger than this route's limit of {limit} bytes (audio uploads: "
+        "--max-audio-bytes plus 1 MiB for the form; JSON bodies: --max-request-bytes)",
+        code="payload_too_large",
+    )
+
+
+def _check_declared_size(scope: Scope, limit: int) -> APIError | None:
+    for name, value in scope.get("headers", []):
+        if name == b"content-length":
+            try:
+                declared = int(value)
+            except ValueError:
+                return APIError(400, "invalid Content-Length header")
+            return _too_large(limit) if declared > limit else None
+    return None
+
+
+def _size_limited(receive: Receive, limit: int) -> Receive:
+    received = 0
+
+    async def receive_counted() -> Message:
+        nonlocal received
+        message = await receive()
+        if message["type"] == "http.request":
+            received += len(message.get("body", b""))
+            if received > limit:
+                raise _too_large(limit)
+        return message
+
+    return receive_counted
 
 
 def _bearer_token(scope: Scope) -> bytes | None:
@@ -177,7 +222,6 @@ def build_app(engine: Any, args: argparse.Namespace | ServerSettings) -> FastAPI
         title="v1-engine OpenAI-compatible server",
         version=v1.__version__,
         lifespan=lifespan,
-        max_body_size=settings.max_request_bytes,
     )
     install_error_handlers(app)
 
@@ -267,8 +311,7 @@ def _add_inference_routes(
         app.add_api_route(path, create_rerank, methods=["POST"])
 
     upload_limits: dict[str, Any] = {
-        "max_body_size": settings.max_audio_bytes + _FORM_OVERHEAD_BYTES,
-        "form_limits": {"max_files": 1, "max_fields": 32, "max_part_size": 64 << 10},
+        "form_limits": {"max_files": 1, "max_fields": 32, "max_part_size": 64 << 10}
     }
 
     @app.post("/v1/audio/transcriptions", **upload_limits)
