@@ -123,7 +123,7 @@ def bench_whisper(name: str, decoder_layers: int, hf_batch: int, args: argparse.
 
     model.generate(feats[:2], language="en", task="transcribe", max_new_tokens=4)
     hf_time = timed(run_hf)
-    del model
+    model = None
     free_gpu()
 
     llm = make_llm(path, max_num_seqs=256, max_num_batched_tokens=8192,
@@ -135,7 +135,7 @@ def bench_whisper(name: str, decoder_layers: int, hf_batch: int, args: argparse.
         llm.transcribe(clips, language="en", sampling_params=params)))
     assert len(results) == num_clips
     llm.shutdown()
-    del llm
+    llm = None
     free_gpu()
     shutil.rmtree(path, ignore_errors=True)
     return Result(name, "RTFx", audio_seconds / ours_time, audio_seconds / hf_time,
@@ -178,7 +178,7 @@ def bench_bart(args: argparse.Namespace) -> Result:
 
     model.generate(input_ids[:2], max_new_tokens=4)
     hf_time = timed(run_hf)
-    del model
+    model = None
     free_gpu()
     llm = make_llm(path, max_num_seqs=256, max_num_batched_tokens=16384,
                    max_num_encoder_input_tokens=65536)
@@ -231,7 +231,7 @@ def bench_bert(args: argparse.Namespace) -> Result:
 
     run_hf()
     hf_time = timed(run_hf)
-    del model
+    model = None
     free_gpu()
     llm = make_llm(path, max_num_seqs=512, max_num_batched_tokens=32768)
     prompts = [{"prompt_token_ids": s.tolist()} for s in seqs]
@@ -272,7 +272,7 @@ def bench_llama(args: argparse.Namespace) -> Result:
 
     model.generate(input_ids[:2], max_new_tokens=4, pad_token_id=0)
     hf_time = timed(run_hf)
-    del model
+    model = None
     free_gpu()
     llm = make_llm(path, max_num_seqs=256, max_num_batched_tokens=16384)
     params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
