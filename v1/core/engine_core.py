@@ -77,6 +77,12 @@ class EngineCore:
                 f"within max_model_len={self.max_model_len}"
             )
         enc = request.encoder_input
+        max_encoder_len = self.config.model_config.max_encoder_len
+        if enc is not None and enc.num_encoder_tokens > max_encoder_len:
+            raise ValueError(
+                f"encoder input of {enc.num_encoder_tokens} positions exceeds the model's "
+                f"{max_encoder_len}"
+            )
         if enc is not None and enc.num_encoder_tokens > self.config.encoder_cache_size:
             raise ValueError(
                 f"encoder input of {enc.num_encoder_tokens} positions exceeds the encoder cache "

@@ -31,8 +31,9 @@ class ServerMetrics:
     """Every metric the server exports; `render()` is the body of /metrics."""
 
     def __init__(self, model_name: str) -> None:
-        self.registry = CollectorRegistry()
-        r, labels = self.registry, {"model_name": model_name}
+        self.registry = r = CollectorRegistry()
+        self.model_name = model_name
+        # Server-side metrics.
         self.requests = Counter(
             "v1_http_requests",
             "HTTP requests by endpoint and status.",
@@ -53,44 +54,9 @@ class ServerMetrics:
             "Requests refused with 503 because the server was full.",
             registry=r,
         )
-        self.waiting = Gauge(
-            "v1_num_requests_waiting",
-            "Requests waiting in the engine's queue.",
-            list(labels),
-            registry=r,
-        ).labels(**labels)
-        self.running = Gauge(
-            "v1_num_requests_running", "Requests the engine is running.", list(labels), registry=r
-        ).labels(**labels)
-        self.kv_usage = Gauge(
-            "v1_kv_cache_usage_perc",
-            "Fraction of KV cache blocks in use (0-1).",
-            list(labels),
-            registry=r,
-        ).labels(**labels)
-        self.kv_used_blocks = Gauge(
-            "v1_kv_cache_used_blocks", "KV cache blocks in use.", list(labels), registry=r
-        ).labels(**labels)
-        self.preemptions = Gauge(
-            "v1_num_preemptions", "Preemptions since the engine started.", list(labels), registry=r
-        ).labels(**labels)
         self.engine_healthy = Gauge(
             "v1_engine_healthy", "1 while the engine core is alive.", registry=r
         )
-        self.ttft = Histogram(
-            "v1_time_to_first_token_seconds",
-            "Time from arrival to the first output token.",
-            list(labels),
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        ).labels(**labels)
-        self.itl = Histogram(
-            "v1_inter_token_latency_seconds",
-            "Time between output tokens of a request.",
-            list(labels),
-            buckets=_TOKEN_BUCKETS,
-            registry=r,
-        ).labels(**labels)
         self.e2e = Histogram(
             "v1_e2e_request_latency_seconds",
             "Time from arrival to the end of a request.",
@@ -98,19 +64,38 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.prompt_tokens = Counter(
-            "v1_prompt_tokens", "Prompt (input) tokens processed.", list(labels), registry=r
-        ).labels(**labels)
-        self.generation_tokens = Counter(
-            "v1_generation_tokens", "Tokens generated.", list(labels), registry=r
-        ).labels(**labels)
-        self.audio_seconds = Counter(
-            "v1_audio_seconds_processed",
-            "Seconds of audio transcribed or translated.",
-            list(labels),
-            registry=r,
-        ).labels(**labels)
-        self.model_name = model_name
+        # Engine and model metrics, labelled with the model name.
+        gauge, counter = self._labelled(Gauge), self._labelled(Counter)
+        self.waiting = gauge("v1_num_requests_waiting", "Requests waiting in the engine's queue.")
+        self.running = gauge("v1_num_requests_running", "Requests the engine is running.")
+        self.kv_usage = gauge("v1_kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
+        self.kv_used_blocks = gauge("v1_kv_cache_used_blocks", "KV cache blocks in use.")
+        self.preemptions = gauge("v1_num_preemptions", "Preemptions since the engine started.")
+        self.prompt_tokens = counter("v1_prompt_tokens", "Prompt (input) tokens processed.")
+        self.generation_tokens = counter("v1_generation_tokens", "Tokens generated.")
+        self.audio_seconds = counter(
+            "v1_audio_seconds_processed", "Seconds of audio transcribed or translated."
+        )
+        histogram = self._labelled(Histogram)
+        self.ttft = histogram(
+            "v1_time_to_first_token_seconds",
+            "Time from arrival to the first output token.",
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.itl = histogram(
+            "v1_inter_token_latency_seconds",
+            "Time between output tokens of a request.",
+            buckets=_TOKEN_BUCKETS,
+        )
+
+    def _labelled(self, kind: type) -> Any:
+        """A factory of `kind` metrics bound to this server's model_name label."""
+
+        def make(name: str, documentation: str, **kwargs: Any) -> Any:
+            metric = kind(name, documentation, ["model_name"], registry=self.registry, **kwargs)
+            return metric.labels(model_name=self.model_name)
+
+        return make
 
     def observe_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
