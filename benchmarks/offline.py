@@ -129,10 +129,11 @@ def bench_whisper(name: str, decoder_layers: int, hf_batch: int, args: argparse.
     llm = make_llm(path, max_num_seqs=256, max_num_batched_tokens=8192,
                    max_num_encoder_input_tokens=1500 * 32)
     params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
-    llm.transcribe(clips[:2], language="en", sampling_params=params.clone(max_tokens=4))
+    audio = [(clip, 16000) for clip in clips]
+    llm.transcribe(audio[:2], language="en", sampling_params=params.clone(max_tokens=4))
     results: list = []
     ours_time = timed(lambda: results.extend(
-        llm.transcribe(clips, language="en", sampling_params=params)))
+        llm.transcribe(audio, language="en", sampling_params=params)))
     assert len(results) == num_clips
     llm.shutdown()
     llm = None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+import math
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +22,18 @@ from v1.attention.ops import triton_attention as ops
 
 BLOCK_M = 64
 DECODE_BLOCK_M = 16
+
+
+def _load_varlen_attn() -> tuple[object | None, bool]:
+    """torch's fused varlen (flash) attention, when this torch has it: (fn, takes_scale)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None, False
+    return varlen_attn, "scale" in inspect.signature(varlen_attn).parameters
+
+
+_VARLEN_ATTN, _VARLEN_TAKES_SCALE = _load_varlen_attn()
 
 
 @dataclass
@@ -49,6 +63,8 @@ class TritonImpl(AttentionImpl):
     ) -> torch.Tensor:
         common = attn_metadata.common
         paged = self.attn_type.has_kv_cache
+        if not paged and bias is None and self._can_use_varlen(query):
+            return self._varlen_forward(query, key, value, common)
         if paged and key is not None and common.slot_mapping is not None:
             ops.write_kv_cache(key, value, kv_cache, common.slot_mapping)
         if paged:
@@ -82,6 +98,37 @@ class TritonImpl(AttentionImpl):
             relative=relative,
             block_m=attn_metadata.block_m,
         )
+
+
+    def _can_use_varlen(self, query: torch.Tensor) -> bool:
+        """Cache-less types without bias go to torch's flash varlen kernel (16-bit, MHA)."""
+        return (
+            _VARLEN_ATTN is not None
+            and query.dtype in (torch.float16, torch.bfloat16)
+            and self.num_heads == self.num_kv_heads
+            and self.head_size % 8 == 0
+            and self.head_size <= 256
+        )
+
+    def _varlen_forward(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        common: CommonAttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = common.num_actual_tokens
+        cu_seq = common.query_start_loc[: common.num_reqs + 1]
+        q = query[:num_tokens]
+        kwargs = {}
+        if _VARLEN_TAKES_SCALE:
+            kwargs["scale"] = self.scale
+        else:  # older torch: fold the scale into q (flash uses 1/sqrt(D))
+            q = q * (self.scale * math.sqrt(self.head_size))
+        out = _VARLEN_ATTN(
+            q, key[:num_tokens], value[:num_tokens], cu_seq, cu_seq,
+            common.max_query_len, common.max_query_len, **kwargs,
+        )
+        if query.shape[0] > num_tokens:  # padded batch: pad rows are zeros
+            out = torch.cat([out, out.new_zeros(query.shape[0] - num_tokens, *out.shape[1:])])
+        return out
 
 
 class TritonBackend(AttentionBackend):

@@ -112,6 +112,9 @@ class ServerMiddleware:
             finally:
                 self.in_flight -= 1
                 self.metrics.in_flight.set(self.in_flight)
+        except Exception:
+            status.setdefault("code", 500)  # answered by the outer ServerErrorMiddleware
+            raise
         finally:
             # No response started: the client went away first (nginx's 499).
             self.metrics.observe_request(endpoint, status.get("code", 499))

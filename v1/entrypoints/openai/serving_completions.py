@@ -7,7 +7,6 @@ one JSON body, or server-sent `data:` chunks ending with `data: [DONE]` when `st
 
 from __future__ import annotations
 
-import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from functools import partial
@@ -20,6 +19,7 @@ from v1.config import ModelKind
 from v1.core.client import EngineDeadError
 from v1.entrypoints.openai.chat_template import ChatTemplate
 from v1.entrypoints.openai.errors import APIError, bad_request, engine_dead_error
+from v1.entrypoints.openai.logprobs import LogprobFormatter
 from v1.entrypoints.openai.metrics import RequestTimer, ServerMetrics
 from v1.entrypoints.openai.protocol import (
     MAX_BATCH_INPUTS,
@@ -28,12 +28,9 @@ from v1.entrypoints.openai.protocol import (
     ChatCompletionResponse,
     ChatCompletionStreamResponse,
     ChatDelta,
-    ChatLogprobEntry,
-    ChatLogprobs,
     ChatResponseMessage,
     ChatStreamChoice,
     CompletionChoice,
-    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
@@ -121,6 +118,7 @@ class ServingCompletions(ServingBase):
         super().__init__(engine, settings, metrics)
         self.vocab_size: int = self.model_config.vocab_size
         self.decoder_only = self.model_config.kind == ModelKind.DECODER_ONLY
+        self.logprobs = LogprobFormatter(self.tokenizer)
         self.chat_template = (
             ChatTemplate(self.tokenizer, settings.chat_template) if self.is_generator else None
         )
@@ -137,6 +135,12 @@ class ServingCompletions(ServingBase):
         if body.echo and body.logprobs is not None:
             raise bad_request("echo with logprobs (prompt logprobs) is not supported", "echo")
         prompts = self._completion_prompts(body.prompt, body.truncate_prompt_tokens)
+        if len(prompts) * body.n > MAX_BATCH_INPUTS:
+            raise bad_request(
+                f"{len(prompts)} prompts x n={body.n} is more than {MAX_BATCH_INPUTS} completions "
+                "per request",
+                param="n",
+            )
         explicit = "max_tokens" in body.model_fields_set and body.max_tokens is not None
         params = [
             self._sampling_params(body, p, body.max_tokens, explicit, body.logprobs, "prompt")
@@ -353,7 +357,7 @@ class ServingCompletions(ServingBase):
         for i, out in enumerate(finals):
             for c in sorted(out.outputs, key=lambda c: c.index):
                 text = (job.prompts[i].text or "") + c.text if job.echo else c.text
-                logprobs = self._completion_logprobs(c, {}, 0) if c.logprobs is not None else None
+                logprobs = self.logprobs.completion(c, {}, 0) if c.logprobs is not None else None
                 choices.append(
                     CompletionChoice(
                         index=i * job.n + c.index,
@@ -374,7 +378,7 @@ class ServingCompletions(ServingBase):
             ChatChoice(
                 index=c.index,
                 message=ChatResponseMessage(content=c.text),
-                logprobs=self._chat_logprobs(c, job.top_logprobs),
+                logprobs=self.logprobs.chat(c, job.top_logprobs),
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
             )
@@ -410,7 +414,7 @@ class ServingCompletions(ServingBase):
                         continue
                     logprobs = None
                     if c.logprobs is not None:
-                        logprobs = self._completion_logprobs(c, offsets, index)
+                        logprobs = self.logprobs.completion(c, offsets, index)
                     choices.append(
                         CompletionChoice(
                             index=index,
@@ -483,12 +487,12 @@ class ServingCompletions(ServingBase):
                 started.add(c.index)
                 delta = ChatDelta(role="assistant", content="")
                 chunks.append(ChatStreamChoice(index=c.index, delta=delta))
-            if c.text or c.token_ids and c.logprobs is not None:
+            if c.text or (c.token_ids and c.logprobs is not None):
                 chunks.append(
                     ChatStreamChoice(
                         index=c.index,
                         delta=ChatDelta(content=c.text),
-                        logprobs=self._chat_logprobs(c, job.top_logprobs),
+                        logprobs=self.logprobs.chat(c, job.top_logprobs),
                     )
                 )
             if c.finish_reason is not None:
@@ -499,60 +503,6 @@ class ServingCompletions(ServingBase):
                 )
         return chunks
 
-    # ---- logprobs ----
-    def _token_text(self, token_id: int, decoded: str | None) -> str:
-        return decoded if decoded is not None else self.tokenizer.decode([token_id])
-
-    def _completion_logprobs(
-        self, c: CompletionOutput, offsets: dict[int, int], index: int
-    ) -> CompletionLogprobs:
-        """Legacy completions logprobs; `offsets` carries each choice's text offset across
-        streamed chunks."""
-        out = CompletionLogprobs()
-        pos = offsets.get(index, 0)
-        for token_id, entry in zip(c.token_ids, c.logprobs or [], strict=False):
-            sampled = entry.get(token_id)
-            text = self._token_text(token_id, sampled.decoded_token if sampled else None)
-            out.tokens.append(text)
-            out.token_logprobs.append(_finite(sampled.logprob) if sampled else None)
-            out.top_logprobs.append(
-                {
-                    self._token_text(t, lp.decoded_token): _logprob(lp.logprob)
-                    for t, lp in entry.items()
-                }
-            )
-            out.text_offset.append(pos)
-            pos += len(text)
-        offsets[index] = pos
-        return out
-
-    def _chat_logprobs(self, c: CompletionOutput, top_n: int) -> ChatLogprobs | None:
-        if c.logprobs is None:
-            return None
-        content = []
-        for token_id, entry in zip(c.token_ids, c.logprobs, strict=False):
-            sampled = entry.get(token_id)
-            text = self._token_text(token_id, sampled.decoded_token if sampled else None)
-            ranked = sorted(
-                ((t, lp) for t, lp in entry.items() if lp.rank is not None and lp.rank <= top_n),
-                key=lambda item: item[1].rank or 0,
-            )
-            top = []
-            for t, lp in ranked:
-                tok = self._token_text(t, lp.decoded_token)
-                top.append(
-                    {"token": tok, "logprob": _logprob(lp.logprob), "bytes": list(tok.encode())}
-                )
-            content.append(
-                ChatLogprobEntry(
-                    token=text,
-                    logprob=_logprob(sampled.logprob) if sampled else _MIN_LOGPROB,
-                    bytes=list(text.encode()),
-                    top_logprobs=top,
-                )
-            )
-        return ChatLogprobs(content=content)
-
 
 def _reject_unsupported(body: SamplingFields) -> None:
     if body.logit_bias:
@@ -561,15 +511,3 @@ def _reject_unsupported(body: SamplingFields) -> None:
 
 def _engine_failed(error: str) -> APIError:
     return APIError(500, f"the engine failed the request: {error}", code="engine_error")
-
-
-def _finite(value: float) -> float | None:
-    return value if math.isfinite(value) else None
-
-
-_MIN_LOGPROB = -9999.0
-"""Stands for -inf where the API wants a number (JSON has no infinity)."""
-
-
-def _logprob(value: float) -> float:
-    return value if math.isfinite(value) else _MIN_LOGPROB
