@@ -85,8 +85,11 @@ def bart(tmp_path: Path, bart_tokenizer) -> InputProcessor:
     return make_processor(tmp_path / "bart", bart_config(), bart_tokenizer)
 
 
-def bert_processor(path: Path, tokenizer: Any, arch: str = "BertModel", **kwargs: Any):
+def bert_processor(
+    path: Path, tokenizer: Any, arch: str = "BertModel", num_labels: int = 2, **kwargs: Any
+):
     cfg = BertConfig(
+        num_labels=num_labels,
         vocab_size=len(tokenizer),
         hidden_size=16,
         num_hidden_layers=1,
@@ -412,6 +415,9 @@ def test_encoder_only_limit_includes_the_step_budget(tmp_path: Path, wordpiece) 
 
 
 def test_cross_encoder_accepts_classify_and_score(tmp_path: Path, wordpiece) -> None:
-    proc = bert_processor(tmp_path, wordpiece, arch="BertForSequenceClassification")
+    proc = bert_processor(tmp_path, wordpiece, arch="BertForSequenceClassification", num_labels=1)
     for task in ("classify", "score", "embed"):
         assert proc.process("r", "hello", PoolingParams(task=task)).pooling_params.task == task
+    two_labels = bert_processor(tmp_path / "two", wordpiece, arch="BertForSequenceClassification")
+    with pytest.raises(ValueError, match="one label"):
+        two_labels.process("r", "hello", PoolingParams(task="score"))

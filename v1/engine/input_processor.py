@@ -176,6 +176,13 @@ class InputProcessor:
         self.vocab_size = model_config.vocab_size
         self.max_model_len = model_config.effective_max_model_len
         self.max_encoder_len = model_config.max_encoder_len
+        self.pooling_config: Any = None
+        if self.kind == ModelKind.ENCODER_ONLY:
+            from v1.models.sentence_transformers import load_pooling_config
+
+            # sentence-transformers max_seq_length (MiniLM: 256), Matryoshka, classifier head.
+            self.pooling_config = load_pooling_config(model_config)
+            self.max_encoder_len = min(self.max_encoder_len, self.pooling_config.max_input_len)
         if self.kind == ModelKind.ENCODER_ONLY and max_num_batched_tokens is not None:
             # An encoder-only input runs whole in one step.
             self.max_encoder_len = min(self.max_encoder_len, max_num_batched_tokens)
@@ -280,6 +287,9 @@ class InputProcessor:
                     f"task {params.task!r} needs a sequence classification model; "
                     f"{self.model_config.architecture} has no classifier head (use task 'embed')"
                 )
+            from v1.models.sentence_transformers import validate_pooling_params
+
+            validate_pooling_params(self.pooling_config, params)
             return
         if not isinstance(params, SamplingParams):
             raise ValueError(
