@@ -26,8 +26,14 @@ import numpy as np
 import torch
 
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
-    "special_tokens_map.json", "added_tokens.json", "normalizer.json", "preprocessor_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.json",
+    "merges.txt",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "normalizer.json",
+    "preprocessor_config.json",
     "vocab.txt",
 )
 
@@ -79,18 +85,30 @@ def make_llm(path: str, **kwargs: object):
 
 
 # ---------------------------------------------------------------- Whisper
-def bench_whisper(name: str, decoder_layers: int, hf_batch: int, args: argparse.Namespace) -> Result:
+def bench_whisper(
+    name: str, decoder_layers: int, hf_batch: int, args: argparse.Namespace
+) -> Result:
     from transformers import WhisperConfig, WhisperForConditionalGeneration
 
     from v1 import SamplingParams
 
     num_clips, num_tokens = (32, 20) if args.quick else (256, 100)
     cfg = WhisperConfig(
-        d_model=1280, encoder_layers=32, decoder_layers=decoder_layers,
-        encoder_attention_heads=20, decoder_attention_heads=20, encoder_ffn_dim=5120,
-        decoder_ffn_dim=5120, num_mel_bins=128, vocab_size=51866, max_source_positions=1500,
-        max_target_positions=448, decoder_start_token_id=50258, pad_token_id=50257,
-        bos_token_id=50257, eos_token_id=50257,
+        d_model=1280,
+        encoder_layers=32,
+        decoder_layers=decoder_layers,
+        encoder_attention_heads=20,
+        decoder_attention_heads=20,
+        encoder_ffn_dim=5120,
+        decoder_ffn_dim=5120,
+        num_mel_bins=128,
+        vocab_size=51866,
+        max_source_positions=1500,
+        max_target_positions=448,
+        decoder_start_token_id=50258,
+        pad_token_id=50257,
+        bos_token_id=50257,
+        eos_token_id=50257,
     )
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -116,8 +134,12 @@ def bench_whisper(name: str, decoder_layers: int, hf_batch: int, args: argparse.
     def run_hf() -> None:
         for i in range(0, num_clips, hf_batch):
             out = model.generate(
-                feats[i : i + hf_batch], language="en", task="transcribe",
-                min_new_tokens=num_tokens, max_new_tokens=num_tokens, do_sample=False,
+                feats[i : i + hf_batch],
+                language="en",
+                task="transcribe",
+                min_new_tokens=num_tokens,
+                max_new_tokens=num_tokens,
+                do_sample=False,
             )
             assert out.shape[1] >= num_tokens
 
@@ -126,21 +148,28 @@ def bench_whisper(name: str, decoder_layers: int, hf_batch: int, args: argparse.
     model = None
     free_gpu()
 
-    llm = make_llm(path, max_num_seqs=256, max_num_batched_tokens=8192,
-                   max_num_encoder_input_tokens=1500 * 32)
+    llm = make_llm(
+        path, max_num_seqs=256, max_num_batched_tokens=8192, max_num_encoder_input_tokens=1500 * 32
+    )
     params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
     audio = [(clip, 16000) for clip in clips]
     llm.transcribe(audio[:2], language="en", sampling_params=params.clone(max_tokens=4))
     results: list = []
-    ours_time = timed(lambda: results.extend(
-        llm.transcribe(audio, language="en", sampling_params=params)))
+    ours_time = timed(
+        lambda: results.extend(llm.transcribe(audio, language="en", sampling_params=params))
+    )
     assert len(results) == num_clips
     llm.shutdown()
     llm = None
     free_gpu()
     shutil.rmtree(path, ignore_errors=True)
-    return Result(name, "RTFx", audio_seconds / ours_time, audio_seconds / hf_time,
-                  f"{num_clips} clips x {num_tokens} tokens; HF batch {hf_batch}")
+    return Result(
+        name,
+        "RTFx",
+        audio_seconds / ours_time,
+        audio_seconds / hf_time,
+        f"{num_clips} clips x {num_tokens} tokens; HF batch {hf_batch}",
+    )
 
 
 def _whisper_generation_config(tokenizer_dir: str):
@@ -157,10 +186,19 @@ def bench_bart(args: argparse.Namespace) -> Result:
     from v1 import SamplingParams
 
     batch, in_len, out_len = (32, 128, 32) if args.quick else (128, 512, 128)
-    cfg = BartConfig(vocab_size=50265, d_model=1024, encoder_layers=12, decoder_layers=12,
-                     encoder_attention_heads=16, decoder_attention_heads=16,
-                     encoder_ffn_dim=4096, decoder_ffn_dim=4096, max_position_embeddings=1024,
-                     forced_eos_token_id=None, forced_bos_token_id=None)
+    cfg = BartConfig(
+        vocab_size=50265,
+        d_model=1024,
+        encoder_layers=12,
+        decoder_layers=12,
+        encoder_attention_heads=16,
+        decoder_attention_heads=16,
+        encoder_ffn_dim=4096,
+        decoder_ffn_dim=4096,
+        max_position_embeddings=1024,
+        forced_eos_token_id=None,
+        forced_bos_token_id=None,
+    )
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = BartForConditionalGeneration(cfg).half().eval()
@@ -173,16 +211,18 @@ def bench_bart(args: argparse.Namespace) -> Result:
     input_ids = torch.from_numpy(ids).cuda()
 
     def run_hf() -> None:
-        out = model.generate(input_ids, num_beams=1, do_sample=False,
-                             min_new_tokens=out_len, max_new_tokens=out_len)
+        out = model.generate(
+            input_ids, num_beams=1, do_sample=False, min_new_tokens=out_len, max_new_tokens=out_len
+        )
         assert out.shape[1] >= out_len
 
     model.generate(input_ids[:2], max_new_tokens=4)
     hf_time = timed(run_hf)
     model = None
     free_gpu()
-    llm = make_llm(path, max_num_seqs=256, max_num_batched_tokens=16384,
-                   max_num_encoder_input_tokens=65536)
+    llm = make_llm(
+        path, max_num_seqs=256, max_num_batched_tokens=16384, max_num_encoder_input_tokens=65536
+    )
     params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
     prompts = [{"prompt_token_ids": row.tolist()} for row in ids]
     llm.generate(prompts[:2], params.clone(max_tokens=4), use_tqdm=False)
@@ -193,8 +233,13 @@ def bench_bart(args: argparse.Namespace) -> Result:
     free_gpu()
     shutil.rmtree(path, ignore_errors=True)
     total = batch * out_len
-    return Result("bart-large", "tok/s", total / ours_time, total / hf_time,
-                  f"batch {batch}, {in_len} in / {out_len} out")
+    return Result(
+        "bart-large",
+        "tok/s",
+        total / ours_time,
+        total / hf_time,
+        f"batch {batch}, {in_len} in / {out_len} out",
+    )
 
 
 # ---------------------------------------------------------------- BERT
@@ -243,8 +288,13 @@ def bench_bert(args: argparse.Namespace) -> Result:
     llm.shutdown()
     free_gpu()
     shutil.rmtree(path, ignore_errors=True)
-    return Result("bert-base", "tok/s", total_tokens / ours_time, total_tokens / hf_time,
-                  f"{num} inputs of 16-512 tokens; HF padded batches of {hf_batch}")
+    return Result(
+        "bert-base",
+        "tok/s",
+        total_tokens / ours_time,
+        total_tokens / hf_time,
+        f"{num} inputs of 16-512 tokens; HF padded batches of {hf_batch}",
+    )
 
 
 # ---------------------------------------------------------------- Llama
@@ -254,10 +304,19 @@ def bench_llama(args: argparse.Namespace) -> Result:
     from v1 import SamplingParams
 
     batch, in_len, out_len = (16, 64, 32) if args.quick else (64, 128, 256)
-    cfg = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
-                      num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-                      max_position_embeddings=4096, tie_word_embeddings=True,
-                      rope_theta=500000.0, bos_token_id=1, eos_token_id=2)
+    cfg = LlamaConfig(
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        rope_theta=500000.0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = LlamaForCausalLM(cfg).half().eval()
@@ -267,8 +326,14 @@ def bench_llama(args: argparse.Namespace) -> Result:
     input_ids = torch.from_numpy(ids).cuda()
 
     def run_hf() -> None:
-        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                             min_new_tokens=out_len, max_new_tokens=out_len, pad_token_id=0)
+        out = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            do_sample=False,
+            min_new_tokens=out_len,
+            max_new_tokens=out_len,
+            pad_token_id=0,
+        )
         assert out.shape[1] == in_len + out_len
 
     model.generate(input_ids[:2], max_new_tokens=4, pad_token_id=0)
@@ -284,8 +349,13 @@ def bench_llama(args: argparse.Namespace) -> Result:
     free_gpu()
     shutil.rmtree(path, ignore_errors=True)
     total = batch * out_len
-    return Result("llama-1b", "tok/s", total / ours_time, total / hf_time,
-                  f"batch {batch}, {in_len} in / {out_len} out")
+    return Result(
+        "llama-1b",
+        "tok/s",
+        total / ours_time,
+        total / hf_time,
+        f"batch {batch}, {in_len} in / {out_len} out",
+    )
 
 
 # ---------------------------------------------------------------- host overhead
@@ -295,9 +365,15 @@ def bench_host_overhead(args: argparse.Namespace) -> list[Result]:
 
     from v1 import SamplingParams
 
-    cfg = LlamaConfig(vocab_size=51865, hidden_size=256, intermediate_size=512,
-                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=2048)
+    cfg = LlamaConfig(
+        vocab_size=51865,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+    )
     torch.manual_seed(0)
     path = save_random(LlamaForCausalLM(cfg).half(), args.tokenizer)
     steps = 64 if args.quick else 256
@@ -312,8 +388,15 @@ def bench_host_overhead(args: argparse.Namespace) -> list[Result]:
         llm.shutdown()
         free_gpu()
     shutil.rmtree(path, ignore_errors=True)
-    return [Result("decode step, batch 64 (tiny model)", "us/step (eager/graphs)",
-                   per_step[True], per_step[False], "ratio = eager / graphs")]
+    return [
+        Result(
+            "decode step, batch 64 (tiny model)",
+            "us/step (eager/graphs)",
+            per_step[True],
+            per_step[False],
+            "ratio = eager / graphs",
+        )
+    ]
 
 
 WORKLOADS: dict[str, Callable[[argparse.Namespace], object]] = {
@@ -350,13 +433,18 @@ def main() -> None:
             continue
         for r in out if isinstance(out, list) else [out]:
             results.append(r)
-            print(f"   {r.workload}: ours {r.ours:,.1f} vs transformers {r.hf:,.1f} {r.unit} "
-                  f"-> {r.ratio:.2f}x ({r.detail})", flush=True)
+            print(
+                f"   {r.workload}: ours {r.ours:,.1f} vs transformers {r.hf:,.1f} {r.unit} "
+                f"-> {r.ratio:.2f}x ({r.detail})",
+                flush=True,
+            )
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}")
     print("| workload | unit | v1-engine | transformers | ratio | detail |")
     print("|---|---|---:|---:|---:|---|")
     for r in results:
-        print(f"| {r.workload} | {r.unit} | {r.ours:,.1f} | {r.hf:,.1f} | {r.ratio:.2f}x | {r.detail} |")
+        print(
+            f"| {r.workload} | {r.unit} | {r.ours:,.1f} | {r.hf:,.1f} | {r.ratio:.2f}x | {r.detail} |"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump([r.__dict__ | {"ratio": r.ratio} for r in results], f, indent=1)

@@ -66,8 +66,14 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
 
         if not isinstance(self.n, int) or self.n < 1 or self.n > 128:
             raise bad("n", "must be an integer in [1, 128]")
-        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty"):
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        ):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise bad(name, "must be a finite number")
@@ -101,8 +107,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             raise bad("no_repeat_ngram_size", "must be >= 0")
         if self.stop is not None and any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be a list of non-empty strings")
-        for name in ("stop_token_ids", "suppress_tokens", "begin_suppress_tokens",
-                     "allowed_token_ids"):
+        for name in (
+            "stop_token_ids",
+            "suppress_tokens",
+            "begin_suppress_tokens",
+            "allowed_token_ids",
+        ):
             ids = getattr(self, name)
             if ids is not None and any(not isinstance(t, int) or t < 0 for t in ids):
                 raise bad(name, "must be a list of non-negative token ids")
@@ -117,8 +127,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
 
     def validate_for_model(self, vocab_size: int) -> None:
         """Checks that need the model: every token id inside the vocabulary."""
-        for name in ("stop_token_ids", "suppress_tokens", "begin_suppress_tokens",
-                     "allowed_token_ids"):
+        for name in (
+            "stop_token_ids",
+            "suppress_tokens",
+            "begin_suppress_tokens",
+            "allowed_token_ids",
+        ):
             ids = getattr(self, name) or []
             for t in ids:
                 if t >= vocab_size:

@@ -150,7 +150,7 @@ def _as_fused_views(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     q, k, v = batch.query, batch.key, batch.value
     fused = torch.cat([q.flatten(1), torch.zeros_like(q.flatten(1)[:, :8]), v.flatten(1)], dim=1)
     q_view = fused[:, : q[0].numel()].view(q.shape)
-    v_view = fused[:, -v[0].numel():].view(v.shape)
+    v_view = fused[:, -v[0].numel() :].view(v.shape)
     assert q_view.stride(0) != k.stride(0) != v_view.stride(0)
     return q_view, k.clone(), v_view
 

@@ -22,7 +22,7 @@ def hf_greedy(model, prompts, max_new_tokens, eos, **kwargs):
         ids = torch.tensor([p], device="cuda")
         gen = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, **kwargs)
         tokens = gen[0].tolist()
-        tokens = tokens[len(p):] if not model.config.is_encoder_decoder else tokens[1:]
+        tokens = tokens[len(p) :] if not model.config.is_encoder_decoder else tokens[1:]
         if eos in tokens:
             tokens = tokens[: tokens.index(eos) + 1]
         outs.append(tokens)
@@ -32,11 +32,20 @@ def hf_greedy(model, prompts, max_new_tokens, eos, **kwargs):
 def run_ours(path, prompts, max_tokens, enforce_eager, **kwargs):
     from v1 import LLM, SamplingParams
 
-    llm = LLM(path, device="cuda", dtype="float32", multiprocess=False,
-              enforce_eager=enforce_eager, **kwargs)
+    llm = LLM(
+        path,
+        device="cuda",
+        dtype="float32",
+        multiprocess=False,
+        enforce_eager=enforce_eager,
+        **kwargs,
+    )
     try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(temperature=0, max_tokens=max_tokens),
+            use_tqdm=False,
+        )
         assert llm.llm_engine.get_stats()["num_kv_requests"] == 0
         return [list(o.outputs[0].token_ids) for o in outs]
     finally:
@@ -59,8 +68,16 @@ def test_llama_matches_transformers(tmp_path, enforce_eager):
     prompts = [[1] + [(7 * i + 3 * j) % 300 + 4 for j in range(3 + 5 * i)] for i in range(10)]
     expected = hf_greedy(model, prompts, 24, model.config.eos_token_id)
     # Chunked prefill (budget 32), preemption (few blocks) and mixed batches on the GPU path.
-    got = run_ours(path, prompts, 24, enforce_eager, num_kv_blocks=24, block_size=16,
-                   max_num_seqs=6, max_num_batched_tokens=32)
+    got = run_ours(
+        path,
+        prompts,
+        24,
+        enforce_eager,
+        num_kv_blocks=24,
+        block_size=16,
+        max_num_seqs=6,
+        max_num_batched_tokens=32,
+    )
     assert got == expected
 
 
@@ -69,14 +86,25 @@ def test_bart_matches_transformers(tmp_path, enforce_eager):
     from transformers import BartConfig, BartForConditionalGeneration
 
     path = make_tiny_model_dir(
-        BartConfig, BartForConditionalGeneration, tmp_path, d_model=64, encoder_layers=2,
-        decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
-        encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=128, init_std=0.2,
-        forced_eos_token_id=None, no_repeat_ngram_size=0,
+        BartConfig,
+        BartForConditionalGeneration,
+        tmp_path,
+        d_model=64,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=128,
+        decoder_ffn_dim=128,
+        max_position_embeddings=128,
+        init_std=0.2,
+        forced_eos_token_id=None,
+        no_repeat_ngram_size=0,
     )
     model = BartForConditionalGeneration.from_pretrained(path).cuda().eval()
     prompts = [[1] + [(11 * i + 5 * j) % 300 + 4 for j in range(4 + 6 * i)] + [2] for i in range(9)]
     expected = hf_greedy(model, prompts, 20, model.config.eos_token_id)
-    got = run_ours(path, prompts, 20, enforce_eager, num_kv_blocks=40, block_size=16,
-                   max_num_seqs=5)
+    got = run_ours(
+        path, prompts, 20, enforce_eager, num_kv_blocks=40, block_size=16, max_num_seqs=5
+    )
     assert got == expected

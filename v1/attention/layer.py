@@ -31,7 +31,9 @@ class Attention(nn.Module):
         self.head_size = head_size
         self.num_kv_heads = num_kv_heads or num_heads
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+            raise ValueError(
+                f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
+            )
         self.scale = scale
         self.attn_type = attn_type
         self.layer_name = prefix

@@ -6,6 +6,7 @@ I/O threads, handshake) lives in `v1.core.engine_core_proc`.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from typing import Any
 
@@ -30,7 +31,9 @@ class EngineCore:
     UTILITY_METHODS = ("get_stats", "reset_prefix_cache", "is_healthy", "get_config_info")
 
     def __init__(
-        self, config: EngineConfig, executor_factory: Callable[[EngineConfig], Executor] | None = None
+        self,
+        config: EngineConfig,
+        executor_factory: Callable[[EngineConfig], Executor] | None = None,
     ) -> None:
         if executor_factory is None:
             from v1.worker.executor import UniProcExecutor
@@ -49,6 +52,8 @@ class EngineCore:
         self.max_model_len = config.model_config.effective_max_model_len
         self._pending_outputs: list[EngineCoreOutput] = []
         self._pooling_config = self._load_pooling_config()
+        gc.collect()
+        gc.freeze()  # start-up objects live forever: keep them out of cyclic GC scans
         logger.info(
             "EngineCore ready: %d KV blocks of %d tokens, %d KV groups",
             self.kv_cache_config.num_blocks,
@@ -62,10 +67,14 @@ class EngineCore:
         error output instead of raising, so the core survives any input."""
         try:
             self._check_request(request)
-            self.scheduler.add_request(Request.from_engine_core_request(request, self.max_model_len))
+            self.scheduler.add_request(
+                Request.from_engine_core_request(request, self.max_model_len)
+            )
         except ValueError as e:
             self._pending_outputs.append(
-                EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ERROR, error=str(e))
+                EngineCoreOutput(
+                    request.request_id, [], finish_reason=FinishReason.ERROR, error=str(e)
+                )
             )
 
     def _check_request(self, request: EngineCoreRequest) -> None:
@@ -140,17 +149,26 @@ class EngineCore:
         try:
             runner_output = self.executor.execute_model(scheduler_output)
         except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the core
-            logger.exception("model step failed; failing its %d requests", len(scheduler_output.num_scheduled_tokens))
-            return self._fail_step(scheduler_output.num_scheduled_tokens, f"{type(e).__name__}: {e}", pending)
+            logger.exception(
+                "model step failed; failing its %d requests",
+                len(scheduler_output.num_scheduled_tokens),
+            )
+            return self._fail_step(
+                scheduler_output.num_scheduled_tokens, f"{type(e).__name__}: {e}", pending
+            )
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs.outputs = pending + outputs.outputs
         return outputs
 
-    def _fail_step(self, req_ids: Any, message: str, pending: list[EngineCoreOutput]) -> EngineCoreOutputs:
+    def _fail_step(
+        self, req_ids: Any, message: str, pending: list[EngineCoreOutput]
+    ) -> EngineCoreOutputs:
         failed = self.scheduler.finish_requests(list(req_ids), RequestStatus.FINISHED_ERROR)
         for request in failed:
             pending.append(
-                EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ERROR, error=message)
+                EngineCoreOutput(
+                    request.request_id, [], finish_reason=FinishReason.ERROR, error=message
+                )
             )
         return EngineCoreOutputs(outputs=pending, timestamp=now())
 
@@ -182,4 +200,3 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
-

@@ -288,8 +288,14 @@ class Scheduler:
             if request.is_pooling:
                 pooled = runner_output.pooler_output[i] if runner_output.pooler_output else None
                 request.status = RequestStatus.FINISHED_STOPPED
-                outputs.append(EngineCoreOutput(req_id, [], pooled_output=pooled,
-                                                finish_reason=RequestStatus.finish_reason(request.status)))
+                outputs.append(
+                    EngineCoreOutput(
+                        req_id,
+                        [],
+                        pooled_output=pooled,
+                        finish_reason=RequestStatus.finish_reason(request.status),
+                    )
+                )
                 self._finish(request)
                 continue
             new_ids = runner_output.sampled_token_ids[i]

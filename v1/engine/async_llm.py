@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
@@ -67,6 +68,8 @@ class AsyncLLM:
         self._closed = False
         # Last: starting the core process is the slow, resource-holding part.
         self.engine_core = AsyncMPClient(config, **client_kwargs)
+        gc.collect()
+        gc.freeze()  # start-up objects live forever: keep them out of cyclic GC scans
 
     # ---- state ----
     @property

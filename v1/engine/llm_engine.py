@@ -6,6 +6,7 @@ step and returns the user outputs it produced. The offline `LLM` drives it.
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 from v1.config import EngineConfig
@@ -37,6 +38,10 @@ class LLMEngine:
         # The client last: it starts the core (and its process), which is the costly part.
         self.engine_core = EngineCoreClient.make_client(config, multiprocess=multiprocess)
         self._closed = False
+        # Start-up objects (model, tokenizer, config) never die: keep them out of the cyclic
+        # GC's scans, which otherwise cost ~40% of per-request host time in large batches.
+        gc.collect()
+        gc.freeze()
 
     # ---- requests ----
     def process_request(

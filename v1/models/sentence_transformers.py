@@ -78,7 +78,9 @@ def load_pooling_config(model_config: ModelConfig) -> ModelPoolingConfig:
     st = read_sentence_transformers_files(model_config.model, model_config.revision)
     modules = st.get("modules.json")
     # sentence-t5 style encoders mean-pool; BERT-style models default to CLS.
-    modes: tuple[str, ...] = ("mean",) if model_config.architecture == "T5EncoderModel" else ("cls",)
+    modes: tuple[str, ...] = (
+        ("mean",) if model_config.architecture == "T5EncoderModel" else ("cls",)
+    )
     normalize = True
     max_len = model_config.max_encoder_len
     if modules is not None:

@@ -118,10 +118,14 @@ class ModelRunner:
             is_cross = isinstance(group.spec, CrossAttentionSpec)
             attn_type = AttentionType.ENCODER_DECODER if is_cross else AttentionType.DECODER
             max_len = self.model_config.max_encoder_len if is_cross else self.max_model_len
-            tables.append(BlockTable(self.max_num_reqs, -(-max_len // self.block_size), self.block_size))
+            tables.append(
+                BlockTable(self.max_num_reqs, -(-max_len // self.block_size), self.block_size)
+            )
             self.group_layers.append(group.layer_names)
             self.group_types.append(attn_type)
-            self.builders.append(self.backend.get_builder_cls()(attn_type, self.device, self.block_size))
+            self.builders.append(
+                self.backend.get_builder_cls()(attn_type, self.device, self.block_size)
+            )
         self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, tables)
         self.state.on_kv_cache_ready()
         self.cuda_graphs = None
@@ -256,7 +260,9 @@ class ModelRunner:
         common = self.make_common(
             qsl, lengths, causal=False, query_positions=self._to_device(positions)
         )
-        metadata = self.backend.get_builder_cls()(attn_type, self.device, self.block_size).build(common)
+        metadata = self.backend.get_builder_cls()(attn_type, self.device, self.block_size).build(
+            common
+        )
         return dict.fromkeys(layer_names, metadata)
 
     def layers_of_type(self, attn_type: AttentionType) -> list[str]:

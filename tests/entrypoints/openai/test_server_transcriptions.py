@@ -148,7 +148,16 @@ def _raw_upload(server: RemoteServer, headers: str, body_parts: Iterator[bytes])
         )
         for part in body_parts:
             sock.sendall(part)
-        return sock.recv(65536)
+        # Headers and body may arrive in separate segments: read until the body is complete
+        # (Content-Length) or the server closes the connection.
+        reply = b""
+        while True:
+            data = sock.recv(65536)
+            reply += data
+            head, sep, body = reply.partition(b"\r\n\r\n")
+            length = re.search(rb"(?i)content-length: *(\d+)", head)
+            if not data or (sep and length and len(body) >= int(length.group(1))):
+                return reply
 
 
 BOUNDARY = "v1testboundary"

@@ -65,7 +65,7 @@ class SDPAMetadataBuilder(AttentionMetadataBuilder):
             mask = mask & (k_idx[None, None, :] <= query_pos[:, :, None])  # [R, max_q, max_k]
         mask = mask.expand(num_reqs, max_q, max_k).clone()
         # Padded query rows would see no key (NaN softmax): let them see key 0, then drop them.
-        mask[:, :, 0] |= (q_idx[None, :] >= query_lens[:, None])
+        mask[:, :, 0] |= q_idx[None, :] >= query_lens[:, None]
         if common.query_positions is not None:
             # Bias reads the true positions: a cross-attention query sits at its decoder
             # position, not at encoder_len - query_len + j.
@@ -74,7 +74,9 @@ class SDPAMetadataBuilder(AttentionMetadataBuilder):
         if common.block_table is not None:
             bt = common.block_table[:num_reqs].long()
             block_size = self.block_size
-            blk = bt.gather(1, (k_idx // block_size).clamp(max=bt.shape[1] - 1)[None].expand(num_reqs, -1))
+            blk = bt.gather(
+                1, (k_idx // block_size).clamp(max=bt.shape[1] - 1)[None].expand(num_reqs, -1)
+            )
             key_gather = blk * block_size + (k_idx % block_size)[None, :]
         else:
             key_req, key_local = token_req, token_local
@@ -83,17 +85,13 @@ class SDPAMetadataBuilder(AttentionMetadataBuilder):
         )
 
 
-def relative_bias(
-    bias: RelativePositionBias, query_pos: torch.Tensor, max_k: int
-) -> torch.Tensor:
+def relative_bias(bias: RelativePositionBias, query_pos: torch.Tensor, max_k: int) -> torch.Tensor:
     """Expand a T5 relative-position description to [R, H, max_q, max_k]."""
     from v1.attention.ops.t5_bias import relative_position_bucket
 
     k_pos = torch.arange(max_k, device=query_pos.device)
     rel = k_pos[None, None, :] - query_pos[:, :, None]  # [R, max_q, max_k]
-    buckets = relative_position_bucket(
-        rel, bias.bidirectional, bias.num_buckets, bias.max_distance
-    )
+    buckets = relative_position_bucket(rel, bias.bidirectional, bias.num_buckets, bias.max_distance)
     return bias.table[buckets].permute(0, 3, 1, 2)  # [R, H, max_q, max_k]
 
 
@@ -165,4 +163,10 @@ class TorchSDPABackend(AttentionBackend):
         return SDPAImpl
 
 
-__all__ = ["TorchSDPABackend", "SDPAImpl", "SDPAMetadata", "SDPAMetadataBuilder", "MaterializedBias"]
+__all__ = [
+    "TorchSDPABackend",
+    "SDPAImpl",
+    "SDPAMetadata",
+    "SDPAMetadataBuilder",
+    "MaterializedBias",
+]

@@ -47,7 +47,9 @@ class TritonMetadata:
 class TritonMetadataBuilder(AttentionMetadataBuilder):
     def build(self, common: CommonAttentionMetadata) -> TritonMetadata:
         block_m = DECODE_BLOCK_M if common.max_query_len <= DECODE_BLOCK_M else BLOCK_M
-        work = ops.make_work_items(common.query_start_loc_cpu[: common.num_reqs + 1], block_m, self.device)
+        work = ops.make_work_items(
+            common.query_start_loc_cpu[: common.num_reqs + 1], block_m, self.device
+        )
         return TritonMetadata(common, work, block_m)
 
 
@@ -99,7 +101,6 @@ class TritonImpl(AttentionImpl):
             block_m=attn_metadata.block_m,
         )
 
-
     def _can_use_varlen(self, query: torch.Tensor) -> bool:
         """Cache-less types without bias go to torch's flash varlen kernel (16-bit, MHA)."""
         return (
@@ -111,7 +112,10 @@ class TritonImpl(AttentionImpl):
         )
 
     def _varlen_forward(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
         common: CommonAttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = common.num_actual_tokens
@@ -123,8 +127,14 @@ class TritonImpl(AttentionImpl):
         else:  # older torch: fold the scale into q (flash uses 1/sqrt(D))
             q = q * (self.scale * math.sqrt(self.head_size))
         out = _VARLEN_ATTN(
-            q, key[:num_tokens], value[:num_tokens], cu_seq, cu_seq,
-            common.max_query_len, common.max_query_len, **kwargs,
+            q,
+            key[:num_tokens],
+            value[:num_tokens],
+            cu_seq,
+            cu_seq,
+            common.max_query_len,
+            common.max_query_len,
+            **kwargs,
         )
         if query.shape[0] > num_tokens:  # padded batch: pad rows are zeros
             out = torch.cat([out, out.new_zeros(query.shape[0] - num_tokens, *out.shape[1:])])

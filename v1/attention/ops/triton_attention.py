@@ -18,8 +18,13 @@ BIAS_NONE, BIAS_MATERIALIZED, BIAS_RELATIVE = 0, 1, 2
 
 
 @triton.jit
-def _relative_bucket(rel, REL_NB: tl.constexpr, REL_MAX_EXACT: tl.constexpr,
-                     REL_LOG_RATIO: tl.constexpr, BIDIRECTIONAL: tl.constexpr):
+def _relative_bucket(
+    rel,
+    REL_NB: tl.constexpr,
+    REL_MAX_EXACT: tl.constexpr,
+    REL_LOG_RATIO: tl.constexpr,
+    BIDIRECTIONAL: tl.constexpr,
+):
     # Same arithmetic as transformers' T5Attention._relative_position_bucket (REL_NB is
     # num_buckets, halved when bidirectional).
     if BIDIRECTIONAL:
@@ -29,7 +34,8 @@ def _relative_bucket(rel, REL_NB: tl.constexpr, REL_MAX_EXACT: tl.constexpr,
         bucket = tl.zeros_like(rel)
         n = tl.maximum(-rel, 0)
     large = REL_MAX_EXACT + (
-        tl.log(tl.maximum(n, 1).to(tl.float32) / REL_MAX_EXACT) / REL_LOG_RATIO
+        tl.log(tl.maximum(n, 1).to(tl.float32) / REL_MAX_EXACT)
+        / REL_LOG_RATIO
         * (REL_NB - REL_MAX_EXACT)
     ).to(tl.int32)
     large = tl.minimum(large, REL_NB - 1)
@@ -38,17 +44,45 @@ def _relative_bucket(rel, REL_NB: tl.constexpr, REL_MAX_EXACT: tl.constexpr,
 
 @triton.jit
 def _attention_kernel(
-    Q, K, V, Out,
-    query_start_loc, seq_lens, block_table, work_req, work_mblock, query_positions,
-    Bias, bias_stride_r, bias_stride_h, bias_stride_q,
-    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh,
+    Q,
+    K,
+    V,
+    Out,
+    query_start_loc,
+    seq_lens,
+    block_table,
+    work_req,
+    work_mblock,
+    query_positions,
+    Bias,
+    bias_stride_r,
+    bias_stride_h,
+    bias_stride_q,
+    stride_qt,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    stride_ot,
+    stride_oh,
     stride_bt,
     scale,
-    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGED: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr,
-    BIAS_MODE: tl.constexpr, REL_NB: tl.constexpr, REL_MAX_EXACT: tl.constexpr,
-    REL_LOG_RATIO: tl.constexpr, BIDIRECTIONAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGED: tl.constexpr,
+    PAGE: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    BIAS_MODE: tl.constexpr,
+    REL_NB: tl.constexpr,
+    REL_MAX_EXACT: tl.constexpr,
+    REL_LOG_RATIO: tl.constexpr,
+    BIDIRECTIONAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     head = tl.program_id(1)
@@ -65,7 +99,8 @@ def _attention_kernel(
     d_mask = offs_d < HEAD_DIM
     q = tl.load(
         Q + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-        mask=m_mask[:, None] & d_mask[None, :], other=0.0,
+        mask=m_mask[:, None] & d_mask[None, :],
+        other=0.0,
     )
     # Query j sits at position kv_len - q_len + j (chunked prefill and decode alike).
     q_pos = kv_len - q_len + offs_m
@@ -84,23 +119,39 @@ def _attention_kernel(
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_end
         if PAGED:
-            block_ids = tl.load(block_table + req * stride_bt + offs_n // PAGE, mask=n_mask, other=0)
+            block_ids = tl.load(
+                block_table + req * stride_bt + offs_n // PAGE, mask=n_mask, other=0
+            )
             rows = block_ids.to(tl.int64) * PAGE + offs_n % PAGE
         else:
             rows = (q_start + offs_n).to(tl.int64)
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(K + rows[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        v = tl.load(V + rows[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
+        k = tl.load(
+            K + rows[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        v = tl.load(
+            V + rows[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * scale
         if BIAS_MODE == 1:
             b_ptr = Bias + req * bias_stride_r + head * bias_stride_h
-            s += tl.load(b_ptr + offs_m[:, None] * bias_stride_q + offs_n[None, :],
-                         mask=m_mask[:, None] & n_mask[None, :], other=0.0).to(tl.float32)
+            s += tl.load(
+                b_ptr + offs_m[:, None] * bias_stride_q + offs_n[None, :],
+                mask=m_mask[:, None] & n_mask[None, :],
+                other=0.0,
+            ).to(tl.float32)
         if BIAS_MODE == 2:
-            bucket = _relative_bucket(offs_n[None, :] - bias_pos[:, None], REL_NB,
-                                      REL_MAX_EXACT, REL_LOG_RATIO, BIDIRECTIONAL)
+            bucket = _relative_bucket(
+                offs_n[None, :] - bias_pos[:, None],
+                REL_NB,
+                REL_MAX_EXACT,
+                REL_LOG_RATIO,
+                BIDIRECTIONAL,
+            )
             s += tl.load(Bias + bucket * NUM_HEADS + head).to(tl.float32)
         valid = n_mask[None, :]
         if CAUSAL:
@@ -116,13 +167,24 @@ def _attention_kernel(
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
         Out + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-        out.to(Out.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=m_mask[:, None] & d_mask[None, :],
     )
 
 
 @triton.jit
-def _write_kv_kernel(Key, Value, Cache, slot_mapping, stride_kt, stride_vt, stride_ct, cache_half,
-                     ROW: tl.constexpr, BLOCK: tl.constexpr):
+def _write_kv_kernel(
+    Key,
+    Value,
+    Cache,
+    slot_mapping,
+    stride_kt,
+    stride_vt,
+    stride_ct,
+    cache_half,
+    ROW: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0)
     slot = tl.load(slot_mapping + row).to(tl.int64)
     if slot >= 0:
@@ -131,7 +193,9 @@ def _write_kv_kernel(Key, Value, Cache, slot_mapping, stride_kt, stride_vt, stri
         k = tl.load(Key + row * stride_kt + offs, mask=mask)
         v = tl.load(Value + row * stride_vt + offs, mask=mask)
         tl.store(Cache + slot * stride_ct + offs, k.to(Cache.dtype.element_ty), mask=mask)
-        tl.store(Cache + cache_half + slot * stride_ct + offs, v.to(Cache.dtype.element_ty), mask=mask)
+        tl.store(
+            Cache + cache_half + slot * stride_ct + offs, v.to(Cache.dtype.element_ty), mask=mask
+        )
 
 
 def write_kv_cache(
@@ -147,9 +211,16 @@ def write_kv_cache(
     value = value.reshape(value.shape[0], row)
     assert key.stride(1) == 1 and value.stride(1) == 1
     _write_kv_kernel[(num_rows,)](
-        key, value, kv_cache, slot_mapping, key.stride(0), value.stride(0), row,
+        key,
+        value,
+        kv_cache,
+        slot_mapping,
+        key.stride(0),
+        value.stride(0),
+        row,
         kv_cache[0].numel(),
-        ROW=row, BLOCK=triton.next_power_of_2(row),
+        ROW=row,
+        BLOCK=triton.next_power_of_2(row),
     )
 
 
@@ -162,8 +233,10 @@ def make_work_items(
     req = torch.repeat_interleave(torch.arange(len(query_lens)), blocks)
     starts = torch.cumsum(blocks, 0) - blocks
     mblock = torch.arange(int(blocks.sum())) - torch.repeat_interleave(starts, blocks)
-    return (req.to(torch.int32).to(device, non_blocking=True),
-            mblock.to(torch.int32).to(device, non_blocking=True))
+    return (
+        req.to(torch.int32).to(device, non_blocking=True),
+        mblock.to(torch.int32).to(device, non_blocking=True),
+    )
 
 
 def paged_attention(
@@ -210,19 +283,44 @@ def paged_attention(
     if bias_mode == BIAS_RELATIVE and query_positions is None:
         raise ValueError("relative-position bias needs query_positions")
     _attention_kernel[grid](
-        q, k, v, out, query_start_loc, seq_lens, bt, work_req, work_mblock,
+        q,
+        k,
+        v,
+        out,
+        query_start_loc,
+        seq_lens,
+        bt,
+        work_req,
+        work_mblock,
         query_positions if query_positions is not None else seq_lens,
-        bias, *bstrides,
-        q.stride(0), q.stride(1), k.stride(-3), k.stride(-2), v.stride(-3), v.stride(-2),
-        out.stride(0), out.stride(1),
+        bias,
+        *bstrides,
+        q.stride(0),
+        q.stride(1),
+        k.stride(-3),
+        k.stride(-2),
+        v.stride(-3),
+        v.stride(-2),
+        out.stride(0),
+        out.stride(1),
         bt.stride(0) if paged else 0,
         scale,
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_D=max(triton.next_power_of_2(head_dim), 16), BLOCK_M=block_m, BLOCK_N=block_n,
-        PAGED=paged, PAGE=page_size, CAUSAL=causal,
-        BIAS_MODE=bias_mode, REL_NB=rel_nb, REL_MAX_EXACT=rel_max_exact,
-        REL_LOG_RATIO=math.log(max_distance / rel_max_exact), BIDIRECTIONAL=bidirectional,
+        NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=max(triton.next_power_of_2(head_dim), 16),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        PAGED=paged,
+        PAGE=page_size,
+        CAUSAL=causal,
+        BIAS_MODE=bias_mode,
+        REL_NB=rel_nb,
+        REL_MAX_EXACT=rel_max_exact,
+        REL_LOG_RATIO=math.log(max_distance / rel_max_exact),
+        BIDIRECTIONAL=bidirectional,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=2,
+        num_warps=4,
+        num_stages=2,
     )
     return out

@@ -107,7 +107,9 @@ class GenerationState(ModelState):
             self._add_logprobs(result, out, keep, step)
         return result
 
-    def _add_logprobs(self, result: ModelRunnerOutput, out: Any, keep: np.ndarray, step: StepInputs) -> None:
+    def _add_logprobs(
+        self, result: ModelRunnerOutput, out: Any, keep: np.ndarray, step: StepInputs
+    ) -> None:
         ids = out.logprob_token_ids.cpu().tolist()  # sync: only when logprobs are asked for
         values = out.logprobs.cpu().tolist()
         ranks = out.ranks.cpu().tolist()

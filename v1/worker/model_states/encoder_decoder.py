@@ -52,7 +52,10 @@ class EncoderDecoderState(GenerationState):
         if so.encoder_reqs:
             requests = self.runner.input_batch.requests
             encoder_hidden_states = torch.cat(
-                [self.encoder_outputs[requests[r].encoder_input.content_hash] for r in so.encoder_reqs]
+                [
+                    self.encoder_outputs[requests[r].encoder_input.content_hash]
+                    for r in so.encoder_reqs
+                ]
             )
         with set_forward_context(ForwardContext(metadata)):
             hidden_states = self.runner.model(
@@ -86,7 +89,10 @@ class EncoderDecoderState(GenerationState):
     def _encoder_kwargs(self, inputs: list[EncoderInput]) -> dict[str, Any]:
         runner = self.runner
         if inputs[0].audio is not None:
-            audio = [torch.as_tensor(np.asarray(e.audio, dtype=np.float32)).to(runner.device) for e in inputs]
+            audio = [
+                torch.as_tensor(np.asarray(e.audio, dtype=np.float32)).to(runner.device)
+                for e in inputs
+            ]
             return {"audio": audio}
         lengths = np.array([len(e.token_ids) for e in inputs], dtype=np.int64)
         ids = np.concatenate([np.asarray(e.token_ids, dtype=np.int64) for e in inputs])
@@ -114,7 +120,9 @@ class EncoderDecoderState(GenerationState):
                     [batch.requests[r].encoder_input.num_encoder_tokens for r in encoder_reqs],
                     dtype=np.int64,
                 )
-                positions = np.arange(int(w_lens.sum())) - np.repeat(np.cumsum(w_lens) - w_lens, w_lens)
+                positions = np.arange(int(w_lens.sum())) - np.repeat(
+                    np.cumsum(w_lens) - w_lens, w_lens
+                )
                 slot_mapping = table.slot_mapping(np.repeat(w_slots, w_lens), positions)
             common = runner.make_common(
                 step.query_start_loc,
