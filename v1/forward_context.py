@@ -14,6 +14,9 @@ class ForwardContext:
     """layer name -> backend metadata (layers of one KV group share one object)."""
     profiling: bool = False
     """A memory-profiling pass before the KV cache exists: attention layers return zeros."""
+    cross_kv_only: bool = False
+    """The cross-K/V pre-step of encoder-decoder models: cross-attention layers only write the
+    projected encoder output to their cross blocks; every attention layer returns zeros."""
 
 
 _forward_context: ForwardContext | None = None

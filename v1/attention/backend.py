@@ -119,6 +119,14 @@ class AttentionImpl(ABC):
         """query [T, H, D]; key/value [T', Hkv, D] or None (cross-attention steps that write
         nothing); kv_cache [2, num_blocks, block_size, Hkv, D] or empty. Returns [T, H, D]."""
 
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Any
+    ) -> None:
+        """Write K/V rows to the cache at the metadata's slot mapping, attending nothing."""
+        from v1.attention.ops.reference import write_kv_cache
+
+        write_kv_cache(key, value, kv_cache, attn_metadata.common.slot_mapping)
+
 
 class AttentionBackend(ABC):
     name: ClassVar[str]

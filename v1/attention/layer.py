@@ -59,6 +59,13 @@ class Attention(nn.Module):
         if context.profiling:
             # Memory profiling runs the model before the KV cache exists: skip attention.
             return torch.zeros_like(query)
+        if context.cross_kv_only:
+            if self.attn_type == AttentionType.ENCODER_DECODER and key is not None:
+                metadata = context.attn_metadata[self.layer_name]
+                k = key.view(-1, self.num_kv_heads, self.head_size)
+                v = value.view(-1, self.num_kv_heads, self.head_size)
+                self.impl.write_kv(k, v, self.kv_cache, metadata)
+            return torch.zeros_like(query)
         metadata = context.attn_metadata[self.layer_name]
         q = query.view(num_tokens, self.num_heads, self.head_size)
         k = key.view(-1, self.num_kv_heads, self.head_size) if key is not None else None

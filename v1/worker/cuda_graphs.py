@@ -1,4 +1,4 @@
-"""CUDA graphs for uniform decode steps (every request schedules one token, nothing to encode).
+"""CUDA graphs for uniform decode steps (every request schedules one token).
 
 Graphs are captured for padded batch sizes over static input and metadata buffers; a step
 copies its inputs into the buffers (padding rows get seq_len 0 and slot -1, so they neither
@@ -95,11 +95,8 @@ class CudaGraphManager:
 
     # ---- replay ----
     def can_run(self, step: StepInputs, so: SchedulerOutput) -> bool:
-        return (
-            len(step.req_ids) <= self.max_batch
-            and step.num_tokens == len(step.req_ids)
-            and not so.encoder_reqs
-        )
+        # Cross-K/V writes of first steps run in their own pre-step, so they need no exclusion.
+        return len(step.req_ids) <= self.max_batch and step.num_tokens == len(step.req_ids)
 
     def run(self, step: StepInputs) -> torch.Tensor:
         runner = self.runner

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -100,6 +101,11 @@ class TritonImpl(AttentionImpl):
             relative=relative,
             block_m=attn_metadata.block_m,
         )
+
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Any
+    ) -> None:
+        ops.write_kv_cache(key, value, kv_cache, attn_metadata.common.slot_mapping)
 
     def _can_use_varlen(self, query: torch.Tensor) -> bool:
         """Cache-less types without bias go to torch's flash varlen kernel (16-bit, MHA)."""

@@ -41,29 +41,36 @@ class EncoderDecoderState(GenerationState):
         for content_hash in so.free_encoder_hashes:
             self.encoder_outputs.pop(content_hash, None)
         num_runs = self._run_encoders(so.encoder_hashes_to_run)
+        if so.encoder_reqs:
+            self._write_cross_kv(step, so.encoder_reqs)
+        # Every cross K/V of this step is in the cache now: the decoder step only reads it,
+        # so first steps replay CUDA graphs like any other decode step.
         graphs = self.runner.cuda_graphs
         if graphs is not None and graphs.can_run(step, so):
-            output = self.sample(graphs.run(step), step)
-            output.num_encoder_runs = num_runs
-            return output
-        metadata = self.runner.decoder_attn_metadata(step)
-        metadata.update(self._cross_attn_metadata(step, so.encoder_reqs))
-        encoder_hidden_states = None
-        if so.encoder_reqs:
-            requests = self.runner.input_batch.requests
-            encoder_hidden_states = torch.cat(
-                [
-                    self.encoder_outputs[requests[r].encoder_input.content_hash]
-                    for r in so.encoder_reqs
-                ]
-            )
-        with set_forward_context(ForwardContext(metadata)):
-            hidden_states = self.runner.model(
-                step.input_ids, step.positions, encoder_hidden_states=encoder_hidden_states
-            )
+            hidden_states = graphs.run(step)
+        else:
+            metadata = self.runner.decoder_attn_metadata(step)
+            metadata.update(self._cross_attn_metadata(step, []))
+            with set_forward_context(ForwardContext(metadata)):
+                hidden_states = self.decode_forward(step.input_ids, step.positions)
         output = self.sample(hidden_states, step)
         output.num_encoder_runs = num_runs
         return output
+
+    def _write_cross_kv(self, step: StepInputs, encoder_reqs: list[str]) -> None:
+        """The cross-K/V pre-step: project the encoder outputs of requests on their first step
+        into their cross blocks. The model runs on one placeholder token per writer with every
+        attention layer skipped (ForwardContext.cross_kv_only), so only the cross-attention
+        K/V projections and cache writes do real work."""
+        runner = self.runner
+        requests = runner.input_batch.requests
+        encoder_hidden_states = torch.cat(
+            [self.encoder_outputs[requests[r].encoder_input.content_hash] for r in encoder_reqs]
+        )
+        metadata = self._cross_attn_metadata(step, encoder_reqs)
+        placeholder = torch.zeros(len(encoder_reqs), dtype=torch.long, device=runner.device)
+        with set_forward_context(ForwardContext(metadata, cross_kv_only=True)):
+            runner.model(placeholder, placeholder, encoder_hidden_states=encoder_hidden_states)
 
     def decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """A decoder step whose cross K/V are all in the cache already (what CUDA graphs run)."""
