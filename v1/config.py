@@ -97,7 +97,7 @@ class ModelConfig:
             )
 
     # ---- derived values ----
-    @property
+    @cached_property
     def architecture(self) -> str:
         archs = getattr(self.hf_config, "architectures", None) or []
         if archs:
@@ -123,7 +123,7 @@ class ModelConfig:
             return ModelKind.ENCODER_DECODER
         return ModelKind.DECODER_ONLY
 
-    @property
+    @cached_property
     def is_whisper(self) -> bool:
         return self.hf_config.model_type == "whisper"
 
@@ -131,7 +131,7 @@ class ModelConfig:
     def tokenizer_path(self) -> str:
         return self.tokenizer or self.model
 
-    @property
+    @cached_property
     def derived_max_model_len(self) -> int | None:
         """The model's own decoder length limit (None: unbounded, e.g. T5 relative positions)."""
         cfg = self.hf_config
@@ -141,14 +141,14 @@ class ModelConfig:
             return None
         return _first_attr(cfg, ("max_position_embeddings", "n_positions", "max_seq_len"))
 
-    @property
+    @cached_property
     def effective_max_model_len(self) -> int:
         limit = self.derived_max_model_len
         if self.max_model_len is not None:
             return self.max_model_len
         return limit if limit is not None else 512
 
-    @property
+    @cached_property
     def max_encoder_len(self) -> int:
         """Longest encoder input of one request, in encoder positions (Whisper: 1500)."""
         cfg = self.hf_config
@@ -161,7 +161,7 @@ class ModelConfig:
             limit = limit - getattr(cfg, "pad_token_id", 1) - 1 if limit else limit
         return limit or 512
 
-    @property
+    @cached_property
     def vocab_size(self) -> int:
         return self.hf_config.vocab_size
 

@@ -72,10 +72,18 @@ async def stream(
     return token_ids if kind == RequestOutputKind.DELTA else last.outputs[0].token_ids
 
 
-async def assert_core_idle(llm: AsyncLLM) -> None:
-    stats = await llm.get_stats()
-    assert stats["num_requests"] == 0 and stats["num_kv_requests"] == 0, stats
-    assert stats["num_running_reqs"] == 0 and stats["num_waiting_reqs"] == 0, stats
+async def assert_core_idle(llm: AsyncLLM, timeout_s: float = 5.0) -> None:
+    """The core holds no request and no KV block (aborts sent from a closing iterator travel
+    on their own, so give them a moment to arrive)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        stats = await llm.get_stats()
+        idle = stats["num_requests"] == 0 and stats["num_kv_requests"] == 0
+        idle = idle and stats["num_running_reqs"] == 0 and stats["num_waiting_reqs"] == 0
+        if idle or asyncio.get_running_loop().time() > deadline:
+            break
+        await asyncio.sleep(0.05)
+    assert idle, stats
 
 
 def test_200_concurrent_requests_get_their_token_counts(llm: AsyncLLM):
