@@ -163,7 +163,8 @@ class ModelConfig:
 
     @cached_property
     def vocab_size(self) -> int:
-        return self.hf_config.vocab_size
+        """The vocabulary the decoder generates from (Marian may give the decoder its own)."""
+        return getattr(self.hf_config, "decoder_vocab_size", None) or self.hf_config.vocab_size
 
     def torch_dtype(self, device_type: str) -> Any:
         import torch

@@ -18,10 +18,10 @@ import torch
 from torch import nn
 
 from v1.attention.backend import AttentionType
-from v1.attention.layer import Attention
 from v1.models.layers.activation import get_act_fn
+from v1.models.layers.attention import CrossAttention, SelfAttention
 from v1.models.layers.embedding import LMHead, VocabEmbedding
-from v1.models.layers.linear import ColumnLinear, MergedColumnLinear, QKVLinear, RowLinear
+from v1.models.layers.linear import ColumnLinear, RowLinear
 from v1.models.layers.norm import LayerNorm
 from v1.models.utils import load_weights_into
 
@@ -72,51 +72,10 @@ def sinusoidal_table(num_positions: int, dim: int) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
-class BartSelfAttention(nn.Module):
-    """Bidirectional (encoder) or causal paged (decoder) self-attention, fused q/k/v."""
-
-    def __init__(self, d_model: int, num_heads: int, attn_type: AttentionType, prefix: str) -> None:
-        super().__init__()
-        head_dim = d_model // num_heads
-        if head_dim * num_heads != d_model:
-            raise ValueError(f"d_model {d_model} is not a multiple of {num_heads} heads")
-        self.qkv_proj = QKVLinear(d_model, head_dim, num_heads, num_heads, bias=True)
-        self.out_proj = RowLinear(d_model, d_model, bias=True)
-        self.attn = Attention(
-            num_heads, head_dim, head_dim**-0.5, attn_type=attn_type, prefix=f"{prefix}.attn"
-        )
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden_states).chunk(3, dim=-1)  # 3 x [T, d_model]
-        return self.out_proj(self.attn(q, k, v))
+BartSelfAttention = SelfAttention
 
 
-class BartCrossAttention(nn.Module):
-    """Decoder queries over the encoder output: K/V are projected and written to the cross
-    blocks only on a request's first step; later steps pass no encoder states and read them."""
-
-    def __init__(self, d_model: int, num_heads: int, prefix: str) -> None:
-        super().__init__()
-        head_dim = d_model // num_heads
-        self.q_proj = ColumnLinear(d_model, d_model, bias=True)
-        self.kv_proj = MergedColumnLinear(d_model, [d_model, d_model], bias=True)
-        self.out_proj = RowLinear(d_model, d_model, bias=True)
-        self.attn = Attention(
-            num_heads,
-            head_dim,
-            head_dim**-0.5,
-            attn_type=AttentionType.ENCODER_DECODER,
-            prefix=f"{prefix}.attn",
-        )
-
-    def forward(
-        self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None
-    ) -> torch.Tensor:
-        q = self.q_proj(hidden_states)  # [T, d_model]
-        k = v = None
-        if encoder_hidden_states is not None:
-            k, v = self.kv_proj(encoder_hidden_states).chunk(2, dim=-1)  # 2 x [Tw, d_model]
-        return self.out_proj(self.attn(q, k, v))
+BartCrossAttention = CrossAttention
 
 
 def _sublayer(
