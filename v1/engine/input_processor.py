@@ -397,6 +397,9 @@ class InputProcessor:
             raise ValueError(f"prompt_token_ids of the {what} must be a list of ints")
         if not ids:
             raise ValueError(f"the {what} is empty (prompt_token_ids=[])")
+        # Fast path (C speed): all plain ints inside the vocabulary.
+        if all(type(t) is int for t in ids) and 0 <= min(ids) and max(ids) < self.vocab_size:
+            return list(ids)
         for t in ids:
             if isinstance(t, bool) or not isinstance(t, int):
                 raise ValueError(f"prompt_token_ids of the {what} must be ints, got {t!r}")

@@ -145,6 +145,8 @@ class KVCacheManager:
         table order (prefix hits first, then fresh blocks): the delta to send to the worker.
         Returns None, changing nothing, when the pool has too few free blocks.
         """
+        if not self.managers:
+            return self._empty()  # encoder-only models: no paged layers, nothing to allocate
         req_id = request.request_id
         if new_computed_blocks is None:
             new_computed_blocks = self._empty()
