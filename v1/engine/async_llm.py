@@ -16,7 +16,6 @@ from typing import Any
 from v1.config import EngineConfig, ModelKind, make_engine_config
 from v1.core.client import EngineDeadError
 from v1.core.mp_client import AsyncMPClient
-from v1.core.protocol import EngineCoreRequest
 from v1.engine.input_processor import InputProcessor, Params
 from v1.engine.output_processor import AnyRequestOutput, OutputProcessor, ParentRequest
 from v1.engine.tokenizer import get_tokenizer
@@ -211,7 +210,9 @@ class AsyncLLM:
         self._ensure_output_handler()
         if request_id in self._queues or request_id in self.output_processor.parent_requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        core_requests = self._process(request_id, prompt, params, priority)
+        core_requests = self.input_processor.process_all(
+            request_id, prompt, params, priority=priority
+        )
         if any(r.request_id in self.output_processor.request_states for r in core_requests):
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_text, encoder_text = self.input_processor.prompt_texts(prompt)
@@ -237,23 +238,6 @@ class AsyncLLM:
             self.output_processor.abort_requests([request_id])
             raise
         return q
-
-    def _process(
-        self, request_id: str, prompt: Any, params: Params, priority: int
-    ) -> list[EngineCoreRequest]:
-        """Validated core requests: one, or n children for n > 1 sampling."""
-        if isinstance(params, SamplingParams) and params.n > 1:
-            parent = ParentRequest(request_id, params)
-            return [
-                self.input_processor.process(
-                    parent.child_request_id(i, request_id),
-                    prompt,
-                    parent.child_params(i),
-                    priority=priority,
-                )
-                for i in range(params.n)
-            ]
-        return [self.input_processor.process(request_id, prompt, params, priority=priority)]
 
     def _abort_now(self, request_id: str) -> None:
         """Abort without awaiting (safe in `finally` of a cancelled or closed iterator)."""

@@ -194,6 +194,26 @@ class InputProcessor:
         self._whisper_builder: Any = None
 
     # ---- public ----
+    def process_all(
+        self, request_id: str, prompt: Any, params: Any, *, priority: int = 0
+    ) -> list[EngineCoreRequest]:
+        """The core requests one user request becomes: itself, or its n children for n > 1
+        sampling (ids and seeds from ParentRequest). Raises ValueError on invalid input."""
+        if isinstance(params, SamplingParams) and params.n > 1:
+            from v1.engine.output_processor import ParentRequest
+
+            parent = ParentRequest(request_id, params)
+            return [
+                self.process(
+                    parent.child_request_id(i, request_id),
+                    prompt,
+                    parent.child_params(i),
+                    priority=priority,
+                )
+                for i in range(params.n)
+            ]
+        return [self.process(request_id, prompt, params, priority=priority)]
+
     def process(
         self,
         request_id: str,
@@ -398,7 +418,7 @@ class InputProcessor:
         if not ids:
             raise ValueError(f"the {what} is empty (prompt_token_ids=[])")
         # Fast path (C speed): all plain ints inside the vocabulary.
-        if all(type(t) is int for t in ids) and 0 <= min(ids) and max(ids) < self.vocab_size:
+        if all(type(t) is int for t in ids) and min(ids) >= 0 and max(ids) < self.vocab_size:
             return list(ids)
         for t in ids:
             if isinstance(t, bool) or not isinstance(t, int):

@@ -49,18 +49,7 @@ class LLMEngine:
     ) -> list[Any]:
         """Validates one prompt without queueing it: the EngineCoreRequests it becomes (one per
         completion). Raises ValueError on invalid input."""
-        if isinstance(params, SamplingParams) and params.n > 1:
-            parent = ParentRequest(request_id, params)
-            return [
-                self.input_processor.process(
-                    parent.child_request_id(i, request_id),
-                    prompt,
-                    parent.child_params(i),
-                    priority=priority,
-                )
-                for i in range(params.n)
-            ]
-        return [self.input_processor.process(request_id, prompt, params, priority=priority)]
+        return self.input_processor.process_all(request_id, prompt, params, priority=priority)
 
     def add_request(
         self,

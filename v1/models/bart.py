@@ -72,12 +72,6 @@ def sinusoidal_table(num_positions: int, dim: int) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
-BartSelfAttention = SelfAttention
-
-
-BartCrossAttention = CrossAttention
-
-
 def _sublayer(
     norm: LayerNorm, pre_norm: bool, hidden_states: torch.Tensor, block: Any, *args: Any
 ) -> torch.Tensor:
@@ -126,7 +120,7 @@ class BartEncoderLayer(nn.Module):
         super().__init__()
         d_model = cfg.d_model
         self.pre_norm = variant.pre_norm
-        self.self_attn = BartSelfAttention(
+        self.self_attn = SelfAttention(
             d_model, cfg.encoder_attention_heads, AttentionType.ENCODER, f"{prefix}.self_attn"
         )
         self.self_attn_layer_norm = LayerNorm(d_model)
@@ -151,11 +145,11 @@ class BartDecoderLayer(nn.Module):
         super().__init__()
         d_model, num_heads = cfg.d_model, cfg.decoder_attention_heads
         self.pre_norm = variant.pre_norm
-        self.self_attn = BartSelfAttention(
+        self.self_attn = SelfAttention(
             d_model, num_heads, AttentionType.DECODER, f"{prefix}.self_attn"
         )
         self.self_attn_layer_norm = LayerNorm(d_model)
-        self.encoder_attn = BartCrossAttention(d_model, num_heads, f"{prefix}.encoder_attn")
+        self.encoder_attn = CrossAttention(d_model, num_heads, f"{prefix}.encoder_attn")
         self.encoder_attn_layer_norm = LayerNorm(d_model)
         self.fc1 = ColumnLinear(d_model, cfg.decoder_ffn_dim, bias=True)
         self.fc2 = RowLinear(cfg.decoder_ffn_dim, d_model, bias=True)

@@ -16,13 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from v1.attention.backend import AttentionType
 from v1.audio.features import LogMelSpectrogram
 from v1.logger import init_logger
-from v1.models.layers.activation import get_act_fn
-from v1.models.layers.attention import CrossAttention, SelfAttention
+from v1.models.bart import MBART, BartDecoderLayer, BartEncoderLayer
 from v1.models.layers.embedding import LMHead, VocabEmbedding
-from v1.models.layers.linear import ColumnLinear, RowLinear
 from v1.models.layers.norm import LayerNorm
 from v1.models.utils import load_weights_into
 from v1.sample.metadata import WhisperTokenInfo
@@ -41,71 +38,6 @@ _CROSS_KV = re.compile(r"\.encoder_attn\.([kv])_proj\.")
 _K_WEIGHT = re.compile(r"\.(self_attn\.qkv|encoder_attn\.kv)_k\.weight$")
 
 
-WhisperSelfAttention = SelfAttention
-
-
-WhisperCrossAttention = CrossAttention
-
-
-class WhisperEncoderLayer(nn.Module):
-    def __init__(self, cfg: Any, prefix: str) -> None:
-        super().__init__()
-        d_model = cfg.d_model
-        self.self_attn = WhisperSelfAttention(
-            d_model, cfg.encoder_attention_heads, AttentionType.ENCODER, f"{prefix}.self_attn"
-        )
-        self.self_attn_layer_norm = LayerNorm(d_model)
-        self.fc1 = ColumnLinear(d_model, cfg.encoder_ffn_dim, bias=True)
-        self.fc2 = RowLinear(cfg.encoder_ffn_dim, d_model, bias=True)
-        self.act = get_act_fn(cfg.activation_function)
-        self.final_layer_norm = LayerNorm(d_model)
-
-    def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))  # [T, d] -> [T, ffn] -> [T, d]
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        hidden_states = hidden_states + self.self_attn(self.self_attn_layer_norm(hidden_states))
-        hidden_states = hidden_states + self.mlp(self.final_layer_norm(hidden_states))
-        return _clamp_fp16(hidden_states)
-
-
-class WhisperDecoderLayer(nn.Module):
-    def __init__(self, cfg: Any, prefix: str) -> None:
-        super().__init__()
-        d_model, num_heads = cfg.d_model, cfg.decoder_attention_heads
-        self.self_attn = WhisperSelfAttention(
-            d_model, num_heads, AttentionType.DECODER, f"{prefix}.self_attn"
-        )
-        self.self_attn_layer_norm = LayerNorm(d_model)
-        self.encoder_attn = WhisperCrossAttention(d_model, num_heads, f"{prefix}.encoder_attn")
-        self.encoder_attn_layer_norm = LayerNorm(d_model)
-        self.fc1 = ColumnLinear(d_model, cfg.decoder_ffn_dim, bias=True)
-        self.fc2 = RowLinear(cfg.decoder_ffn_dim, d_model, bias=True)
-        self.act = get_act_fn(cfg.activation_function)
-        self.final_layer_norm = LayerNorm(d_model)
-
-    def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))  # [T, d] -> [T, ffn] -> [T, d]
-
-    def forward(
-        self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None
-    ) -> torch.Tensor:
-        hidden_states = hidden_states + self.self_attn(self.self_attn_layer_norm(hidden_states))
-        hidden_states = hidden_states + self.encoder_attn(
-            self.encoder_attn_layer_norm(hidden_states), encoder_hidden_states
-        )
-        return hidden_states + self.mlp(self.final_layer_norm(hidden_states))
-
-
-def _clamp_fp16(hidden_states: torch.Tensor) -> torch.Tensor:
-    # transformers clamps fp16 encoder activations to stay finite (only once they overflow; we
-    # always clamp, which needs no host sync and changes only values near the fp16 max).
-    if hidden_states.dtype != torch.float16:
-        return hidden_states
-    limit = torch.finfo(torch.float16).max - 1000
-    return hidden_states.clamp(-limit, limit)
-
-
 class WhisperEncoder(nn.Module):
     """log-mel [B, n_mels, 2 * max_source_positions] -> packed states [B * max_source_positions,
     d_model]: two convolutions (the second halves the frames), learned positions, pre-norm
@@ -121,7 +53,7 @@ class WhisperEncoder(nn.Module):
         self.conv2.requires_grad_(False)
         self.embed_positions = VocabEmbedding(cfg.max_source_positions, d_model)
         self.layers = nn.ModuleList(
-            WhisperEncoderLayer(cfg, f"{prefix}.layers.{i}") for i in range(cfg.encoder_layers)
+            BartEncoderLayer(cfg, MBART, f"{prefix}.layers.{i}") for i in range(cfg.encoder_layers)
         )
         self.layer_norm = LayerNorm(d_model)
 
@@ -147,7 +79,7 @@ class WhisperDecoder(nn.Module):
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, d_model)
         self.embed_positions = VocabEmbedding(cfg.max_target_positions, d_model)
         self.layers = nn.ModuleList(
-            WhisperDecoderLayer(cfg, f"{prefix}.layers.{i}") for i in range(cfg.decoder_layers)
+            BartDecoderLayer(cfg, MBART, f"{prefix}.layers.{i}") for i in range(cfg.decoder_layers)
         )
         self.layer_norm = LayerNorm(d_model)
 

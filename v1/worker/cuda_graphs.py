@@ -107,7 +107,6 @@ class CudaGraphManager:
         self.positions[:num].copy_(step.positions)
         self.input_ids[num:batch].zero_()
         self.positions[num:batch].zero_()
-        requests = runner.input_batch.requests
         for i, attn_type in enumerate(runner.group_types):
             table = runner.input_batch.block_tables[i]
             if attn_type == AttentionType.DECODER:
@@ -116,9 +115,7 @@ class CudaGraphManager:
                 self.slot_mappings[i][:num].copy_(torch.from_numpy(slots), non_blocking=True)
                 self.slot_mappings[i][num:batch].fill_(-1)
             else:
-                lens = np.array(
-                    [requests[r].encoder_input.num_encoder_tokens for r in step.req_ids]
-                )
+                lens = runner.input_batch.num_encoder_tokens[step.slots]
             rows = table.table[step.slots]
             self.seq_lens[i][:num].copy_(torch.from_numpy(lens.astype(np.int32)), non_blocking=True)
             self.seq_lens[i][num:batch].zero_()

@@ -38,6 +38,8 @@ class InputBatch:
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_encoder_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        """Cross-attention key length per slot (encoder-decoder models)."""
         self.requests: dict[str, CachedRequestState] = {}
         self._free_slots = list(range(max_num_reqs - 1, -1, -1))
 
@@ -54,6 +56,8 @@ class InputBatch:
         self.token_ids[slot, : len(tokens)] = tokens
         self.num_tokens[slot] = len(tokens)
         self.num_computed_tokens[slot] = data.num_computed_tokens
+        enc = data.encoder_input
+        self.num_encoder_tokens[slot] = enc.num_encoder_tokens if enc is not None else 0
         for table, block_ids in zip(self.block_tables, data.block_ids, strict=True):
             table.set_row(slot, block_ids)
         state = CachedRequestState(

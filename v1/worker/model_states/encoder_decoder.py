@@ -112,10 +112,7 @@ class EncoderDecoderState(GenerationState):
         runner = self.runner
         batch = runner.input_batch
         out: dict[str, Any] = {}
-        enc_lens = np.array(
-            [batch.requests[r].encoder_input.num_encoder_tokens for r in step.req_ids],
-            dtype=np.int64,
-        )
+        enc_lens = batch.num_encoder_tokens[step.slots]
         for i, attn_type in enumerate(runner.group_types):
             if attn_type != AttentionType.ENCODER_DECODER:
                 continue
@@ -123,10 +120,7 @@ class EncoderDecoderState(GenerationState):
             slot_mapping = None
             if encoder_reqs:
                 w_slots = np.array([batch.requests[r].slot for r in encoder_reqs], dtype=np.int64)
-                w_lens = np.array(
-                    [batch.requests[r].encoder_input.num_encoder_tokens for r in encoder_reqs],
-                    dtype=np.int64,
-                )
+                w_lens = batch.num_encoder_tokens[w_slots]
                 positions = np.arange(int(w_lens.sum())) - np.repeat(
                     np.cumsum(w_lens) - w_lens, w_lens
                 )
