@@ -77,6 +77,9 @@ class _Resources:
     ipc_dir: str | None
     proc: Any = None
     send_lock: threading.Lock = field(default_factory=threading.Lock)
+    proc_lock: threading.Lock = field(default_factory=threading.Lock)
+    """Held around every call that may reap the child (is_alive, join, exitcode): two threads
+    reaping at once make the loser see ECHILD and report a live process with no exit code."""
     stop: threading.Event = field(default_factory=threading.Event)
     reader: threading.Thread | None = None
 
@@ -86,18 +89,9 @@ def _release(res: _Resources) -> None:
     ipc directory. Idempotent through weakref.finalize."""
     res.stop.set()
     proc = res.proc
-    if proc is not None and proc.is_alive():
-        # No peer (zmq.Again): the signals below still work.
-        with res.send_lock, contextlib.suppress(zmq.ZMQError):
-            res.input_socket.send(EngineCoreRequestType.SHUTDOWN.value, flags=zmq.NOBLOCK)
-        proc.join(timeout=5)
-        if proc.is_alive():
-            logger.warning("EngineCore (pid %d) ignored SHUTDOWN; terminating it", proc.pid)
-            proc.terminate()
-            proc.join(timeout=3)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(timeout=3)
+    if proc is not None:
+        with res.proc_lock:
+            _stop_process(res, proc)
     if res.reader is not None and res.reader is not threading.current_thread():
         res.reader.join(timeout=2)
     with res.send_lock:
@@ -106,6 +100,23 @@ def _release(res: _Resources) -> None:
     res.ctx.term()
     if res.ipc_dir is not None:
         shutil.rmtree(res.ipc_dir, ignore_errors=True)
+
+
+def _stop_process(res: _Resources, proc: Any) -> None:
+    """SHUTDOWN, then SIGTERM, then SIGKILL (caller holds proc_lock)."""
+    if not proc.is_alive():
+        return
+    # No peer (zmq.Again): the signals below still work.
+    with res.send_lock, contextlib.suppress(zmq.ZMQError):
+        res.input_socket.send(EngineCoreRequestType.SHUTDOWN.value, flags=zmq.NOBLOCK)
+    proc.join(timeout=5)
+    if proc.is_alive():
+        logger.warning("EngineCore (pid %d) ignored SHUTDOWN; terminating it", proc.pid)
+        proc.terminate()
+        proc.join(timeout=3)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(timeout=3)
 
 
 def _check_tcp_address(address: str) -> None:
@@ -261,13 +272,14 @@ class MPClient(EngineCoreClient):
 
     def _watch_process(self) -> None:
         proc = self._res.proc
-        wait([proc.sentinel])
+        wait([proc.sentinel])  # readable once the process is gone; reaps nothing
         if self._closing:
             return
         deadline = time.monotonic() + _SENTINEL_GRACE_S
         while self._dead_error is None and time.monotonic() < deadline:
             time.sleep(0.02)
-        self._set_dead(f"the EngineCore process (pid {proc.pid}) exited with code {proc.exitcode}")
+        code = self.wait_for_exit(timeout=_SENTINEL_GRACE_S)
+        self._set_dead(f"the EngineCore process (pid {proc.pid}) exited with code {code}")
 
     def _set_dead(self, message: str) -> None:
         with self._lock:
@@ -344,6 +356,13 @@ class MPClient(EngineCoreClient):
     @property
     def pid(self) -> int:
         return self._res.proc.pid
+
+    def wait_for_exit(self, timeout: float | None = None) -> int | None:
+        """Waits up to `timeout` seconds for the core process to exit; its exit code, or None
+        while it still runs. Safe beside the client's own watcher (one thread reaps at a time)."""
+        with self._res.proc_lock:
+            self._res.proc.join(timeout)
+            return self._res.proc.exitcode
 
     def shutdown(self) -> None:
         """Stops the core and releases everything; pending and later calls raise
