@@ -15,6 +15,9 @@ from functools import cached_property
 from typing import Any
 
 from v1 import envs
+from v1.logger import init_logger
+
+logger = init_logger(__name__)
 
 
 class ModelKind(enum.Enum):
@@ -61,7 +64,8 @@ class ModelConfig:
     """Compute dtype: auto (float32 on CPU, the checkpoint's 16-bit dtype on GPU), float32,
     float16 or bfloat16."""
     max_model_len: int | None = None
-    """Longest decoder sequence (prompt + output); defaults to the model's limit."""
+    """Longest decoder sequence (prompt + output); defaults to the model's limit, capped at its
+    sliding window if it has one (no more than the window may be asked for)."""
     trust_remote_code: bool = False
     """Allow code from the model repository to run (off by default)."""
     seed: int = 0
@@ -94,6 +98,32 @@ class ModelConfig:
         if self.max_model_len is not None and limit is not None and self.max_model_len > limit:
             raise ValueError(
                 f"max_model_len={self.max_model_len} is longer than the model's limit of {limit}"
+            )
+        self._check_sliding_window()
+
+    def _check_sliding_window(self) -> None:
+        """The attention backends have no windowed attention, which equals full attention only
+        while a sequence fits in the window: sequences are capped at the window (as vLLM did
+        for backends without sliding windows)."""
+        window = self.sliding_window
+        if window is None:
+            return
+        if self.max_model_len is not None and self.max_model_len > window:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} is longer than the sliding window of "
+                f"{window} tokens of {self.architecture}: the attention backends do not "
+                f"implement windowed attention, so sequences are limited to the window"
+            )
+        limit = self.derived_max_model_len
+        if self.max_model_len is None and (limit is None or window < limit):
+            logger.warning(
+                "max_model_len is capped at %d (the model allows %s): %s uses sliding-window "
+                "attention of %d tokens, which the attention backends do not implement; "
+                "inside the window full attention is the same",
+                window,
+                limit,
+                self.architecture,
+                window,
             )
 
     # ---- derived values ----
@@ -142,11 +172,37 @@ class ModelConfig:
         return _first_attr(cfg, ("max_position_embeddings", "n_positions", "max_seq_len"))
 
     @cached_property
+    def sliding_window(self) -> int | None:
+        """The attention window transformers applies to some layer (None: every layer attends
+        to the whole sequence). Transformers 5 rules: Mistral windows every layer when
+        `sliding_window` is set; Qwen2 only with `use_sliding_window`, and then only the layers
+        marked "sliding_attention" in `layer_types` (by default those >= `max_window_layers`)."""
+        cfg = self.hf_config
+        window = getattr(cfg, "sliding_window", None)
+        if not isinstance(window, int) or window <= 0:
+            return None
+        if getattr(cfg, "use_sliding_window", True) is False:
+            return None
+        model_type = getattr(cfg, "model_type", "")
+        if model_type == "mistral":
+            return window  # MistralModel windows every layer, whatever layer_types says
+        layer_types = getattr(cfg, "layer_types", None)
+        if layer_types is None and model_type == "qwen2":
+            num_windowed = cfg.num_hidden_layers - getattr(cfg, "max_window_layers", 0)
+            layer_types = ["sliding_attention"] * max(num_windowed, 0)
+        if layer_types is not None and "sliding_attention" not in layer_types:
+            return None
+        return window
+
+    @cached_property
     def effective_max_model_len(self) -> int:
-        limit = self.derived_max_model_len
+        """Longest decoder sequence served: max_model_len, else the model's limit (512 when
+        unbounded), capped at the sliding window (see `_check_sliding_window`)."""
         if self.max_model_len is not None:
             return self.max_model_len
-        return limit if limit is not None else 512
+        limit = self.derived_max_model_len
+        limit = limit if limit is not None else 512
+        return limit if self.sliding_window is None else min(limit, self.sliding_window)
 
     @cached_property
     def max_encoder_len(self) -> int:
@@ -163,8 +219,19 @@ class ModelConfig:
 
     @cached_property
     def vocab_size(self) -> int:
-        """The vocabulary the decoder generates from (Marian may give the decoder its own)."""
-        return getattr(self.hf_config, "decoder_vocab_size", None) or self.hf_config.vocab_size
+        """The vocabulary the decoder reads and generates from: Marian with
+        share_encoder_decoder_embeddings=False gives the decoder its own `decoder_vocab_size`
+        (the LM head's size, as in transformers)."""
+        cfg = self.hf_config
+        if getattr(cfg, "share_encoder_decoder_embeddings", True) is False:
+            return getattr(cfg, "decoder_vocab_size", None) or cfg.vocab_size
+        return cfg.vocab_size
+
+    @cached_property
+    def encoder_vocab_size(self) -> int:
+        """The vocabulary of encoder input ids (Marian: the source vocabulary, `vocab_size`);
+        the same as `vocab_size` unless the decoder has its own."""
+        return self.hf_config.vocab_size
 
     def torch_dtype(self, device_type: str) -> Any:
         import torch
@@ -244,6 +311,10 @@ class SchedulerConfig:
     """Admission order: fcfs, or priority (lower value first, then arrival)."""
     enable_chunked_prefill: bool = True
     """Split long decoder prompts across steps."""
+    async_scheduling: bool | None = None
+    """Schedule and launch step N+1 before waiting for step N's results, so host work overlaps
+    the device. None: on for encoder-only (pooling) models on CUDA, whose requests finish in one
+    step; only encoder-only models support it."""
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -326,6 +397,23 @@ class EngineConfig:
                 f"max_num_encoder_input_tokens={sc.max_num_encoder_input_tokens} is below one "
                 f"Whisper window ({mc.max_encoder_len} encoder positions)"
             )
+
+        if sc.async_scheduling and mc.kind != ModelKind.ENCODER_ONLY:
+            raise ValueError(
+                "async_scheduling supports encoder-only (pooling) models only, not "
+                f"{mc.architecture}"
+            )
+
+    @property
+    def use_async_scheduling(self) -> bool:
+        """Pipelined steps (SchedulerConfig.async_scheduling, resolved for this model/device)."""
+        flag = self.scheduler_config.async_scheduling
+        if flag is None:
+            return (
+                self.model_config.kind == ModelKind.ENCODER_ONLY
+                and self.device_config.device_type == "cuda"
+            )
+        return flag
 
     @property
     def encoder_budget(self) -> int:

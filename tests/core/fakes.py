@@ -208,7 +208,9 @@ class FakeExecutor:
         self.config = config
         self.runner = FakeRunner(token_fn)
         self.fail_on = fail_on
+        self.fail_on_read: Any = None
         self.steps = 0
+        self.events: list[tuple[str, int]] = []
 
     def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
         return layer_specs(self.config)
@@ -225,8 +227,28 @@ class FakeExecutor:
             raise RuntimeError("scripted step failure")
         return self.runner(so)
 
+    def execute_model_async(self, so: SchedulerOutput) -> FakeDeferred:
+        """The runner's bookkeeping happens at launch, as on a device; the output is handed
+        over when read. `events` logs ("launch" | "read", step number)."""
+        output = self.execute_model(so)
+        step = self.steps
+        self.events.append(("launch", step))
+        fail = self.fail_on_read is not None and self.fail_on_read(so)
+        return FakeDeferred(self, step, output, fail)
+
     def shutdown(self) -> None:
         return None
+
+
+class FakeDeferred:
+    def __init__(self, executor: FakeExecutor, step: int, output: Any, fail: bool) -> None:
+        self.executor, self.step, self.output, self.fail = executor, step, output, fail
+
+    def get_output(self) -> ModelRunnerOutput:
+        self.executor.events.append(("read", self.step))
+        if self.fail:
+            raise RuntimeError("scripted device failure")
+        return self.output
 
 
 def make_engine_core(

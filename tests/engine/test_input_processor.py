@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from transformers import BartConfig, BertConfig, GenerationConfig, LlamaConfig
+from transformers import BartConfig, BertConfig, GenerationConfig, LlamaConfig, MarianConfig
 
 from tests.utils import make_tiny_tokenizer, make_tiny_wordpiece_tokenizer
 from v1.config import ModelConfig
@@ -273,6 +273,59 @@ def test_encoder_decoder_invalid_prompts(bart: InputProcessor) -> None:
     for prompt, match in cases:
         with pytest.raises(ValueError, match=match):
             bart.process("r", prompt, GREEDY)
+
+
+DECODER_VOCAB = 96
+"""Marian's own target vocabulary, smaller than its source vocabulary (VOCAB)."""
+
+
+@pytest.fixture
+def marian(tmp_path: Path, bart_tokenizer) -> InputProcessor:
+    cfg = MarianConfig(
+        vocab_size=VOCAB,
+        decoder_vocab_size=DECODER_VOCAB,
+        share_encoder_decoder_embeddings=False,
+        d_model=16,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        max_position_embeddings=MAX_LEN,
+        pad_token_id=0,
+        eos_token_id=2,
+        forced_eos_token_id=2,
+        decoder_start_token_id=2,
+    )
+    return make_processor(tmp_path / "marian", cfg, bart_tokenizer)
+
+
+def test_marian_encoder_and_decoder_vocabularies(marian: InputProcessor) -> None:
+    """Encoder ids are checked against the source vocabulary, decoder prompt and sampling ids
+    against the decoder's own (smaller) one."""
+    source_only = [1, DECODER_VOCAB, VOCAB - 1, 5, 2]
+    req = marian.process("r", {"prompt_token_ids": source_only}, GREEDY)
+    assert req.encoder_input.token_ids == source_only and req.prompt_token_ids == [2]
+    pair = {
+        "encoder_prompt": {"prompt_token_ids": source_only},
+        "decoder_prompt": {"prompt_token_ids": [DECODER_VOCAB - 1]},
+    }
+    assert marian.process("p", pair, GREEDY).prompt_token_ids == [2, DECODER_VOCAB - 1]
+    cases = [
+        ({"prompt_token_ids": [5, VOCAB]}, GREEDY, rf"encoder vocabulary \[0, {VOCAB}\)"),
+        (
+            {"encoder_prompt": "hi", "decoder_prompt": {"prompt_token_ids": [DECODER_VOCAB]}},
+            GREEDY,
+            rf"{DECODER_VOCAB} in the decoder prompt is outside the decoder vocabulary",
+        ),
+        ("hi", SamplingParams(stop_token_ids=[DECODER_VOCAB]), "stop_token_ids"),
+        ("hi", SamplingParams(allowed_token_ids=[DECODER_VOCAB]), "allowed_token_ids"),
+        ("hi", SamplingParams(suppress_tokens=[DECODER_VOCAB]), "suppress_tokens"),
+    ]
+    for prompt, params, match in cases:
+        with pytest.raises(ValueError, match=match):
+            marian.process("r", prompt, params)
 
 
 def test_encoder_truncation_keeps_first_tokens_and_final_eos(bart: InputProcessor) -> None:

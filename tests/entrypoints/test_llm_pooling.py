@@ -152,3 +152,23 @@ def test_minilm_embeddings_and_cosine_scores() -> None:
             "The new movie is awesome", ["A monkey is playing drums.", "The new movie is so great"]
         )
         assert [r.index for r in ranked] == [1, 0]
+
+
+@pytest.mark.parametrize("multiprocess", [False, True])
+def test_async_scheduling_gives_the_same_results(scorer_dir: str, multiprocess: bool) -> None:
+    """Pipelined steps (launch N+1, then read N) over many steps give the synchronous
+    engine's results, in input order."""
+    texts = [" ".join(["the quick brown fox"] * (1 + i % 7)) for i in range(24)]
+    args = dict(ENGINE_ARGS, max_num_batched_tokens=64, multiprocess=multiprocess)
+    results = []
+    for async_scheduling in (False, True):
+        with LLM(scorer_dir, async_scheduling=async_scheduling, **args) as llm:
+            embeds = llm.embed(texts)
+            scores = llm.score(texts[0], texts)
+            results.append(
+                ([o.outputs.embedding for o in embeds], [s.outputs.score for s in scores])
+            )
+            assert llm.llm_engine.get_stats()["num_requests"] == 0
+    # Equal up to float rounding: steps are composed differently when some run in flight.
+    np.testing.assert_allclose(np.array(results[0][0]), np.array(results[1][0]), atol=1e-6)
+    np.testing.assert_allclose(results[0][1], results[1][1], atol=1e-6)

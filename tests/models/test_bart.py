@@ -594,7 +594,9 @@ LANG_CODE = 300
 LLM_RULES = dict(no_repeat_ngram_size=3, min_length=5, suppress_tokens=[20, 21, 22])
 
 
-def make_llm_checkpoint(path: Path, variant: str) -> tuple[nn.Module, Any, str]:
+def make_llm_checkpoint(
+    path: Path, variant: str, **config_overrides: Any
+) -> tuple[nn.Module, Any, str]:
     """A model folder with the tiny tokenizer (<pad>=0 <s>=1 </s>=2, '<s> text </s>') and a
     generation config with every rule the frontend has to turn into sampling defaults."""
     tokenizer = make_tiny_tokenizer(path, add_bos=True, add_eos=True)
@@ -602,9 +604,8 @@ def make_llm_checkpoint(path: Path, variant: str) -> tuple[nn.Module, Any, str]:
     if variant.startswith("mbart"):
         rules["forced_bos_token_id"] = LANG_CODE
     special = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=2)
-    hf_model, _ = make_checkpoint(
-        path, variant, seed=7, generation=rules, vocab_size=len(tokenizer), **special
-    )
+    overrides = {"vocab_size": len(tokenizer), **special, **config_overrides}
+    hf_model, _ = make_checkpoint(path, variant, seed=7, generation=rules, **overrides)
     return hf_model, tokenizer, str(path)
 
 
@@ -670,3 +671,34 @@ def test_llm_encoder_prompt_over_the_limit(tmp_path: Path) -> None:
     expected = hf_generate(hf_model, [kept, too_long[:10]], max_new_tokens=6)
     assert truncated.outputs[0].token_ids == expected[0][0]
     assert short.outputs[0].token_ids == expected[1][0]
+
+
+def test_llm_marian_encoder_ids_use_the_source_vocabulary(tmp_path: Path) -> None:
+    """Marian with its own, smaller decoder vocabulary: encoder ids past the decoder's
+    vocabulary are valid source tokens, decoder prompt ids are checked against the decoder's."""
+    hf_model, _, path = make_llm_checkpoint(
+        tmp_path, "marian-own-decoder-vocab", tie_word_embeddings=False
+    )
+    source_vocab, target_vocab = hf_model.config.vocab_size, hf_model.config.decoder_vocab_size
+    assert target_vocab < source_vocab
+    rng = np.random.default_rng(10)
+    prompts = [
+        [*rng.integers(target_vocab, source_vocab, size=n).tolist(), 7, EOS] for n in (4, 11)
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    with LLM(path, **LLM_ARGS) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        with pytest.raises(ValueError, match=f"encoder vocabulary \\[0, {source_vocab}\\)"):
+            llm.generate({"prompt_token_ids": [5, source_vocab]}, params, use_tqdm=False)
+        bad_decoder = {
+            "encoder_prompt": {"prompt_token_ids": prompts[0]},
+            "decoder_prompt": {"prompt_token_ids": [target_vocab]},
+        }
+        with pytest.raises(ValueError, match=f"decoder vocabulary \\[0, {target_vocab}\\)"):
+            llm.generate(bad_decoder, params, use_tqdm=False)
+        stats = llm.llm_engine.get_stats()
+    expected = hf_generate(hf_model, prompts, max_new_tokens=8)
+    for i, (output, (tokens, _)) in enumerate(zip(outputs, expected, strict=True)):
+        assert output.encoder_prompt_token_ids == prompts[i]
+        assert output.outputs[0].token_ids == tokens, f"prompt {i}"
+    assert stats["num_kv_requests"] == 0 and stats["num_used_blocks"] == 0

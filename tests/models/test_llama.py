@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, MistralConfig, MistralForCausalLM
 
+from tests.utils import TINY_LLAMA, make_tiny_model_dir
+from v1 import LLM, SamplingParams
 from v1.config import ModelConfig
 from v1.models.llama import LlamaForCausalLM
 from v1.models.loader import construct_model, iterate_weights, load_model
@@ -111,3 +116,62 @@ def test_bfloat16_load(tmp_path) -> None:
     logits = PagedRunner(ours).prefill([PROMPTS[0]])[0]
     assert logits.dtype == torch.float32
     torch.testing.assert_close(logits, hf_logits(hf_model, PROMPTS[0]), atol=0.15, rtol=0.05)
+
+
+# ---- sliding windows: not implemented, so max_model_len is capped at the window ----
+
+WINDOW = 16
+
+
+def test_sliding_window_model_is_exact_inside_the_window_only() -> None:
+    """Full attention equals transformers' windowed attention up to WINDOW tokens (a 10-token
+    prompt and 6 greedy steps) and not beyond: why ModelConfig caps max_model_len there."""
+    hf_model = make_hf_model("mistral", sliding_window=WINDOW)
+    ours = LlamaForCausalLM(hf_model.config)
+    ours.load_weights(hf_model.state_dict().items())
+    prompt = PROMPTS[0][:10]
+    seqs = assert_matches_hf(ours, hf_model, prompts=[prompt], num_decode_steps=5)
+    assert len(seqs[0]) == WINDOW
+    long_prompt = (PROMPTS[0] * 3)[: WINDOW + 8]
+    logits = PagedRunner(ours).prefill([long_prompt])[0]
+    expected = hf_logits(hf_model, long_prompt)
+    torch.testing.assert_close(logits[:WINDOW], expected[:WINDOW], atol=ATOL, rtol=0)
+    assert not torch.allclose(logits[WINDOW:], expected[WINDOW:], atol=ATOL, rtol=0)
+
+
+def test_llm_caps_max_model_len_at_the_sliding_window(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = make_tiny_model_dir(
+        MistralConfig,
+        MistralForCausalLM,
+        tmp_path,
+        **{**TINY_LLAMA, "sliding_window": WINDOW, "initializer_range": 0.2},
+    )
+    hf_model = AutoModelForCausalLM.from_pretrained(path).eval()
+    prompt = [1, *range(40, 49)]  # 10 tokens
+    args = dict(multiprocess=False, device="cpu", block_size=4, num_kv_blocks=16)
+    with pytest.raises(ValueError, match=f"sliding window of {WINDOW}"):
+        LLM(path, max_model_len=2 * WINDOW, **args)
+    with caplog.at_level(logging.WARNING, logger="v1.config"), LLM(path, **args) as llm:
+        assert llm.llm_engine.model_config.effective_max_model_len == WINDOW
+        outputs = llm.generate(
+            [{"prompt_token_ids": prompt}] * 2,
+            [
+                SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),  # cut at WINDOW
+            ],
+            use_tqdm=False,
+        )
+        with pytest.raises(ValueError, match="max_model_len"):
+            llm.generate({"prompt_token_ids": list(range(40, 40 + WINDOW))}, use_tqdm=False)
+    assert any("sliding-window" in r.getMessage() for r in caplog.records)
+    with torch.inference_mode():
+        ids = torch.tensor([prompt])
+        out = hf_model.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=6
+        )
+    expected = out[0, len(prompt) :].tolist()
+    for output in outputs:
+        assert output.outputs[0].token_ids == expected
+        assert output.outputs[0].finish_reason == "length"

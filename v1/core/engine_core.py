@@ -7,6 +7,7 @@ I/O threads, handshake) lives in `v1.core.engine_core_proc`.
 from __future__ import annotations
 
 import gc
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -19,12 +20,16 @@ from v1.core.protocol import (
     now,
 )
 from v1.core.request import Request, RequestStatus
+from v1.core.sched_output import SchedulerOutput
 from v1.core.scheduler import Scheduler
 from v1.kv_cache.sizing import get_kv_cache_config
 from v1.logger import init_logger
 from v1.worker.executor import Executor
 
 logger = init_logger(__name__)
+
+MAX_STEPS_IN_FLIGHT = 2
+"""Pipelined scheduling depth: the step the device runs and the one queued behind it."""
 
 
 class EngineCore:
@@ -51,6 +56,10 @@ class EngineCore:
         self.scheduler = Scheduler(config, self.kv_cache_config)
         self.max_model_len = config.model_config.effective_max_model_len
         self._pending_outputs: list[EngineCoreOutput] = []
+        self._batch_queue: deque[tuple[SchedulerOutput, Any]] | None = (
+            deque() if config.use_async_scheduling else None
+        )
+        """Launched steps not read back yet (pipelined scheduling), oldest first."""
         self._pooling_config = self._load_pooling_config()
         gc.collect()
         gc.freeze()  # start-up objects live forever: keep them out of cyclic GC scans
@@ -135,10 +144,14 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_requests() or bool(self._pending_outputs)
+        return (
+            self.scheduler.has_requests() or bool(self._pending_outputs) or bool(self._batch_queue)
+        )
 
     # ---- the step ----
     def step(self) -> EngineCoreOutputs:
+        if self._batch_queue is not None:
+            return self._step_pipelined(self._batch_queue)
         pending, self._pending_outputs = self._pending_outputs, []
         if not self.scheduler.has_requests():
             if self.scheduler.has_finished_requests:
@@ -157,6 +170,45 @@ class EngineCore:
                 scheduler_output.num_scheduled_tokens, f"{type(e).__name__}: {e}", pending
             )
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs.outputs = pending + outputs.outputs
+        return outputs
+
+    def _step_pipelined(self, queue: deque[tuple[SchedulerOutput, Any]]) -> EngineCoreOutputs:
+        """Keeps up to MAX_STEPS_IN_FLIGHT steps launched: schedule and launch step N+1, then
+        read back step N, so scheduling, input preparation and output handling overlap the
+        device. Only for requests that finish in one step (pooling), whose next step never
+        waits on the previous one's results."""
+        pending, self._pending_outputs = self._pending_outputs, []
+        scheduler = self.scheduler
+        launched = False
+        if len(queue) < MAX_STEPS_IN_FLIGHT and (
+            scheduler.has_unscheduled_requests() or scheduler.has_finished_requests
+        ):
+            so = scheduler.schedule()
+            if so.total_num_scheduled_tokens == 0:
+                self.executor.execute_model(so)  # only lets the runner drop finished requests
+            else:
+                try:
+                    queue.append((so, self.executor.execute_model_async(so)))
+                    launched = True
+                except Exception as e:  # noqa: BLE001 - a failed step fails its requests
+                    logger.exception("model step failed to launch")
+                    return self._fail_step(
+                        so.num_scheduled_tokens, f"{type(e).__name__}: {e}", pending
+                    )
+        if not queue or (
+            launched and len(queue) < MAX_STEPS_IN_FLIGHT and scheduler.has_unscheduled_requests()
+        ):
+            return EngineCoreOutputs(outputs=pending, timestamp=now())  # launch more first
+        so, deferred = queue.popleft()
+        try:
+            runner_output = deferred.get_output()
+        except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the core
+            logger.exception(
+                "model step failed; failing its %d requests", len(so.num_scheduled_tokens)
+            )
+            return self._fail_step(so.num_scheduled_tokens, f"{type(e).__name__}: {e}", pending)
+        outputs = scheduler.update_from_output(so, runner_output)
         outputs.outputs = pending + outputs.outputs
         return outputs
 

@@ -7,7 +7,7 @@ The runner keeps everything else (its own sampled tokens included) in its persis
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from v1.core.protocol import EncoderInput
 from v1.pooling_params import PoolingParams
@@ -82,3 +82,21 @@ class ModelRunnerOutput:
     """Encoder inputs run this step (for stats and tests)."""
     extras: dict[str, dict[str, Any]] = field(default_factory=dict)
     """req_id -> model-specific per-request results (e.g. Whisper no_speech_prob)."""
+
+
+class DeferredRunnerOutput(Protocol):
+    """A launched step whose results are not read back yet (pipelined scheduling)."""
+
+    def get_output(self) -> ModelRunnerOutput:
+        """Waits for the step and returns its output (raises what the step raised)."""
+        ...
+
+
+@dataclass
+class ReadyRunnerOutput:
+    """A DeferredRunnerOutput of a step that already finished (synchronous executors)."""
+
+    output: ModelRunnerOutput
+
+    def get_output(self) -> ModelRunnerOutput:
+        return self.output

@@ -123,6 +123,12 @@ class Scheduler:
     def has_requests(self) -> bool:
         return bool(self.running) or len(self.waiting) > 0
 
+    def has_unscheduled_requests(self) -> bool:
+        """Some request has tokens not yet scheduled (not every running one is in flight)."""
+        return len(self.waiting) > 0 or any(
+            r.num_computed_tokens < r.num_tokens for r in self.running
+        )
+
     @property
     def has_finished_requests(self) -> bool:
         return bool(self.finished_req_ids)
@@ -140,6 +146,8 @@ class Scheduler:
             if request in preempted:
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget.tokens)
+            if num_new == 0 and request.is_pooling:
+                continue  # its one step is in flight (pipelined scheduling)
             assert num_new > 0, request
             while True:
                 new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)

@@ -161,6 +161,8 @@ class InputProcessor:
     Encoder inputs longer than the model allows are an error unless truncate_prompt_tokens is set;
     then the FIRST tokens are kept and a final special token (EOS / [SEP]) stays last, like the
     tokenizer's own `truncation=True`.
+    Encoder token ids are checked against the encoder's vocabulary; decoder prompts and sampling
+    token ids against the decoder's (Marian's decoder may have a vocabulary of its own).
     """
 
     def __init__(
@@ -174,6 +176,7 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.kind = model_config.kind
         self.vocab_size = model_config.vocab_size
+        self.encoder_vocab_size = model_config.encoder_vocab_size
         self.max_model_len = model_config.effective_max_model_len
         self.max_encoder_len = model_config.max_encoder_len
         self.pooling_config: Any = None
@@ -327,7 +330,9 @@ class InputProcessor:
 
     # ---- prompts per model kind ----
     def _decoder_only_input(self, prompt: Any, truncate: int | None) -> list[int]:
-        ids, _ = self._singleton(prompt, add_special_tokens=True, what="prompt")
+        ids, _ = self._singleton(
+            prompt, add_special_tokens=True, what="prompt", vocab_size=self.vocab_size
+        )
         if truncate is not None and len(ids) > truncate:
             ids = ids[-truncate:]
         return ids
@@ -343,11 +348,21 @@ class InputProcessor:
             enc_prompt, dec_prompt = prompt, None
         if isinstance(enc_prompt, dict) and "encoder_prompt" in enc_prompt:
             raise ValueError("an encoder_prompt cannot itself be an encoder/decoder pair")
-        enc_ids, _ = self._singleton(enc_prompt, add_special_tokens=True, what="encoder prompt")
+        enc_ids, _ = self._singleton(
+            enc_prompt,
+            add_special_tokens=True,
+            what="encoder prompt",
+            vocab_size=self.encoder_vocab_size,
+        )
         enc_ids, _ = self._fit_encoder(enc_ids, None, truncate)
         dec_ids = [start]
         if dec_prompt is not None:
-            ids, _ = self._singleton(dec_prompt, add_special_tokens=False, what="decoder prompt")
+            ids, _ = self._singleton(
+                dec_prompt,
+                add_special_tokens=False,
+                what="decoder prompt",
+                vocab_size=self.vocab_size,
+            )
             dec_ids = ids if ids[0] == start else [start, *ids]
         return enc_ids, dec_ids
 
@@ -363,7 +378,9 @@ class InputProcessor:
         elif isinstance(prompt, dict) and "encoder_prompt" in prompt:
             raise ValueError("encoder/decoder prompt pairs need an encoder-decoder model")
         else:
-            ids, type_ids = self._singleton(prompt, add_special_tokens=True, what="input")
+            ids, type_ids = self._singleton(
+                prompt, add_special_tokens=True, what="input", vocab_size=self.encoder_vocab_size
+            )
         if type_ids is not None:
             limit = getattr(self.model_config.hf_config, "type_vocab_size", 2)
             if len(type_ids) != len(ids) or any(not 0 <= t < limit for t in type_ids):
@@ -375,16 +392,18 @@ class InputProcessor:
 
     # ---- shared pieces ----
     def _singleton(
-        self, prompt: Any, *, add_special_tokens: bool, what: str
+        self, prompt: Any, *, add_special_tokens: bool, what: str, vocab_size: int
     ) -> tuple[list[int], list[int] | None]:
-        """Token ids (and token type ids) of a string, TextPrompt or TokensPrompt."""
+        """Token ids (and token type ids) of a string, TextPrompt or TokensPrompt; token ids
+        must be inside `vocab_size` (the encoder's vocabulary for encoder inputs: Marian's
+        decoder may have a smaller one of its own)."""
         if isinstance(prompt, str):
             text = _check_text(prompt, what)
             enc = self.tokenizer(text, add_special_tokens=add_special_tokens)
             ids, type_ids = list(enc["input_ids"]), _opt_list(enc.get("token_type_ids"))
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             _check_keys(prompt)
-            ids = self._check_token_ids(prompt["prompt_token_ids"], what)
+            ids = self._check_token_ids(prompt["prompt_token_ids"], what, vocab_size)
             type_ids = _opt_list(prompt.get("token_type_ids"))
             if type_ids is not None and self.kind != ModelKind.ENCODER_ONLY:
                 raise ValueError("token_type_ids are only accepted by encoder-only models")
@@ -393,7 +412,10 @@ class InputProcessor:
             if prompt.get("multi_modal_data") is not None:
                 raise self._audio_error()
             return self._singleton(
-                prompt["prompt"], add_special_tokens=add_special_tokens, what=what
+                prompt["prompt"],
+                add_special_tokens=add_special_tokens,
+                what=what,
+                vocab_size=vocab_size,
             )
         elif isinstance(prompt, dict) and "multi_modal_data" in prompt:
             raise self._audio_error()
@@ -412,22 +434,29 @@ class InputProcessor:
             f"{self.model_config.architecture}"
         )
 
-    def _check_token_ids(self, ids: Any, what: str) -> list[int]:
+    def _check_token_ids(self, ids: Any, what: str, vocab_size: int) -> list[int]:
         if not isinstance(ids, (list, tuple)):
             raise ValueError(f"prompt_token_ids of the {what} must be a list of ints")
         if not ids:
             raise ValueError(f"the {what} is empty (prompt_token_ids=[])")
         # Fast path (C speed): all plain ints inside the vocabulary.
-        if all(type(t) is int for t in ids) and min(ids) >= 0 and max(ids) < self.vocab_size:
+        if set(map(type, ids)) == _INT_TYPE and min(ids) >= 0 and max(ids) < vocab_size:
             return list(ids)
         for t in ids:
             if isinstance(t, bool) or not isinstance(t, int):
                 raise ValueError(f"prompt_token_ids of the {what} must be ints, got {t!r}")
-            if not 0 <= t < self.vocab_size:
+            if not 0 <= t < vocab_size:
                 raise ValueError(
-                    f"token id {t} in the {what} is outside the vocabulary [0, {self.vocab_size})"
+                    f"token id {t} in the {what} is outside the {self._vocab_name(vocab_size)} "
+                    f"[0, {vocab_size})"
                 )
         return list(ids)
+
+    def _vocab_name(self, vocab_size: int) -> str:
+        if self.encoder_vocab_size == self.vocab_size:
+            return "vocabulary"
+        side = "encoder" if vocab_size == self.encoder_vocab_size else "decoder"
+        return f"{side} vocabulary"
 
     def _fit_encoder(
         self,
@@ -474,6 +503,9 @@ def make_encoder_input(token_ids: list[int]) -> EncoderInput:
         content_hash=hashlib.sha256(data).hexdigest(),
         token_ids=list(token_ids),
     )
+
+
+_INT_TYPE = {int}
 
 
 def _check_keys(prompt: dict[str, Any]) -> None:

@@ -274,17 +274,18 @@ class LLM:
                 if len(prompts) == 1:
                     raise
                 raise ValueError(f"prompt {i}: {e}") from e
-        queued: list[str] = []
+        feed = _Feed(engine, list(zip(req_ids, prompts, params, processed, strict=True)))
+        # Requests enter the engine a window at a time so that adding them overlaps the
+        # device's work (pipelined steps); with priorities every request must compete at once.
+        window = (
+            len(req_ids) if priority is not None else 2 * self.config.scheduler_config.max_num_seqs
+        )
         try:
-            for req_id, prompt, p, core_requests in zip(
-                req_ids, prompts, params, processed, strict=True
-            ):
-                engine.add_processed_request(req_id, prompt, p, core_requests)
-                queued.append(req_id)
+            feed.top_up(window)
         except BaseException:
-            engine.abort_request(queued)
+            engine.abort_request(feed.added)
             raise
-        outputs = self._run_engine(set(req_ids), use_tqdm and len(prompts) > 1)
+        outputs = self._run_engine(set(req_ids), use_tqdm and len(prompts) > 1, feed, window)
         ordered = [outputs[r] for r in req_ids]
         failed = [(i, o.error) for i, o in enumerate(ordered) if o.error is not None]
         if failed:
@@ -292,13 +293,16 @@ class LLM:
             raise RequestFailedError(f"{len(failed)} request(s) failed: {details}", ordered)
         return ordered
 
-    def _run_engine(self, req_ids: set[str], use_tqdm: bool) -> dict[str, Any]:
+    def _run_engine(
+        self, req_ids: set[str], use_tqdm: bool, feed: _Feed, window: int
+    ) -> dict[str, Any]:
         outputs: dict[str, RequestOutput | PoolingRequestOutput] = {}
         bar = tqdm(
             total=len(req_ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm
         )
         try:
             while len(outputs) < len(req_ids):
+                feed.top_up(window - (len(feed.added) - len(outputs)))
                 if not self.llm_engine.has_unfinished_requests():
                     missing = sorted(req_ids - outputs.keys())
                     raise RuntimeError(f"requests {missing} ended without an output")
@@ -307,11 +311,29 @@ class LLM:
                         outputs[out.request_id] = out
                         bar.update(1)
         except BaseException:
-            self.llm_engine.abort_request(sorted(req_ids - outputs.keys()))
+            self.llm_engine.abort_request(sorted(set(feed.added) - outputs.keys()))
             raise
         finally:
             bar.close()
         return outputs
+
+
+class _Feed:
+    """Validated requests not yet handed to the engine, added in order a few at a time."""
+
+    def __init__(self, engine: LLMEngine, items: list[tuple[str, Any, Any, Any]]) -> None:
+        self.engine = engine
+        self.items = items
+        self.next = 0
+        self.added: list[str] = []
+
+    def top_up(self, count: int) -> None:
+        """Adds up to `count` more requests."""
+        stop = min(len(self.items), self.next + max(count, 0))
+        for req_id, prompt, params, core_requests in self.items[self.next : stop]:
+            self.engine.add_processed_request(req_id, prompt, params, core_requests)
+            self.added.append(req_id)
+        self.next = stop
 
 
 def _as_list(prompts: Any) -> list[Any]:

@@ -2,7 +2,8 @@
 
 Pre-norm blocks of GQA attention with RoPE and a SwiGLU MLP, RMSNorm throughout. Qwen2 adds a
 bias to q/k/v; Llama's `attention_bias`/`mlp_bias` add them everywhere. q/k/v and gate/up are
-fused at load time (see `packed_modules_mapping`).
+fused at load time (see `packed_modules_mapping`). Sliding windows (Mistral, Qwen2) are not
+applied: ModelConfig caps max_model_len at the window, inside which full attention is the same.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import torch
 from torch import nn
 
 from v1.attention.layer import Attention
-from v1.logger import init_logger
 from v1.models.layers.activation import SiluAndMul
 from v1.models.layers.embedding import LMHead, VocabEmbedding
 from v1.models.layers.linear import MergedColumnLinear, QKVLinear, RowLinear
@@ -22,17 +22,9 @@ from v1.models.layers.norm import RMSNorm
 from v1.models.layers.rotary import get_rope
 from v1.models.utils import load_weights_into
 
-logger = init_logger(__name__)
-
 
 def _head_dim(cfg: Any) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-
-
-def _sliding_window(cfg: Any) -> int | None:
-    if cfg.model_type == "qwen2" and not getattr(cfg, "use_sliding_window", False):
-        return None
-    return getattr(cfg, "sliding_window", None)
 
 
 class LlamaAttention(nn.Module):
@@ -140,14 +132,6 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, hf_config: Any, prefix: str = "") -> None:
         super().__init__()
         self.config = hf_config
-        window = _sliding_window(hf_config)
-        if window is not None and window < hf_config.max_position_embeddings:
-            logger.warning(
-                "sliding_window=%d is not applied: attention is exact for sequences up to %d "
-                "tokens and full (not windowed) beyond",
-                window,
-                window,
-            )
         model_prefix = f"{prefix}.model" if prefix else "model"
         self.model = LlamaModel(hf_config, prefix=model_prefix)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))

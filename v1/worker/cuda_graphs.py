@@ -1,9 +1,9 @@
-"""CUDA graphs for uniform decode steps (every request schedules one token).
+"""CUDA graphs for decoder steps whose queries are all short: decode steps, first steps of short
+prompts (Whisper's 3-4 tokens) and small prefill chunks, alone or mixed in one batch.
 
-Graphs are captured for padded batch sizes over static input and metadata buffers; a step
-copies its inputs into the buffers (padding rows get seq_len 0 and slot -1, so they neither
-read nor write the cache) and replays the smallest graph that fits. Needs a backend whose
-kernels take all step data from device buffers (Triton).
+A graph per padded token count T runs over static buffers; it serves any step of at most T
+tokens whose queries are at most `max_query_len` (the Triton decode block) long, so every request
+is one kernel work item and the work items are the constants (request i, block 0) for i < T.
 """
 
 from __future__ import annotations
@@ -23,102 +23,222 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
+MAX_GRAPH_TOKENS = 512
+"""Largest graph: a full decode batch plus a few new requests' first steps."""
 
-def capture_sizes(max_batch: int) -> list[int]:
-    sizes = [s for s in (1, 2, 4) if s < max_batch] + list(range(8, max_batch, 8))
-    return sorted(set(sizes + [max_batch]))
+
+def capture_sizes(max_tokens: int) -> list[int]:
+    """1, 2, 4, every 8 below 256, every 16 from 256 (vLLM's sizes), and `max_tokens`."""
+    sizes = [s for s in (1, 2, 4) if s < max_tokens]
+    sizes += list(range(8, min(max_tokens, 256), 8)) + list(range(256, max_tokens, 16))
+    return sorted(set(sizes + [max_tokens]))
+
+
+def graph_max_tokens(max_num_reqs: int, max_num_batched_tokens: int, max_query_len: int) -> int:
+    """No step has more tokens than the budget, and a graphed step has at most
+    `max_query_len` tokens for each of at most `max_num_reqs` requests."""
+    return min(max_num_batched_tokens, max_query_len * max_num_reqs, MAX_GRAPH_TOKENS)
+
+
+def padded(values: np.ndarray, size: int, fill: int, dtype: type) -> np.ndarray:
+    """`values` followed by `fill` up to `size` entries (graph buffers for padding rows)."""
+    out = np.full(size, fill, dtype=dtype)
+    out[: len(values)] = values
+    return out
+
+
+def graph_query_start_loc(query_start_loc: np.ndarray, size: int) -> np.ndarray:
+    """[size + 1] int32 offsets of `size` requests over `size` token rows: the real requests,
+    then one single-token request per padding row (seq_len 0: the kernel writes zeros there,
+    so padding rows hold no stale values), then empty requests."""
+    num_tokens = int(query_start_loc[-1])
+    out = np.full(size + 1, size, dtype=np.int32)
+    out[: len(query_start_loc)] = query_start_loc
+    pad_end = len(query_start_loc) + size - num_tokens
+    out[len(query_start_loc) : pad_end] = np.arange(num_tokens + 1, size + 1)
+    return out
+
+
+def static_common(
+    size: int,
+    buffers: dict[str, torch.Tensor | None],
+    max_query_len: int,
+    causal: bool,
+    max_seq_len: int,
+) -> CommonAttentionMetadata:
+    """The metadata a graph of `size` tokens is captured with: device tensors are `size`-row
+    views of the static buffers (query_start_loc, seq_lens, block_table, slot_mapping,
+    positions); the host copies describe one token per request, so the builder makes exactly
+    one work item per request whatever the replayed query lengths (each <= max_query_len)."""
+    slot_mapping = buffers["slot_mapping"]
+    return CommonAttentionMetadata(
+        query_start_loc=buffers["query_start_loc"][: size + 1],
+        query_start_loc_cpu=torch.arange(size + 1, dtype=torch.int32),
+        seq_lens=buffers["seq_lens"][:size],
+        seq_lens_cpu=torch.ones(size, dtype=torch.int32),
+        num_reqs=size,
+        num_actual_tokens=size,
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
+        causal=causal,
+        block_table=buffers["block_table"][:size],
+        slot_mapping=None if slot_mapping is None else slot_mapping[:size],
+        query_positions=buffers["positions"][:size],
+    )
+
+
+def check_static_work(metadata: Any, size: int, max_query_len: int) -> None:
+    """Replays reuse the work items built at capture: one per request, `max_query_len` rows."""
+    work, block_m = getattr(metadata, "work", None), getattr(metadata, "block_m", None)
+    if work is None or block_m != max_query_len or work[0].numel() != size:
+        raise RuntimeError(
+            f"CUDA graphs need one work item of {max_query_len} query rows per request; the "
+            f"backend built {None if work is None else work[0].numel()} of {block_m} for {size}"
+        )
 
 
 class CudaGraphManager:
-    def __init__(self, runner: ModelRunner, max_batch: int) -> None:
+    """Captures one graph per size in `sizes` (one shared memory pool) and replays decoder
+    steps on them; the model states ask `can_run` first and run the others eagerly."""
+
+    def __init__(self, runner: ModelRunner, max_tokens: int, max_query_len: int) -> None:
         self.runner = runner
-        self.sizes = capture_sizes(max_batch)
-        self.max_batch = max_batch
+        self.max_tokens = max_tokens
+        self.max_query_len = max_query_len
+        self.sizes = capture_sizes(max_tokens)
         device = runner.device
-        self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self.positions = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
-        self.seq_lens = []
-        self.block_tables = []
-        self.slot_mappings = []
-        for table in runner.input_batch.block_tables:
-            self.seq_lens.append(torch.zeros(max_batch, dtype=torch.int32, device=device))
+        self.input_ids = torch.zeros(max_tokens, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_tokens, dtype=torch.long, device=device)
+        self.query_start_loc = torch.arange(max_tokens + 1, dtype=torch.int32, device=device)
+        self.seq_lens: list[torch.Tensor] = []
+        self.block_tables: list[torch.Tensor] = []
+        self.slot_mappings: list[torch.Tensor | None] = []
+        """Per KV group (cross groups write nothing in a graphed step: None)."""
+        tables = runner.input_batch.block_tables
+        for table, attn_type in zip(tables, runner.group_types, strict=True):
+            self.seq_lens.append(torch.zeros(max_tokens, dtype=torch.int32, device=device))
             self.block_tables.append(
-                torch.zeros((max_batch, table.table.shape[1]), dtype=torch.int32, device=device)
+                torch.zeros((max_tokens, table.table.shape[1]), dtype=torch.int32, device=device)
             )
-            self.slot_mappings.append(torch.full((max_batch,), -1, dtype=torch.long, device=device))
+            self.slot_mappings.append(
+                torch.full((max_tokens,), -1, dtype=torch.long, device=device)
+                if attn_type == AttentionType.DECODER
+                else None
+            )
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, dict[str, Any]]] = {}
         self.pool = None
+        self.num_replays = 0
+        self.num_mixed_replays = 0
+        """Replays of steps with a query longer than one token (first steps, chunks)."""
+        self.num_eager_steps = 0
+        """Decoder steps `can_run` turned down."""
+
+    @classmethod
+    def create(cls, runner: ModelRunner) -> CudaGraphManager:
+        """Sized for the runner's scheduler limits and the Triton kernel's decode block."""
+        from v1.attention.backends.triton import DECODE_BLOCK_M
+
+        budget = runner.config.scheduler_config.max_num_batched_tokens
+        max_tokens = graph_max_tokens(runner.max_num_reqs, budget, DECODE_BLOCK_M)
+        return cls(runner, max_tokens, DECODE_BLOCK_M)
 
     # ---- capture ----
-    def _metadata(self, batch: int) -> dict[str, Any]:
+    def _metadata(self, size: int) -> dict[str, Any]:
         runner = self.runner
         out: dict[str, Any] = {}
         for i, attn_type in enumerate(runner.group_types):
-            decoder = attn_type == AttentionType.DECODER
-            common = CommonAttentionMetadata(
-                query_start_loc=self.query_start_loc[: batch + 1],
-                query_start_loc_cpu=torch.arange(batch + 1, dtype=torch.int32),
-                seq_lens=self.seq_lens[i][:batch],
-                seq_lens_cpu=torch.ones(batch, dtype=torch.int32),
-                num_reqs=batch,
-                num_actual_tokens=batch,
-                max_query_len=1,
-                max_seq_len=self.block_tables[i].shape[1] * runner.block_size,
-                causal=decoder,
-                block_table=self.block_tables[i][:batch],
-                slot_mapping=self.slot_mappings[i][:batch] if decoder else None,
-                query_positions=self.positions[:batch],
-            )
-            out.update(dict.fromkeys(runner.group_layers[i], runner.builders[i].build(common)))
+            buffers = {
+                "query_start_loc": self.query_start_loc,
+                "seq_lens": self.seq_lens[i],
+                "block_table": self.block_tables[i],
+                "slot_mapping": self.slot_mappings[i],
+                "positions": self.positions,
+            }
+            max_seq_len = self.block_tables[i].shape[1] * runner.block_size
+            causal = attn_type == AttentionType.DECODER
+            common = static_common(size, buffers, self.max_query_len, causal, max_seq_len)
+            metadata = runner.builders[i].build(common)
+            check_static_work(metadata, size, self.max_query_len)
+            out.update(dict.fromkeys(runner.group_layers[i], metadata))
         return out
 
-    def _forward(self, batch: int, metadata: dict[str, Any]) -> torch.Tensor:
+    def _forward(self, size: int, metadata: dict[str, Any]) -> torch.Tensor:
         with set_forward_context(ForwardContext(metadata)):
-            return self.runner.state.decode_forward(self.input_ids[:batch], self.positions[:batch])
+            return self.runner.state.decode_forward(self.input_ids[:size], self.positions[:size])
 
     @torch.inference_mode()
     def capture(self) -> None:
-        for table in self.seq_lens:
-            table.zero_()
-        for batch in reversed(self.sizes):
-            metadata = self._metadata(batch)
-            self._forward(batch, metadata)  # warm-up: Triton compiles outside the capture
+        # Every request reads and writes nothing while capturing: seq_len 0, slot -1.
+        for lens in self.seq_lens:
+            lens.zero_()
+        for size in reversed(self.sizes):
+            metadata = self._metadata(size)
+            self._forward(size, metadata)  # warm-up: Triton compiles outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                output = self._forward(batch, metadata)
+                output = self._forward(size, metadata)
             if self.pool is None:
                 self.pool = graph.pool()
-            self.graphs[batch] = (graph, output, metadata)
-        logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
+            self.graphs[size] = (graph, output, metadata)
+        logger.info(
+            "captured CUDA graphs for %d token counts up to %d (queries up to %d tokens)",
+            len(self.sizes),
+            self.max_tokens,
+            self.max_query_len,
+        )
 
     # ---- replay ----
     def can_run(self, step: StepInputs, so: SchedulerOutput) -> bool:
-        # Cross-K/V writes of first steps run in their own pre-step, so they need no exclusion.
-        return len(step.req_ids) <= self.max_batch and step.num_tokens == len(step.req_ids)
+        """Whether a graph serves this decoder step (cross-K/V writes of first steps run in
+        their own pre-step, so they exclude nothing). Called once per decoder step."""
+        fits = (
+            step.num_tokens <= self.max_tokens
+            and int(step.num_scheduled.max(initial=0)) <= self.max_query_len
+        )
+        if not fits:
+            self.num_eager_steps += 1
+        return fits
 
     def run(self, step: StepInputs) -> torch.Tensor:
+        """Replays the smallest graph that fits; hidden states of the real tokens [T, H]."""
+        size = self.prepare(step)
+        graph, output, _ = self.graphs[size]
+        graph.replay()
+        self.num_replays += 1
+        if step.num_tokens > len(step.req_ids):
+            self.num_mixed_replays += 1
+        return output[: step.num_tokens]
+
+    def prepare(self, step: StepInputs) -> int:
+        """Copies the step into the static buffers of the smallest graph that fits and returns
+        its size. Padding requests get seq_len 0 and padding tokens slot -1: they read and write
+        no cache. Padding tokens keep stale ids and positions, which are valid (they were real
+        once, or zeros)."""
         runner = self.runner
-        num = len(step.req_ids)
-        batch = next(s for s in self.sizes if s >= num)
-        graph, output, _ = self.graphs[batch]
-        self.input_ids[:num].copy_(step.input_ids)
-        self.positions[:num].copy_(step.positions)
-        self.input_ids[num:batch].zero_()
-        self.positions[num:batch].zero_()
+        num_tokens, num_reqs = step.num_tokens, len(step.req_ids)
+        size = next(s for s in self.sizes if s >= num_tokens)
+        self.input_ids[:num_tokens].copy_(step.input_ids, non_blocking=True)
+        self.positions[:num_tokens].copy_(step.positions, non_blocking=True)
+        qsl = graph_query_start_loc(step.query_start_loc, size)
+        self._copy(self.query_start_loc[: size + 1], qsl)
+        batch = runner.input_batch
         for i, attn_type in enumerate(runner.group_types):
-            table = runner.input_batch.block_tables[i]
+            table = batch.block_tables[i]
             if attn_type == AttentionType.DECODER:
                 lens = step.seq_lens
                 slots = table.slot_mapping(step.token_slots, step.positions_np)
-                self.slot_mappings[i][:num].copy_(torch.from_numpy(slots), non_blocking=True)
-                self.slot_mappings[i][num:batch].fill_(-1)
+                self._copy(self.slot_mappings[i][:size], padded(slots, size, -1, np.int64))
             else:
-                lens = runner.input_batch.num_encoder_tokens[step.slots]
-            rows = table.table[step.slots]
-            self.seq_lens[i][:num].copy_(torch.from_numpy(lens.astype(np.int32)), non_blocking=True)
-            self.seq_lens[i][num:batch].zero_()
-            self.block_tables[i][:num].copy_(torch.from_numpy(rows), non_blocking=True)
-        graph.replay()
-        return output[:num]
+                lens = batch.num_encoder_tokens[step.slots]
+            self._copy(self.seq_lens[i][:size], padded(lens, size, 0, np.int32))
+            # Columns past the widest row this step are never read (as in BlockTable.rows).
+            width = max(int(table.num_blocks[step.slots].max(initial=1)), 1)
+            self._copy(self.block_tables[i][:num_reqs, :width], table.table[step.slots, :width])
+        return size
+
+    def _copy(self, dst: torch.Tensor, array: np.ndarray) -> None:
+        src = torch.from_numpy(np.ascontiguousarray(array))
+        if dst.device.type == "cuda":
+            src = src.pin_memory()  # non_blocking from pageable memory may wait for the stream
+        dst.copy_(src, non_blocking=True)

@@ -9,7 +9,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
-from v1.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from v1.core.sched_output import (
+    DeferredRunnerOutput,
+    ModelRunnerOutput,
+    ReadyRunnerOutput,
+    SchedulerOutput,
+)
 from v1.kv_cache.spec import KVCacheConfig, KVCacheSpec
 
 if TYPE_CHECKING:
@@ -30,6 +35,11 @@ class Executor(ABC):
 
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> DeferredRunnerOutput:
+        """Launches a step and returns before it finishes (pipelined scheduling); executors
+        that cannot defer run it now."""
+        return ReadyRunnerOutput(self.execute_model(scheduler_output))
 
     def collective_rpc(self, method: str, *args: Any) -> Any:
         raise ValueError(f"{type(self).__name__} has no worker method {method!r}")
@@ -58,6 +68,9 @@ class UniProcExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> DeferredRunnerOutput:
+        return self.worker.execute_model_async(scheduler_output)
 
     def collective_rpc(self, method: str, *args: Any) -> Any:
         return getattr(self.worker, method)(*args)

@@ -14,7 +14,12 @@ from v1.attention.backend import AttentionType, CommonAttentionMetadata
 from v1.attention.layer import Attention
 from v1.attention.selector import default_backend_name, load_backend, use_backend
 from v1.config import EngineConfig, ModelKind
-from v1.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from v1.core.sched_output import (
+    DeferredRunnerOutput,
+    ModelRunnerOutput,
+    ReadyRunnerOutput,
+    SchedulerOutput,
+)
 from v1.kv_cache.spec import (
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
@@ -132,7 +137,7 @@ class ModelRunner:
         if self.use_cuda_graphs:
             from v1.worker.cuda_graphs import CudaGraphManager
 
-            self.cuda_graphs = CudaGraphManager(self, min(self.max_num_reqs, 256))
+            self.cuda_graphs = CudaGraphManager.create(self)
             self.cuda_graphs.capture()
 
     @property
@@ -152,6 +157,16 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         step = self._prepare_inputs(scheduler_output)
         return self.state.execute(step, scheduler_output)
+
+    @torch.inference_mode()
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> DeferredRunnerOutput:
+        """Launches the step without waiting for it (pipelined scheduling): everything here
+        is enqueued on the device stream, so the next step can be prepared meanwhile."""
+        self._update_states(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return ReadyRunnerOutput(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
+        step = self._prepare_inputs(scheduler_output)
+        return self.state.execute_async(step, scheduler_output)
 
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.input_batch
@@ -217,9 +232,10 @@ class ModelRunner:
         num_reqs = len(seq_lens)
         query_lens = np.diff(query_start_loc)
         return CommonAttentionMetadata(
-            query_start_loc=qsl_cpu.to(self.device),
+            # non_blocking: a blocking host-to-device copy would wait for the whole stream.
+            query_start_loc=qsl_cpu.to(self.device, non_blocking=True),
             query_start_loc_cpu=qsl_cpu,
-            seq_lens=seq_cpu.to(self.device),
+            seq_lens=seq_cpu.to(self.device, non_blocking=True),
             seq_lens_cpu=seq_cpu,
             num_reqs=num_reqs,
             num_actual_tokens=int(query_start_loc[-1]),

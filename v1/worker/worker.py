@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from v1.config import EngineConfig
-from v1.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from v1.core.sched_output import DeferredRunnerOutput, ModelRunnerOutput, SchedulerOutput
 from v1.kv_cache.spec import KVCacheConfig, KVCacheSpec
 from v1.logger import init_logger
 from v1.worker.model_runner import ModelRunner
@@ -43,6 +43,9 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> DeferredRunnerOutput:
+        return self.model_runner.execute_model_async(scheduler_output)
 
     def shutdown(self) -> None:
         self.model_runner.shutdown()

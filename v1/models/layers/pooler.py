@@ -41,7 +41,13 @@ class PoolingSegments:
         token_req = torch.repeat_interleave(
             torch.arange(len(lengths_t)), lengths_t, output_size=num_tokens
         )
-        return cls(qsl.to(device), lengths_t.to(device), token_req.to(device), lengths_t.tolist())
+        # non_blocking: no stream sync, so a pipelined step can be prepared while one runs.
+        return cls(
+            qsl.to(device, non_blocking=True),
+            lengths_t.to(device, non_blocking=True),
+            token_req.to(device, non_blocking=True),
+            lengths_t.tolist(),
+        )
 
     @property
     def num_reqs(self) -> int:
@@ -134,6 +140,12 @@ class Pooler:
         self, hidden: torch.Tensor, seg: PoolingSegments, params: list[PoolingParams]
     ) -> list[np.ndarray]:
         """Every request's result, in `params` order; params must have passed `check`."""
+        return self.launch(hidden, seg, params).result()
+
+    def launch(
+        self, hidden: torch.Tensor, seg: PoolingSegments, params: list[PoolingParams]
+    ) -> PendingPooledOutput:
+        """Enqueues the pooling and the copy of its results to the host; no host sync."""
         results: list[torch.Tensor | None] = [None] * len(params)
         by_task: dict[str, list[int]] = {}
         for i, p in enumerate(params):
@@ -147,7 +159,7 @@ class Pooler:
             tokens = hidden.float().split(seg.lengths_cpu)
             for i in by_task["encode"]:
                 results[i] = l2_normalize(tokens[i]) if params[i].normalize else tokens[i]
-        return _to_numpy(results)
+        return PendingPooledOutput(results)
 
     def _embed(
         self,
@@ -164,7 +176,9 @@ class Pooler:
             key = (params[i].dimensions, self.config.normalize if normalize is None else normalize)
             groups.setdefault(key, []).append(i)
         for (dims, normalize), idx in groups.items():
-            x = pooled[idx] if dims is None else pooled[idx, :dims]
+            # Row selection by a device index (a Python list index would copy it synchronously).
+            x = pooled if len(idx) == len(pooled) else pooled[_device_index(idx, pooled.device)]
+            x = x if dims is None else x[:, :dims]
             x = l2_normalize(x) if normalize else x
             for row, i in enumerate(idx):
                 results[i] = x[row]
@@ -178,7 +192,7 @@ class Pooler:
         results: list[torch.Tensor | None],
     ) -> None:
         assert self.classify is not None
-        first = seg.first_token_indices[reqs]
+        first = seg.first_token_indices[_device_index(reqs, hidden.device)]
         logits = self.classify(hidden[first]).float()  # [N, num_labels]
         activated = apply_classifier_activation(logits, self.config.classifier_activation)
         for row, i in enumerate(reqs):
@@ -186,15 +200,42 @@ class Pooler:
             results[i] = activated[row] if use_act else logits[row]
 
 
-def _to_numpy(results: list[torch.Tensor | None]) -> list[np.ndarray]:
-    """Device tensors -> float32 numpy arrays with one device-to-host copy."""
-    assert all(r is not None for r in results)
-    if not results:
-        return []
-    flat = torch.cat([r.reshape(-1) for r in results]).float().cpu().numpy()  # sync: one copy
-    out, start = [], 0
-    for r in results:
-        n = r.numel()
-        out.append(flat[start : start + n].reshape(tuple(r.shape)))
-        start += n
-    return out
+def _device_index(rows: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+
+
+class PendingPooledOutput:
+    """One step's pooled results on their way to the host: concatenated and copied into pinned
+    memory with one non-blocking copy when created; `result()` waits for that copy only."""
+
+    def __init__(self, results: list[torch.Tensor | None]) -> None:
+        assert all(r is not None for r in results)
+        self._shapes = [tuple(r.shape) for r in results]
+        self._event: torch.cuda.Event | None = None
+        self._host: torch.Tensor | None = None
+        if not results:
+            return
+        flat = torch.cat([r.reshape(-1) for r in results]).float()
+        if flat.is_cuda:
+            self._host = torch.empty(flat.shape, dtype=torch.float32, pin_memory=True)
+            self._host.copy_(flat, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = flat.cpu()
+
+    def result(self) -> list[np.ndarray]:
+        """float32 numpy arrays, one per request, in launch order."""
+        if self._host is None:
+            return []
+        if self._event is not None:
+            self._event.synchronize()  # sync: the step's pooled outputs reach the host
+        # A copy: the pinned buffer goes back to torch's host cache instead of living as
+        # long as the caller keeps the arrays.
+        flat = self._host.numpy().copy() if self._event is not None else self._host.numpy()
+        out, start = [], 0
+        for shape in self._shapes:
+            n = int(np.prod(shape))
+            out.append(flat[start : start + n].reshape(shape))
+            start += n
+        return out

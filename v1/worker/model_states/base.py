@@ -7,7 +7,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from v1.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from v1.core.sched_output import (
+    DeferredRunnerOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    ReadyRunnerOutput,
+    SchedulerOutput,
+)
 from v1.forward_context import ForwardContext, set_forward_context
 from v1.worker.input_batch import CachedRequestState
 
@@ -35,6 +41,11 @@ class ModelState:
 
     def execute(self, step: StepInputs, so: SchedulerOutput) -> ModelRunnerOutput:
         raise NotImplementedError
+
+    def execute_async(self, step: StepInputs, so: SchedulerOutput) -> DeferredRunnerOutput:
+        """Launch the step; its output is read back later (pipelined scheduling). Kinds that
+        cannot defer run it whole now."""
+        return ReadyRunnerOutput(self.execute(step, so))
 
     def dummy_run(self, num_tokens: int) -> None:
         """A max-size forward for memory profiling (attention skipped)."""

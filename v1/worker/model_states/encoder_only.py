@@ -5,6 +5,7 @@ PoolingParams; the step's output is one float32 array per request and the reques
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -12,13 +13,28 @@ import numpy as np
 from v1.attention.backend import AttentionType
 from v1.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from v1.forward_context import ForwardContext, set_forward_context
-from v1.models.layers.pooler import Pooler, PoolingSegments
+from v1.models.layers.pooler import PendingPooledOutput, Pooler, PoolingSegments
 from v1.models.sentence_transformers import load_pooling_config
 from v1.worker.input_batch import CachedRequestState
 from v1.worker.model_states.base import ModelState
 
 if TYPE_CHECKING:
     from v1.worker.model_runner import StepInputs
+
+
+@dataclass
+class PendingPoolingStep:
+    """A launched encoder-only step (a DeferredRunnerOutput)."""
+
+    req_ids: list[str]
+    pooled: PendingPooledOutput
+
+    def get_output(self) -> ModelRunnerOutput:
+        return ModelRunnerOutput(
+            req_ids=self.req_ids,
+            sampled_token_ids=[[] for _ in self.req_ids],
+            pooler_output=self.pooled.result(),
+        )
 
 
 class EncoderOnlyState(ModelState):
@@ -49,6 +65,10 @@ class EncoderOnlyState(ModelState):
             row[: len(data.token_type_ids)] = data.token_type_ids
 
     def execute(self, step: StepInputs, so: SchedulerOutput) -> ModelRunnerOutput:
+        return self.execute_async(step, so).get_output()
+
+    def execute_async(self, step: StepInputs, so: SchedulerOutput) -> PendingPoolingStep:
+        """Enqueues the forward, the pooling and the copy of the results; no host sync."""
         runner = self.runner
         batch = runner.input_batch
         lengths = step.num_scheduled
@@ -68,12 +88,7 @@ class EncoderOnlyState(ModelState):
                 step.input_ids, step.positions, token_type_ids=token_type_ids
             )  # [T, hidden]
         segments = PoolingSegments.from_lengths(lengths, runner.device)
-        pooled = self.pooler(hidden_states, segments, params)
-        return ModelRunnerOutput(
-            req_ids=step.req_ids,
-            sampled_token_ids=[[] for _ in step.req_ids],
-            pooler_output=pooled,
-        )
+        return PendingPoolingStep(step.req_ids, self.pooler.launch(hidden_states, segments, params))
 
     def _check_inputs(self, step: StepInputs) -> None:
         too_long = step.num_scheduled > self.max_input_len

@@ -1,0 +1,112 @@
+"""Pipelined (async) scheduling in the EngineCore: step N+1 is launched before step N is read
+back, outputs equal the synchronous core's, aborts and failures of in-flight steps."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tests.core.fakes import make_config, make_engine_core, make_request, to_core_request
+from tests.core.test_engine_core import drain
+from v1.core.protocol import FinishReason
+
+
+def pooling_core(**overrides):
+    overrides.setdefault("max_num_batched_tokens", 16)
+    return make_engine_core("encoder_only", async_scheduling=True, **overrides)
+
+
+def add_pooling(core, n: int, prompt_len=lambda i: 8, prefix: str = "p") -> list[str]:
+    ids = []
+    for i in range(n):
+        req = make_request(f"{prefix}{i}", prompt_len=prompt_len(i), pooling=True)
+        core.add_request(to_core_request(req))
+        ids.append(req.request_id)
+    return ids
+
+
+def test_next_step_launches_before_the_previous_is_read():
+    core = pooling_core()
+    add_pooling(core, 6)  # 2 requests (16 tokens) per step: 3 steps
+    outs = drain(core)
+    assert sorted(o.request_id for o in outs if o.finished) == [f"p{i}" for i in range(6)]
+    events = core.executor.events
+    assert events.index(("launch", 2)) < events.index(("read", 1))
+    assert events.index(("launch", 3)) < events.index(("read", 2))
+    assert [e for e in events if e[0] == "read"] == [("read", 1), ("read", 2), ("read", 3)]
+    assert not core.has_work() and core.get_stats()["num_requests"] == 0
+
+
+def test_outputs_equal_the_synchronous_core():
+    lengths = random.Random(0).choices(range(1, 17), k=40)
+    results = []
+    for async_scheduling in (False, True):
+        core = make_engine_core(
+            "encoder_only", async_scheduling=async_scheduling, max_num_batched_tokens=16
+        )
+        add_pooling(core, 40, prompt_len=lambda i: lengths[i])
+        outs = drain(core)
+        results.append({o.request_id: o.pooled_output.tolist() for o in outs if o.finished})
+    assert len(results[0]) == 40 and results[0] == results[1]
+
+
+def test_abort_of_an_in_flight_step_drains_and_ids_are_reusable():
+    core = pooling_core()
+    ids = add_pooling(core, 3)
+    first = core.step()  # launches step 1 (p0, p1); p2 waits, so it returns without reading
+    assert not first.outputs and core.executor.events == [("launch", 1)]
+    core.abort_requests(ids)
+    assert core.has_work()  # the launched step is still to be read back
+    outs = drain(core)
+    assert not [o for o in outs if o.request_id in ids]  # aborted: nothing delivered
+    assert core.get_stats()["num_requests"] == 0 and not core._batch_queue
+    add_pooling(core, 3)  # same ids again
+    outs = drain(core)
+    assert sorted(o.request_id for o in outs if o.finished) == ids
+
+
+def test_a_failed_read_back_fails_that_step_only():
+    core = pooling_core()
+    core.executor.fail_on_read = lambda so: "p0" in so.num_scheduled_tokens
+    add_pooling(core, 4)
+    by_id = {o.request_id: o for o in drain(core) if o.finished}
+    assert by_id["p0"].finish_reason == FinishReason.ERROR and "device" in by_id["p0"].error
+    assert by_id["p1"].finish_reason == FinishReason.ERROR  # same step
+    assert by_id["p2"].pooled_output is not None and by_id["p3"].pooled_output is not None
+    assert core.get_stats()["num_requests"] == 0
+
+
+def test_randomized_pipelined_simulation_leaves_nothing_behind():
+    rng = random.Random(3)
+    core = pooling_core(max_num_seqs=4)
+    live: set[str] = set()
+    for i in range(600):
+        if rng.random() < 0.4:
+            req = make_request(f"q{i}", prompt_len=rng.randint(1, 16), pooling=True)
+            core.add_request(to_core_request(req))
+            live.add(req.request_id)
+        if live and rng.random() < 0.05:
+            victim = rng.choice(sorted(live))
+            core.abort_requests([victim])
+            live.discard(victim)
+        for out in core.step().outputs:
+            assert out.finish_reason != FinishReason.ERROR, out.error
+            assert out.request_id in live, f"{out.request_id} delivered twice or after abort"
+            live.discard(out.request_id)
+    core.abort_requests(sorted(live))
+    drain(core)
+    assert not core.scheduler.requests and not core._batch_queue
+    assert len(core.executor.runner.num_tokens) <= 4  # finished ones leave the runner too
+
+
+@pytest.mark.parametrize("kind", ["decoder_only", "encoder_decoder"])
+def test_async_scheduling_is_refused_for_generation_models(kind):
+    with pytest.raises(ValueError, match="encoder-only"):
+        make_config(kind, async_scheduling=True)
+
+
+def test_async_scheduling_defaults_on_for_pooling_on_cuda_only():
+    assert not make_config("encoder_only").use_async_scheduling  # fake configs resolve to CPU
+    assert make_config("encoder_only", async_scheduling=True).use_async_scheduling
+    assert not make_config("decoder_only").use_async_scheduling
