@@ -1,0 +1,101 @@
+"""GPU: a generation step synchronizes with the host exactly once (reading the sampled tokens),
+with and without CUDA graphs, for a decoder-only and an encoder-decoder model.
+
+torch's sync debug mode warns on every synchronizing call it knows of; each step after a
+warm-up must raise exactly one such warning. Marked `gpu`; skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from transformers import BartConfig, BartForConditionalGeneration
+
+from tests.utils import make_tiny_llama_dir, make_tiny_model_dir
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+SYNC_WARNING = "called a synchronizing CUDA operation"
+"""torch's warning for each synchronizing call (not its one-off 'prototype feature' notice)."""
+
+
+def syncs_per_step(path: str, prompts: list[list[int]], enforce_eager: bool) -> list[int]:
+    """Generates with every step's execute_model under sync debug mode 'warn'; returns the
+    number of synchronizing calls of each step that scheduled tokens."""
+    from v1 import LLM, SamplingParams
+
+    llm = LLM(
+        path,
+        device="cuda",
+        dtype="float16",
+        multiprocess=False,
+        enforce_eager=enforce_eager,
+        num_kv_blocks=64,
+        block_size=16,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+    )
+    counts: list[int] = []
+    try:
+        runner = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
+        execute = runner.execute_model
+
+        def counted(so):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    out = execute(so)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            if so.total_num_scheduled_tokens:
+                counts.append(sum(SYNC_WARNING in str(w.message) for w in caught))
+            return out
+
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        # Warm-up outside the count: the first launch of each kernel variant (e.g. the long
+        # query block of prefill chunks) JIT-compiles it, which is not the step path.
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        runner.execute_model = counted
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == 12 for o in outs)
+    finally:
+        llm.shutdown()
+    return counts
+
+
+PROMPTS = [[1] + [(7 * i + 3 * j) % 200 + 4 for j in range(3 + 9 * i)] for i in range(6)]
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "cuda_graphs"])
+def test_decoder_only_step_syncs_once(tmp_path, enforce_eager):
+    counts = syncs_per_step(make_tiny_llama_dir(tmp_path), PROMPTS, enforce_eager)
+    assert len(counts) > 12 and set(counts) == {1}, counts
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "cuda_graphs"])
+def test_encoder_decoder_step_syncs_once(tmp_path, enforce_eager):
+    path = make_tiny_model_dir(
+        BartConfig,
+        BartForConditionalGeneration,
+        tmp_path,
+        d_model=64,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=128,
+        decoder_ffn_dim=128,
+        max_position_embeddings=128,
+        forced_eos_token_id=None,
+        no_repeat_ngram_size=0,
+    )
+    prompts = [p + [2] for p in PROMPTS]
+    counts = syncs_per_step(path, prompts, enforce_eager)
+    assert len(counts) > 12 and set(counts) == {1}, counts
