@@ -110,3 +110,16 @@ def test_async_scheduling_defaults_on_for_pooling_on_cuda_only():
     assert not make_config("encoder_only").use_async_scheduling  # fake configs resolve to CPU
     assert make_config("encoder_only", async_scheduling=True).use_async_scheduling
     assert not make_config("decoder_only").use_async_scheduling
+
+
+def test_an_id_reused_while_its_aborted_step_is_in_flight_gets_its_own_result():
+    core = pooling_core()
+    add_pooling(core, 3)  # step 1 = p0, p1 (8 tokens each); p2 waits
+    core.step()
+    core.abort_requests(["p0"])
+    reused = make_request("p0", prompt_len=5, pooling=True)
+    core.add_request(to_core_request(reused))  # waits for step 1's read-back
+    by_id = {o.request_id: o for o in drain(core) if o.finished}
+    # FakeRunner pools [num computed tokens] * 4: the old p0 would give 8.
+    assert by_id["p0"].pooled_output.tolist() == [5.0] * 4
+    assert sorted(by_id) == ["p0", "p1", "p2"] and core.get_stats()["num_requests"] == 0

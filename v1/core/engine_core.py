@@ -60,6 +60,8 @@ class EngineCore:
             deque() if config.use_async_scheduling else None
         )
         """Launched steps not read back yet (pipelined scheduling), oldest first."""
+        self._blocked_adds: list[EngineCoreRequest] = []
+        """Requests whose id is in a launched step (see add_request)."""
         self._pooling_config = self._load_pooling_config()
         gc.collect()
         gc.freeze()  # start-up objects live forever: keep them out of cyclic GC scans
@@ -74,6 +76,13 @@ class EngineCore:
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request. Problems the frontend should have caught end the request with an
         error output instead of raising, so the core survives any input."""
+        if self._batch_queue and any(
+            request.request_id in so.num_scheduled_tokens for so, _ in self._batch_queue
+        ):
+            # The id's previous (aborted) request is still in a launched step: its results
+            # must not be taken for this one's, so it enters once that step is read back.
+            self._blocked_adds.append(request)
+            return
         try:
             self._check_request(request)
             self.scheduler.add_request(
@@ -145,7 +154,10 @@ class EngineCore:
 
     def has_work(self) -> bool:
         return (
-            self.scheduler.has_requests() or bool(self._pending_outputs) or bool(self._batch_queue)
+            self.scheduler.has_requests()
+            or bool(self._pending_outputs)
+            or bool(self._batch_queue)
+            or bool(self._blocked_adds)
         )
 
     # ---- the step ----
@@ -207,9 +219,14 @@ class EngineCore:
             logger.exception(
                 "model step failed; failing its %d requests", len(so.num_scheduled_tokens)
             )
-            return self._fail_step(so.num_scheduled_tokens, f"{type(e).__name__}: {e}", pending)
-        outputs = scheduler.update_from_output(so, runner_output)
-        outputs.outputs = pending + outputs.outputs
+            outputs = self._fail_step(so.num_scheduled_tokens, f"{type(e).__name__}: {e}", pending)
+        else:
+            outputs = scheduler.update_from_output(so, runner_output)
+            outputs.outputs = pending + outputs.outputs
+        if self._blocked_adds:
+            blocked, self._blocked_adds = self._blocked_adds, []
+            for request in blocked:
+                self.add_request(request)  # blocked again if still in a launched step
         return outputs
 
     def _fail_step(
