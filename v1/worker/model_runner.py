@@ -150,13 +150,8 @@ class ModelRunner:
         )
 
     # ---- the step ----
-    @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        self._update_states(scheduler_output)
-        if scheduler_output.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        step = self._prepare_inputs(scheduler_output)
-        return self.state.execute(step, scheduler_output)
+        return self.execute_model_async(scheduler_output).get_output()
 
     @torch.inference_mode()
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> DeferredRunnerOutput:
