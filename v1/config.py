@@ -313,8 +313,8 @@ class SchedulerConfig:
     """Split long decoder prompts across steps."""
     async_scheduling: bool | None = None
     """Schedule and launch step N+1 before waiting for step N's results, so host work overlaps
-    the device. None: on for encoder-only (pooling) models on CUDA, whose requests finish in one
-    step; only encoder-only models support it."""
+    the device; tokens sampled by step N feed step N+1 on the device and the host reads them one
+    step behind. None: on for every model kind on CUDA, off on CPU."""
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -398,21 +398,12 @@ class EngineConfig:
                 f"Whisper window ({mc.max_encoder_len} encoder positions)"
             )
 
-        if sc.async_scheduling and mc.kind != ModelKind.ENCODER_ONLY:
-            raise ValueError(
-                "async_scheduling supports encoder-only (pooling) models only, not "
-                f"{mc.architecture}"
-            )
-
     @property
     def use_async_scheduling(self) -> bool:
         """Pipelined steps (SchedulerConfig.async_scheduling, resolved for this model/device)."""
         flag = self.scheduler_config.async_scheduling
         if flag is None:
-            return (
-                self.model_config.kind == ModelKind.ENCODER_ONLY
-                and self.device_config.device_type == "cuda"
-            )
+            return self.device_config.device_type == "cuda"
         return flag
 
     @property

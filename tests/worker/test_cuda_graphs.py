@@ -123,16 +123,16 @@ def run_checked(core: Any, requests: list[Any], max_tokens: int) -> dict[str, in
     runner = runner_of(core)
     manager = CudaGraphManager(runner, max_tokens, Q_MAX)
     counts = {"graphed": 0, "mixed": 0, "eager": 0}
-    execute = runner.state.execute
+    forward = runner.state.forward
 
-    def checked_execute(step: Any, so: Any) -> Any:
+    def checked_forward(step: Any, so: Any) -> Any:
         if manager.can_run(step, so):
             check_buffers(manager, step, manager.prepare(step))
             counts["graphed"] += 1
             counts["mixed"] += int(step.num_tokens > len(step.req_ids))
-        return execute(step, so)
+        return forward(step, so)
 
-    runner.state.execute = checked_execute
+    runner.state.forward = checked_forward
     drain(core, requests)
     counts["eager"] = manager.num_eager_steps
     return counts

@@ -188,8 +188,9 @@ class EngineCore:
     def _step_pipelined(self, queue: deque[tuple[SchedulerOutput, Any]]) -> EngineCoreOutputs:
         """Keeps up to MAX_STEPS_IN_FLIGHT steps launched: schedule and launch step N+1, then
         read back step N, so scheduling, input preparation and output handling overlap the
-        device. Only for requests that finish in one step (pooling), whose next step never
-        waits on the previous one's results."""
+        device. A generating request's token sampled in step N is a placeholder when N+1 is
+        scheduled (the runner feeds it from the device); if N ends the request, its row in N+1
+        is wasted and dropped when N+1 is read back."""
         pending, self._pending_outputs = self._pending_outputs, []
         scheduler = self.scheduler
         launched = False

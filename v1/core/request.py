@@ -62,6 +62,7 @@ class Request:
         self.eos_token_id = eos_token_id
         self.arrival_time = arrival_time
         self.priority = priority
+        self.max_model_len = max_model_len
 
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
@@ -69,6 +70,9 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1
         self.num_preemptions = 0
+        self.num_output_placeholders = 0
+        """Tokens being sampled by launched steps whose results are not read back yet
+        (pipelined scheduling): the next step already feeds them to the model on the device."""
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.block_hashes: list[bytes] = []
@@ -103,6 +107,28 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        """Known tokens plus the ones launched steps are sampling now."""
+        return len(self.all_token_ids) + self.num_output_placeholders
+
+    @property
+    def wants_more_tokens(self) -> bool:
+        """Whether a step may still feed this request another token: False once the tokens in
+        flight already reach its output or length limit (it finishes when they are read back)."""
+        return (
+            self.num_output_tokens + self.num_output_placeholders < self.max_tokens
+            and self.num_tokens_with_placeholders < self.max_model_len
+        )
+
+    @property
+    def num_schedulable_tokens(self) -> int:
+        """Tokens a step may feed now: known or in-flight ones not computed yet (none while the
+        tokens in flight already reach the request's limits)."""
+        if self.num_output_placeholders and not self.wants_more_tokens:
+            return 0
+        return self.num_tokens_with_placeholders - self.num_computed_tokens
 
     @property
     def num_output_tokens(self) -> int:

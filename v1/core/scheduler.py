@@ -125,9 +125,7 @@ class Scheduler:
 
     def has_unscheduled_requests(self) -> bool:
         """Some request has tokens not yet scheduled (not every running one is in flight)."""
-        return len(self.waiting) > 0 or any(
-            r.num_computed_tokens < r.num_tokens for r in self.running
-        )
+        return len(self.waiting) > 0 or any(r.num_schedulable_tokens > 0 for r in self.running)
 
     @property
     def has_finished_requests(self) -> bool:
@@ -145,10 +143,9 @@ class Scheduler:
                 break
             if request in preempted:
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget.tokens)
-            if num_new == 0 and request.is_pooling:
-                continue  # its one step is in flight (pipelined scheduling)
-            assert num_new > 0, request
+            num_new = min(request.num_schedulable_tokens, budget.tokens)
+            if num_new == 0:
+                continue  # everything it can run is in flight (pipelined scheduling)
             while True:
                 new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
                 if new_blocks is not None:
@@ -232,6 +229,7 @@ class Scheduler:
         self.encoder_cache.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_output_placeholders = 0  # tokens in flight are dropped and sampled again
         request.num_preemptions += 1
         self.num_preemptions += 1
         # The runner drops its copy; the request comes back as a new one with all its tokens.
@@ -277,9 +275,16 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
         )
         self.finished_req_ids = set()
-        # Advance now so the next schedule() sees these tokens as in flight.
+        # Advance now so the next schedule() sees these tokens as in flight; a step that
+        # reaches the end of a generating request samples one token the next step may feed.
         for req_id, num in budget.num_scheduled.items():
-            self.requests[req_id].num_computed_tokens += num
+            request = self.requests[req_id]
+            request.num_computed_tokens += num
+            if (
+                not request.is_pooling
+                and request.num_computed_tokens == request.num_tokens_with_placeholders
+            ):
+                request.num_output_placeholders += 1
         return output
 
     # ---- results ----
@@ -309,6 +314,7 @@ class Scheduler:
             new_ids = runner_output.sampled_token_ids[i]
             if not new_ids:
                 continue  # a prefill chunk that did not reach the end of the prompt
+            request.num_output_placeholders = max(request.num_output_placeholders - len(new_ids), 0)
             new_ids = self._append_and_check_stop(request, new_ids)
             outputs.append(self._make_output_item(request, new_ids, runner_output, i))
             if request.is_finished:

@@ -1,14 +1,19 @@
 """Persistent per-slot sampling state of the model runner's batch, and its per-step metadata.
 
-Slots are the rows 0..max_num_reqs-1 of the runner's persistent batch. Parameters, token histories
-and rule state live in host tensors updated on add/remove/append; `make_metadata` gathers the
-step's rows with vectorized indexing and ships them to the logits' device.
+Slots are the rows 0..max_num_reqs-1 of the runner's persistent batch. Parameters and token-id
+lists live in persistent device tensors, written only when a request enters or leaves (dirty rows
+are flushed in one batch at the next step). What depends on sampled token VALUES (the token
+history for penalties / no-repeat-ngram, Whisper's timestamp state) is updated on the device from
+the sampled tensor, so a step can be built before the previous one's tokens reach the host
+(pipelined steps). Everything else a step needs (which rules apply to which rows) follows from
+token COUNTS, which the host knows, and goes to the device as one packed pinned copy per step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from v1.sample.metadata import (
@@ -21,6 +26,16 @@ from v1.sampling_params import SamplingParams
 
 _GREEDY_EPS = 1e-5
 _MASK64 = (1 << 64) - 1
+
+# Columns of the packed per-slot parameter tables.
+_F_TEMPERATURE, _F_TOP_P, _F_MIN_P, _F_REPETITION, _F_FREQUENCY, _F_PRESENCE = range(6)
+_NUM_F = 6
+_I_TOP_K, _I_NGRAM, _I_NUM_PROMPT, _I_LAST_TS, _I_FLAGS = range(5)
+_NUM_I = 5
+_FLAG_LAST_IS_TS, _FLAG_PENULTIMATE_IS_TS = 1, 2
+"""Bits of the _I_FLAGS column: Whisper timestamp state over the outputs so far."""
+_NEUTRAL_F = np.array([1.0, 1.0, 0.0, 1.0, 0.0, 0.0], dtype=np.float32)
+_NEUTRAL_I = np.array([0, 0, 0, -1, _FLAG_PENULTIMATE_IS_TS], dtype=np.int64)
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -35,34 +50,78 @@ def step_seed(seed: int, step: int) -> int:
     return z ^ (z >> 31)
 
 
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Host array -> device tensor without a stream sync: through a fresh pinned buffer (the
+    caching host allocator keeps it until the copy ran), non-blocking."""
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
 class _TokenIdTable:
-    """A token id list per slot in one host tensor [num_slots, width], padded with -1.
+    """A token id list per slot: a host copy [num_slots, width] (-1 padded) with its lengths,
+    and a device copy refreshed from the host for dirty slots. The width grows to the longest
+    list seen, so short lists (the usual case) stay cheap."""
 
-    The width grows to the longest list seen, so short lists (the usual case) stay cheap.
-    """
-
-    def __init__(self, num_slots: int) -> None:
-        self.ids = torch.full((num_slots, 0), -1, dtype=torch.int32)
-        self.lengths = torch.zeros(num_slots, dtype=torch.int64)
+    def __init__(self, num_slots: int, device: torch.device) -> None:
+        self.device = device
+        self.ids = np.full((num_slots, 0), -1, dtype=np.int64)
+        self.lengths = np.zeros(num_slots, dtype=np.int64)
+        self.dev = torch.full((num_slots, 0), -1, dtype=torch.int64, device=device)
+        self._dirty: set[int] = set()
 
     def set(self, slot: int, token_ids: Sequence[int]) -> None:
         num_ids = len(token_ids)
         if num_ids > self.ids.shape[1]:
-            grown = torch.full((self.ids.shape[0], num_ids), -1, dtype=torch.int32)
+            grown = np.full((self.ids.shape[0], num_ids), -1, dtype=np.int64)
             grown[:, : self.ids.shape[1]] = self.ids
             self.ids = grown
         self.ids[slot] = -1
-        self.ids[slot, :num_ids] = torch.tensor(token_ids, dtype=torch.int32)
+        self.ids[slot, :num_ids] = token_ids
         self.lengths[slot] = num_ids
+        self._dirty.add(slot)
 
     def clear(self, slot: int) -> None:
-        self.ids[slot] = -1
-        self.lengths[slot] = 0
+        if self.lengths[slot]:
+            self.ids[slot] = -1
+            self.lengths[slot] = 0
+            self._dirty.add(slot)
 
-    def gather(self, slots: torch.Tensor) -> torch.Tensor:
-        """[k, width of the longest of these lists] int64."""
+    def flush(self) -> None:
+        """Brings the device copy up to date (stream-ordered: earlier steps saw the old rows)."""
+        if not self._dirty:
+            return
+        if self.dev.shape[1] != self.ids.shape[1]:
+            self.dev = to_device(self.ids, self.device)
+        else:
+            rows = np.fromiter(self._dirty, dtype=np.int64, count=len(self._dirty))
+            packed = to_device(np.concatenate([rows[:, None], self.ids[rows]], axis=1), self.device)
+            self.dev[packed[:, 0]] = packed[:, 1:]
+        self._dirty.clear()
+
+    def rows(self, idx: torch.Tensor, slots: np.ndarray) -> torch.Tensor:
+        """[k, width of the longest of these lists] int64 on the device."""
         width = int(self.lengths[slots].max()) if len(slots) else 0
-        return self.ids[slots, :width].long()
+        return self.dev[idx, :width]
+
+
+class _Packer:
+    """Collects a step's small host index arrays and ships them in ONE pinned copy."""
+
+    def __init__(self) -> None:
+        self.parts: list[np.ndarray] = []
+
+    def add(self, array: np.ndarray) -> int:
+        self.parts.append(np.asarray(array, dtype=np.int64).reshape(-1))
+        return len(self.parts) - 1
+
+    def ship(self, device: torch.device) -> list[torch.Tensor]:
+        sizes = [len(p) for p in self.parts]
+        flat = to_device(
+            np.concatenate(self.parts) if self.parts else np.zeros(0, np.int64), device
+        )
+        return list(flat.split(sizes))
 
 
 class SamplingState:
@@ -85,47 +144,47 @@ class SamplingState:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
 
-        def zeros(dtype: torch.dtype, fill: float = 0) -> torch.Tensor:
-            return torch.full((max_num_reqs,), fill, dtype=dtype)
-
-        self.active = zeros(torch.bool)
-        self.temperature = zeros(torch.float32, 1.0)
-        self.top_p = zeros(torch.float32, 1.0)
-        self.top_k = zeros(torch.int64)
-        self.min_p = zeros(torch.float32)
-        self.repetition_penalty = zeros(torch.float32, 1.0)
-        self.frequency_penalty = zeros(torch.float32)
-        self.presence_penalty = zeros(torch.float32)
-        self.min_tokens = zeros(torch.int64)
-        self.max_output_tokens = zeros(torch.int64, -1)
+        # Host mirrors: parameters (for the step's flags) and token counts.
+        self.active = np.zeros(max_num_reqs, dtype=bool)
+        self.fparams = np.tile(_NEUTRAL_F, (max_num_reqs, 1))
+        self.iparams = np.tile(_NEUTRAL_I, (max_num_reqs, 1))
+        self.min_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.max_output_tokens = np.full(max_num_reqs, -1, dtype=np.int64)
         """-1: no limit known here (no forced EOS)."""
-        self.forced_eos_token_id = zeros(torch.int64, -1)
-        self.no_repeat_ngram_size = zeros(torch.int64)
-        self.num_logprobs = zeros(torch.int64, -1)
+        self.forced_eos_token_id = np.full(max_num_reqs, -1, dtype=np.int64)
+        self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)
         """-1: no logprobs."""
-        self.whisper_timestamps = zeros(torch.bool)
-        self.has_seed = zeros(torch.bool)
+        self.whisper_timestamps = np.zeros(max_num_reqs, dtype=bool)
         self.seeds: dict[int, int] = {}
         self.generators: dict[int, torch.Generator] = {}
+        self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_output_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        """Counts are host-known even while the sampled values are still on the device."""
 
-        # Decoder sequence (prompt, then outputs) per slot: penalties and no-repeat-ngram.
-        self.token_ids = torch.zeros((max_num_reqs, max_model_len), dtype=torch.int32)
-        self.num_prompt_tokens = zeros(torch.int64)
-        self.num_output_tokens = zeros(torch.int64)
+        # Device copies, indexed by slot.
+        self.fparams_dev = to_device(self.fparams, self.device)
+        self.iparams_dev = to_device(self.iparams, self.device)
+        """Also holds the Whisper timestamp state, which steps update on the device."""
+        self.token_ids = torch.zeros(
+            (max_num_reqs, max_model_len), dtype=torch.int32, device=self.device
+        )
+        """Decoder sequence (prompt, then outputs) per slot: penalties and no-repeat-ngram."""
+        self._dirty: set[int] = set()
 
-        self.allowed_token_ids = _TokenIdTable(max_num_reqs)
-        self.suppress_token_ids = _TokenIdTable(max_num_reqs)
-        self.begin_suppress_token_ids = _TokenIdTable(max_num_reqs)
-        self.min_tokens_stop_ids = _TokenIdTable(max_num_reqs)
-        self.forced_positions = _TokenIdTable(max_num_reqs)
-        self.forced_tokens = _TokenIdTable(max_num_reqs)
-
-        # Whisper timestamp state over the outputs (transformers' view of `seq[begin_index:]`).
-        self.last_is_timestamp = zeros(torch.bool)
-        self.penultimate_is_timestamp = zeros(torch.bool, True)
-        """True while there are fewer than two outputs, as in transformers."""
-        self.last_timestamp = zeros(torch.int64, -1)
-        """The latest timestamp id among the outputs, -1 for none."""
+        self.allowed_token_ids = _TokenIdTable(max_num_reqs, self.device)
+        self.suppress_token_ids = _TokenIdTable(max_num_reqs, self.device)
+        self.begin_suppress_token_ids = _TokenIdTable(max_num_reqs, self.device)
+        self.min_tokens_stop_ids = _TokenIdTable(max_num_reqs, self.device)
+        self.forced_positions = _TokenIdTable(max_num_reqs, self.device)
+        self.forced_tokens = _TokenIdTable(max_num_reqs, self.device)
+        self._tables = (
+            self.allowed_token_ids,
+            self.suppress_token_ids,
+            self.begin_suppress_token_ids,
+            self.min_tokens_stop_ids,
+            self.forced_positions,
+            self.forced_tokens,
+        )
 
     # ---- lifecycle ----
     def add_request(
@@ -152,31 +211,35 @@ class SamplingState:
         if params.whisper_timestamps and self.whisper is None:
             raise ValueError("whisper_timestamps needs a Whisper model (no WhisperTokenInfo)")
         self.active[slot] = True
-        self.temperature[slot] = params.temperature
-        self.top_p[slot] = params.top_p
-        self.top_k[slot] = max(params.top_k, 0)
-        self.min_p[slot] = params.min_p
-        self.repetition_penalty[slot] = params.repetition_penalty
-        self.frequency_penalty[slot] = params.frequency_penalty
-        self.presence_penalty[slot] = params.presence_penalty
+        self.fparams[slot] = (
+            params.temperature,
+            params.top_p,
+            params.min_p,
+            params.repetition_penalty,
+            params.frequency_penalty,
+            params.presence_penalty,
+        )
+        self.iparams[slot] = _NEUTRAL_I
+        self.iparams[slot, _I_TOP_K] = max(params.top_k, 0)
+        self.iparams[slot, _I_NGRAM] = params.no_repeat_ngram_size or 0
+        self.iparams[slot, _I_NUM_PROMPT] = num_prompt
         self.min_tokens[slot] = params.min_tokens
         limit = max_output_tokens if max_output_tokens is not None else params.max_tokens
         room = self.max_model_len - num_prompt
         self.max_output_tokens[slot] = room if limit is None else min(limit, room)
         self.forced_eos_token_id[slot] = _or_minus_one(params.forced_eos_token_id)
-        self.no_repeat_ngram_size[slot] = params.no_repeat_ngram_size or 0
         self.num_logprobs[slot] = _or_minus_one(params.logprobs)
         self.whisper_timestamps[slot] = params.whisper_timestamps
-        self.has_seed[slot] = params.seed is not None
         if params.seed is not None:
             self.seeds[slot] = params.seed
             generator = torch.Generator(device=self.device)
             generator.manual_seed(params.seed & _MASK64)
             self.generators[slot] = generator
-
-        self.token_ids[slot, :num_prompt] = torch.tensor(prompt_token_ids, dtype=torch.int32)
         self.num_prompt_tokens[slot] = num_prompt
-        self.num_output_tokens[slot] = 0
+        self.num_output_tokens[slot] = num_output
+        sequence = np.asarray(prompt_token_ids + list(output_token_ids), dtype=np.int32)
+        if len(sequence):
+            self.token_ids[slot, : len(sequence)] = to_device(sequence, self.device)
 
         tables = (
             (self.allowed_token_ids, params.allowed_token_ids),
@@ -194,207 +257,251 @@ class SamplingState:
         if params.forced_token_ids:
             self.forced_positions.set(slot, [index for index, _ in params.forced_token_ids])
             self.forced_tokens.set(slot, [token for _, token in params.forced_token_ids])
+        if output_token_ids and self.whisper is not None:
+            self._restore_whisper_state(slot, output_token_ids, self.whisper)
+        self._dirty.add(slot)
 
-        if output_token_ids:
-            self._restore_outputs(slot, output_token_ids)
-
-    def _restore_outputs(self, slot: int, output_token_ids: list[int]) -> None:
-        """A resumed request's earlier outputs: history and Whisper state as if appended."""
-        num_prompt, num_output = int(self.num_prompt_tokens[slot]), len(output_token_ids)
-        outputs = torch.tensor(output_token_ids, dtype=torch.int64)
-        self.token_ids[slot, num_prompt : num_prompt + num_output] = outputs.to(torch.int32)
-        self.num_output_tokens[slot] = num_output
-        if self.whisper is not None:
-            is_timestamp = outputs >= self.whisper.timestamp_begin
-            self.last_is_timestamp[slot] = is_timestamp[-1]
-            self.penultimate_is_timestamp[slot] = num_output < 2 or bool(is_timestamp[-2])
-            timestamps = outputs[is_timestamp]
-            self.last_timestamp[slot] = int(timestamps[-1]) if len(timestamps) else -1
+    def _restore_whisper_state(
+        self, slot: int, output_token_ids: list[int], info: WhisperTokenInfo
+    ) -> None:
+        """A resumed request's timestamp state, as if its outputs had been appended."""
+        outputs = np.asarray(output_token_ids, dtype=np.int64)
+        is_timestamp = outputs >= info.timestamp_begin
+        flags = _FLAG_LAST_IS_TS if is_timestamp[-1] else 0
+        if len(outputs) < 2 or is_timestamp[-2]:
+            flags |= _FLAG_PENULTIMATE_IS_TS
+        timestamps = outputs[is_timestamp]
+        self.iparams[slot, _I_FLAGS] = flags
+        self.iparams[slot, _I_LAST_TS] = int(timestamps[-1]) if len(timestamps) else -1
 
     def remove_request(self, slot: int) -> None:
         """Frees `slot`; its parameters go back to neutral values."""
         self.active[slot] = False
-        self.temperature[slot] = 1.0
-        self.top_p[slot] = 1.0
-        self.top_k[slot] = 0
-        self.min_p[slot] = 0.0
-        self.repetition_penalty[slot] = 1.0
-        self.frequency_penalty[slot] = 0.0
-        self.presence_penalty[slot] = 0.0
+        self.fparams[slot] = _NEUTRAL_F
+        self.iparams[slot] = _NEUTRAL_I
         self.min_tokens[slot] = 0
         self.max_output_tokens[slot] = -1
         self.forced_eos_token_id[slot] = -1
-        self.no_repeat_ngram_size[slot] = 0
         self.num_logprobs[slot] = -1
         self.whisper_timestamps[slot] = False
-        self.has_seed[slot] = False
         self.seeds.pop(slot, None)
         self.generators.pop(slot, None)
         self.num_prompt_tokens[slot] = 0
         self.num_output_tokens[slot] = 0
-        for table in (
-            self.allowed_token_ids,
-            self.suppress_token_ids,
-            self.begin_suppress_token_ids,
-            self.min_tokens_stop_ids,
-            self.forced_positions,
-            self.forced_tokens,
-        ):
+        for table in self._tables:
             table.clear(slot)
-        self.last_is_timestamp[slot] = False
-        self.penultimate_is_timestamp[slot] = True
-        self.last_timestamp[slot] = -1
+        self._dirty.add(slot)
 
-    def append_output_tokens(
-        self, slots: torch.Tensor | list[int], token_ids: torch.Tensor | list[int]
-    ) -> None:
-        """Records one new output token for each listed slot."""
-        slots = torch.as_tensor(slots, dtype=torch.int64).cpu()
-        # sync: a device tensor of sampled ids comes to the host here.
-        token_ids = torch.as_tensor(token_ids, dtype=torch.int64).cpu()
-        assert slots.shape == token_ids.shape and bool(self.active[slots].all())
-        positions = self.num_prompt_tokens[slots] + self.num_output_tokens[slots]
-        assert bool((positions < self.max_model_len).all()), "token history is full"
-        self.token_ids[slots, positions] = token_ids.to(torch.int32)
-        if self.whisper is not None:
-            is_timestamp = token_ids >= self.whisper.timestamp_begin
-            had_output = self.num_output_tokens[slots] > 0
-            self.penultimate_is_timestamp[slots] = ~had_output | self.last_is_timestamp[slots]
-            self.last_is_timestamp[slots] = is_timestamp
-            self.last_timestamp[slots] = torch.where(
-                is_timestamp, token_ids, self.last_timestamp[slots]
+    def flush(self) -> None:
+        """Writes the rows of requests that entered or left since the last step to the device
+        (one packed copy per table); steps already launched keep reading the old rows."""
+        if self._dirty:
+            rows = np.fromiter(self._dirty, dtype=np.int64, count=len(self._dirty))
+            self._dirty.clear()
+            packed_i = to_device(
+                np.concatenate([rows[:, None], self.iparams[rows]], 1), self.device
             )
-        self.num_output_tokens[slots] += 1
+            self.iparams_dev[packed_i[:, 0]] = packed_i[:, 1:]
+            self.fparams_dev[packed_i[:, 0]] = to_device(self.fparams[rows], self.device)
+        for table in self._tables:
+            table.flush()
 
     # ---- per step ----
-    def make_metadata(self, slots: list[int]) -> SamplingMetadata:
-        """Metadata for a step whose logits row i belongs to slots[i]."""
-        idx = torch.tensor(slots, dtype=torch.int64)
-        assert bool(self.active[idx].all()), "make_metadata on a free slot"
-        temperature = self.temperature[idx]
-        is_greedy = temperature < _GREEDY_EPS
+    def append_output_tokens(
+        self,
+        slots: np.ndarray | torch.Tensor | Sequence[int],
+        token_ids: torch.Tensor | Sequence[int],
+    ) -> None:
+        """Records one new output token for each listed slot. `token_ids` may be a device tensor
+        not computed yet: the history and Whisper state are updated on the device, in stream
+        order; only the counts change on the host."""
+        slots = np.asarray(torch.as_tensor(slots).cpu() if torch.is_tensor(slots) else slots)
+        slots = slots.astype(np.int64).reshape(-1)
+        if not len(slots):
+            return
+        assert bool(self.active[slots].all())
+        positions = self.num_prompt_tokens[slots] + self.num_output_tokens[slots]
+        assert bool((positions < self.max_model_len).all()), "token history is full"
+        self.flush()
+        packer = _Packer()
+        packer.add(slots)
+        packer.add(positions)
+        packer.add(self.num_output_tokens[slots] > 0)
+        idx, pos, had_output = packer.ship(self.device)
+        tokens = torch.as_tensor(token_ids, dtype=torch.int64).to(self.device).reshape(-1)
+        self.token_ids[idx, pos] = tokens.to(torch.int32)
+        if self.whisper is not None:
+            is_timestamp = tokens >= self.whisper.timestamp_begin
+            state = self.iparams_dev[idx]  # [k, NUM_I]
+            flags = state[:, _I_FLAGS]
+            penultimate = (had_output == 0) | ((flags & _FLAG_LAST_IS_TS) != 0)
+            new_flags = is_timestamp.long() * _FLAG_LAST_IS_TS
+            new_flags += penultimate.long() * _FLAG_PENULTIMATE_IS_TS
+            state[:, _I_FLAGS] = new_flags
+            state[:, _I_LAST_TS] = torch.where(is_timestamp, tokens, state[:, _I_LAST_TS])
+            self.iparams_dev[idx] = state
+        self.num_output_tokens[slots] += 1
+
+    def make_metadata(self, slots: Sequence[int] | np.ndarray) -> SamplingMetadata:
+        """Metadata for a step whose logits row i belongs to slots[i]. Reads only host-known
+        counts and flags; values sampled by steps still running are read on the device."""
+        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+        assert bool(self.active[slots].all()), "make_metadata on a free slot"
+        self.flush()
+        num_output = self.num_output_tokens[slots]
+        fparams = self.fparams[slots]
+        is_greedy = fparams[:, _F_TEMPERATURE] < _GREEDY_EPS
         is_random = ~is_greedy
-        top_k, top_p, min_p = self.top_k[idx], self.top_p[idx], self.min_p[idx]
-        num_logprobs = self.num_logprobs[idx]
+        top_k = self.iparams[slots, _I_TOP_K]
+        num_logprobs = self.num_logprobs[slots]
         max_num_logprobs = int(num_logprobs.max()) if len(slots) else -1
+        penalties = (
+            (fparams[:, _F_REPETITION] != 1.0)
+            | (fparams[:, _F_FREQUENCY] != 0.0)
+            | (fparams[:, _F_PRESENCE] != 0.0)
+        )
+        ngram = self.iparams[slots, _I_NGRAM] > 0
+
+        # Everything host-known that the device needs this step: one packed copy.
+        packer = _Packer()
+        i_idx = packer.add(slots)
+        i_num_output = packer.add(num_output)
+        rules = self._token_rule_rows(slots, num_output)
+        i_rules = {name: packer.add(rows) for name, rows in rules.items()}
+        forced = self._forced_tokens(slots, num_output)
+        i_forced = packer.add(forced) if forced is not None else None
+        ts_rows = np.flatnonzero(self.whisper_timestamps[slots]) if self.whisper else None
+        use_whisper = ts_rows is not None and len(ts_rows) > 0
+        if use_whisper:
+            i_ts = packer.add(ts_rows)
+            i_first = packer.add(num_output[ts_rows] == 0)
+        shipped = packer.ship(self.device)
+        idx = shipped[i_idx]
+        fparams_dev = self.fparams_dev[idx]  # [n, NUM_F]
+
+        def column(flag: bool, col: int) -> torch.Tensor | None:
+            return fparams_dev[:, col] if flag else None
 
         metadata = SamplingMetadata(
             num_reqs=len(slots),
-            temperature=self._to_device(temperature),
+            temperature=fparams_dev[:, _F_TEMPERATURE],
             all_greedy=bool(is_greedy.all()),
             all_random=bool(is_random.all()),
-            top_k=self._to_device(top_k) if bool((is_random & (top_k > 0)).any()) else None,
-            top_p=self._to_device(top_p) if bool((is_random & (top_p < 1.0)).any()) else None,
-            min_p=self._to_device(min_p) if bool((is_random & (min_p > 0.0)).any()) else None,
+            top_k=self.iparams_dev[idx, _I_TOP_K]
+            if bool((is_random & (top_k > 0)).any())
+            else None,
+            top_p=column(bool((is_random & (fparams[:, _F_TOP_P] < 1.0)).any()), _F_TOP_P),
+            min_p=column(bool((is_random & (fparams[:, _F_MIN_P] > 0.0)).any()), _F_MIN_P),
             generator=self.generator,
-            generators=self._position_generators(idx, is_random),
+            generators=self._position_generators(slots, is_random),
             max_num_logprobs=max_num_logprobs if max_num_logprobs >= 0 else None,
         )
-        self._add_history_rules(metadata, idx)
-        self._add_token_rules(metadata, idx)
-        if self.whisper is not None and bool(self.whisper_timestamps[idx].any()):
-            metadata.whisper = self._whisper_metadata(idx, self.whisper)
+        needs_history = penalties | ngram
+        if bool(needs_history.any()):
+            # Rows that read no history may be cut short: only rows in needs_history use it.
+            width = int((self.num_prompt_tokens[slots] + num_output)[needs_history].max())
+            metadata.token_ids = self.token_ids[idx, :width].long()
+            metadata.num_prompt_tokens = self.iparams_dev[idx, _I_NUM_PROMPT]
+            metadata.num_output_tokens = shipped[i_num_output]
+            if bool(penalties.any()):
+                metadata.no_penalties = False
+                metadata.repetition_penalties = fparams_dev[:, _F_REPETITION]
+                metadata.frequency_penalties = fparams_dev[:, _F_FREQUENCY]
+                metadata.presence_penalties = fparams_dev[:, _F_PRESENCE]
+            if bool(ngram.any()):
+                metadata.no_repeat_ngram_size = self.iparams_dev[idx, _I_NGRAM]
+                metadata.max_no_repeat_ngram_size = int(self.iparams[slots, _I_NGRAM].max())
+        for name, table in (
+            ("allowed_token_ids", self.allowed_token_ids),
+            ("suppress_token_ids", self.suppress_token_ids),
+            ("begin_suppress_token_ids", self.begin_suppress_token_ids),
+            ("min_tokens_stop_ids", self.min_tokens_stop_ids),
+        ):
+            if name in i_rules:
+                rows = shipped[i_rules[name]]
+                token_ids = table.rows(idx[rows], slots[rules[name]])
+                setattr(metadata, name, RowTokenIds(rows=rows, token_ids=token_ids))
+        if i_forced is not None:
+            metadata.forced_token_ids = shipped[i_forced]
+        if use_whisper:
+            assert self.whisper is not None and ts_rows is not None
+            metadata.whisper = self._whisper_metadata(
+                shipped[i_ts], idx, shipped[i_first] != 0, self.whisper
+            )
         return metadata
 
-    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.to(self.device, non_blocking=True)
+    def _token_rule_rows(self, slots: np.ndarray, num_output: np.ndarray) -> dict[str, np.ndarray]:
+        """Rows each token-list rule is active on this step (host-known: list lengths, counts)."""
+        always = np.ones(len(slots), dtype=bool)
+        active = {
+            "allowed_token_ids": (self.allowed_token_ids, always),
+            "suppress_token_ids": (self.suppress_token_ids, always),
+            "begin_suppress_token_ids": (self.begin_suppress_token_ids, num_output == 0),
+            "min_tokens_stop_ids": (self.min_tokens_stop_ids, num_output < self.min_tokens[slots]),
+        }
+        out = {}
+        for name, (table, when) in active.items():
+            rows = np.flatnonzero(when & (table.lengths[slots] > 0))
+            if len(rows):
+                out[name] = rows
+        return out
+
+    def _forced_tokens(self, slots: np.ndarray, num_output: np.ndarray) -> np.ndarray | None:
+        """[n] the only token allowed this step (-1: none), or None when no row has one."""
+        forced = np.full(len(slots), -1, dtype=np.int64)
+        has_forced = self.forced_positions.lengths[slots] > 0
+        if has_forced.any():
+            positions = self.forced_positions.ids[slots]  # [n, width]
+            matches = (positions == num_output[:, None]) & has_forced[:, None]
+            first = matches.argmax(axis=1)
+            tokens = self.forced_tokens.ids[slots, first]
+            forced = np.where(matches.any(axis=1), tokens, forced)
+        forced_eos = self.forced_eos_token_id[slots]
+        max_output = self.max_output_tokens[slots]
+        is_last = (forced_eos >= 0) & (max_output > 0) & (num_output == max_output - 1)
+        forced = np.where(is_last, forced_eos, forced)
+        return forced if bool((forced >= 0).any()) else None
 
     def _position_generators(
-        self, idx: torch.Tensor, is_random: torch.Tensor
+        self, slots: np.ndarray, is_random: np.ndarray
     ) -> dict[int, torch.Generator]:
         """Seeds each seeded random row's generator for the output index it samples now."""
         generators = {}
-        for row in torch.nonzero(self.has_seed[idx] & is_random).flatten().tolist():
-            slot = int(idx[row])
-            generator = self.generators[slot]
-            generator.manual_seed(step_seed(self.seeds[slot], int(self.num_output_tokens[slot])))
-            generators[row] = generator
+        if not self.seeds:
+            return generators
+        for row in np.flatnonzero(is_random).tolist():
+            slot = int(slots[row])
+            if slot in self.seeds:
+                generator = self.generators[slot]
+                generator.manual_seed(
+                    step_seed(self.seeds[slot], int(self.num_output_tokens[slot]))
+                )
+                generators[row] = generator
         return generators
 
-    def _add_history_rules(self, metadata: SamplingMetadata, idx: torch.Tensor) -> None:
-        """Penalties and no-repeat-ngram: the rules that read the token history."""
-        repetition = self.repetition_penalty[idx]
-        frequency = self.frequency_penalty[idx]
-        presence = self.presence_penalty[idx]
-        ngram_size = self.no_repeat_ngram_size[idx]
-        uses_penalties = (repetition != 1.0) | (frequency != 0.0) | (presence != 0.0)
-        uses_ngram = ngram_size > 0
-        needs_history = uses_penalties | uses_ngram
-        if not bool(needs_history.any()):
-            return
-        num_prompt, num_output = self.num_prompt_tokens[idx], self.num_output_tokens[idx]
-        # Rows that read no history may be cut short: only rows in needs_history use it.
-        width = int((num_prompt + num_output)[needs_history].max())
-        metadata.token_ids = self._to_device(self.token_ids[idx, :width].long())
-        metadata.num_prompt_tokens = self._to_device(num_prompt)
-        metadata.num_output_tokens = self._to_device(num_output)
-        if bool(uses_penalties.any()):
-            metadata.no_penalties = False
-            metadata.repetition_penalties = self._to_device(repetition)
-            metadata.frequency_penalties = self._to_device(frequency)
-            metadata.presence_penalties = self._to_device(presence)
-        if bool(uses_ngram.any()):
-            metadata.no_repeat_ngram_size = self._to_device(ngram_size)
-            metadata.max_no_repeat_ngram_size = int(ngram_size.max())
-
-    def _add_token_rules(self, metadata: SamplingMetadata, idx: torch.Tensor) -> None:
-        """Allowed/suppressed/min_tokens id lists and forced tokens for this step's rows."""
-        num_output = self.num_output_tokens[idx]
-        metadata.allowed_token_ids = self._row_token_ids(
-            self.allowed_token_ids, idx, torch.ones_like(num_output, dtype=torch.bool)
-        )
-        metadata.suppress_token_ids = self._row_token_ids(
-            self.suppress_token_ids, idx, torch.ones_like(num_output, dtype=torch.bool)
-        )
-        metadata.begin_suppress_token_ids = self._row_token_ids(
-            self.begin_suppress_token_ids, idx, num_output == 0
-        )
-        metadata.min_tokens_stop_ids = self._row_token_ids(
-            self.min_tokens_stop_ids, idx, num_output < self.min_tokens[idx]
-        )
-
-        forced = torch.full_like(num_output, -1)
-        if bool((self.forced_positions.lengths[idx] > 0).any()):
-            positions = self.forced_positions.gather(idx)  # [n, width]
-            matches = positions == num_output.unsqueeze(1)
-            first_match = matches.int().argmax(dim=1, keepdim=True)
-            tokens = self.forced_tokens.gather(idx).gather(1, first_match).squeeze(1)
-            forced = torch.where(matches.any(dim=1), tokens, forced)
-        forced_eos = self.forced_eos_token_id[idx]
-        max_output = self.max_output_tokens[idx]
-        is_last = (forced_eos >= 0) & (max_output > 0) & (num_output == max_output - 1)
-        forced = torch.where(is_last, forced_eos, forced)
-        if bool((forced >= 0).any()):
-            metadata.forced_token_ids = self._to_device(forced)
-
-    def _row_token_ids(
-        self, table: _TokenIdTable, idx: torch.Tensor, active: torch.Tensor
-    ) -> RowTokenIds | None:
-        rows = torch.nonzero(active & (table.lengths[idx] > 0)).flatten()
-        if len(rows) == 0:
-            return None
-        token_ids = table.gather(idx[rows])
-        return RowTokenIds(rows=self._to_device(rows), token_ids=self._to_device(token_ids))
-
     def _whisper_metadata(
-        self, idx: torch.Tensor, info: WhisperTokenInfo
+        self,
+        rows: torch.Tensor,
+        idx: torch.Tensor,
+        is_first: torch.Tensor,
+        info: WhisperTokenInfo,
     ) -> WhisperTimestampMetadata:
-        rows = torch.nonzero(self.whisper_timestamps[idx]).flatten()
-        slots = idx[rows]
-        last = self.last_is_timestamp[slots]
-        penultimate = self.penultimate_is_timestamp[slots]
-        last_timestamp = self.last_timestamp[slots]
+        state = self.iparams_dev[idx[rows]]  # [k, NUM_I]
+        flags = state[:, _I_FLAGS]
+        last = (flags & _FLAG_LAST_IS_TS) != 0
+        penultimate = (flags & _FLAG_PENULTIMATE_IS_TS) != 0
+        last_timestamp = state[:, _I_LAST_TS]
         # transformers: after a lone timestamp the same value may repeat (closing the pair),
         # otherwise the next timestamp must be strictly larger.
         min_timestamp = torch.where(last & ~penultimate, last_timestamp, last_timestamp + 1)
         min_timestamp = torch.where(last_timestamp >= 0, min_timestamp, info.timestamp_begin)
         return WhisperTimestampMetadata(
             info=info,
-            rows=self._to_device(rows),
-            is_first=self._to_device(self.num_output_tokens[slots] == 0),
-            block_timestamps=self._to_device(last & penultimate),
-            block_text=self._to_device(last & ~penultimate),
-            min_timestamp=self._to_device(min_timestamp),
+            rows=rows,
+            is_first=is_first,
+            block_timestamps=last & penultimate,
+            block_text=last & ~penultimate,
+            min_timestamp=min_timestamp,
         )
 
 

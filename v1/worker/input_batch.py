@@ -40,6 +40,11 @@ class InputBatch:
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_encoder_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         """Cross-attention key length per slot (encoder-decoder models)."""
+        self.pending_positions = np.full(max_num_reqs, -1, dtype=np.int64)
+        """Per slot: position of the token the last launched step is sampling for it (-1:
+        none). Its value is on the device until that step is read back."""
+        self.pending_rows = np.full(max_num_reqs, -1, dtype=np.int64)
+        """Per slot: that token's row in the last launched step's sampled tensor."""
         self.requests: dict[str, CachedRequestState] = {}
         self._free_slots = list(range(max_num_reqs - 1, -1, -1))
 
@@ -79,6 +84,7 @@ class InputBatch:
         for table in self.block_tables:
             table.clear_row(state.slot)
         self.num_tokens[state.slot] = 0
+        self.pending_positions[state.slot] = -1
         self._free_slots.append(state.slot)
         return state
 
@@ -91,7 +97,29 @@ class InputBatch:
             for table, block_ids in zip(self.block_tables, new_block_ids, strict=True):
                 table.append_row(slot, block_ids)
 
-    def append_tokens(self, slots: np.ndarray, token_ids: np.ndarray) -> None:
-        """One new token per listed slot (vectorized)."""
-        self.token_ids[slots, self.num_tokens[slots]] = token_ids
+    def mark_pending(self, slots: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """One new token per listed slot, sampled as `rows` of the step just launched; its
+        value comes with `resolve_pending`. Returns the tokens' positions."""
+        positions = self.num_tokens[slots].copy()
         self.num_tokens[slots] += 1
+        self.pending_positions[slots] = positions
+        self.pending_rows[slots] = rows
+        return positions
+
+    def resolve_pending(
+        self, slots: np.ndarray, positions: np.ndarray, token_ids: np.ndarray
+    ) -> None:
+        """The sampled values of tokens marked pending (slots still held by their request)."""
+        self.token_ids[slots, positions] = token_ids
+        done = self.pending_positions[slots] == positions
+        self.pending_positions[slots[done]] = -1
+
+    def pending_inputs(
+        self, slots: np.ndarray, computed: np.ndarray, seq_lens: np.ndarray, query_start: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(token index in the step, row in the last step's sampled tensor) of every input
+        token whose value is still on the device."""
+        pending = self.pending_positions[slots]
+        hit = (pending >= computed) & (pending < seq_lens)
+        reqs = np.flatnonzero(hit)
+        return query_start[reqs] + pending[reqs] - computed[reqs], self.pending_rows[slots[reqs]]

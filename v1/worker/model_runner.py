@@ -74,6 +74,8 @@ class ModelRunner:
         self.kv_cache_config: KVCacheConfig | None = None
         self.input_batch: InputBatch | None = None
         self.cuda_graphs: Any = None
+        self.prev_sampled_token_ids: torch.Tensor | None = None
+        """[R] tokens sampled by the last launched step, on the device (pipelined steps)."""
         self.state = _make_state(self.model_config.kind, self)
 
     # ---- set-up ----
@@ -191,7 +193,13 @@ class ModelRunner:
         # position of token t = computed[req] + (t - qsl[req])
         positions = np.repeat(computed - qsl[:-1], num_scheduled) + np.arange(num_tokens)
         seq_lens = computed + num_scheduled
-        input_ids = batch.token_ids[token_slots, positions]
+        input_ids = self._to_device(batch.token_ids[token_slots, positions])
+        dst, src = batch.pending_inputs(slots, computed, seq_lens, qsl)
+        if len(dst):
+            # Tokens sampled by the step still running: read where they are, on the device.
+            assert self.prev_sampled_token_ids is not None
+            index = self._to_device(np.concatenate([dst, src]))
+            input_ids[index[: len(dst)]] = self.prev_sampled_token_ids[index[len(dst) :]]
         return StepInputs(
             req_ids=req_ids,
             slots=slots,
@@ -200,7 +208,7 @@ class ModelRunner:
             token_slots=token_slots,
             positions_np=positions,
             seq_lens=seq_lens,
-            input_ids=self._to_device(input_ids),
+            input_ids=input_ids,
             positions=self._to_device(positions),
             logits_indices=self._to_device(qsl[1:] - 1),
             reached_end=seq_lens >= batch.num_tokens[slots],

@@ -16,6 +16,7 @@ from v1.core.sched_output import (
 )
 from v1.forward_context import ForwardContext, set_forward_context
 from v1.worker.input_batch import CachedRequestState
+from v1.worker.sampled_output import HostCopy, PendingSampledStep
 
 if TYPE_CHECKING:
     from v1.worker.model_runner import ModelRunner, StepInputs
@@ -99,39 +100,53 @@ class GenerationState(ModelState):
     def on_request_removed(self, state: CachedRequestState) -> None:
         self.sampling_state.remove_request(state.slot)
 
-    def sample(self, hidden_states: torch.Tensor, step: StepInputs) -> ModelRunnerOutput:
+    def execute(self, step: StepInputs, so: SchedulerOutput) -> ModelRunnerOutput:
+        return self.execute_async(step, so).get_output()
+
+    def execute_async(self, step: StepInputs, so: SchedulerOutput) -> PendingSampledStep:
+        """Launches the forward pass and the sampler; the sampled tokens stay on the device
+        (they feed the next step there) and reach the host when the output is read."""
+        pending = self.sample_async(self.forward(step, so), step)
+        pending.num_encoder_runs = self.num_encoder_runs_in(so)
+        return pending
+
+    def forward(self, step: StepInputs, so: SchedulerOutput) -> torch.Tensor:
+        """Hidden states [T, H] of the step's packed tokens."""
+        raise NotImplementedError
+
+    def num_encoder_runs_in(self, so: SchedulerOutput) -> int:
+        return 0
+
+    def sample_async(
+        self,
+        hidden_states: torch.Tensor,
+        step: StepInputs,
+        extra_to_host: dict[str, torch.Tensor] | None = None,
+    ) -> PendingSampledStep:
         runner = self.runner
         logits = runner.model.compute_logits(hidden_states[step.logits_indices])
         logits = logits[:, : runner.model_config.vocab_size]
-        slots = step.slots.tolist()
-        out = self.sampler(logits, self.sampling_state.make_metadata(slots))
-        sampled = out.sampled_token_ids.cpu().numpy()  # sync: the one read per step
-        keep = step.reached_end
-        if keep.any():
-            runner.input_batch.append_tokens(step.slots[keep], sampled[keep])
-            self.sampling_state.append_output_tokens(
-                step.slots[keep].tolist(), sampled[keep].tolist()
-            )
-        sampled_lists = [[int(t)] if k else [] for t, k in zip(sampled, keep, strict=True)]
-        result = ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=sampled_lists)
+        out = self.sampler(logits, self.sampling_state.make_metadata(step.slots))
+        sampled = out.sampled_token_ids  # [R] int64, on the device
+        keep_rows = np.flatnonzero(step.reached_end)
+        if len(keep_rows):
+            if len(keep_rows) == len(step.slots):
+                kept = sampled
+            else:
+                kept = sampled[runner._to_device(keep_rows)]
+            self.sampling_state.append_output_tokens(step.slots[keep_rows], kept)
+        batch = runner.input_batch
+        positions = batch.mark_pending(step.slots[keep_rows], keep_rows)
+        runner.prev_sampled_token_ids = sampled
+        to_host = {"sampled": sampled}
         if out.logprobs is not None:
-            self._add_logprobs(result, out, keep, step)
-        return result
-
-    def _add_logprobs(
-        self, result: ModelRunnerOutput, out: Any, keep: np.ndarray, step: StepInputs
-    ) -> None:
-        ids = out.logprob_token_ids.cpu().tolist()  # sync: only when logprobs are asked for
-        values = out.logprobs.cpu().tolist()
-        ranks = out.ranks.cpu().tolist()
-        requests = self.runner.input_batch.requests
-        result.logprob_token_ids, result.logprobs, result.logprob_ranks = [], [], []
-        for i, req_id in enumerate(step.req_ids):
-            num = requests[req_id].sampling_params.logprobs
-            if num is None or not keep[i]:
-                for lst in (result.logprob_token_ids, result.logprobs, result.logprob_ranks):
-                    lst.append(None)
-                continue
-            result.logprob_token_ids.append([ids[i][: 1 + num]])
-            result.logprobs.append([values[i][: 1 + num]])
-            result.logprob_ranks.append([ranks[i]])
+            to_host |= {"lp_ids": out.logprob_token_ids, "lp": out.logprobs, "ranks": out.ranks}
+        to_host |= extra_to_host or {}
+        return PendingSampledStep(
+            batch=batch,
+            req_ids=step.req_ids,
+            states=[batch.requests[r] for r in step.req_ids],
+            keep_rows=keep_rows,
+            positions=positions,
+            host=HostCopy(to_host),
+        )

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from v1.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from v1.core.sched_output import SchedulerOutput
 from v1.forward_context import ForwardContext, set_forward_context
 from v1.worker.model_states.base import GenerationState
 
@@ -15,14 +15,13 @@ if TYPE_CHECKING:
 
 
 class DecoderOnlyState(GenerationState):
-    def execute(self, step: StepInputs, so: SchedulerOutput) -> ModelRunnerOutput:
+    def forward(self, step: StepInputs, so: SchedulerOutput) -> torch.Tensor:
         graphs = self.runner.cuda_graphs
         if graphs is not None and graphs.can_run(step, so):
-            return self.sample(graphs.run(step), step)
+            return graphs.run(step)
         metadata = self.runner.decoder_attn_metadata(step)
         with set_forward_context(ForwardContext(metadata)):
-            hidden_states = self.decode_forward(step.input_ids, step.positions)
-        return self.sample(hidden_states, step)
+            return self.decode_forward(step.input_ids, step.positions)
 
     def decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.runner.model(input_ids, positions)

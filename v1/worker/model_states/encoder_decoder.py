@@ -12,7 +12,7 @@ import torch
 
 from v1.attention.backend import AttentionType
 from v1.core.protocol import EncoderInput
-from v1.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from v1.core.sched_output import SchedulerOutput
 from v1.forward_context import ForwardContext, set_forward_context
 from v1.worker.model_states.base import GenerationState
 
@@ -37,25 +37,24 @@ class EncoderDecoderState(GenerationState):
         gen_eos = getattr(self.runner.model, "decoder_eos_token_id", None)
         return gen_eos if gen_eos is not None else super().eos_token_id(data)
 
-    def execute(self, step: StepInputs, so: SchedulerOutput) -> ModelRunnerOutput:
+    def forward(self, step: StepInputs, so: SchedulerOutput) -> torch.Tensor:
         for content_hash in so.free_encoder_hashes:
             self.encoder_outputs.pop(content_hash, None)
-        num_runs = self._run_encoders(so.encoder_hashes_to_run)
+        self._run_encoders(so.encoder_hashes_to_run)
         if so.encoder_reqs:
             self._write_cross_kv(step, so.encoder_reqs)
         # Every cross K/V of this step is in the cache now: the decoder step only reads it,
         # so first steps replay CUDA graphs like any other decode step.
         graphs = self.runner.cuda_graphs
         if graphs is not None and graphs.can_run(step, so):
-            hidden_states = graphs.run(step)
-        else:
-            metadata = self.runner.decoder_attn_metadata(step)
-            metadata.update(self._cross_attn_metadata(step, []))
-            with set_forward_context(ForwardContext(metadata)):
-                hidden_states = self.decode_forward(step.input_ids, step.positions)
-        output = self.sample(hidden_states, step)
-        output.num_encoder_runs = num_runs
-        return output
+            return graphs.run(step)
+        metadata = self.runner.decoder_attn_metadata(step)
+        metadata.update(self._cross_attn_metadata(step, []))
+        with set_forward_context(ForwardContext(metadata)):
+            return self.decode_forward(step.input_ids, step.positions)
+
+    def num_encoder_runs_in(self, so: SchedulerOutput) -> int:
+        return len(so.encoder_hashes_to_run)
 
     def _write_cross_kv(self, step: StepInputs, encoder_reqs: list[str]) -> None:
         """The cross-K/V pre-step: project the encoder outputs of requests on their first step

@@ -15,6 +15,7 @@ from v1.core.sched_output import ModelRunnerOutput, NewRequestData
 from v1.forward_context import ForwardContext, set_forward_context
 from v1.worker.input_batch import CachedRequestState
 from v1.worker.model_states.encoder_decoder import EncoderDecoderState
+from v1.worker.sampled_output import PendingSampledStep
 
 if TYPE_CHECKING:
     from v1.worker.model_runner import StepInputs
@@ -45,23 +46,36 @@ class WhisperState(EncoderDecoderState):
         self.sot_positions[state.slot] = -1
         self.pending_no_speech.pop(state.req_id, None)
 
-    def sample(self, hidden_states: torch.Tensor, step: StepInputs) -> ModelRunnerOutput:
+    def sample_async(self, hidden_states: torch.Tensor, step: StepInputs) -> PendingSampledStep:
         rows, row_reqs = self._sot_rows(step)
         no_speech = None
         if rows.size:
             logits = self.runner.model.compute_logits(hidden_states[self.runner._to_device(rows)])
-            no_speech = logits.softmax(dim=-1)[:, self.no_speech_token_id]  # [k] float32
-        output = super().sample(hidden_states, step)
+            no_speech = logits.softmax(dim=-1)[:, self.no_speech_token_id].float()  # [k]
+        extra = {NO_SPEECH_PROB: no_speech} if no_speech is not None else None
+        pending = super().sample_async(hidden_states, step, extra)
         if no_speech is not None:
-            # sync: once per request, on the step that computes its <|startoftranscript|>.
-            for i, prob in zip(row_reqs.tolist(), no_speech.cpu().tolist(), strict=True):
-                self.pending_no_speech[step.req_ids[i]] = prob
-        if self.pending_no_speech:
-            for req_id, sampled in zip(output.req_ids, output.sampled_token_ids, strict=True):
-                if sampled and req_id in self.pending_no_speech:
-                    prob = self.pending_no_speech.pop(req_id)
-                    output.extras.setdefault(req_id, {})[NO_SPEECH_PROB] = prob
-        return output
+            sot_req_ids = [step.req_ids[i] for i in row_reqs.tolist()]
+            pending.finalize.append(
+                lambda output, data: self._record_no_speech(sot_req_ids, data[NO_SPEECH_PROB])
+            )
+        pending.finalize.append(lambda output, data: self._report_no_speech(output))
+        return pending
+
+    def _record_no_speech(self, req_ids: list[str], probs: np.ndarray) -> None:
+        requests = self.runner.input_batch.requests
+        for req_id, prob in zip(req_ids, probs.tolist(), strict=True):
+            if req_id in requests:  # not aborted since the step was launched
+                self.pending_no_speech[req_id] = prob
+
+    def _report_no_speech(self, output: ModelRunnerOutput) -> None:
+        """Each request's no-speech probability goes out with its first sampled token."""
+        if not self.pending_no_speech:
+            return
+        for req_id, sampled in zip(output.req_ids, output.sampled_token_ids, strict=True):
+            if sampled and req_id in self.pending_no_speech:
+                prob = self.pending_no_speech.pop(req_id)
+                output.extras.setdefault(req_id, {})[NO_SPEECH_PROB] = prob
 
     def _sot_rows(self, step: StepInputs) -> tuple[np.ndarray, np.ndarray]:
         """(packed token rows holding a <|startoftranscript|> this step, their request index)."""

@@ -1,0 +1,106 @@
+"""A launched generation step's results on their way to the host (pipelined steps).
+
+The sampled tokens stay on the device, where the next step reads them as inputs; one pinned,
+non-blocking copy per step brings them (and logprobs, and model extras) to the host, and
+`get_output` waits for that copy only: the one host sync of a generation step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from v1.core.sched_output import ModelRunnerOutput
+from v1.worker.input_batch import CachedRequestState, InputBatch
+
+
+class HostCopy:
+    """Device tensors copied into pinned host memory when created; `get` waits for them."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self._event: torch.cuda.Event | None = None
+        self._host: dict[str, torch.Tensor] = {}
+        for name, tensor in tensors.items():
+            if tensor.is_cuda:
+                host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+                self._host[name] = host.copy_(tensor, non_blocking=True)
+            else:
+                self._host[name] = tensor
+        if any(t.is_cuda for t in tensors.values()):
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def get(self) -> dict[str, np.ndarray]:
+        if self._event is not None:
+            self._event.synchronize()  # sync: the step's sampled tokens reach the host
+        # Copies: the pinned buffers go back to torch's host cache right away.
+        return {name: t.numpy().copy() for name, t in self._host.items()}
+
+
+@dataclass
+class PendingSampledStep:
+    """A DeferredRunnerOutput of a generation step."""
+
+    batch: InputBatch
+    req_ids: list[str]
+    states: list[CachedRequestState]
+    """The batch entries of the step's requests, to recognise a slot reused since."""
+    keep_rows: np.ndarray
+    """Rows that sampled a token (their step reached the end of the known tokens)."""
+    positions: np.ndarray
+    """Sequence position of each kept row's token."""
+    host: HostCopy
+    num_encoder_runs: int = 0
+    finalize: list[Callable[[ModelRunnerOutput, dict[str, np.ndarray]], None]] = field(
+        default_factory=list
+    )
+    """Model-kind hooks that add extras from the copied tensors (e.g. Whisper no-speech)."""
+
+    def get_output(self) -> ModelRunnerOutput:
+        data = self.host.get()
+        sampled = data["sampled"]
+        keep = np.zeros(len(self.req_ids), dtype=bool)
+        keep[self.keep_rows] = True
+        self._resolve(sampled)
+        result = ModelRunnerOutput(
+            req_ids=self.req_ids,
+            sampled_token_ids=[[int(t)] if k else [] for t, k in zip(sampled, keep, strict=True)],
+            num_encoder_runs=self.num_encoder_runs,
+        )
+        if "lp" in data:
+            self._add_logprobs(result, data, keep)
+        for hook in self.finalize:
+            hook(result, data)
+        return result
+
+    def _resolve(self, sampled: np.ndarray) -> None:
+        """Writes the tokens into the host batch for slots their request still holds."""
+        requests = self.batch.requests
+        rows = [
+            i for i in self.keep_rows.tolist() if requests.get(self.req_ids[i]) is self.states[i]
+        ]
+        if rows:
+            rows_array = np.asarray(rows, dtype=np.int64)
+            order = np.searchsorted(self.keep_rows, rows_array)
+            slots = np.array([self.states[i].slot for i in rows], dtype=np.int64)
+            self.batch.resolve_pending(slots, self.positions[order], sampled[rows_array])
+
+    def _add_logprobs(
+        self, result: ModelRunnerOutput, data: dict[str, Any], keep: np.ndarray
+    ) -> None:
+        ids, values, ranks = data["lp_ids"], data["lp"], data["ranks"]
+        result.logprob_token_ids, result.logprobs, result.logprob_ranks = [], [], []
+        for i, state in enumerate(self.states):
+            params = state.sampling_params
+            num = params.logprobs if params is not None else None
+            if num is None or not keep[i]:
+                for lst in (result.logprob_token_ids, result.logprobs, result.logprob_ranks):
+                    lst.append(None)
+                continue
+            result.logprob_token_ids.append([ids[i][: 1 + num].tolist()])
+            result.logprobs.append([values[i][: 1 + num].tolist()])
+            result.logprob_ranks.append([int(ranks[i])])
