@@ -1,5 +1,6 @@
 """GPU: a generation step synchronizes with the host exactly once (reading the sampled tokens),
-with and without CUDA graphs, for a decoder-only and an encoder-decoder model.
+with and without CUDA graphs, for a decoder-only and an encoder-decoder model; with pipelined
+steps the launch of a step never synchronizes (the read happens one step behind).
 
 torch's sync debug mode warns on every synchronizing call it knows of; each step after a
 warm-up must raise exactly one such warning. Marked `gpu`; skipped without CUDA.
@@ -25,7 +26,9 @@ SYNC_WARNING = "called a synchronizing CUDA operation"
 """torch's warning for each synchronizing call (not its one-off 'prototype feature' notice)."""
 
 
-def syncs_per_step(path: str, prompts: list[list[int]], enforce_eager: bool) -> list[int]:
+def syncs_per_step(
+    path: str, prompts: list[list[int]], enforce_eager: bool, async_scheduling: bool = False
+) -> list[int]:
     """Generates with every step's execute_model under sync debug mode 'warn'; returns the
     number of synchronizing calls of each step that scheduled tokens."""
     from v1 import LLM, SamplingParams
@@ -36,6 +39,7 @@ def syncs_per_step(path: str, prompts: list[list[int]], enforce_eager: bool) -> 
         dtype="float16",
         multiprocess=False,
         enforce_eager=enforce_eager,
+        async_scheduling=async_scheduling,
         num_kv_blocks=64,
         block_size=16,
         max_num_seqs=4,
@@ -44,7 +48,7 @@ def syncs_per_step(path: str, prompts: list[list[int]], enforce_eager: bool) -> 
     counts: list[int] = []
     try:
         runner = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
-        execute = runner.execute_model
+        execute = runner.execute_model_async if async_scheduling else runner.execute_model
 
         def counted(so):
             with warnings.catch_warnings(record=True) as caught:
@@ -62,7 +66,10 @@ def syncs_per_step(path: str, prompts: list[list[int]], enforce_eager: bool) -> 
         # Warm-up outside the count: the first launch of each kernel variant (e.g. the long
         # query block of prefill chunks) JIT-compiles it, which is not the step path.
         llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        runner.execute_model = counted
+        if async_scheduling:
+            runner.execute_model_async = counted
+        else:
+            runner.execute_model = counted
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         assert all(len(o.outputs[0].token_ids) == 12 for o in outs)
     finally:
@@ -99,3 +106,9 @@ def test_encoder_decoder_step_syncs_once(tmp_path, enforce_eager):
     prompts = [p + [2] for p in PROMPTS]
     counts = syncs_per_step(path, prompts, enforce_eager)
     assert len(counts) > 12 and set(counts) == {1}, counts
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "cuda_graphs"])
+def test_pipelined_generation_launch_never_syncs(tmp_path, enforce_eager):
+    counts = syncs_per_step(make_tiny_llama_dir(tmp_path), PROMPTS, enforce_eager, True)
+    assert len(counts) > 12 and set(counts) == {0}, counts

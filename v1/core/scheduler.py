@@ -135,8 +135,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = _StepBudget(self.max_num_batched_tokens, self.encoder_budget)
         scheduled_running: list[Request] = []
-        running_new_blocks: dict[str, tuple[list[int], ...]] = {}
+        running_new_blocks: dict[str, tuple[list[int], ...] | None] = {}
         preempted: list[Request] = []
+        no_new_blocks = self.kv_cache_manager.NO_NEW_BLOCKS
 
         for request in list(self.running):
             if budget.tokens == 0:
@@ -162,7 +163,9 @@ class Scheduler:
             if new_blocks is None:
                 continue
             scheduled_running.append(request)
-            running_new_blocks[request.request_id] = new_blocks.get_block_ids()
+            running_new_blocks[request.request_id] = (
+                None if new_blocks is no_new_blocks else new_blocks.get_block_ids()
+            )
             budget.take(request, num_new)
 
         scheduled_new: list[Request] = []
@@ -240,7 +243,7 @@ class Scheduler:
         self,
         budget: _StepBudget,
         scheduled_running: list[Request],
-        running_new_blocks: dict[str, tuple[list[int], ...]],
+        running_new_blocks: dict[str, tuple[list[int], ...] | None],
         scheduled_new: list[Request],
     ) -> SchedulerOutput:
         new_reqs = [
@@ -262,7 +265,7 @@ class Scheduler:
         for r in scheduled_running:
             cached.req_ids.append(r.request_id)
             blocks = running_new_blocks[r.request_id]
-            cached.new_block_ids.append(blocks if any(blocks) else None)
+            cached.new_block_ids.append(blocks if blocks is not None and any(blocks) else None)
             cached.num_computed_tokens.append(r.num_computed_tokens)
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,

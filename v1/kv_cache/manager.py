@@ -65,6 +65,8 @@ class KVCacheManager:
             )
         self.hash_block_size = full_block_sizes.pop() if full_block_sizes else 0
         """Block size of the chained hashes in request.block_hashes (0: no prefix caching)."""
+        self.NO_NEW_BLOCKS = self._empty()
+        """What allocate_slots returns when it added nothing (shared: never mutate it)."""
         self.prefix_cache_queries = 0
         """Prompt tokens looked up in the prefix cache."""
         self.prefix_cache_hits = 0
@@ -91,6 +93,17 @@ class KVCacheManager:
         return len(
             {req_id for m in self.managers for req_id, blocks in m.req_to_blocks.items() if blocks}
         )
+
+    def _holds_room_for(self, req_id: str, num_tokens: int) -> bool:
+        """Whether every full-attention table holds slots for `num_tokens` tokens (other kinds
+        of groups never grow after admission)."""
+        if not self._full_managers:
+            return False
+        num_tokens = min(num_tokens, self.max_model_len)
+        for manager in self._full_managers:
+            if len(manager.req_to_blocks.get(req_id, ())) * manager.block_size < num_tokens:
+                return False
+        return True
 
     def _empty(self) -> KVCacheBlocks:
         return KVCacheBlocks.empty(len(self.managers))
@@ -148,6 +161,14 @@ class KVCacheManager:
         if not self.managers:
             return self._empty()  # encoder-only models: no paged layers, nothing to allocate
         req_id = request.request_id
+        if (
+            new_computed_blocks is None
+            and not num_encoder_tokens
+            and self._holds_room_for(req_id, request.num_computed_tokens + num_new_tokens)
+        ):
+            # The decode fast path: the tables already cover the new tokens. Blocks filled
+            # meanwhile are registered in the prefix cache by the next call that grows them.
+            return self.NO_NEW_BLOCKS
         if new_computed_blocks is None:
             new_computed_blocks = self._empty()
         assert len(new_computed_blocks.blocks) == len(self.managers), "blocks of another config"
@@ -189,7 +210,17 @@ class KVCacheManager:
         return KVCacheBlocks(tuple(added))
 
     def free(self, request: Request) -> None:
-        """Release every group's blocks of the request (finish, abort, preemption). Idempotent."""
+        """Release every group's blocks of the request (finish, abort, preemption). Idempotent.
+        Full blocks of known, computed tokens are registered in the prefix cache first (the
+        decode fast path defers that registration)."""
+        if self.enable_caching and not request.is_pooling and self._full_managers:
+            num_tokens = min(request.num_computed_tokens, request.num_tokens)
+            if num_tokens >= self.hash_block_size and self._full_managers[0].get_blocks(
+                request.request_id
+            ):
+                request_block_hashes(request, self.hash_block_size)
+                for manager in self._full_managers:
+                    manager.cache_blocks(request, num_tokens)
         for manager in self.managers:
             manager.free(request.request_id)
 

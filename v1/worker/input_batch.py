@@ -88,14 +88,10 @@ class InputBatch:
         self._free_slots.append(state.slot)
         return state
 
-    def update_request(
-        self, req_id: str, new_block_ids: tuple[list[int], ...] | None, num_computed_tokens: int
-    ) -> None:
-        slot = self.requests[req_id].slot
-        self.num_computed_tokens[slot] = num_computed_tokens
-        if new_block_ids is not None:
-            for table, block_ids in zip(self.block_tables, new_block_ids, strict=True):
-                table.append_row(slot, block_ids)
+    def append_blocks(self, slot: int, new_block_ids: tuple[list[int], ...]) -> None:
+        """Blocks the scheduler added to a running request's tables, per KV group."""
+        for table, block_ids in zip(self.block_tables, new_block_ids, strict=True):
+            table.append_row(slot, block_ids)
 
     def mark_pending(self, slots: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """One new token per listed slot, sampled as `rows` of the step just launched; its

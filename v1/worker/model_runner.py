@@ -175,10 +175,15 @@ class ModelRunner:
             state = batch.add_request(data)
             self.state.on_request_added(state, data)
         cached = so.scheduled_cached_reqs
-        for req_id, blocks, num_computed in zip(
-            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
-        ):
-            batch.update_request(req_id, blocks, num_computed)
+        if cached.req_ids:
+            requests = batch.requests
+            slots = np.fromiter(
+                (requests[r].slot for r in cached.req_ids), np.int64, len(cached.req_ids)
+            )
+            batch.num_computed_tokens[slots] = cached.num_computed_tokens
+            for slot, blocks in zip(slots.tolist(), cached.new_block_ids, strict=True):
+                if blocks is not None:
+                    batch.append_blocks(slot, blocks)
 
     def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         batch = self.input_batch
