@@ -12,15 +12,17 @@ import math
 import numbers
 import os
 from pathlib import Path
-from typing import BinaryIO, TypeAlias
+from typing import TYPE_CHECKING, BinaryIO, TypeAlias
 
-import av
-import librosa
 import numpy as np
-import soundfile as sf
-import soxr
 
 from v1 import envs
+
+if TYPE_CHECKING:
+    import soundfile as sf
+
+# The decoders (soundfile, PyAV, soxr, librosa) are imported where they are used, so a text-only
+# server (and a GPU image without them) never loads them.
 
 SAMPLE_RATE = 16_000
 """Rate of every waveform `load_audio` returns (Whisper's)."""
@@ -196,6 +198,8 @@ class _MonoCollector:
         self.num_frames = 0
         self._max_frames = max_seconds * sample_rate
         self._chunks: list[np.ndarray] = []
+        import soxr
+
         self._stream = (
             None
             if sample_rate == SAMPLE_RATE
@@ -230,6 +234,8 @@ class _MonoCollector:
         self._chunks.append(self._stream.resample_chunk(np.zeros(0, np.float32), last=True))
         # librosa.resample's output length: soxr may come up one sample short of it.
         num_out = int(np.ceil(self.num_frames * (float(SAMPLE_RATE) / self.sample_rate)))
+        import librosa
+
         return librosa.util.fix_length(np.concatenate(self._chunks), size=num_out)
 
 
@@ -239,6 +245,8 @@ class _MonoCollector:
 
 def _decode_bytes(data: bytes, max_seconds: float) -> np.ndarray:
     """soundfile first (exact, what librosa uses), PyAV for what it cannot or should not read."""
+    import soundfile as sf
+
     if data[:4] == b"RIFF" and data[8:12] == b"WAVE":
         _check_wav(data)
     try:
@@ -252,6 +260,8 @@ def _decode_bytes(data: bytes, max_seconds: float) -> np.ndarray:
 
 
 def _decode_soundfile(sf_file: sf.SoundFile, max_seconds: float) -> np.ndarray:
+    import soundfile as sf
+
     sample_rate = _check_sample_rate(sf_file.samplerate)
     if sf_file.frames > max_seconds * sample_rate:  # header length: reject before decoding
         raise AudioError(_too_long(sf_file.frames / sample_rate, max_seconds))
@@ -267,6 +277,8 @@ def _decode_soundfile(sf_file: sf.SoundFile, max_seconds: float) -> np.ndarray:
 def _decode_pyav(
     data: bytes, max_seconds: float, *, soundfile_error: sf.SoundFileError | None
 ) -> np.ndarray:
+    import av
+
     try:
         container = av.open(io.BytesIO(data), mode="r", metadata_errors="ignore")
     except av.FFmpegError as e:
