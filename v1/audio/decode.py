@@ -165,7 +165,9 @@ def _checked_16k(samples: np.ndarray) -> np.ndarray:
         mono = np.ascontiguousarray(samples.T.mean(axis=0))
     # sum() reads the samples once and allocates nothing; it is finite whenever every sample
     # is, except for float32 overflow, which the exact (allocating) check then rules out.
-    if not np.isfinite(mono.sum()) and not np.isfinite(mono).all():
+    with np.errstate(over="ignore", invalid="ignore"):
+        total = mono.sum()
+    if not np.isfinite(total) and not np.isfinite(mono).all():
         raise AudioError("audio contains NaN or infinite sample values")
     return mono
 
