@@ -3,15 +3,18 @@
 Times `InputProcessor.process` (decode/check, content hash, EngineCoreRequest) over N prompts
 `{"multi_modal_data": {"audio": (clip, 16000)}}` and over one prompt with n > 1, and reports the
 peak bytes Python/numpy allocated meanwhile (tracemalloc, a separate untimed run) and how many
-requests' audio shares memory with the caller's array (i.e. was not copied). CPU only.
+requests' audio shares memory with the caller's array (i.e. was not copied). With
+`--device cuda` it also times one step's audio transfer to the GPU: the runner's single pinned
+non-blocking copy against one pageable copy per clip (the previous way).
 
     python benchmarks/whisper_inputs.py --model ../shared/assets/whisper-base
-    python benchmarks/whisper_inputs.py --clips 256 --seconds 30 --repeats 5
+    python benchmarks/whisper_inputs.py --clips 256 --seconds 30 --repeats 5 --device cuda
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import statistics
 import time
 import tracemalloc
@@ -75,6 +78,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--n", type=int, default=8, help="completions of the n > 1 prompt")
+    parser.add_argument("--device", default="cpu", help="cuda: also time the step transfer")
     args = parser.parse_args()
 
     from v1.sampling_params import SamplingParams
@@ -89,6 +93,11 @@ def main() -> None:
     def batch() -> list:
         return [processor.process(f"r{i}", p, params) for i, p in enumerate(prompts)]
 
+    def hash_only() -> list:
+        return [hashlib.sha256(memoryview(c)).hexdigest() for c in clips]
+
+    times = timings(hash_only, args.repeats)
+    report("sha256 alone (the floor)", times, peak_bytes(hash_only), len(clips), len(clips))
     requests = batch()
     shared = sum(
         np.shares_memory(r.encoder_input.audio, c) for r, c in zip(requests, clips, strict=True)
@@ -106,6 +115,38 @@ def main() -> None:
         f"process_all(n={args.n}) x 1", timings(fan_out, args.repeats), peak_bytes(fan_out),
         shared, len(children),
     )  # fmt: skip
+    if args.device != "cpu":
+        transfer(clips, args.device, args.repeats)
+
+
+def transfer(clips: list[np.ndarray], device_name: str, repeats: int) -> None:
+    """One step's audio to the device: per-clip pageable copies vs the runner's one pinned copy
+    (each timed to the end of the copy, with the device synchronized)."""
+    import torch
+
+    from v1.worker.model_states.encoder_decoder import _audio_to_device
+
+    device = torch.device(device_name)
+
+    def synced(fn: Callable[[], object]) -> Callable[[], object]:
+        def run() -> object:
+            out = fn()
+            torch.cuda.synchronize(device)
+            return out
+
+        return run
+
+    def per_clip() -> list:
+        return [torch.as_tensor(c).to(device) for c in clips]
+
+    def one_pinned() -> list:
+        return _audio_to_device(clips, device)
+
+    for name, fn in (("per-clip pageable .to()", per_clip), ("one pinned copy", one_pinned)):
+        times = timings(synced(fn), repeats)
+        med = statistics.median(times)
+        gbps = sum(c.nbytes for c in clips) / med / 1e9
+        print(f"{name:<28} median {1e3 * med:8.1f} ms  ({gbps:.1f} GB/s, host -> {device})")
 
 
 if __name__ == "__main__":
