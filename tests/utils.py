@@ -175,3 +175,33 @@ def make_tiny_llama_dir(path: str | os.PathLike[str], **overrides: Any) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     return make_tiny_model_dir(LlamaConfig, LlamaForCausalLM, path, **{**TINY_LLAMA, **overrides})
+
+
+def count_clip_hashes(monkeypatch: Any) -> list[Any]:
+    """Routes AudioClip's sha256 calls through a recorder (via pytest's `monkeypatch`): the
+    returned list gets the argument of each call, so a test sees how often audio was hashed and
+    whether hashlib read the array itself (a memoryview of it) or a copy."""
+    import hashlib
+    import types
+
+    import v1.audio.clip as clip_module
+
+    calls: list[Any] = []
+
+    def sha256(data: Any) -> Any:
+        calls.append(data)
+        return hashlib.sha256(data)
+
+    monkeypatch.setattr(clip_module, "hashlib", types.SimpleNamespace(sha256=sha256))
+    return calls
+
+
+def forbid_resampling(monkeypatch: Any) -> None:
+    """Makes v1.audio's resampler and block collector raise if anything uses them."""
+    import v1.audio.decode as decode
+
+    def fail(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("16 kHz audio went through the resampling collector")
+
+    monkeypatch.setattr(decode, "_MonoCollector", fail)
+    monkeypatch.setattr(decode.soxr, "ResampleStream", fail)

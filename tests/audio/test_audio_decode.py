@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
+from tests.utils import forbid_resampling
 from v1.audio import MIN_AUDIO_SECONDS, SAMPLE_RATE, AudioError, load_audio
 
 # ----------------------------------------------------------------------------------------------
@@ -167,6 +168,54 @@ def test_array_tuple_at_16k_is_passed_through_and_ints_are_scaled() -> None:
     pcm = (tone * 32768).astype(np.int16)
     np.testing.assert_allclose(load_audio((pcm, SAMPLE_RATE)), tone, atol=1 / 32768)
     np.testing.assert_array_equal(load_audio((tone.astype(np.float64), SAMPLE_RATE)), tone)
+
+
+@pytest.fixture
+def no_resampling(monkeypatch: pytest.MonkeyPatch) -> None:
+    forbid_resampling(monkeypatch)
+
+
+@pytest.mark.usefixtures("no_resampling")
+@pytest.mark.parametrize("layout", ["frames", "frames_1", "1_frames"])
+def test_16k_mono_float32_is_returned_in_place(layout: str) -> None:
+    tone = sine(30.0, SAMPLE_RATE)
+    source = {"frames": tone, "frames_1": tone[:, None], "1_frames": tone[None, :]}[layout]
+    peak = peak_memory(lambda: load_audio((source, SAMPLE_RATE)))
+    audio = load_audio((source, SAMPLE_RATE))
+    assert audio.shape == tone.shape and audio.dtype == np.float32 and audio.flags.c_contiguous
+    assert np.shares_memory(audio, tone)  # a view of the caller's samples: no copy
+    assert peak < 64 * 1024  # the 1.9 MB clip is neither copied nor scanned into a mask
+
+
+@pytest.mark.usefixtures("no_resampling")
+def test_other_16k_arrays_are_converted_once_without_the_collector() -> None:
+    tone = sine(1.0, SAMPLE_RATE)
+    stereo = np.stack([tone, np.zeros_like(tone)], axis=1)  # [frames, channels]
+    np.testing.assert_array_equal(load_audio((stereo, SAMPLE_RATE)), tone / 2)
+    np.testing.assert_array_equal(load_audio((stereo.T, SAMPLE_RATE)), tone / 2)
+    np.testing.assert_array_equal(load_audio((tone.astype(np.float64), SAMPLE_RATE)), tone)
+    pcm = (tone * 32768).astype(np.int16)
+    np.testing.assert_allclose(load_audio((pcm, SAMPLE_RATE)), tone, atol=1 / 32768)
+    strided = np.repeat(tone, 2)[::2]  # float32 but not contiguous
+    audio = load_audio((strided, SAMPLE_RATE))
+    assert audio.flags.c_contiguous and not np.shares_memory(audio, strided)
+    np.testing.assert_array_equal(audio, tone)
+
+
+def test_finite_check_at_16k_survives_float32_overflow() -> None:
+    # The samples' sum overflows to inf although every sample is finite: still accepted...
+    loud = np.full(800, 3e38, np.float32)
+    assert np.shares_memory(load_audio((loud, SAMPLE_RATE)), loud)
+    # ...and a NaN or inf is caught, alone or hidden by an overflowing sum.
+    for bad in (np.nan, np.inf, -np.inf):
+        samples = loud.copy()
+        samples[400] = bad
+        with pytest.raises(AudioError, match="NaN or infinite"):
+            load_audio((samples, SAMPLE_RATE))
+        quiet = np.zeros(800, np.float32)
+        quiet[799] = bad
+        with pytest.raises(AudioError, match="NaN or infinite"):
+            load_audio((quiet, SAMPLE_RATE))
 
 
 @pytest.mark.parametrize(("sr", "num_frames"), [(22050, 15435), (48000, 300_001), (11025, 1000)])

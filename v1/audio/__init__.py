@@ -1,6 +1,7 @@
 """Audio for the frontend and the runner: decoding, resampling, log-mel, long-form windows.
 
-The frontend calls `load_audio` (any source -> float32 mono 16 kHz); the model runner computes
+The frontend calls `load_audio` (any source -> float32 mono 16 kHz) and wraps each encoder
+input's samples in an `AudioClip` (content hash computed once); the model runner computes
 `LogMelSpectrogram` on its device; `chunking` splits long recordings and maps timestamps.
 """
 
@@ -12,6 +13,7 @@ from v1.audio.chunking import (
     timestamp_segments,
     timestamp_to_seconds,
 )
+from v1.audio.clip import AudioClip
 from v1.audio.decode import (
     MIN_AUDIO_SECONDS,
     SAMPLE_RATE,
@@ -25,6 +27,7 @@ __all__ = [
     "MIN_AUDIO_SECONDS",
     "SAMPLE_RATE",
     "WHISPER_TIME_PRECISION",
+    "AudioClip",
     "AudioError",
     "AudioSource",
     "AudioWindow",

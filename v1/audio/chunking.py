@@ -9,8 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
+
+from v1.audio.clip import AudioClip
 
 WHISPER_TIME_PRECISION = 0.02
 """Seconds per Whisper timestamp step: `<|1.00|>` is `timestamp_begin + 50`."""
@@ -29,6 +32,14 @@ class AudioWindow:
     @property
     def duration_seconds(self) -> float:
         return self.samples.shape[0] / self.sample_rate
+
+    @cached_property
+    def clip(self) -> AudioClip:
+        """The window as one encoder input (16 kHz float32 windows only): every request made
+        from the same window shares this clip, so its content hash is computed once."""
+        if self.sample_rate != 16_000:
+            raise ValueError(f"an AudioClip is 16 kHz audio; this window is {self.sample_rate} Hz")
+        return AudioClip(self.samples)
 
 
 @dataclass(frozen=True)

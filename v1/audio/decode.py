@@ -2,7 +2,8 @@
 
 WAV/FLAC/OGG decode through soundfile, MP3/M4A/WebM and anything libsndfile cannot open through
 PyAV. Blocks are mixed to mono and resampled with soxr (librosa's resampler) as they are decoded,
-so the duration cap stops a decompression bomb long before it is decoded into memory.
+so the duration cap stops a decompression bomb long before it is decoded into memory. Arrays
+already at 16 kHz are only checked: mono float32 comes back without a copy.
 """
 
 from __future__ import annotations
@@ -65,7 +66,9 @@ def load_audio(
     `source` is a file path, encoded bytes, a binary file-like object, or `(samples,
     sample_rate)` with samples of shape [frames], [frames, channels] or [channels, frames] (the
     shorter axis is taken as channels). Channels are averaged; integer samples are scaled to
-    [-1, 1). `max_bytes` bounds encoded input only. Raises `AudioError` for every bad input.
+    [-1, 1). Mono float32 samples at 16 kHz are returned as a view of the same memory (nothing
+    to resample or convert, so no copy). `max_bytes` bounds encoded input only. Raises
+    `AudioError` for every bad input.
     """
     if isinstance(source, tuple):
         return _load_array(source, max_seconds)
@@ -142,10 +145,33 @@ def _load_array(source: tuple, max_seconds: float) -> np.ndarray:
     if samples.shape[0] > max_seconds * sample_rate:
         raise AudioError(_too_long(samples.shape[0] / sample_rate, max_seconds))
     samples = _to_float32(samples)
+    if sample_rate == SAMPLE_RATE:
+        return _checked_16k(samples)
     collector = _MonoCollector(sample_rate, max_seconds)
     for start in range(0, samples.shape[0], _BLOCK_FRAMES):
         collector.add(samples[start : start + _BLOCK_FRAMES])
     return collector.finish()
+
+
+def _checked_16k(samples: np.ndarray) -> np.ndarray:
+    """[frames, channels] float32 samples at 16 kHz -> [frames] mono, checked, C-contiguous.
+
+    Nothing to resample: mono float32 comes back as a view of the caller's array (no copy),
+    more channels as their mean (what `_MonoCollector` computes, without its blocks).
+    """
+    if samples.shape[0] < MIN_AUDIO_SECONDS * SAMPLE_RATE:
+        raise AudioError(_too_short(samples.shape[0], SAMPLE_RATE))
+    if samples.shape[1] == 1:
+        mono = np.ascontiguousarray(samples[:, 0])
+    else:
+        mono = np.ascontiguousarray(samples.T.mean(axis=0))
+    # sum() reads the samples once and allocates nothing; it is finite whenever every sample
+    # is, except for float32 overflow, which the exact (allocating) check then rules out.
+    with np.errstate(over="ignore", invalid="ignore"):
+        total = mono.sum()
+    if not np.isfinite(total) and not np.isfinite(mono).all():
+        raise AudioError("audio contains NaN or infinite sample values")
+    return mono
 
 
 def _to_float32(samples: np.ndarray) -> np.ndarray:
@@ -179,6 +205,14 @@ def _check_sample_rate(sample_rate: object) -> float:
 
 def _too_long(seconds: float, max_seconds: float) -> str:
     return f"audio is too long: {seconds:.1f} s, more than the limit of {max_seconds:g} s"
+
+
+def _too_short(num_frames: int, sample_rate: float) -> str:
+    return (
+        f"audio is too short: {num_frames} sample(s) at {sample_rate:g} Hz "
+        f"({1000 * num_frames / sample_rate:.2f} ms); at least {1000 * MIN_AUDIO_SECONDS:g} ms "
+        "is needed"
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -224,11 +258,7 @@ class _MonoCollector:
         if self.num_frames == 0:
             raise AudioError("audio contains no samples")
         if self.num_frames < MIN_AUDIO_SECONDS * self.sample_rate:
-            raise AudioError(
-                f"audio is too short: {self.num_frames} sample(s) at {self.sample_rate:g} Hz "
-                f"({1000 * self.num_frames / self.sample_rate:.2f} ms); at least "
-                f"{1000 * MIN_AUDIO_SECONDS:g} ms is needed"
-            )
+            raise AudioError(_too_short(self.num_frames, self.sample_rate))
         if self._stream is None:
             return np.concatenate(self._chunks)
         self._chunks.append(self._stream.resample_chunk(np.zeros(0, np.float32), last=True))

@@ -206,6 +206,15 @@ class InputProcessor:
             from v1.engine.output_processor import ParentRequest
 
             parent = ParentRequest(request_id, params)
+            if self.is_whisper:
+                # The audio is decoded and hashed once: children differ in id and seed only.
+                ids = parent.child_ids
+                first = self.process(ids[0], prompt, parent.child_params(0), priority=priority)
+                builder = self._whisper()
+                return [first] + [
+                    builder.with_params(first, ids[i], parent.child_params(i))
+                    for i in range(1, params.n)
+                ]
             return [
                 self.process(
                     parent.child_request_id(i, request_id),

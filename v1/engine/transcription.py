@@ -241,7 +241,8 @@ class TranscriptionPlanner:
 
 
 def _audio(window: AudioWindow) -> dict[str, Any]:
-    return {"audio": (window.samples, window.sample_rate)}
+    # The window's clip: its requests (language detection, transcription) share one hash.
+    return {"audio": window.clip}
 
 
 def _until_eos(token_ids: Sequence[int], eos: int) -> list[int]:

@@ -7,14 +7,13 @@ from the generation config's token ids and fills Whisper's sampling defaults.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
+import msgspec
 
-from v1.audio import SAMPLE_RATE, AudioError, load_audio
+from v1.audio import SAMPLE_RATE, AudioClip, AudioError, load_audio
 from v1.config import ModelConfig
 from v1.core.protocol import EncoderInput, EngineCoreRequest, now
 from v1.logger import init_logger
@@ -70,8 +69,10 @@ class WhisperInputBuilder:
       (automatic detection is `Transcriber`'s job); English-only models take no language token.
     - the same with a text starting with `<|startoftranscript|>` or `<|startofprev|>`, or with
       `"prompt_token_ids"`: the decoder prompt verbatim (as vLLM's Whisper prompts).
-    `audio` is anything `v1.audio.load_audio` reads (path, bytes, `(samples, sample_rate)`) and
-    at most one 30 s window long.
+    `audio` is anything `v1.audio.load_audio` reads (path, bytes, `(samples, sample_rate)`) or
+    an `AudioClip`, at most one 30 s window long. 16 kHz mono float32 samples are used in place
+    (not copied: leave them unchanged until the request ends); the content hash is computed once
+    per clip (requests made from one `AudioClip` reuse it).
     """
 
     def __init__(self, model_config: ModelConfig, tokenizer: Any) -> None:
@@ -116,24 +117,35 @@ class WhisperInputBuilder:
                 f"the decoder prompt has {len(decoder_ids)} tokens, which leaves no room to "
                 f"generate within max_model_len={self.max_model_len}"
             )
-        samples = self._audio(prompt.get("multi_modal_data"))
+        clip = self._audio(prompt.get("multi_modal_data"))
         return EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=decoder_ids,
             sampling_params=self.sampling_params(params, len(decoder_ids)),
-            encoder_input=self.encoder_input(samples),
+            encoder_input=self.encoder_input(clip),
             eos_token_id=self.tokens.eos,
             arrival_time=now() if arrival_time is None else arrival_time,
             priority=priority,
         )
 
-    def encoder_input(self, samples: np.ndarray) -> EncoderInput:
-        """float32 16 kHz samples of one window; equal samples share one encoder run."""
-        samples = np.ascontiguousarray(samples, dtype=np.float32)
+    def encoder_input(self, clip: AudioClip) -> EncoderInput:
+        """The encoder input of one window: its samples (not copied) and content hash; equal
+        samples share one encoder run."""
         return EncoderInput(
             num_encoder_tokens=self.num_encoder_tokens,
-            content_hash=hashlib.sha256(samples.tobytes()).hexdigest(),
-            audio=samples,
+            content_hash=clip.content_hash,
+            audio=clip.samples,
+        )
+
+    def with_params(
+        self, request: EngineCoreRequest, request_id: str, params: SamplingParams
+    ) -> EngineCoreRequest:
+        """`request` (built by `build`) under another id and sampling params: n > 1 children
+        share the first child's audio, decoder prompt and content hash."""
+        return msgspec.structs.replace(
+            request,
+            request_id=request_id,
+            sampling_params=self.sampling_params(params, len(request.prompt_token_ids)),
         )
 
     def sampling_params(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
@@ -213,7 +225,7 @@ class WhisperInputBuilder:
         return [t for t in ids if t < self.tokens.eos]
 
     # ---- pieces ----
-    def _audio(self, multi_modal_data: Any) -> np.ndarray:
+    def _audio(self, multi_modal_data: Any) -> AudioClip:
         if not isinstance(multi_modal_data, Mapping) or "audio" not in multi_modal_data:
             raise WhisperInputError(
                 "a Whisper request needs audio: {'multi_modal_data': {'audio': (samples, "
@@ -224,14 +236,18 @@ class WhisperInputBuilder:
             raise WhisperInputError(
                 f"Whisper takes only audio, got multi_modal_data {sorted(extra)}"
             )
-        samples = load_audio(multi_modal_data["audio"])
-        seconds = samples.shape[0] / SAMPLE_RATE
-        if seconds > WINDOW_SECONDS:
+        audio = multi_modal_data["audio"]
+        if isinstance(audio, AudioClip):
+            load_audio((audio.samples, SAMPLE_RATE))  # the value checks only: no copy at 16 kHz
+            clip = audio
+        else:
+            clip = AudioClip(load_audio(audio))
+        if clip.duration_seconds > WINDOW_SECONDS:
             raise AudioError(
-                f"audio of {seconds:.1f} s is longer than one {WINDOW_SECONDS:g} s Whisper window; "
-                "use transcribe() for long-form audio"
+                f"audio of {clip.duration_seconds:.1f} s is longer than one {WINDOW_SECONDS:g} s "
+                "Whisper window; use transcribe() for long-form audio"
             )
-        return samples
+        return clip
 
     def _decoder_prompt(self, prompt: Mapping[str, Any], timestamps: bool) -> list[int]:
         explicit = prompt.get("prompt_token_ids")

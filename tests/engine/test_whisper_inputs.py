@@ -1,0 +1,155 @@
+"""Whisper's input path on the host: 16 kHz float32 audio reaches the EngineCore without a copy
+or a resampling pass, and each clip is hashed once (sha256 of its buffer, read in place), through
+the input processor, `LLM.generate` (n > 1 included) and `LLM.transcribe`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from msgspec.structs import replace
+
+from tests.models.test_whisper import WHISPER_BASE, make_tiny_whisper_dir
+from tests.utils import count_clip_hashes, forbid_resampling
+from v1 import LLM
+from v1.core.protocol import EngineCoreRequest
+from v1.sampling_params import SamplingParams
+
+SR = 16_000
+pytestmark = pytest.mark.skipif(
+    not WHISPER_BASE.is_dir(), reason=f"needs the real whisper-base folder at {WHISPER_BASE}"
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LLM]:
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # many small ops; the suite shares the cores
+    llm = LLM(
+        make_tiny_whisper_dir(tmp_path_factory.mktemp("tiny_whisper")),
+        device="cpu",
+        multiprocess=False,
+        max_num_encoder_input_tokens=4 * 1500,
+        encoder_cache_size=8 * 1500,
+    )
+    yield llm
+    llm.shutdown()
+    torch.set_num_threads(num_threads)
+
+
+@pytest.fixture
+def sha_calls(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    forbid_resampling(monkeypatch)
+    return count_clip_hashes(monkeypatch)
+
+
+@pytest.fixture
+def core_requests(tiny_llm: LLM, monkeypatch: pytest.MonkeyPatch) -> list[EngineCoreRequest]:
+    """Every EngineCoreRequest the frontend hands to the (in-process) core."""
+    client = tiny_llm.llm_engine.engine_core
+    sent: list[EngineCoreRequest] = []
+    add = client.add_request
+
+    def recording_add(request: EngineCoreRequest) -> None:
+        sent.append(request)
+        add(request)
+
+    monkeypatch.setattr(client, "add_request", recording_add)
+    return sent
+
+
+def waves(seconds: list[float], seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [(0.1 * rng.standard_normal(round(s * SR))).astype(np.float32) for s in seconds]
+
+
+def reference_hash(samples: np.ndarray) -> str:
+    return hashlib.sha256(samples.tobytes()).hexdigest()
+
+
+def encoder_runs(llm: LLM) -> int:
+    return llm.llm_engine.get_stats()["num_encoder_runs"]
+
+
+def test_input_processor_uses_16k_audio_in_place_and_hashes_it_once(
+    tiny_llm: LLM, sha_calls: list[Any]
+) -> None:
+    processor = tiny_llm.llm_engine.input_processor
+    clips = waves([30.0, 4.5, 0.5])
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    requests = [
+        processor.process(f"r{i}", {"prompt": "", "multi_modal_data": {"audio": (c, SR)}}, params)
+        for i, c in enumerate(clips)
+    ]
+    assert len(sha_calls) == len(clips)
+    for request, clip, arg in zip(requests, clips, sha_calls, strict=True):
+        enc = request.encoder_input
+        assert np.shares_memory(enc.audio, clip) and enc.audio.shape == clip.shape
+        assert enc.content_hash == reference_hash(clip)
+        assert isinstance(arg, memoryview) and np.shares_memory(np.asarray(arg), clip)
+
+
+def test_n_children_share_one_decode_and_one_hash(tiny_llm: LLM, sha_calls: list[Any]) -> None:
+    processor = tiny_llm.llm_engine.input_processor
+    (clip,) = waves([3.0], seed=1)
+    prompt = {"prompt": "hi", "multi_modal_data": {"audio": (clip, SR)}, "language": "fr"}
+    params = SamplingParams(temperature=1.0, max_tokens=4, n=4, seed=7)
+    children = processor.process_all("p", prompt, params)
+    assert len(sha_calls) == 1
+    assert [c.request_id for c in children] == ["0_p", "1_p", "2_p", "3_p"]
+    assert all(c.encoder_input is children[0].encoder_input for c in children)
+    assert np.shares_memory(children[0].encoder_input.audio, clip)
+    assert children[0].encoder_input.content_hash == reference_hash(clip)
+    # Each child is what processing it on its own gives (seed + index, filled defaults).
+    for i, child in enumerate(children):
+        alone = processor.process(
+            child.request_id, prompt, params.clone(n=1, seed=7 + i), arrival_time=child.arrival_time
+        )
+        assert alone.encoder_input.content_hash == child.encoder_input.content_hash
+        assert replace(alone, encoder_input=None) == replace(child, encoder_input=None)
+
+
+def test_generate_sends_16k_audio_without_copies_one_hash_per_clip(
+    tiny_llm: LLM, sha_calls: list[Any], core_requests: list[EngineCoreRequest]
+) -> None:
+    clips = waves([6.0, 2.0], seed=2)
+    prompts = [{"prompt": "", "multi_modal_data": {"audio": (c, SR)}} for c in clips]
+    before = encoder_runs(tiny_llm)
+    outputs = tiny_llm.generate(
+        prompts, SamplingParams(temperature=1.0, max_tokens=3, n=2, seed=0), use_tqdm=False
+    )
+    assert [len(o.outputs) for o in outputs] == [2, 2]
+    assert len(sha_calls) == 2 and len(core_requests) == 4
+    for k, request in enumerate(core_requests):
+        clip = clips[k // 2]
+        assert np.shares_memory(request.encoder_input.audio, clip)
+        assert request.encoder_input.content_hash == reference_hash(clip)
+    assert encoder_runs(tiny_llm) - before == 2
+
+
+def test_transcribe_hashes_each_window_once_and_copies_nothing(
+    tiny_llm: LLM, sha_calls: list[Any], core_requests: list[EngineCoreRequest]
+) -> None:
+    """45 s, language detected: a detection request and two window requests over two clips."""
+    (audio,) = waves([45.0], seed=3)
+    before = encoder_runs(tiny_llm)
+    (result,) = tiny_llm.transcribe(
+        (audio, SR), sampling_params=SamplingParams(temperature=0.0, max_tokens=4)
+    )
+    assert result.duration == 45.0
+    assert len(core_requests) == 3 and len(sha_calls) == 2
+    detect, first, second = sorted(
+        core_requests, key=lambda r: not r.request_id.endswith("-language")
+    )
+    windows = [audio[: 30 * SR], audio[30 * SR :]]
+    assert detect.encoder_input.content_hash == first.encoder_input.content_hash
+    for request, window in zip((detect, first, second), windows[:1] + windows, strict=True):
+        assert np.shares_memory(request.encoder_input.audio, audio)
+        np.testing.assert_array_equal(request.encoder_input.audio, window)
+        assert request.encoder_input.content_hash == reference_hash(window)
+    assert encoder_runs(tiny_llm) - before == 2

@@ -1,0 +1,60 @@
+"""`AudioClip`: the audio of one Whisper encoder input and its content hash, computed once.
+
+Requests built from one clip (n > 1 completions, a window's language detection and its
+transcription, retries) share the clip's hash, hence one encoder run, without hashing again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from v1.audio.decode import SAMPLE_RATE, AudioError
+
+
+class AudioClip:
+    """float32 mono 16 kHz samples, used in place (never copied), and their content hash.
+
+    `content_hash` is the sha256 hex digest of the samples' bytes, read straight from the
+    array's buffer (no copy), computed on first use and kept. The clip does not own its samples:
+    leave the array unchanged while the clip, or a request made from it, is in use.
+    Pass a clip as `multi_modal_data={"audio": clip}` to reuse its hash across requests.
+    """
+
+    __slots__ = ("_content_hash", "samples")
+
+    def __init__(self, samples: np.ndarray) -> None:
+        """`samples`: a 1-D C-contiguous float32 array at 16 kHz (what `load_audio` returns);
+        anything else raises AudioError (convert it with `load_audio((samples, rate))`)."""
+        if not (
+            isinstance(samples, np.ndarray)
+            and samples.ndim == 1
+            and samples.dtype == np.float32
+            and samples.flags.c_contiguous
+        ):
+            got = (
+                f"{samples.dtype} array of shape {samples.shape}"
+                if isinstance(samples, np.ndarray)
+                else type(samples).__name__
+            )
+            raise AudioError(
+                "an AudioClip holds a 1-D C-contiguous float32 array of 16 kHz samples, got a "
+                f"{got}; load_audio((samples, sample_rate)) converts other audio"
+            )
+        self.samples = samples
+        self._content_hash: str | None = None
+
+    @property
+    def content_hash(self) -> str:
+        if self._content_hash is None:
+            # hashlib reads the buffer in place; the same bytes as samples.tobytes().
+            self._content_hash = hashlib.sha256(memoryview(self.samples)).hexdigest()
+        return self._content_hash
+
+    @property
+    def duration_seconds(self) -> float:
+        return self.samples.shape[0] / SAMPLE_RATE
+
+    def __repr__(self) -> str:
+        return f"AudioClip({self.duration_seconds:.2f} s)"
