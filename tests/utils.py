@@ -204,4 +204,6 @@ def forbid_resampling(monkeypatch: Any) -> None:
         raise AssertionError("16 kHz audio went through the resampling collector")
 
     monkeypatch.setattr(decode, "_MonoCollector", fail)
-    monkeypatch.setattr(decode.soxr, "ResampleStream", fail)
+    import soxr
+
+    monkeypatch.setattr(soxr, "ResampleStream", fail)
