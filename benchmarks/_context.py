@@ -66,10 +66,16 @@ class Context:
     def num_inputs(self, default: int) -> int:
         return self.args.num_inputs or default
 
-    def hf_batches(self, full: tuple[int, ...], tiny: tuple[int, ...]) -> tuple[int, ...]:
+    def hf_batches(
+        self, num_inputs: int, full: tuple[int, ...], tiny: tuple[int, ...]
+    ) -> tuple[int, ...]:
+        """transformers' batch sizes to sweep (--hf-batches, else the workload's), none larger
+        than the inputs (one batch of all of them instead)."""
         if self.args.hf_batches:
-            return tuple(int(b) for b in self.args.hf_batches.split(","))
-        return tiny if self.tiny else full
+            batches = tuple(int(b) for b in self.args.hf_batches.split(","))
+        else:
+            batches = tiny if self.tiny else full
+        return tuple(dict.fromkeys(min(b, num_inputs) for b in batches))
 
     def engine_kwargs(self, full: dict[str, Any], tiny: dict[str, Any]) -> dict[str, Any]:
         kwargs = dict(tiny if self.tiny else full)

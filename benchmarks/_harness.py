@@ -210,9 +210,9 @@ def sweep_batches(
             continue
         if device.is_cuda:
             torch.cuda.reset_peak_memory_stats(device.name)
+        seconds: list[float] = []
         try:
             warm(batch)
-            seconds: list[float] = []
             best = result.best
             for input_set in range(1, plan.repeats + 1):
                 elapsed, point.counts = timed(device, lambda b=batch, s=input_set: run(b, s))
@@ -227,6 +227,8 @@ def sweep_batches(
                     break
         except torch.OutOfMemoryError:
             point.status = "OOM"
+        if point.status == "OOM":
+            # Freed here, not in the handler: its traceback still holds the failed run's tensors.
             point.counts = None
             device.free()
             continue

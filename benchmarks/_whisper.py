@@ -238,7 +238,7 @@ def hf_whisper(
         return counts
 
     plan = SweepPlan(
-        batches=ctx.hf_batches((256, 128, 64), (4, 2)),
+        batches=ctx.hf_batches(len(feats[0]), (256, 128, 64, 32), (4, 2)),
         repeats=ctx.repeats,
         budget_s=ctx.args.hf_sweep_budget,
         exhaustive=bool(ctx.args.hf_batches),
@@ -250,13 +250,19 @@ def hf_whisper(
     if best is None:
         return Baseline(None, None, None, notes)
     samples, batch, counts = best.samples, best.batch, best.counts
+    user_runs = None
     try:
-        user_samples, user_counts = time_runs(
+        user_runs = time_runs(
             device,
             ctx.repeats,
             lambda: user(best.batch, 0, limit=best.batch),
             lambda s: user(best.batch, s),
         )
+    except torch.OutOfMemoryError:
+        notes.append(f"transformers `model.generate` at batch {best.batch}: OOM")
+    ctx.device.free()
+    if user_runs is not None:
+        user_samples, user_counts = user_runs
         notes.append(
             f"transformers `model.generate(features, language=, task=)` at batch {best.batch}: "
             f"{work / user_samples.median:,.1f} RTFx [{work / user_samples.max:,.1f}-"
@@ -265,8 +271,6 @@ def hf_whisper(
         if user_samples.median < samples.median:
             samples, counts = user_samples, user_counts
             notes.append("transformers baseline = `model.generate` (faster than GenerationMixin)")
-    except torch.OutOfMemoryError:
-        notes.append(f"transformers `model.generate` at batch {best.batch}: OOM")
     feature_s = statistics.median(feature_seconds)
     notes.append(
         f"transformers features (`WhisperFeatureExtractor(device={device.name!r})` + copy to "

@@ -32,21 +32,28 @@ peak batch our scheduler reached and the KV cache per request (bytes in-process)
     python benchmarks/offline.py --workloads whisper-turbo,whisper-turbo-step --check
     python benchmarks/offline.py --device cpu --tiny --check        # smoke run, seconds
 
-Workloads and their wall time on one H100 (estimated from shapes and from issue 20's warm
-measurements: turbo ~2,400 RTFx and large-v3 ~940 RTFx for transformers, ~1,600 / ~900 for us;
-model build + save + engine start-up included; --repeats 3):
-- whisper-turbo       256 clips x 100 tokens; HF batches 256/128/64      ~2.5 min
-- whisper-turbo-step  ours at batch 256, runs of 1 and 101 tokens         ~1.5 min
-- whisper-large-v3    256 clips x 100 tokens; HF batches 256/128/64      ~5 min
-- bart-large          256 x (512 in / 128 out); HF batches 256/128/64   ~2 min
+Workloads and their wall time on one H100, estimated from shapes and issue 20's warm figures
+(transformers ~2,400 RTFx turbo / ~940 large-v3 at batch 128; ours ~1,600 / ~900); each includes
+building and saving the random model (~5-15 s), clip generation and features (~10 s), the
+transformers sweep (largest batch first; it stops at the first batch whose first run is >10%
+slower than the best, and starts no batch after --hf-sweep-budget, 240 s) and our engine's
+start-up (~20-60 s, CUDA graph capture included), warm-up and 3 runs:
+- whisper-turbo       256 clips x 100 tokens; HF batches 256/128/64/32   ~2.5 min
+- whisper-turbo-step  ours at batch 256: 1+3 runs of 1 and of 101 tokens  ~1.5 min
+- whisper-large-v3    256 clips x 100 tokens; HF batches 256/128/64/32   ~4-6 min (HF ~8 s a run)
+- bart-large          256 x (512 in / 128 out); HF 256/128/64/32        ~1.5 min
 - bert-base           4096 inputs of 16-512 tokens; HF 256/128/64/32    ~1 min
 - llama-1b            64 x (128 in / 256 out); HF batches 64/32           ~1.5 min
 - host-overhead       tiny Llama, batch 64 x 256 steps, eager + graphs   ~1 min
-Each variant of our options adds our part again (~1/3 of a Whisper row, less elsewhere).
-Runs that fit 9-minute device commands:
-    --workloads whisper-turbo,whisper-turbo-step,bert-base
-    --workloads whisper-large-v3
-    --workloads bart-large,llama-1b,host-overhead
+plus ~15 s for imports, CUDA start-up and the GEMM/bandwidth measurement. Each extra variant of
+our options adds our part again (Whisper large-v3 ~1.5 min, turbo ~1 min, others < 1 min).
+Device commands of at most 9 minutes:
+    --workloads whisper-turbo,whisper-turbo-step,bert-base      (~5 min)
+    --workloads whisper-large-v3                                 (~5 min)
+    --workloads bart-large,llama-1b,host-overhead                (~4 min)
+Issue 16's modes, e.g. our side only, with room for larger batches (one command):
+    --workloads whisper-large-v3 --no-transformers --cross-attention per_layer,absorbed
+    --num-inputs 512 --max-num-seqs 512
 """
 
 from __future__ import annotations
