@@ -8,6 +8,7 @@ frees it, then runs `run_ours` for each variant of our engine's options on the s
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import shutil
 import tempfile
@@ -182,7 +183,11 @@ def run_ours(
     finally:
         if llm is not None:
             llm.shutdown()
-        llm = None  # the engine's device memory goes back before the next variant
+        llm = None
+        # LLM freezes the cyclic GC at start-up (gc.freeze), so a shut-down engine's cycles
+        # (model weights, KV cache) are never collected: unfreeze to get its memory back
+        # before the next variant or workload runs in this process.
+        gc.unfreeze()
         ctx.device.free()
     return result
 

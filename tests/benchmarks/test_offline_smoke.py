@@ -102,3 +102,41 @@ def test_roofline_turbo_step_reads_cross_kv_of_the_batch(offline: ModuleType) ->
     cost = enc_dec_step_cost(turbo, batch=256, position=0)
     assert cost.bytes == cross_kv + weights + 256 * 4 * 2 * 1280 * 2
     assert cost.flops < 0.2e12  # a decode step is memory-bound: ~0.1 TFLOP for ~8 GB
+
+
+def test_engine_memory_is_released_between_variants(
+    offline: ModuleType, tiny_llama_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An in-process engine's weights are freed once its variant is done (LLM freezes the GC at
+    start-up, so without the harness's unfreeze its cycles would keep them until exit)."""
+    import argparse
+    import weakref
+
+    import _context
+    from _harness import Device
+
+    from v1 import LLM, SamplingParams
+
+    weights: list[weakref.ref] = []
+    real_init = LLM.__init__
+
+    def init(self: LLM, *args: object, **kwargs: object) -> None:
+        real_init(self, *args, **kwargs)
+        runner = self.llm_engine.engine_core.engine_core.executor.worker.model_runner
+        weights.extend(weakref.ref(p) for p in runner.model.parameters())
+
+    monkeypatch.setattr(LLM, "__init__", init)
+    args = argparse.Namespace(repeats=1, multiprocess=False)
+    ctx = _context.Context(args, Device("cpu"), None, [{}], _context.ModelStore())
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    result = _context.run_ours(
+        ctx,
+        tiny_llama_dir,
+        {"kv_cache_memory_bytes": 16 << 20},
+        {},
+        lambda input_set: [{"prompt_token_ids": [5 + input_set, 6, 7]}] * 2,
+        lambda llm, prompts: llm.generate(prompts, params, use_tqdm=False),
+    )
+    assert result.error is None and len(result.samples) == 1
+    assert result.probe.counts == [3, 3]
+    assert weights and all(ref() is None for ref in weights)
