@@ -186,9 +186,11 @@ def run_ours(
         llm = None
         # LLM freezes the cyclic GC at start-up (gc.freeze), so a shut-down engine's cycles
         # (model weights, KV cache) are never collected: unfreeze to get its memory back
-        # before the next variant or workload runs in this process.
+        # before the next variant or workload runs in this process, then freeze what is
+        # left again (as LLM does) so later collections stay cheap.
         gc.unfreeze()
         ctx.device.free()
+        gc.freeze()
     return result
 
 
