@@ -115,8 +115,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-inputs", type=int, default=None, help="override each workload's count")
     p.add_argument("--max-num-seqs", type=int, default=None, help="our engine's batch limit")
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--in-process", dest="multiprocess", action="store_false", default=False)
-    mode.add_argument("--multiprocess", dest="multiprocess", action="store_true")
+    mode.add_argument(
+        "--in-process",
+        dest="multiprocess",
+        action="store_false",
+        default=False,
+        help="our EngineCore in this process (default: one process for both sides)",
+    )
+    mode.add_argument(
+        "--multiprocess",
+        dest="multiprocess",
+        action="store_true",
+        help="our EngineCore in its own process (LLM's default for users)",
+    )
     p.add_argument("--cross-attention", default=None, help="absorbed|per_layer|auto (list)")
     p.add_argument("--quantization", default=None, help="e.g. fp8 (list)")
     p.add_argument("--kv-cache-dtype", default=None, help="e.g. fp8 (list)")
