@@ -1,454 +1,263 @@
-"""Offline throughput: v1-engine vs transformers, same process, same GPU, same inputs.
+"""Offline throughput, measured honestly: v1-engine vs transformers in one process on one GPU.
 
-Random weights with the real architectures' shapes (throughput does not depend on weight
-values) and forced output lengths. Prints one row per workload: both figures and the ratio.
+Random weights with the real architectures' shapes (throughput does not depend on weight values),
+forced output lengths, fp16, sdpa attention for transformers. For every workload:
+- both sides warm up on full-size inputs first (transformers: one full-shape batch per batch
+  size, a whole pass for BERT; ours: one whole run), then each figure is the median of
+  --repeats (default 3) timed runs, each on fresh inputs of the same shapes (so our encoder and
+  prefix caches never serve a later run), printed with its [min-max] spread;
+- transformers gets its fastest reasonable setting: its batch size is swept (largest first, until
+  throughput falls or --hf-sweep-budget is spent; every point is printed) and its best is the
+  baseline. Whisper: `GenerationMixin.generate` on precomputed features (fastest) and
+  `model.generate(features, language=, task=)` (user path) at the best batch are both printed;
+  the ratio uses the faster; the feature extraction time is printed apart (ours computes log-mel
+  on the device inside its timed region). BERT: inputs sorted by length before batching, as
+  sentence-transformers' `encode` does. BART/Llama: `generate` with
+  min_new_tokens = max_new_tokens, use_cache, greedy;
+- a roofline column: the device's GEMM rate and copy bandwidth are measured at the start
+  (CUDA events, medians); each workload's floor = max(FLOPs / rate, minimal bytes / bandwidth),
+  formulas in `_roofline.py`; "v1/floor" is the fraction of that floor we reach;
+- `--check` verifies that both sides produced the same number of tokens (embeddings for BERT)
+  per input, and the forced number; the run exits non-zero otherwise. Our counts come from the
+  warm-up run (same inputs' shapes and settings as the timed runs).
 
-    python benchmarks/offline.py --workloads all --tokenizer DIR
-    python benchmarks/offline.py --workloads whisper-turbo,bert-base --quick
+Our engine runs in this process by default (`--in-process`; `--multiprocess` for the
+EngineCore-in-its-own-process path users get from `LLM` by default). Issue 16's modes go to our
+`LLM` only when given; each takes a comma list and every combination becomes its own row
+("default" leaves the option out): `--cross-attention absorbed,per_layer --kv-cache-dtype
+default,fp8`. `--cross-attention` applies to encoder-decoder workloads only. Each row notes the
+peak batch our scheduler reached and the KV cache per request (bytes in-process).
 
-DIR holds tokenizer files (e.g. ../shared/assets/whisper-base); they are copied into each
-random model folder so the engine's frontend has a tokenizer.
+    python benchmarks/offline.py --workloads all
+    python benchmarks/offline.py --workloads whisper-turbo,whisper-turbo-step --check
+    python benchmarks/offline.py --device cpu --tiny --check        # smoke run, seconds
+
+Workloads and their wall time on one H100, estimated from shapes and issue 20's warm figures
+(transformers ~2,400 RTFx turbo / ~940 large-v3 at batch 128; ours ~1,600 / ~900); each includes
+building and saving the random model (~5-15 s), clip generation and features (~10 s), the
+transformers sweep (largest batch first; it stops at the first batch whose first run is >10%
+slower than the best, and starts no batch after --hf-sweep-budget, 240 s) and our engine's
+start-up (~20-60 s, CUDA graph capture included), warm-up and 3 runs:
+- whisper-turbo       256 clips x 100 tokens; HF batches 256/128/64/32   ~2.5 min
+- whisper-turbo-step  ours at batch 256: 1+3 runs of 1 and of 101 tokens  ~1.5 min
+- whisper-large-v3    256 clips x 100 tokens; HF batches 256/128/64/32   ~4-6 min (HF ~8 s a run)
+- bart-large          256 x (512 in / 128 out); HF 256/128/64/32        ~1.5 min
+- bert-base           4096 inputs of 16-512 tokens; HF 256/128/64/32    ~1 min
+- llama-1b            64 x (128 in / 256 out); HF batches 64/32           ~1.5 min
+- host-overhead       tiny Llama, batch 64 x 256 steps, eager + graphs   ~1 min
+plus ~15 s for imports, CUDA start-up and the GEMM/bandwidth measurement. Each extra variant of
+our options adds our part again (Whisper large-v3 ~1.5 min, turbo ~1 min, others < 1 min).
+Device commands of at most 9 minutes:
+    --workloads whisper-turbo,whisper-turbo-step,bert-base      (~5 min)
+    --workloads whisper-large-v3                                 (~5 min)
+    --workloads bart-large,llama-1b,host-overhead                (~4 min)
+Issue 16's modes, e.g. our side only, with room for larger batches (one command):
+    --workloads whisper-large-v3 --no-transformers --cross-attention per_layer,absorbed
+    --num-inputs 512 --max-num-seqs 512
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
+import itertools
 import json
 import os
-import shutil
-import tempfile
+import shlex
+import sys
 import time
+import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 
-import numpy as np
 import torch
+from _context import Context, ModelStore
+from _harness import Device, Machine, measure_machine
+from _report import Row, markdown_table, notes_markdown
+from _text import bench_bart, bench_bert, bench_host_overhead, bench_llama
+from _whisper import bench_turbo_step, bench_whisper
 
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "vocab.json",
-    "merges.txt",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "normalizer.json",
-    "preprocessor_config.json",
-    "vocab.txt",
-)
-
-
-@dataclass
-class Result:
-    workload: str
-    unit: str
-    ours: float
-    hf: float
-    detail: str = ""
-
-    @property
-    def ratio(self) -> float:
-        return self.ours / self.hf if self.hf else float("nan")
-
-
-def timed(fn: Callable[[], object]) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - start
-
-
-def free_gpu() -> None:
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
-def save_random(model: torch.nn.Module, tokenizer_dir: str, extra: dict | None = None) -> str:
-    path = tempfile.mkdtemp(prefix="v1bench-")
-    model.save_pretrained(path)
-    for name in TOKENIZER_FILES:
-        src = os.path.join(tokenizer_dir, name)
-        if os.path.exists(src):
-            shutil.copy(src, path)
-    if extra:
-        for name, text in extra.items():
-            with open(os.path.join(path, name), "w") as f:
-                f.write(text)
-    return path
-
-
-def make_llm(path: str, **kwargs: object):
-    from v1 import LLM
-
-    return LLM(path, dtype="float16", multiprocess=False, **kwargs)
-
-
-# ---------------------------------------------------------------- Whisper
-def bench_whisper(
-    name: str, decoder_layers: int, hf_batch: int, args: argparse.Namespace
-) -> Result:
-    from transformers import WhisperConfig, WhisperForConditionalGeneration
-
-    from v1 import SamplingParams
-
-    num_clips, num_tokens = (32, 20) if args.quick else (256, 100)
-    cfg = WhisperConfig(
-        d_model=1280,
-        encoder_layers=32,
-        decoder_layers=decoder_layers,
-        encoder_attention_heads=20,
-        decoder_attention_heads=20,
-        encoder_ffn_dim=5120,
-        decoder_ffn_dim=5120,
-        num_mel_bins=128,
-        vocab_size=51866,
-        max_source_positions=1500,
-        max_target_positions=448,
-        decoder_start_token_id=50258,
-        pad_token_id=50257,
-        bos_token_id=50257,
-        eos_token_id=50257,
-    )
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = WhisperForConditionalGeneration(cfg).half().eval()
-    gen_cfg = _whisper_generation_config(args.tokenizer)
-    model.generation_config = gen_cfg
-    path = save_random(model, args.tokenizer)
-    with open(os.path.join(path, "preprocessor_config.json")) as f:
-        pre = json.load(f)
-    pre["feature_size"] = 128
-    with open(os.path.join(path, "preprocessor_config.json"), "w") as f:
-        json.dump(pre, f)
-    rng = np.random.default_rng(0)
-    clips = [(rng.standard_normal(480000) * 0.1).astype(np.float32) for _ in range(num_clips)]
-    audio_seconds = 30.0 * num_clips
-
-    from transformers import WhisperFeatureExtractor
-
-    fe = WhisperFeatureExtractor(feature_size=128)
-    feats = torch.from_numpy(fe(clips, sampling_rate=16000, return_tensors="np").input_features)
-    feats = feats.half().cuda()
-
-    def run_hf() -> None:
-        for i in range(0, num_clips, hf_batch):
-            out = model.generate(
-                feats[i : i + hf_batch],
-                language="en",
-                task="transcribe",
-                min_new_tokens=num_tokens,
-                max_new_tokens=num_tokens,
-                do_sample=False,
-            )
-            assert out.shape[1] >= num_tokens
-
-    model.generate(feats[:2], language="en", task="transcribe", max_new_tokens=4)
-    hf_time = timed(run_hf)
-    model = None
-    free_gpu()
-
-    llm = make_llm(
-        path, max_num_seqs=256, max_num_batched_tokens=8192, max_num_encoder_input_tokens=1500 * 32
-    )
-    params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
-    audio = [(clip, 16000) for clip in clips]
-    llm.transcribe(audio[:2], language="en", sampling_params=params.clone(max_tokens=4))
-    results: list = []
-    ours_time = timed(
-        lambda: results.extend(llm.transcribe(audio, language="en", sampling_params=params))
-    )
-    assert len(results) == num_clips
-    llm.shutdown()
-    llm = None
-    free_gpu()
-    shutil.rmtree(path, ignore_errors=True)
-    return Result(
-        name,
-        "RTFx",
-        audio_seconds / ours_time,
-        audio_seconds / hf_time,
-        f"{num_clips} clips x {num_tokens} tokens; HF batch {hf_batch}",
-    )
-
-
-def _whisper_generation_config(tokenizer_dir: str):
-    from transformers import GenerationConfig
-
-    path = os.path.join(tokenizer_dir, "generation_config.json")
-    return GenerationConfig.from_pretrained(tokenizer_dir) if os.path.exists(path) else None
-
-
-# ---------------------------------------------------------------- BART
-def bench_bart(args: argparse.Namespace) -> Result:
-    from transformers import BartConfig, BartForConditionalGeneration
-
-    from v1 import SamplingParams
-
-    batch, in_len, out_len = (32, 128, 32) if args.quick else (128, 512, 128)
-    cfg = BartConfig(
-        vocab_size=50265,
-        d_model=1024,
-        encoder_layers=12,
-        decoder_layers=12,
-        encoder_attention_heads=16,
-        decoder_attention_heads=16,
-        encoder_ffn_dim=4096,
-        decoder_ffn_dim=4096,
-        max_position_embeddings=1024,
-        forced_eos_token_id=None,
-        forced_bos_token_id=None,
-    )
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = BartForConditionalGeneration(cfg).half().eval()
-    model.generation_config.forced_eos_token_id = None
-    model.generation_config.no_repeat_ngram_size = 0
-    path = save_random(model, args.tokenizer)
-    rng = np.random.default_rng(0)
-    ids = rng.integers(4, 50000, size=(batch, in_len))
-    ids[:, 0], ids[:, -1] = 0, 2
-    input_ids = torch.from_numpy(ids).cuda()
-
-    def run_hf() -> None:
-        out = model.generate(
-            input_ids, num_beams=1, do_sample=False, min_new_tokens=out_len, max_new_tokens=out_len
-        )
-        assert out.shape[1] >= out_len
-
-    model.generate(input_ids[:2], max_new_tokens=4)
-    hf_time = timed(run_hf)
-    model = None
-    free_gpu()
-    llm = make_llm(
-        path, max_num_seqs=256, max_num_batched_tokens=16384, max_num_encoder_input_tokens=65536
-    )
-    params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
-    prompts = [{"prompt_token_ids": row.tolist()} for row in ids]
-    llm.generate(prompts[:2], params.clone(max_tokens=4), use_tqdm=False)
-    outs: list = []
-    ours_time = timed(lambda: outs.extend(llm.generate(prompts, params, use_tqdm=False)))
-    assert all(len(o.outputs[0].token_ids) == out_len for o in outs)
-    llm.shutdown()
-    free_gpu()
-    shutil.rmtree(path, ignore_errors=True)
-    total = batch * out_len
-    return Result(
-        "bart-large",
-        "tok/s",
-        total / ours_time,
-        total / hf_time,
-        f"batch {batch}, {in_len} in / {out_len} out",
-    )
-
-
-# ---------------------------------------------------------------- BERT
-def bench_bert(args: argparse.Namespace) -> Result:
-    from transformers import BertConfig, BertModel
-
-    from v1 import PoolingParams
-
-    num = 512 if args.quick else 4096
-    cfg = BertConfig(architectures=["BertModel"])
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = BertModel(cfg, add_pooling_layer=False).half().eval()
-    path = save_random(model, args.bert_tokenizer)
-    rng = np.random.default_rng(0)
-    lengths = rng.integers(16, 513, size=num)
-    seqs = [np.concatenate([[101], rng.integers(1000, 29000, size=n - 2), [102]]) for n in lengths]
-    total_tokens = int(lengths.sum())
-    hf_batch = 64
-
-    def run_hf() -> None:
-        for i in range(0, num, hf_batch):
-            chunk = seqs[i : i + hf_batch]
-            width = max(len(s) for s in chunk)
-            ids = torch.zeros((len(chunk), width), dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for j, s in enumerate(chunk):
-                ids[j, : len(s)] = torch.from_numpy(s)
-                mask[j, : len(s)] = 1
-            ids, mask = ids.cuda(), mask.cuda()
-            with torch.inference_mode():
-                hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
-                pooled = (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
-                torch.nn.functional.normalize(pooled.float(), dim=-1).cpu()
-
-    run_hf()
-    hf_time = timed(run_hf)
-    model = None
-    free_gpu()
-    llm = make_llm(path, max_num_seqs=512, max_num_batched_tokens=32768)
-    prompts = [{"prompt_token_ids": s.tolist()} for s in seqs]
-    llm.embed(prompts[:64], use_tqdm=False)
-    outs: list = []
-    ours_time = timed(lambda: outs.extend(llm.embed(prompts, PoolingParams(), use_tqdm=False)))
-    assert len(outs) == num
-    llm.shutdown()
-    free_gpu()
-    shutil.rmtree(path, ignore_errors=True)
-    return Result(
-        "bert-base",
-        "tok/s",
-        total_tokens / ours_time,
-        total_tokens / hf_time,
-        f"{num} inputs of 16-512 tokens; HF padded batches of {hf_batch}",
-    )
-
-
-# ---------------------------------------------------------------- Llama
-def bench_llama(args: argparse.Namespace) -> Result:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from v1 import SamplingParams
-
-    batch, in_len, out_len = (16, 64, 32) if args.quick else (64, 128, 256)
-    cfg = LlamaConfig(
-        vocab_size=128256,
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        rope_theta=500000.0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(cfg).half().eval()
-    path = save_random(model, args.tokenizer)
-    rng = np.random.default_rng(0)
-    ids = rng.integers(3, 50000, size=(batch, in_len))
-    input_ids = torch.from_numpy(ids).cuda()
-
-    def run_hf() -> None:
-        out = model.generate(
-            input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            do_sample=False,
-            min_new_tokens=out_len,
-            max_new_tokens=out_len,
-            pad_token_id=0,
-        )
-        assert out.shape[1] == in_len + out_len
-
-    model.generate(input_ids[:2], max_new_tokens=4, pad_token_id=0)
-    hf_time = timed(run_hf)
-    model = None
-    free_gpu()
-    llm = make_llm(path, max_num_seqs=256, max_num_batched_tokens=16384)
-    params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
-    prompts = [{"prompt_token_ids": row.tolist()} for row in ids]
-    llm.generate(prompts[:2], params.clone(max_tokens=4), use_tqdm=False)
-    ours_time = timed(lambda: llm.generate(prompts, params, use_tqdm=False))
-    llm.shutdown()
-    free_gpu()
-    shutil.rmtree(path, ignore_errors=True)
-    total = batch * out_len
-    return Result(
-        "llama-1b",
-        "tok/s",
-        total / ours_time,
-        total / hf_time,
-        f"batch {batch}, {in_len} in / {out_len} out",
-    )
-
-
-# ---------------------------------------------------------------- host overhead
-def bench_host_overhead(args: argparse.Namespace) -> list[Result]:
-    """µs per decode step at batch 64 on a tiny model (GPU time negligible): eager vs graphs."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from v1 import SamplingParams
-
-    cfg = LlamaConfig(
-        vocab_size=51865,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-    )
-    torch.manual_seed(0)
-    path = save_random(LlamaForCausalLM(cfg).half(), args.tokenizer)
-    steps = 64 if args.quick else 256
-    prompts = [{"prompt_token_ids": [5 + i, 6, 7, 8]} for i in range(64)]
-    params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
-    per_step = {}
-    for eager in (True, False):
-        llm = make_llm(path, max_num_seqs=64, enforce_eager=eager)
-        llm.generate(prompts, params.clone(max_tokens=8), use_tqdm=False)
-        t = timed(lambda llm=llm: llm.generate(prompts, params, use_tqdm=False))
-        per_step[eager] = t / steps * 1e6
-        llm.shutdown()
-        free_gpu()
-    shutil.rmtree(path, ignore_errors=True)
-    return [
-        Result(
-            "decode step, batch 64 (tiny model)",
-            "us/step (eager/graphs)",
-            per_step[True],
-            per_step[False],
-            "ratio = eager / graphs",
-        )
-    ]
-
-
-WORKLOADS: dict[str, Callable[[argparse.Namespace], object]] = {
-    "whisper-large-v3": lambda a: bench_whisper("whisper-large-v3", 32, 64, a),
-    "whisper-turbo": lambda a: bench_whisper("whisper-large-v3-turbo", 4, 128, a),
+WORKLOADS: dict[str, Callable[[Context], list[Row]]] = {
+    "whisper-turbo": lambda ctx: bench_whisper(ctx, "whisper-large-v3-turbo", 4),
+    "whisper-turbo-step": bench_turbo_step,
+    "whisper-large-v3": lambda ctx: bench_whisper(ctx, "whisper-large-v3", 32),
     "bart-large": bench_bart,
     "bert-base": bench_bert,
     "llama-1b": bench_llama,
     "host-overhead": bench_host_overhead,
 }
+ENGINE_OPTIONS = ("cross_attention", "quantization", "kv_cache_dtype")
+"""Issue 16's LLM options, passed through only when given."""
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--workloads", default="all")
-    parser.add_argument("--tokenizer", default="../shared/assets/whisper-base")
-    parser.add_argument("--bert-tokenizer", default="../shared/assets/all-MiniLM-L6-v2")
-    parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
-    parser.add_argument("--json", default=None, help="also write results here")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/offline.py needs a CUDA GPU")
+def _asset(name: str) -> str:
+    """../shared/assets/<name> from the repository root, or shared/assets/<name>."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for base in (os.path.join(root, "..", "shared"), os.path.join(root, "shared"), "../shared"):
+        path = os.path.join(base, "assets", name)
+        if os.path.isdir(path):
+            return os.path.normpath(path)
+    return os.path.join("..", "shared", "assets", name)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--workloads", default="all", help=f"all, or a comma list of {list(WORKLOADS)}")
+    p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (cpu needs --tiny)")
+    p.add_argument("--tiny", action="store_true", help="tiny random models, few inputs (smoke)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per figure (median)")
+    p.add_argument("--check", action="store_true", help="exit non-zero unless output sizes match")
+    p.add_argument("--tokenizer", default=_asset("whisper-base"), help="whisper-base folder")
+    p.add_argument("--bert-tokenizer", default=_asset("all-MiniLM-L6-v2"), help="MiniLM folder")
+    p.add_argument("--hf-batches", default=None, help="comma list: sweep exactly these")
+    p.add_argument(
+        "--hf-sweep-budget", type=float, default=240.0, help="seconds per transformers sweep"
+    )
+    p.add_argument("--no-transformers", action="store_true", help="our engine only (no ratio)")
+    p.add_argument("--num-inputs", type=int, default=None, help="override each workload's count")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="our engine's batch limit")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--in-process",
+        dest="multiprocess",
+        action="store_false",
+        default=False,
+        help="our EngineCore in this process (default: one process for both sides)",
+    )
+    mode.add_argument(
+        "--multiprocess",
+        dest="multiprocess",
+        action="store_true",
+        help="our EngineCore in its own process (LLM's default for users)",
+    )
+    p.add_argument("--cross-attention", default=None, help="absorbed|per_layer|auto (list)")
+    p.add_argument("--quantization", default=None, help="e.g. fp8 (list)")
+    p.add_argument("--kv-cache-dtype", default=None, help="e.g. fp8 (list)")
+    p.add_argument("--json", default=None, help="also write the rows here")
+    args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
     names = list(WORKLOADS) if args.workloads == "all" else args.workloads.split(",")
-    results: list[Result] = []
-    for name in names:
-        print(f"== {name}", flush=True)
-        try:
-            out = WORKLOADS[name](args)
-        except Exception as e:  # noqa: BLE001 - report and go on to the next workload
-            import traceback
+    unknown = [n for n in names if n not in WORKLOADS]
+    if unknown:
+        p.error(f"unknown workloads {unknown}; choose from {list(WORKLOADS)}")
+    args.names = names
+    return args
 
-            traceback.print_exc()
-            print(f"!! {name} failed: {type(e).__name__}: {e}", flush=True)
-            continue
-        for r in out if isinstance(out, list) else [out]:
-            results.append(r)
-            print(
-                f"   {r.workload}: ours {r.ours:,.1f} vs transformers {r.hf:,.1f} {r.unit} "
-                f"-> {r.ratio:.2f}x ({r.detail})",
-                flush=True,
-            )
-    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print("| workload | unit | v1-engine | transformers | ratio | detail |")
-    print("|---|---|---:|---:|---:|---|")
-    for r in results:
-        print(
-            f"| {r.workload} | {r.unit} | {r.ours:,.1f} | {r.hf:,.1f} | {r.ratio:.2f}x | {r.detail} |"
-        )
+
+def engine_variants(args: argparse.Namespace) -> list[dict[str, str]]:
+    """Every combination of the given option lists ("default" = leave the option out)."""
+    lists = {}
+    for option in ENGINE_OPTIONS:
+        value = getattr(args, option)
+        if value:
+            lists[option] = value.split(",")
+    variants = []
+    for combo in itertools.product(*lists.values()):
+        variant = {k: v for k, v in zip(lists, combo, strict=True) if v != "default"}
+        if variant not in variants:
+            variants.append(variant)
+    return variants or [{}]
+
+
+def machine_header(machine: Machine, argv: list[str]) -> str:
+    import transformers
+
+    versions = [f"torch {torch.__version__}", f"transformers {transformers.__version__}"]
+    try:
+        import triton
+
+        versions.append(f"triton {triton.__version__}")
+    except ImportError:
+        pass
+    if torch.version.cuda:
+        versions.append(f"CUDA {torch.version.cuda}")
+    return "\n".join(
+        [
+            f"Machine: {machine.description}; {', '.join(versions)}",
+            f"Measured: GEMM {machine.gemm_flops_per_s / 1e12:,.2f} TFLOP/s "
+            f"({machine.gemm_detail}), copy {machine.copy_bytes_per_s / 1e9:,.1f} GB/s "
+            f"({machine.copy_detail}); medians of 10",
+            f"Command: python3 benchmarks/offline.py {shlex.join(argv)}",
+        ]
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    device = Device(args.device)
+    if device.is_cuda and not torch.cuda.is_available():
+        print("no CUDA device here: use --device cpu --tiny for a smoke run", file=sys.stderr)
+        return 2
+    if not device.is_cuda and not args.tiny:
+        print("full-size workloads need a GPU; on CPU pass --tiny", file=sys.stderr)
+        return 2
+    threads = torch.get_num_threads()
+    if not device.is_cuda:
+        torch.set_num_threads(1)  # tiny ops: one thread is faster, and kinder to shared hosts
+    try:
+        return _run(args, argv, device)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args: argparse.Namespace, argv: list[str], device: Device) -> int:
+    machine = measure_machine(device, small=args.tiny or not device.is_cuda)
+    header = machine_header(machine, argv)
+    print(header, flush=True)
+    ctx = Context(args, device, machine, engine_variants(args), ModelStore())
+    rows: list[Row] = []
+    try:
+        for name in args.names:
+            print(f"\n== {name}", flush=True)
+            start = time.perf_counter()
+            try:
+                new_rows = WORKLOADS[name](ctx)
+            except Exception as e:  # noqa: BLE001 - report, then go on to the next workload
+                traceback.print_exc()
+                ctx.failures.append(f"{name}: {type(e).__name__}: {e}")
+                new_rows = []
+            device.free()
+            for row in new_rows:
+                print(row.markdown(), flush=True)
+                for note in row.notes:
+                    print(f"   {note}", flush=True)
+            print(f"== {name}: {time.perf_counter() - start:,.1f} s", flush=True)
+            rows += new_rows
+    finally:
+        ctx.store.close()
+
+    print("\n" + header)
+    print("\n" + markdown_table(rows))
+    print("\n" + notes_markdown(rows))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([r.__dict__ | {"ratio": r.ratio} for r in results], f, indent=1)
+            json.dump(
+                {
+                    "header": header,
+                    "gemm_flops_per_s": machine.gemm_flops_per_s,
+                    "copy_bytes_per_s": machine.copy_bytes_per_s,
+                    "rows": [r.to_json() for r in rows],
+                    "mismatches": ctx.mismatches,
+                    "failures": ctx.failures,
+                },
+                f,
+                indent=1,
+            )
+    for failure in ctx.failures:
+        print(f"FAILED: {failure}", file=sys.stderr)
+    for mismatch in ctx.mismatches:
+        print(f"MISMATCH: {mismatch}", file=sys.stderr)
+    if ctx.failures:
+        return 1
+    if args.check:
+        if ctx.mismatches:
+            return 1
+        print("\ncheck: every workload's output sizes agree")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
