@@ -270,3 +270,6 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+        # Start-up froze this engine's objects out of cyclic GC; give them back so that a
+        # process that builds engine after engine (tests, benchmarks) frees each one's memory.
+        gc.unfreeze()

@@ -130,3 +130,4 @@ class LLMEngine:
         if not self._closed:
             self._closed = True
             self.engine_core.shutdown()
+            gc.unfreeze()  # see EngineCore.shutdown
