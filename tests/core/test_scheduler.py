@@ -224,14 +224,16 @@ def test_encoder_budget_and_cache_capacity():
     sched = make_scheduler(
         "encoder_decoder", max_num_encoder_input_tokens=20, encoder_cache_size=30, num_kv_blocks=128
     )
-    for r in make_requests(4, prompt_len=1, max_tokens=2, encoder_len=10):
+    for r in make_requests(4, prompt_len=1, max_tokens=6, encoder_len=10):
         sched.add_request(r)
     runner = FakeRunner()
     so, _ = run_scheduler_step(sched, runner)
     assert len(so.encoder_hashes_to_run) == 2  # 20-position budget per step
     so, _ = run_scheduler_step(sched, runner)
-    # Cache holds 30 positions: 2 requests still running, only one more fits.
-    assert len(so.encoder_hashes_to_run) == 1
+    # The first two wrote their cross K/V in step 1: their cached outputs no longer hold room,
+    # so the 30-position cache admits two more (evicting one of the old entries).
+    assert len(so.encoder_hashes_to_run) == 2 and len(so.free_encoder_hashes) == 1
+    assert len(sched.running) == 4
     run_to_completion(sched, runner)
     assert runner.num_encoder_runs == 4
     assert sched.encoder_cache.num_free_slots + sum(sched.encoder_cache.freeable.values()) == 30

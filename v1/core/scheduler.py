@@ -278,6 +278,12 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
         )
         self.finished_req_ids = set()
+        # A request's encoder output is read once, by its first step (the cross-attention
+        # pre-step), which is launched before the next schedule(); the entry stays cached (for
+        # n>1 children, repeated inputs and resumes) but no longer holds room in the encoder
+        # cache, so running requests are not capped by its capacity.
+        for req_id in budget.encoder_reqs:
+            self.encoder_cache.free(self.requests[req_id])
         # Advance now so the next schedule() sees these tokens as in flight; a step that
         # reaches the end of a generating request samples one token the next step may feed.
         for req_id, num in budget.num_scheduled.items():
