@@ -1,0 +1,165 @@
+"""Where a Whisper decode step's time goes: host phases per step and the device's kernels.
+
+Builds a random large-v3-turbo-shaped Whisper (or large-v3 with --decoder-layers 32), warms the
+engine on full-size inputs, then transcribes `--clips` fresh 30 s clips with `--tokens` forced
+tokens while timing the EngineCore's host phases (schedule, launch, read-back, update) and
+recording a torch profiler trace of the device kernels.
+
+    python benchmarks/profile_step.py --tokenizer ../shared/assets/whisper-base
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def build(args: argparse.Namespace) -> str:
+    from transformers import GenerationConfig, WhisperConfig, WhisperFeatureExtractor
+    from transformers import WhisperForConditionalGeneration
+
+    cfg = WhisperConfig(
+        d_model=1280,
+        encoder_layers=32,
+        decoder_layers=args.decoder_layers,
+        encoder_attention_heads=20,
+        decoder_attention_heads=20,
+        encoder_ffn_dim=5120,
+        decoder_ffn_dim=5120,
+        num_mel_bins=128,
+        vocab_size=51866,
+        max_source_positions=1500,
+        max_target_positions=448,
+        decoder_start_token_id=50258,
+        pad_token_id=50257,
+        bos_token_id=50257,
+        eos_token_id=50257,
+    )
+    with torch.device("cuda"):
+        model = WhisperForConditionalGeneration(cfg).half()
+    model.generation_config = GenerationConfig.from_pretrained(args.tokenizer)
+    path = tempfile.mkdtemp(prefix="whisper-prof-")
+    model.save_pretrained(path)
+    for item in Path(args.tokenizer).iterdir():
+        if item.is_file() and not item.name.endswith(".safetensors") and item.name != "config.json":
+            if item.name != "generation_config.json":
+                shutil.copy(item, Path(path) / item.name)
+    WhisperFeatureExtractor(feature_size=128).save_pretrained(path)
+    del model
+    torch.cuda.empty_cache()
+    return path
+
+
+def wrap(timings: dict[str, list[float]], obj: Any, name: str) -> None:
+    fn = getattr(obj, name)
+
+    def timed(*a: Any, **k: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            timings[name].append(time.perf_counter() - start)
+
+    setattr(obj, name, timed)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokenizer", default="../shared/assets/whisper-base")
+    parser.add_argument("--decoder-layers", type=int, default=4)
+    parser.add_argument("--clips", type=int, default=256)
+    parser.add_argument("--tokens", type=int, default=60)
+    parser.add_argument("--trace", default=None, help="write a chrome trace here")
+    args = parser.parse_args()
+
+    from v1 import LLM, SamplingParams
+
+    path = build(args)
+    llm = LLM(
+        path,
+        dtype="float16",
+        multiprocess=False,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        max_num_encoder_input_tokens=1500 * 32,
+    )
+    params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
+    rng = np.random.default_rng(0)
+
+    def clips() -> list[tuple[np.ndarray, int]]:
+        audio = rng.standard_normal((args.clips, 480_000), dtype=np.float32) * np.float32(0.1)
+        return [(a, 16_000) for a in audio]
+
+    llm.transcribe(clips(), params, language="en")  # warm-up, full size
+    core = llm.llm_engine.engine_core.engine_core
+    timings: dict[str, list[float]] = collections.defaultdict(list)
+    wrap(timings, core.scheduler, "schedule")
+    wrap(timings, core.scheduler, "update_from_output")
+    runner = core.executor.worker.model_runner
+    wrap(timings, runner, "execute_model_async")
+    batch_sizes: list[int] = []
+    schedule = core.scheduler.schedule
+
+    def counted_schedule() -> Any:
+        so = schedule()
+        batch_sizes.append(len(so.num_scheduled_tokens))
+        return so
+
+    core.scheduler.schedule = counted_schedule
+    audio = clips()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    ) as prof:
+        llm.transcribe(audio, params, language="en")
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    print(f"wall {wall:.2f} s for {args.clips} clips x {args.tokens} tokens (profiled)")
+    print(
+        f"steps {len(batch_sizes)}; batch sizes: max {max(batch_sizes)}, "
+        f"median {int(np.median(batch_sizes))}"
+    )
+    for name, values in timings.items():
+        ms = np.array(values) * 1e3
+        print(f"{name}: {len(ms)} calls, median {np.median(ms):.2f} ms, total {ms.sum():.0f} ms")
+    print(
+        prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
+    )
+    print(
+        prof.key_averages().table(
+            sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70
+        )
+    )
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
+
+    # Unprofiled: the same run's wall time and per-step host phases.
+    timings.clear()
+    batch_sizes.clear()
+    audio = clips()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    llm.transcribe(audio, params, language="en")
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    print(
+        f"unprofiled wall {wall:.2f} s, {len(batch_sizes)} steps, "
+        f"{wall / len(batch_sizes) * 1e3:.2f} ms/step"
+    )
+    for name, values in timings.items():
+        ms = np.array(values) * 1e3
+        print(f"{name}: median {np.median(ms):.2f} ms, p90 {np.percentile(ms, 90):.2f} ms")
+    llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()
