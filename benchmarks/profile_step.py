@@ -23,8 +23,12 @@ import torch
 
 
 def build(args: argparse.Namespace) -> str:
-    from transformers import GenerationConfig, WhisperConfig, WhisperFeatureExtractor
-    from transformers import WhisperForConditionalGeneration
+    from transformers import (
+        GenerationConfig,
+        WhisperConfig,
+        WhisperFeatureExtractor,
+        WhisperForConditionalGeneration,
+    )
 
     cfg = WhisperConfig(
         d_model=1280,
@@ -142,7 +146,21 @@ def main() -> None:
     if args.trace:
         prof.export_chrome_trace(args.trace)
 
-    # Unprofiled: the same run's wall time and per-step host phases.
+    # Unprofiled: the same run's wall time, per-step host phases, and the decode phase's steady
+    # state (the last half of the steps, all at full batch): wall per step and how long each
+    # read-back waits for the device (~0: host-bound; most of the step: device-bound).
+    from v1.worker.sampled_output import HostCopy
+
+    wrap(timings, HostCopy, "get")
+    step_ends: list[float] = []
+    step = core.step
+
+    def timed_step() -> Any:
+        out = step()
+        step_ends.append(time.perf_counter())
+        return out
+
+    core.step = timed_step
     timings.clear()
     batch_sizes.clear()
     audio = clips()
@@ -151,13 +169,17 @@ def main() -> None:
     llm.transcribe(audio, params, language="en")
     torch.cuda.synchronize()
     wall = time.perf_counter() - start
-    print(
-        f"unprofiled wall {wall:.2f} s, {len(batch_sizes)} steps, "
-        f"{wall / len(batch_sizes) * 1e3:.2f} ms/step"
-    )
+    print(f"unprofiled wall {wall:.2f} s, {len(batch_sizes)} steps")
+    half = len(step_ends) // 2
+    steady = np.diff(step_ends[half:]) * 1e3
+    print(f"decode steady state: {np.median(steady):.2f} ms/step (median of {len(steady)})")
     for name, values in timings.items():
         ms = np.array(values) * 1e3
-        print(f"{name}: median {np.median(ms):.2f} ms, p90 {np.percentile(ms, 90):.2f} ms")
+        tail = ms[len(ms) // 2 :]
+        print(
+            f"{name}: median {np.median(ms):.2f} ms, p90 {np.percentile(ms, 90):.2f} ms, "
+            f"steady-state median {np.median(tail):.2f} ms"
+        )
     llm.shutdown()
 
 

@@ -116,3 +116,21 @@ def test_whisper_state_tracks_timestamp_pairs() -> None:
         )
         assert got == (is_first, block_ts, block_text, min_ts), token
         state.append_output_tokens([0], [token])
+
+
+def test_whisper_state_with_rows_that_use_no_timestamps() -> None:
+    """Only timestamp rows update their timestamp state; a batch mixing both keeps each exact."""
+    info = WhisperTokenInfo(eos_token_id=40, no_timestamps_token_id=49, timestamp_begin=50)
+    timestamps = SamplingParams(whisper_timestamps=True)
+    state, _ = make_state(
+        [Req(), Req(params=timestamps), Req()], vocab_size=80, whisper=info, slots=[2, 0, 1]
+    )
+    for tokens in ([7, 52, 8], [60, 3, 61], [9, 55, 52]):
+        state.append_output_tokens([2, 0, 1], tokens)
+    whisper = state.make_metadata([1, 0, 2]).whisper
+    assert whisper is not None and whisper.rows.tolist() == [1]  # only slot 0's row
+    # Slot 0 saw 52, 3, 55: a lone timestamp last, so its pair (>= 55) must follow.
+    assert bool(whisper.block_text[0]) and not bool(whisper.block_timestamps[0])
+    assert int(whisper.min_timestamp[0]) == 55
+    assert state.token_ids[0, 3:6].tolist() == [52, 3, 55]
+    assert state.token_ids[1, 3:6].tolist() == [8, 61, 52]

@@ -323,14 +323,23 @@ class SamplingState:
         positions = self.num_prompt_tokens[slots] + self.num_output_tokens[slots]
         assert bool((positions < self.max_model_len).all()), "token history is full"
         self.flush()
+        # Whisper's timestamp state only for the rows that use it (host-known).
+        ts_rows = np.flatnonzero(self.whisper_timestamps[slots]) if self.whisper is not None else []
         packer = _Packer()
         packer.add(slots)
         packer.add(positions)
-        packer.add(self.num_output_tokens[slots] > 0)
-        idx, pos, had_output = packer.ship(self.device)
+        if len(ts_rows):
+            packer.add(ts_rows)
+            packer.add(self.num_output_tokens[slots[ts_rows]] > 0)
+        shipped = packer.ship(self.device)
+        idx, pos = shipped[0], shipped[1]
         tokens = torch.as_tensor(token_ids, dtype=torch.int64).to(self.device).reshape(-1)
         self.token_ids[idx, pos] = tokens.to(torch.int32)
-        if self.whisper is not None:
+        if len(ts_rows):
+            assert self.whisper is not None
+            rows, had_output = shipped[2], shipped[3]
+            if len(ts_rows) < len(slots):
+                idx, tokens = idx[rows], tokens[rows]
             is_timestamp = tokens >= self.whisper.timestamp_begin
             state = self.iparams_dev[idx]  # [k, NUM_I]
             flags = state[:, _I_FLAGS]

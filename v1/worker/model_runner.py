@@ -198,13 +198,15 @@ class ModelRunner:
         # position of token t = computed[req] + (t - qsl[req])
         positions = np.repeat(computed - qsl[:-1], num_scheduled) + np.arange(num_tokens)
         seq_lens = computed + num_scheduled
-        input_ids = self._to_device(batch.token_ids[token_slots, positions])
         dst, src = batch.pending_inputs(slots, computed, seq_lens, qsl)
+        # One pinned copy for the step's index arrays: [ids | positions | logits rows | dst | src]
+        parts = [batch.token_ids[token_slots, positions], positions, qsl[1:] - 1, dst, src]
+        shipped = self._to_device(np.concatenate(parts)).split([len(p) for p in parts])
+        input_ids, positions_dev, logits_indices, dst_dev, src_dev = shipped
         if len(dst):
             # Tokens sampled by the step still running: read where they are, on the device.
             assert self.prev_sampled_token_ids is not None
-            index = self._to_device(np.concatenate([dst, src]))
-            input_ids[index[: len(dst)]] = self.prev_sampled_token_ids[index[len(dst) :]]
+            input_ids[dst_dev] = self.prev_sampled_token_ids[src_dev]
         return StepInputs(
             req_ids=req_ids,
             slots=slots,
@@ -214,8 +216,8 @@ class ModelRunner:
             positions_np=positions,
             seq_lens=seq_lens,
             input_ids=input_ids,
-            positions=self._to_device(positions),
-            logits_indices=self._to_device(qsl[1:] - 1),
+            positions=positions_dev,
+            logits_indices=logits_indices,
             reached_end=seq_lens >= batch.num_tokens[slots],
         )
 
