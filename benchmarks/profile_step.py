@@ -53,9 +53,9 @@ def build(args: argparse.Namespace) -> str:
     path = tempfile.mkdtemp(prefix="whisper-prof-")
     model.save_pretrained(path)
     for item in Path(args.tokenizer).iterdir():
-        if item.is_file() and not item.name.endswith(".safetensors") and item.name != "config.json":
-            if item.name != "generation_config.json":
-                shutil.copy(item, Path(path) / item.name)
+        skip = item.name in ("config.json", "generation_config.json")
+        if item.is_file() and not item.name.endswith(".safetensors") and not skip:
+            shutil.copy(item, Path(path) / item.name)
     WhisperFeatureExtractor(feature_size=128).save_pretrained(path)
     del model
     torch.cuda.empty_cache()
