@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from v1.host_copy import to_device
 from v1.sample.metadata import (
     RowTokenIds,
     SamplingMetadata,
@@ -48,15 +49,6 @@ def step_seed(seed: int, step: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return z ^ (z >> 31)
-
-
-def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """Host array -> device tensor without a stream sync: through a fresh pinned buffer (the
-    caching host allocator keeps it until the copy ran), non-blocking."""
-    tensor = torch.from_numpy(np.ascontiguousarray(array))
-    if device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)
 
 
 class _TokenIdTable:

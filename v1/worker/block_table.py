@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from v1.host_copy import to_device
+
 
 class BlockTable:
     """[max_num_reqs, max_num_blocks] int32 on the host; rows are persistent batch slots."""
@@ -34,7 +36,7 @@ class BlockTable:
     def rows(self, slots: np.ndarray, device: torch.device) -> torch.Tensor:
         """Block table of this step's requests, [num_reqs, max blocks used] int32."""
         width = max(int(self.num_blocks[slots].max(initial=1)), 1)
-        return torch.from_numpy(self.table[slots, :width]).to(device, non_blocking=True)
+        return to_device(self.table[slots, :width], device)
 
     def slot_mapping(self, token_slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Cache slot of each (request slot, position) pair: block_id * block_size + offset."""

@@ -20,6 +20,7 @@ from v1.core.sched_output import (
     ReadyRunnerOutput,
     SchedulerOutput,
 )
+from v1.host_copy import to_device
 from v1.kv_cache.spec import (
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
@@ -222,10 +223,7 @@ class ModelRunner:
         )
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        tensor = torch.from_numpy(np.ascontiguousarray(array))
-        if self.device.type == "cuda":
-            return tensor.pin_memory().to(self.device, non_blocking=True)
-        return tensor.to(self.device)
+        return to_device(array, self.device)
 
     # ---- attention metadata ----
     def make_common(
@@ -243,9 +241,9 @@ class ModelRunner:
         query_lens = np.diff(query_start_loc)
         return CommonAttentionMetadata(
             # non_blocking: a blocking host-to-device copy would wait for the whole stream.
-            query_start_loc=qsl_cpu.to(self.device, non_blocking=True),
+            query_start_loc=to_device(qsl_cpu, self.device),
             query_start_loc_cpu=qsl_cpu,
-            seq_lens=seq_cpu.to(self.device, non_blocking=True),
+            seq_lens=to_device(seq_cpu, self.device),
             seq_lens_cpu=seq_cpu,
             num_reqs=num_reqs,
             num_actual_tokens=int(query_start_loc[-1]),

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from v1.host_copy import to_device
+
 BIAS_NONE, BIAS_MATERIALIZED, BIAS_RELATIVE = 0, 1, 2
 
 
@@ -234,8 +236,8 @@ def make_work_items(
     starts = torch.cumsum(blocks, 0) - blocks
     mblock = torch.arange(int(blocks.sum())) - torch.repeat_interleave(starts, blocks)
     return (
-        req.to(torch.int32).to(device, non_blocking=True),
-        mblock.to(torch.int32).to(device, non_blocking=True),
+        to_device(req.to(torch.int32), device),
+        to_device(mblock.to(torch.int32), device),
     )
 
 

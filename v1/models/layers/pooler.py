@@ -13,6 +13,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from v1.host_copy import to_device
 from v1.models.sentence_transformers import ModelPoolingConfig, validate_pooling_params
 from v1.pooling_params import PoolingParams
 
@@ -43,9 +44,9 @@ class PoolingSegments:
         )
         # non_blocking: no stream sync, so a pipelined step can be prepared while one runs.
         return cls(
-            qsl.to(device, non_blocking=True),
-            lengths_t.to(device, non_blocking=True),
-            token_req.to(device, non_blocking=True),
+            to_device(qsl, device),
+            to_device(lengths_t, device),
+            to_device(token_req, device),
             lengths_t.tolist(),
         )
 
@@ -201,7 +202,7 @@ class Pooler:
 
 
 def _device_index(rows: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+    return to_device(torch.tensor(rows, dtype=torch.int64), device)
 
 
 class PendingPooledOutput:
