@@ -386,3 +386,19 @@ def test_async_transcription_matches_the_synchronous_one(tiny_dir: str, tiny_llm
         [s.tokens for s in r.segments] for r in expected
     ]
     assert [len(r.segments) for r in results] == [1, 2]  # 35 s: two windows
+
+
+def test_bad_audio_paths_are_named_in_the_error(tiny_llm: LLM, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.wav"
+    bad.write_bytes(b"this is not audio at all " * 40)
+    silence = (np.zeros(SR, dtype=np.float32), SR)
+    with pytest.raises(AudioError) as info:
+        tiny_llm.transcribe([silence, str(bad)])
+    assert str(info.value) == (
+        f"audio input 1: {bad}: could not decode audio: not a supported audio format, or "
+        "corrupt (libsndfile: Format not recognised; ffmpeg: Invalid data found when processing "
+        "input)"
+    )
+    with pytest.raises(AudioError) as info:
+        tiny_llm.transcribe(str(tmp_path / "nope.wav"))
+    assert str(info.value) == f"audio file not found: '{tmp_path / 'nope.wav'}'"
