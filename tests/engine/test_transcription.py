@@ -402,3 +402,20 @@ def test_bad_audio_paths_are_named_in_the_error(tiny_llm: LLM, tmp_path: Path) -
     with pytest.raises(AudioError) as info:
         tiny_llm.transcribe(str(tmp_path / "nope.wav"))
     assert str(info.value) == f"audio file not found: '{tmp_path / 'nope.wav'}'"
+
+
+def test_progress_bar_for_batches_and_long_audio(
+    tiny_llm: LLM, capfd: pytest.CaptureFixture[str]
+) -> None:
+    rng = np.random.default_rng(8)
+    short = (0.1 * rng.standard_normal(2 * SR)).astype(np.float32)
+    options = dict(language="en", sampling_params=SamplingParams(max_tokens=3), temperature=0.0)
+    tiny_llm.transcribe((short, SR), **options)
+    assert "Transcribing" not in capfd.readouterr().err  # one short clip: no bar
+    tiny_llm.transcribe([(short, SR), (short, SR)], **options)
+    err = capfd.readouterr().err
+    assert "Transcribing: 100%" in err and "4.0/4.0 s audio" in err and "RTFx" in err
+    tiny_llm.transcribe((np.tile(short, 16), SR), **options)  # 32 s: two windows
+    assert "32.0/32.0 s audio" in capfd.readouterr().err
+    tiny_llm.transcribe([(short, SR), (short, SR)], use_tqdm=False, **options)
+    assert "Transcribing" not in capfd.readouterr().err

@@ -25,6 +25,7 @@ from v1.entrypoints.cli import attribute_docs, engine_kwargs, make_parser
 pytestmark = pytest.mark.timeout(400)
 
 SHORT = AUDIO_DIR / "librispeech" / "test_audio_0.flac"
+JFK = AUDIO_DIR / "jfk.flac"
 
 
 def test_version_and_help_on_every_argument(capsys: pytest.CaptureFixture[str]) -> None:
@@ -142,7 +143,7 @@ def runs(llama_server: RemoteServer, tmp: Path) -> Iterator[dict[str, subprocess
         whisper = ["--model", str(WHISPER_DIR), "--language", "en"]
         commands["transcribe"] = (["transcribe", str(SHORT), *whisper, "--format", "srt"], {})
         commands["transcribe-mixed"] = (
-            ["transcribe", str(SHORT), str(tmp / "bad.wav"), *whisper, "--timestamps"],
+            ["transcribe", str(SHORT), str(tmp / "bad.wav"), str(JFK), *whisper, "--timestamps"],
             {},
         )
         commands["transcribe-verbose-json"] = (
@@ -229,12 +230,18 @@ def test_bad_audio_files_are_named_and_the_good_ones_still_print(
         "format, or corrupt (libsndfile: Format not recognised; ffmpeg: Invalid data found when "
         "processing input)"
     )
-    assert errors[-1] == f"v1 transcribe: error: 1 of 2 file(s) failed: {tmp}/bad.wav"
-    # The good file's transcript, as `[start --> end] text` lines (--timestamps with text).
-    assert mixed.stdout.splitlines() == [
+    assert errors[-1] == f"v1 transcribe: error: 1 of 3 file(s) failed: {tmp}/bad.wav"
+    # The good files' transcripts, as `[start --> end] text` lines (--timestamps with text).
+    out = mixed.stdout.splitlines()
+    assert out[:3] == [
         f"==> {SHORT} <==",
         "[00:00:00.000 --> 00:00:04.240] A man said to the universe, Sir, I exist.",
+        f"==> {JFK} <==",
     ]
+    assert out[3].startswith("[00:00:00.000 --> 00:00:") and "fellow Americans" in out[3]
+    # Two files: a progress bar in audio seconds with the real-time factor.
+    assert "Transcribing: 100%" in mixed.stderr and "15.7/15.7 s audio" in mixed.stderr
+    assert "RTFx" in mixed.stderr
 
 
 def test_verbose_json_has_segments(runs: dict[str, subprocess.CompletedProcess]) -> None:
