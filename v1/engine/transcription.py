@@ -279,6 +279,7 @@ class TranscriptionPlanner:
                 conditioned = attempt.temperature <= MAX_CONDITIONING_TEMPERATURE
                 if self.options.condition_on_previous_text and conditioned:
                     history += [t for s in segments for t in s.token_ids]
+                    del history[: -self.builder.max_prompt_text_tokens]  # all a prompt keeps
                 else:
                     history = []
             progress.done = min(seek, num_frames) * SAMPLES_PER_FRAME / SAMPLE_RATE
