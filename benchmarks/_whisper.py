@@ -126,7 +126,11 @@ def transcribe_run(num_tokens: int) -> Callable[[Any, np.ndarray], Any]:
 
     def run(llm: Any, clips: np.ndarray) -> Any:
         audio = [(clip, SAMPLE_RATE) for clip in clips]
-        return llm.transcribe(audio, language="en", sampling_params=params)
+        # One greedy pass per clip, as transformers' generate: no temperature fallback (random
+        # weights would fail every quality threshold and decode each clip six times).
+        return llm.transcribe(
+            audio, language="en", sampling_params=params, temperature=0.0, use_tqdm=False
+        )
 
     return run
 

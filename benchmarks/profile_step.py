@@ -102,7 +102,7 @@ def main() -> None:
         audio = rng.standard_normal((args.clips, 480_000), dtype=np.float32) * np.float32(0.1)
         return [(a, 16_000) for a in audio]
 
-    llm.transcribe(clips(), params, language="en")  # warm-up, full size
+    llm.transcribe(clips(), params, language="en", temperature=0.0, use_tqdm=False)  # warm-up, full size
     core = llm.llm_engine.engine_core.engine_core
     timings: dict[str, list[float]] = collections.defaultdict(list)
     wrap(timings, core.scheduler, "schedule")
@@ -124,7 +124,7 @@ def main() -> None:
     with torch.profiler.profile(
         activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     ) as prof:
-        llm.transcribe(audio, params, language="en")
+        llm.transcribe(audio, params, language="en", temperature=0.0, use_tqdm=False)
         torch.cuda.synchronize()
     wall = time.perf_counter() - start
     print(f"wall {wall:.2f} s for {args.clips} clips x {args.tokens} tokens (profiled)")
@@ -166,7 +166,7 @@ def main() -> None:
     audio = clips()
     torch.cuda.synchronize()
     start = time.perf_counter()
-    llm.transcribe(audio, params, language="en")
+    llm.transcribe(audio, params, language="en", temperature=0.0, use_tqdm=False)
     torch.cuda.synchronize()
     wall = time.perf_counter() - start
     print(f"unprofiled wall {wall:.2f} s, {len(batch_sizes)} steps")

@@ -43,7 +43,7 @@ def main() -> None:
     args = parser.parse_args()
     config = make_engine_config(args.model or tiny_llama(), device="cpu", num_kv_blocks=256)
 
-    client = SyncMPClient(config)  # spawns the core and waits for its handshake
+    client = SyncMPClient(config)  # starts the core program and waits for its handshake
     try:
         print(
             f"core pid {client.pid}: {client.num_kv_blocks} KV blocks, "

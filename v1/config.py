@@ -85,6 +85,11 @@ class ModelConfig:
         if self.hf_config is None:
             from transformers import AutoConfig
 
+            from v1.model_source import check_model_source
+
+            check_model_source(self.model, revision=self.revision)
+            if self.tokenizer and self.tokenizer != self.model:
+                check_model_source(self.tokenizer, revision=self.revision, what="tokenizer")
             try:
                 cfg = AutoConfig.from_pretrained(
                     self.model, revision=self.revision, trust_remote_code=self.trust_remote_code

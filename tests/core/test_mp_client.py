@@ -134,11 +134,11 @@ FRONTEND = textwrap.dedent(
     from v1.config import EngineConfig
     from v1.core.mp_client import SyncMPClient
 
-    if __name__ == "__main__":
-        config = EngineConfig.from_json(sys.stdin.read())
-        client = SyncMPClient(config, executor_factory=sys.argv[1])
-        print(client.pid, flush=True)
-        time.sleep(600)
+    # No __main__ guard: the core is its own program and does not import this script.
+    config = EngineConfig.from_json(sys.stdin.read())
+    client = SyncMPClient(config, executor_factory=sys.argv[1])
+    print(client.pid, client._res.ipc_dir, flush=True)
+    time.sleep(600)
     """
 )
 
@@ -462,14 +462,15 @@ def _pid_gone(pid: int) -> bool:
 def test_core_exits_when_its_frontend_is_killed(cores: dict[str, Any]):
     frontend = cores["frontend"]
     line = frontend.stdout.readline()
-    assert line.strip().isdigit(), f"the frontend failed: {line!r}"
-    core_pid = int(line)
+    assert line.split()[:1] and line.split()[0].isdigit(), f"the frontend failed: {line!r}"
+    core_pid, ipc_dir = int(line.split()[0]), line.split()[1]
     try:
-        assert not _pid_gone(core_pid)
+        assert not _pid_gone(core_pid) and os.path.isdir(ipc_dir)
         frontend.kill()
         frontend.wait(timeout=10)
         elapsed = wait_until(lambda: _pid_gone(core_pid), timeout=10)
         assert elapsed < 5.0
+        assert not os.path.exists(ipc_dir)  # the core removed it: nobody else would
     finally:
         if not _pid_gone(core_pid):
             os.kill(core_pid, signal.SIGKILL)

@@ -12,6 +12,7 @@ import io
 import math
 import numbers
 import os
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, TypeAlias
 
@@ -72,7 +73,13 @@ def load_audio(
     """
     if isinstance(source, tuple):
         return _load_array(source, max_seconds)
-    return _decode_bytes(_read_encoded(source, max_bytes), max_seconds)
+    data = _read_encoded(source, max_bytes)
+    if not isinstance(source, (str, os.PathLike)):
+        return _decode_bytes(data, max_seconds)
+    try:
+        return _decode_bytes(data, max_seconds)
+    except AudioError as e:  # name the file: a batch of paths must say which one is bad
+        raise AudioError(f"{os.fspath(source)}: {e}") from e
 
 
 # ----------------------------------------------------------------------------------------------
@@ -344,9 +351,12 @@ def _decode_pyav(
 
 
 def _undecodable(soundfile_error: sf.SoundFileError | None, pyav_error: Exception) -> str:
-    reasons = f"ffmpeg: {pyav_error}"
+    # Both libraries name their in-memory input ("<_io.BytesIO object at 0x...>", "'<none>'")
+    # and ffmpeg its error code: only the reasons say anything to the user.
+    reasons = f"ffmpeg: {getattr(pyav_error, 'strerror', None) or pyav_error}"
     if soundfile_error is not None:
-        reasons = f"libsndfile: {soundfile_error}; {reasons}"
+        reason = re.sub(r"^Error opening <[^>]*>: ", "", str(soundfile_error)).rstrip(".")
+        reasons = f"libsndfile: {reason}; {reasons}"
     return f"could not decode audio: not a supported audio format, or corrupt ({reasons})"
 
 

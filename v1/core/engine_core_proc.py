@@ -13,6 +13,7 @@ import logging
 import os
 import queue
 import re
+import shutil
 import signal
 import sys
 import threading
@@ -326,47 +327,73 @@ def load_executor_factory(path: str) -> Callable[[EngineConfig], Any]:
 
 class _ParentWatch(threading.Thread):
     """Exits the process when the frontend that started it is gone: at once while the core is
-    still starting, through a graceful shutdown once it serves (`proc` set)."""
+    still starting, through a graceful shutdown once it serves (`proc` set). The frontend is
+    gone when its pid is no longer our parent, or (`watch_stdin`) when our stdin, a pipe only
+    the frontend writes, reaches end-of-file. Then the ipc directory goes too (`ipc_dir`): the
+    frontend cannot remove it any more."""
 
-    def __init__(self, parent_pid: int) -> None:
+    def __init__(self, parent_pid: int, watch_stdin: bool, ipc_dir: str | None) -> None:
         super().__init__(name="ParentWatch", daemon=True)
         self.parent_pid = parent_pid
+        self.stdin_fd = sys.stdin.fileno() if watch_stdin else None
+        self.ipc_dir = ipc_dir
         self.proc: EngineCoreProc | None = None
         self.stopped = threading.Event()
+        self.parent_gone = threading.Event()
 
     def run(self) -> None:
-        import multiprocessing
         from multiprocessing.connection import wait
 
-        # A spawned core holds a pipe whose other end only the parent has: readable = gone.
-        parent = multiprocessing.parent_process()
-        sentinels = [parent.sentinel] if parent is not None else []
+        fd = self.stdin_fd
         while not self.stopped.is_set():
-            if sentinels:
-                gone = bool(wait(sentinels, timeout=PARENT_POLL_S))
+            gone = False
+            if fd is not None:
+                if wait([fd], timeout=PARENT_POLL_S):
+                    gone = not os.read(fd, 65536)  # end-of-file; data is ignored
+                    if gone:
+                        fd = None  # stays readable at EOF: poll the pid from now on
             else:
                 self.stopped.wait(PARENT_POLL_S)
-                gone = False
             gone = gone or os.getppid() != self.parent_pid
             if not gone or self.stopped.is_set():
                 continue
             logger.warning("the frontend process %d is gone; EngineCore exits", self.parent_pid)
+            self.parent_gone.set()
             proc = self.proc
             if proc is not None:
                 proc.request_shutdown()
                 if proc.stopping.wait(PARENT_POLL_S * 2):
                     return
+            self.remove_ipc_dir()
             os._exit(1)  # still starting, or stuck in a step: nobody waits for it
+
+    def remove_ipc_dir(self) -> None:
+        if self.ipc_dir is not None and self.parent_gone.is_set():
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class CoreOptions:
+    """How a frontend started this core (everything but the config and the addresses)."""
+
+    executor_factory: str | None = None
+    """`package.module:Name` of the executor to build (tests inject fakes this way)."""
+    parent_pid: int | None = None
+    """The frontend's pid (default: our parent)."""
+    watch_stdin: bool = False
+    """stdin is a pipe from the frontend: end-of-file means it is gone."""
+    ipc_dir: str | None = None
+    """The frontend's private socket directory, removed if the frontend dies first."""
 
 
 def run_engine_core(
     config_json: str,
     input_address: str,
     output_address: str,
-    executor_factory: str | None = None,
-    parent_pid: int | None = None,
+    options: CoreOptions | None = None,
 ) -> None:
     """Process entry point: build the core, answer the handshake, serve until shutdown."""
+    options = options or CoreOptions()
     # Ctrl-C in a terminal reaches the whole process group; the frontend decides what happens.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
@@ -374,12 +401,15 @@ def run_engine_core(
         raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    watch = _ParentWatch(os.getppid() if parent_pid is None else parent_pid)
+    parent_pid = os.getppid() if options.parent_pid is None else options.parent_pid
+    watch = _ParentWatch(parent_pid, options.watch_stdin, options.ipc_dir)
     watch.start()  # before the (possibly long) model load
     addresses = CoreAddresses(input_address, output_address)
     try:
         config = EngineConfig.from_json(config_json)
-        factory = load_executor_factory(executor_factory) if executor_factory else None
+        factory = (
+            load_executor_factory(options.executor_factory) if options.executor_factory else None
+        )
     except Exception as e:
         logger.exception("bad EngineCore arguments")
         _send_failed_handshake(output_address, f"{type(e).__name__}: {e}")
@@ -391,6 +421,7 @@ def run_engine_core(
     watch.proc = proc
     code = proc.run()
     watch.stopped.set()
+    watch.remove_ipc_dir()
     # Everything is released; skip the interpreter's teardown of torch & co (seconds).
     logging.shutdown()
     sys.stdout.flush()
@@ -410,15 +441,30 @@ def _send_failed_handshake(output_address: str, error: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """`python -m v1.core.engine_core_proc --config FILE --input ADDR --output ADDR`: start a
-    core for a frontend that bound both addresses (e.g. one written in another language)."""
+    core for a frontend that bound both addresses (our clients, or one written in another
+    language). `--config -` reads the config's JSON from the first line of stdin."""
     parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("--config", required=True, help="EngineConfig JSON file (to_json)")
+    parser.add_argument("--config", required=True, help="EngineConfig JSON file (to_json), or -")
     parser.add_argument("--input", required=True, help="address the frontend PUSHes to")
     parser.add_argument("--output", required=True, help="address the frontend PULLs from")
+    parser.add_argument("--executor-factory", default=None, help="package.module:Name (tests)")
+    parser.add_argument("--parent-pid", type=int, default=None, help="the frontend's pid")
+    parser.add_argument(
+        "--watch-stdin",
+        action="store_true",
+        help="stdin is a pipe from the frontend: exit when it closes",
+    )
+    parser.add_argument(
+        "--ipc-dir", default=None, help="socket directory to remove if the frontend dies first"
+    )
     args = parser.parse_args(argv)
-    with open(args.config) as f:
-        config_json = f.read()
-    run_engine_core(config_json, args.input, args.output)
+    if args.config == "-":
+        config_json = sys.stdin.buffer.readline().decode()
+    else:
+        with open(args.config) as f:
+            config_json = f.read()
+    options = CoreOptions(args.executor_factory, args.parent_pid, args.watch_stdin, args.ipc_dir)
+    run_engine_core(config_json, args.input, args.output, options)
 
 
 if __name__ == "__main__":

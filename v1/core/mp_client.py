@@ -2,8 +2,11 @@
 in any program) and `AsyncMPClient` (AsyncLLM, the server).
 
 Both bind a PUSH (inputs) and a PULL (outputs) socket, `ipc://` in a private 0700 directory unless
-the caller gives explicit TCP addresses, spawn the core, wait for its handshake, and read outputs
-on a thread. A watcher turns the core's death into `EngineDeadError` for every caller.
+the caller gives explicit TCP addresses, start the core as its own program (`python -m
+v1.core.engine_core_proc`: nothing of the caller's `__main__` is imported again, so scripts need
+no `if __name__ == "__main__"` guard and stdin scripts and notebooks work), wait for its
+handshake, and read outputs on a thread. A watcher turns the core's death into
+`EngineDeadError` for every caller; the core removes the ipc directory if the caller dies first.
 """
 
 from __future__ import annotations
@@ -11,10 +14,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import multiprocessing
 import os
 import queue
 import shutil
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -23,7 +27,6 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from multiprocessing.connection import wait
 from typing import Any
 
 import zmq
@@ -31,7 +34,6 @@ import zmq
 from v1 import envs
 from v1.config import EngineConfig
 from v1.core.client import EngineCoreClient, EngineDeadError
-from v1.core.engine_core_proc import run_engine_core
 from v1.core.protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -66,6 +68,60 @@ class _Dead:
 _DEAD = _Dead()
 
 
+class CoreProcess:
+    """The EngineCore program as a child process, with the part of `multiprocessing.Process`'s
+    interface the client uses. Its stdin is a pipe that only this process writes (the config,
+    then nothing): the core sees end-of-file once its frontend is gone, however it died.
+    Thread-safe: Popen serializes reaping, and a blocked `wait_exit` does not stop `join`."""
+
+    def __init__(self, args: list[str], config_json: str) -> None:
+        env = dict(os.environ)
+        # The caller's import path, as multiprocessing's spawn would give it (tests and
+        # scripts may import executors from next to themselves).
+        env["PYTHONPATH"] = os.pathsep.join(
+            dict.fromkeys([*filter(None, sys.path), *env.get("PYTHONPATH", "").split(os.pathsep)])
+        ).strip(os.pathsep)
+        self._popen = subprocess.Popen(
+            [sys.executable, "-m", "v1.core.engine_core_proc", *args],
+            stdin=subprocess.PIPE,
+            env=env,
+        )
+        self.pid = self._popen.pid
+        try:
+            self._popen.stdin.write(config_json.encode() + b"\n")  # type: ignore[union-attr]
+            self._popen.stdin.flush()  # type: ignore[union-attr]
+        except BrokenPipeError:
+            pass  # it exited at once: the handshake wait reports the exit code
+
+    def is_alive(self) -> bool:
+        return self._popen.poll() is None
+
+    def join(self, timeout: float | None = None) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._popen.wait(timeout)
+
+    @property
+    def exitcode(self) -> int | None:
+        """None while it runs; -N after signal N (as multiprocessing)."""
+        return self._popen.poll()
+
+    def terminate(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self._popen.terminate()
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self._popen.kill()
+
+    def wait_exit(self) -> None:
+        """Blocks until the process has exited."""
+        self._popen.wait()
+
+    def close_stdin(self) -> None:
+        with contextlib.suppress(OSError):
+            self._popen.stdin.close()  # type: ignore[union-attr]
+
+
 @dataclass
 class _Resources:
     """Everything shutdown must release; kept apart from the client so that a finalizer can
@@ -92,6 +148,7 @@ def _release(res: _Resources) -> None:
     if proc is not None:
         with res.proc_lock:
             _stop_process(res, proc)
+        proc.close_stdin()
     if res.reader is not None and res.reader is not threading.current_thread():
         res.reader.join(timeout=2)
     with res.send_lock:
@@ -200,21 +257,13 @@ class MPClient(EngineCoreClient):
         return _Resources(ctx, input_socket, output_socket, ipc_dir)
 
     def _start_process(self, executor_factory: str | None) -> None:
-        spawn = multiprocessing.get_context("spawn")
-        proc = spawn.Process(
-            target=run_engine_core,
-            kwargs={
-                "config_json": self.config.to_json(),
-                "input_address": self.input_address,
-                "output_address": self.output_address,
-                "executor_factory": executor_factory,
-                "parent_pid": os.getpid(),
-            },
-            name="EngineCore",
-            daemon=True,
-        )
-        proc.start()
-        self._res.proc = proc
+        args = ["--config", "-", "--input", self.input_address, "--output", self.output_address]
+        args += ["--parent-pid", str(os.getpid()), "--watch-stdin"]
+        if executor_factory is not None:
+            args += ["--executor-factory", executor_factory]
+        if self._res.ipc_dir is not None:
+            args += ["--ipc-dir", self._res.ipc_dir]
+        self._res.proc = CoreProcess(args, self.config.to_json())
 
     def _wait_ready(self, timeout_s: float) -> ReadyMessage:
         decoder = MsgpackDecoder(ReadyMessage)
@@ -272,9 +321,9 @@ class MPClient(EngineCoreClient):
 
     def _watch_process(self) -> None:
         proc = self._res.proc
-        wait([proc.sentinel])  # readable once the process is gone; reaps nothing
-        if self._closing:
-            return
+        proc.wait_exit()
+        if self._closing or self._res.stop.is_set():
+            return  # shut down (or released at interpreter exit): not a death
         deadline = time.monotonic() + _SENTINEL_GRACE_S
         while self._dead_error is None and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -288,7 +337,7 @@ class MPClient(EngineCoreClient):
             self._dead_error = message
             futures = list(self._utility_futures.values())
             self._utility_futures.clear()
-        if not self._closing:
+        if not self._closing and not self._res.stop.is_set():
             logger.error("%s; failing every pending request", message)
         for fut in futures:
             if not fut.done():
@@ -474,6 +523,7 @@ class AsyncMPClient(MPClient):
 
 __all__ = [
     "AsyncMPClient",
+    "CoreProcess",
     "EngineCoreStartError",
     "MPClient",
     "SyncMPClient",

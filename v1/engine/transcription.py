@@ -1,36 +1,42 @@
-"""Whisper transcription over the engine: audio -> 30 s windows -> requests -> timed segments.
+"""Whisper transcription over the engine: audio -> seek-based 30 s windows -> timed segments.
 
-Each file's plan (language detection, window requests, previous-text conditioning, segment
-assembly) is a generator shared by two drivers: `Transcriber` over the synchronous `LLMEngine`
-(add_request / step) and `AsyncTranscriber` over `AsyncLLM.generate`. A driver only runs the
-batches of requests a plan yields and sends back their outputs, so windows of all files batch.
+Each file's plan (language detection, windows that start where the last complete segment ended,
+previous-text conditioning, temperature fallback, segment assembly) is a generator shared by
+two drivers: `Transcriber` over the synchronous `LLMEngine` (add_request / step) and
+`AsyncTranscriber` over `AsyncLLM.generate`. A plan yields the requests it needs next and gets
+their outputs back; a driver runs many files' plans at once, so their windows share each step.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import time
 import uuid
-import zlib
-from collections.abc import Awaitable, Generator, Sequence
+from collections import deque
+from collections.abc import Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
 
-from v1.audio import (
-    MIN_AUDIO_SECONDS,
-    SAMPLE_RATE,
-    AudioError,
-    AudioWindow,
-    Segment,
-    load_audio,
-    split_windows,
-    timestamp_segments,
+from v1.audio import SAMPLE_RATE, AudioClip, AudioError, load_audio
+from v1.engine.whisper_decoding import (
+    MAX_CONDITIONING_TEMPERATURE,
+    SAMPLES_PER_FRAME,
+    WINDOW_FRAMES,
+    DecodeQuality,
+    TemperatureFallback,
+    Verdict,
+    average_logprob,
+    compression_ratio,
+    seek_window,
 )
 from v1.engine.whisper_inputs import WINDOW_SECONDS, WhisperInputBuilder
 from v1.sampling_params import SamplingParams
 
 NO_SPEECH_PROB = "no_speech_prob"
+WINDOW_SAMPLES = WINDOW_FRAMES * SAMPLES_PER_FRAME
 _T = TypeVar("_T")
 
 
@@ -41,7 +47,8 @@ class TranscriptionError(RuntimeError):
 @dataclass
 class TranscriptionSegment:
     """Text between two times, in seconds from the start of the audio. avg_logprob,
-    compression_ratio and no_speech_prob describe the 30 s window the segment comes from."""
+    compression_ratio, no_speech_prob and temperature describe the decoding of the window the
+    segment comes from."""
 
     id: int
     start: float
@@ -52,9 +59,13 @@ class TranscriptionSegment:
     avg_logprob: float
     """Mean raw logprob of the window's sampled tokens (EOS included, as openai-whisper)."""
     compression_ratio: float
-    """len(text bytes) / len(zlib-compressed text bytes) of the window's text."""
+    """Token-id bytes / their zlib-compressed size, of the window (`compression_ratio`)."""
     no_speech_prob: float | None
     """P(<|nospeech|>) at <|startoftranscript|>; None when the frontend does not carry it."""
+    temperature: float = 0.0
+    """Temperature of the decoding that was kept (above the first one after a fallback)."""
+    seek: int = 0
+    """Start of the window, in 10 ms frames (openai-whisper's `seek`)."""
 
 
 @dataclass
@@ -91,12 +102,90 @@ Plan = Generator[list[WindowRequest], list[WindowOutput], TranscriptionResult]
 
 @dataclass(frozen=True)
 class TranscriptionOptions:
+    """The options of one `transcribe` call (every file gets the same)."""
+
     language: str | None = None
+    """ISO code or name; None detects it from the first window (multilingual models)."""
     task: str = "transcribe"
+    """"transcribe" or "translate" (to English)."""
     timestamps: bool = False
+    """Decode short audio with timestamps too (audio over 30 s always is: windows seek on
+    them) and report timed segments."""
     prompt: str | None = None
+    """Text that precedes the audio (vocabulary, spelling, style), as the first window's
+    previous text."""
     sampling_params: SamplingParams | None = None
-    condition_on_previous_text: bool = False
+    """Per window: default greedy with no token cap; n must be 1."""
+    condition_on_previous_text: bool = True
+    """Prompt each window with the text of the windows before it (`<|startofprev|>`); reset
+    after a window decoded above temperature 0.5."""
+    temperature: float | tuple[float, ...] | None = None
+    """Fallback temperatures; one number disables fallback. Default: from sampling_params'
+    temperature (0) up to 1.0 in steps of 0.2."""
+    compression_ratio_threshold: float | None = 2.4
+    """Decode again, hotter, when the text's gzip compression ratio is above this."""
+    logprob_threshold: float | None = -1.0
+    """Decode again, hotter, when the mean token logprob is below this."""
+    no_speech_threshold: float | None = 0.6
+    """With a mean logprob below logprob_threshold and P(<|nospeech|>) above this, the window
+    is silence: skipped."""
+
+    @classmethod
+    def from_kwargs(cls, options: dict[str, Any]) -> TranscriptionOptions:
+        """Options from keyword arguments; ValueError naming an unknown one."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(options) - set(names))
+        if unknown:
+            raise ValueError(f"unknown transcription option(s) {unknown}; expected some of {names}")
+        return cls(**options)
+
+    def fallback(self, params: SamplingParams) -> TemperatureFallback:
+        thresholds = {
+            "compression_ratio_threshold": self.compression_ratio_threshold,
+            "logprob_threshold": self.logprob_threshold,
+            "no_speech_threshold": self.no_speech_threshold,
+        }
+        if self.temperature is None:
+            return TemperatureFallback.starting_at(params.temperature, **thresholds)
+        temperatures = self.temperature
+        if isinstance(temperatures, (int, float)) and not isinstance(temperatures, bool):
+            temperatures = (temperatures,)
+        elif not isinstance(temperatures, Sequence) or isinstance(temperatures, str):
+            raise ValueError(
+                f"temperature must be a number or a sequence of numbers, got {temperatures!r}"
+            )
+        return TemperatureFallback(tuple(temperatures), **thresholds)
+
+
+@dataclass
+class FileProgress:
+    """How far one file's plan got, for progress bars."""
+
+    duration: float
+    """Seconds of audio."""
+    done: float = 0.0
+    """Seconds before the current window (all of them once the plan returns)."""
+
+
+@dataclass(frozen=True)
+class _Attempt:
+    """The decoding of one window that was kept (after any fallback)."""
+
+    content: list[int]
+    """Sampled tokens before EOS."""
+    quality: DecodeQuality
+    temperature: float
+    verdict: Verdict
+    """ACCEPT or SKIP."""
+
+
+@dataclass(frozen=True)
+class _DecodedWindow:
+    seek: int
+    """Start of the window in frames."""
+    segments: list[tuple[float, float, list[int]]]
+    """(start s, end s, text token ids) of each segment."""
+    attempt: _Attempt
 
 
 class TranscriptionPlanner:
@@ -111,11 +200,14 @@ class TranscriptionPlanner:
         self.prefix = request_prefix
         self.language = builder.check_language(options.language)
         builder.check_task(options.task)
+        if options.prompt is not None and not isinstance(options.prompt, str):
+            raise ValueError(f"prompt must be a string, got {type(options.prompt).__name__}")
         self.prompt_ids = builder.text_prompt_ids(options.prompt) if options.prompt else []
-        self.params = self._window_params(options.sampling_params, options.timestamps)
+        self.params = self._window_params(options.sampling_params)
+        self.fallback = options.fallback(self.params)
 
     @staticmethod
-    def _window_params(params: SamplingParams | None, timestamps: bool) -> SamplingParams:
+    def _window_params(params: SamplingParams | None) -> SamplingParams:
         if params is None:
             params = SamplingParams(temperature=0.0, max_tokens=None)
         if not isinstance(params, SamplingParams):
@@ -125,43 +217,134 @@ class TranscriptionPlanner:
                 f"transcription samples one sequence per window (n=1), got n={params.n}"
             )
         logprobs = 0 if params.logprobs is None else params.logprobs
-        return params.clone(whisper_timestamps=timestamps, logprobs=logprobs)
+        return params.clone(logprobs=logprobs)
 
     # ---- the plan of one file ----
-    def plan(self, index: int, samples: np.ndarray) -> Plan:
-        windows = [
-            w
-            for w in split_windows(samples, SAMPLE_RATE, WINDOW_SECONDS)
-            if w.duration_seconds >= MIN_AUDIO_SECONDS
-        ]
+    def plan(self, index: int, samples: np.ndarray, progress: FileProgress | None = None) -> Plan:
+        """The requests of one file, window after window; returns its result. Audio that fits
+        one window without timestamps is one `<|notimestamps|>` request (transformers'
+        short-form); anything else seeks on timestamps (openai-whisper's long-form)."""
+        progress = progress or FileProgress(samples.shape[0] / SAMPLE_RATE)
+        short_form = not self.options.timestamps and samples.shape[0] <= WINDOW_SAMPLES
+        num_frames = samples.shape[0] // SAMPLES_PER_FRAME
+        first = AudioClip(
+            samples if short_form else samples[: min(num_frames, WINDOW_FRAMES) * SAMPLES_PER_FRAME]
+        )
         language = self.language
         if language is None and self.tokens.multilingual:
-            (detected,) = yield [self._detect_request(index, windows[0])]
+            (detected,) = yield [self._detect_request(index, first)]
             language = self._language_of(detected)
         language = language or "en"
-        outputs: list[WindowOutput] = []
-        if self.options.condition_on_previous_text:
-            history = list(self.prompt_ids)
-            for k, window in enumerate(windows):
-                (out,) = yield [self._window_request(index, k, window, language, history)]
-                outputs.append(out)
-                history += self._text_ids(out.token_ids)
+        if short_form:
+            attempt = yield from self._decode(index, "0", first, language, self.prompt_ids, False)
+            text_ids = [t for t in attempt.content if t < self.tokens.eos]
+            duration = samples.shape[0] / SAMPLE_RATE
+            spans = [] if attempt.verdict is Verdict.SKIP else [(0.0, duration, text_ids)]
+            windows = [_DecodedWindow(0, spans, attempt)]
         else:
-            outputs = yield [
-                self._window_request(index, k, w, language, self.prompt_ids if k == 0 else [])
-                for k, w in enumerate(windows)
-            ]
-        return self._assemble(samples, windows, outputs, language)
+            windows = yield from self._seek_windows(index, samples, first, language, progress)
+        progress.done = progress.duration
+        return self._assemble(samples, windows, language)
 
-    def _detect_request(self, index: int, window: AudioWindow) -> WindowRequest:
-        """One decoder step over the language tokens; it shares the window's encoder output
-        (same content hash) with the transcription request that follows."""
+    def _seek_windows(
+        self,
+        index: int,
+        samples: np.ndarray,
+        first: AudioClip,
+        language: str,
+        progress: FileProgress,
+    ) -> Generator[list[WindowRequest], list[WindowOutput], list[_DecodedWindow]]:
+        """Windows from `seek` (frames): each starts where the previous one's last complete
+        segment ended, or at its end when it ended on a complete segment or was silence."""
+        num_frames = samples.shape[0] // SAMPLES_PER_FRAME
+        history = list(self.prompt_ids)
+        windows: list[_DecodedWindow] = []
+        seek = 0
+        while seek < num_frames:
+            size = min(num_frames - seek, WINDOW_FRAMES)
+            audio = (
+                first
+                if seek == 0
+                else AudioClip(
+                    samples[seek * SAMPLES_PER_FRAME : (seek + size) * SAMPLES_PER_FRAME]
+                )
+            )
+            label = str(len(windows))
+            attempt = yield from self._decode(index, label, audio, language, history, True)
+            if attempt.verdict is Verdict.SKIP:
+                windows.append(_DecodedWindow(seek, [], attempt))
+                seek += size
+            else:
+                segments, next_seek = seek_window(
+                    attempt.content,
+                    seek=seek,
+                    num_frames=size,
+                    timestamp_begin=self.tokens.timestamp_begin,
+                )
+                spans = [
+                    (s.start, s.end, [t for t in s.token_ids if t < self.tokens.eos])
+                    for s in segments
+                ]
+                windows.append(_DecodedWindow(seek, spans, attempt))
+                seek = next_seek
+                conditioned = attempt.temperature <= MAX_CONDITIONING_TEMPERATURE
+                if self.options.condition_on_previous_text and conditioned:
+                    history += [t for s in segments for t in s.token_ids]
+                    del history[: -self.builder.max_prompt_text_tokens]  # all a prompt keeps
+                else:
+                    history = []
+            progress.done = min(seek, num_frames) * SAMPLES_PER_FRAME / SAMPLE_RATE
+        return windows
+
+    def _decode(
+        self,
+        index: int,
+        label: str,
+        audio: AudioClip,
+        language: str,
+        previous: list[int],
+        timestamps: bool,
+    ) -> Generator[list[WindowRequest], list[WindowOutput], _Attempt]:
+        """One window at each fallback temperature until the verdict is not RETRY."""
+        fallback = self.fallback
+        ids = self.builder.decoder_prompt(
+            language=language,
+            task=self.options.task,
+            timestamps=timestamps,
+            previous_text_ids=previous,
+        )
+        for k, temperature in enumerate(fallback.temperatures):
+            params = self.params.clone(temperature=temperature, whisper_timestamps=timestamps)
+            request_id = f"{self.prefix}-{index}-{label}" + (f"-t{k}" if k else "")
+            prompt = {"prompt_token_ids": ids, "multi_modal_data": _audio(audio)}
+            (out,) = yield [WindowRequest(request_id, prompt, params)]
+            attempt = self._judge(out, temperature)
+            if attempt.verdict is not Verdict.RETRY or fallback.is_last(k):
+                if attempt.verdict is Verdict.RETRY:
+                    attempt = dataclasses.replace(attempt, verdict=Verdict.ACCEPT)
+                return attempt
+        raise AssertionError("a fallback has at least one temperature")
+
+    def _judge(self, out: WindowOutput, temperature: float) -> _Attempt:
+        content = _until_eos(out.token_ids, self.tokens.eos)
+        decoded = out.token_ids[: len(content) + 1]  # EOS counts, when there is one
+        logprobs = out.logprobs[: len(decoded)] if out.logprobs else None
+        quality = DecodeQuality(
+            compression_ratio(decoded, self.builder.model_config.vocab_size),
+            average_logprob(logprobs),
+            out.no_speech_prob,
+        )
+        return _Attempt(content, quality, temperature, self.fallback.verdict(quality))
+
+    def _detect_request(self, index: int, audio: AudioClip) -> WindowRequest:
+        """One decoder step over the language tokens; it shares the first window's encoder
+        output (same samples, same content hash) with the transcription request after it."""
         params = SamplingParams(
             temperature=0.0,
             max_tokens=1,
             allowed_token_ids=sorted(self.tokens.language_ids.values()),
         )
-        prompt = {"prompt_token_ids": [self.tokens.sot], "multi_modal_data": _audio(window)}
+        prompt = {"prompt_token_ids": [self.tokens.sot], "multi_modal_data": _audio(audio)}
         return WindowRequest(f"{self.prefix}-{index}-language", prompt, params)
 
     def _language_of(self, output: WindowOutput) -> str:
@@ -171,100 +354,53 @@ class TranscriptionPlanner:
             raise TranscriptionError(f"language detection returned token {token_id}, no language")
         return code
 
-    def _window_request(
-        self, index: int, k: int, window: AudioWindow, language: str, previous: list[int]
-    ) -> WindowRequest:
-        ids = self.builder.decoder_prompt(
-            language=language,
-            task=self.options.task,
-            timestamps=self.options.timestamps,
-            previous_text_ids=previous,
-        )
-        prompt = {"prompt_token_ids": ids, "multi_modal_data": _audio(window)}
-        return WindowRequest(f"{self.prefix}-{index}-{k}", prompt, self.params)
-
     # ---- results ----
-    def _text_ids(self, token_ids: Sequence[int]) -> list[int]:
-        return [t for t in _until_eos(token_ids, self.tokens.eos) if t < self.tokens.eos]
-
     def _assemble(
-        self,
-        samples: np.ndarray,
-        windows: list[AudioWindow],
-        outputs: list[WindowOutput],
-        language: str,
+        self, samples: np.ndarray, windows: list[_DecodedWindow], language: str
     ) -> TranscriptionResult:
+        """Segments in time order, clamped into the audio and never overlapping; segments
+        without text are dropped."""
         decode = self.builder.tokenizer.decode
+        duration = samples.shape[0] / SAMPLE_RATE
         segments: list[TranscriptionSegment] = []
         all_text_ids: list[int] = []
         last_end = 0.0
-        for window, out in zip(windows, outputs, strict=True):
-            content = _until_eos(out.token_ids, self.tokens.eos)
-            text_ids = self._text_ids(content)
-            all_text_ids += text_ids
-            stats = _window_stats(decode(text_ids), out, len(content))
-            window_end = window.offset_seconds + window.duration_seconds
-            for seg in self._window_segments(window, content):
-                ids = [t for t in seg.token_ids if t < self.tokens.eos]
-                if not ids:
+        for window in windows:
+            quality = window.attempt.quality
+            for start, end, text_ids in window.segments:
+                if not text_ids:
                     continue
-                start = min(max(seg.start, last_end), window_end)
-                end = min(max(seg.end, start), window_end)
+                all_text_ids += text_ids
+                start = min(max(start, last_end), duration)
+                end = min(max(end, start), duration)
                 segments.append(
                     TranscriptionSegment(
                         id=len(segments),
                         start=round(start, 3),
                         end=round(end, 3),
-                        text=decode(ids),
-                        tokens=ids,
-                        **stats,
+                        text=decode(text_ids),
+                        tokens=text_ids,
+                        avg_logprob=quality.avg_logprob,
+                        compression_ratio=quality.compression_ratio,
+                        no_speech_prob=quality.no_speech_prob,
+                        temperature=window.attempt.temperature,
+                        seek=window.seek,
                     )
                 )
                 last_end = end
         return TranscriptionResult(
-            text=decode(all_text_ids),
-            language=language,
-            duration=samples.shape[0] / SAMPLE_RATE,
-            segments=segments,
+            text=decode(all_text_ids), language=language, duration=duration, segments=segments
         )
 
-    def _window_segments(self, window: AudioWindow, content: list[int]) -> list[Segment]:
-        if self.options.timestamps:
-            return timestamp_segments(
-                content,
-                timestamp_begin=self.tokens.timestamp_begin,
-                offset_seconds=window.offset_seconds,
-                window_seconds=window.duration_seconds,
-            )
-        start = window.offset_seconds
-        return [Segment(start, start + window.duration_seconds, list(content))]
 
-
-def _audio(window: AudioWindow) -> dict[str, Any]:
-    # The window's clip: its requests (language detection, transcription) share one hash.
-    return {"audio": window.clip}
+def _audio(clip: AudioClip) -> dict[str, Any]:
+    # One clip per window: its requests (language detection, fallback retries) share one hash.
+    return {"audio": clip}
 
 
 def _until_eos(token_ids: Sequence[int], eos: int) -> list[int]:
     ids = list(token_ids)
     return ids[: ids.index(eos)] if eos in ids else ids
-
-
-def _window_stats(text: str, out: WindowOutput, num_content_tokens: int) -> dict[str, Any]:
-    avg_logprob = float("nan")
-    if out.logprobs:
-        avg_logprob = sum(out.logprobs) / (num_content_tokens + 1)
-    return {
-        "avg_logprob": avg_logprob,
-        "compression_ratio": compression_ratio(text),
-        "no_speech_prob": out.no_speech_prob,
-    }
-
-
-def compression_ratio(text: str) -> float:
-    """openai-whisper's gzip-style repetition measure: raw bytes / zlib-compressed bytes."""
-    data = text.encode("utf-8")
-    return len(data) / len(zlib.compress(data)) if data else 0.0
 
 
 def load_audio_inputs(audio: Any) -> list[np.ndarray]:
@@ -300,61 +436,112 @@ def window_output(output: Any, what: str) -> WindowOutput:
     return WindowOutput(list(completion.token_ids), logprobs, extras.get(NO_SPEECH_PROB))
 
 
+class ProgressBar:
+    """A tqdm bar over seconds of audio with the real-time factor (audio s / wall s)."""
+
+    def __init__(self, progress: list[FileProgress], enabled: bool) -> None:
+        from tqdm.auto import tqdm
+
+        self.progress = progress
+        self.start = time.perf_counter()
+        self.shown = 0.0
+        total = sum(p.duration for p in progress)
+        self.bar = tqdm(
+            total=round(total, 1),
+            desc="Transcribing",
+            unit="s",
+            unit_scale=False,
+            bar_format="{l_bar}{bar}| {n:.1f}/{total:.1f} s audio [{elapsed}<{remaining}{postfix}]",
+            dynamic_ncols=True,
+            disable=not enabled,
+        )
+
+    def refresh(self) -> None:
+        done = round(sum(p.done for p in self.progress), 1)
+        if done <= self.shown:
+            return
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        self.bar.set_postfix_str(f"RTFx {done / elapsed:.1f}", refresh=False)
+        self.bar.update(done - self.shown)
+        self.shown = done
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def show_progress(use_tqdm: bool, progress: list[FileProgress]) -> bool:
+    """Bars are for batches and for audio longer than one window."""
+    return use_tqdm and (len(progress) > 1 or any(p.duration > WINDOW_SECONDS for p in progress))
+
+
 class Transcriber:
     """Transcription over a synchronous engine (`LLMEngine`: add_request, step, abort_request)."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, max_active_files: int | None = None) -> None:
+        """`max_active_files`: files decoded at once (default: twice the engine's max_num_seqs;
+        each has one window in flight)."""
         self.engine = engine
         self.builder = WhisperInputBuilder(engine.model_config, engine.tokenizer)
+        if max_active_files is None:
+            config = getattr(engine, "config", None)
+            max_num_seqs = config.scheduler_config.max_num_seqs if config is not None else 128
+            max_active_files = 2 * max_num_seqs
+        self.max_active_files = max(1, max_active_files)
 
     def transcribe(
-        self,
-        audio: Any,
-        *,
-        language: str | None = None,
-        task: str = "transcribe",
-        timestamps: bool = False,
-        prompt: str | None = None,
-        sampling_params: SamplingParams | None = None,
-        condition_on_previous_text: bool = False,
+        self, audio: Any, *, use_tqdm: bool = False, **options: Any
     ) -> list[TranscriptionResult]:
-        """One result per input, in order. Windows of every input run batched (sequentially per
-        input with `condition_on_previous_text`, each prompted with the text so far); without
-        a language, one decoder step over the language tokens picks it from the first window.
+        """One result per input, in order; `options` are `TranscriptionOptions` fields.
 
-        `audio`: a path, bytes, `(samples, sample_rate)` or a list of them. `prompt`: previous
-        text for the first window. `sampling_params`: per window (default greedy with no token
-        cap; its max_tokens caps every window, logprobs is raised to 0 for avg_logprob).
-        Raises ValueError (AudioError for audio) on bad input before anything runs, and
-        TranscriptionError if the engine fails a request."""
-        options = TranscriptionOptions(
-            language, task, timestamps, prompt, sampling_params, condition_on_previous_text
+        `audio`: a path, bytes, `(samples, sample_rate)` or a list of them. Files advance
+        window by window (each window depends on the one before); the windows of many files
+        run in the same engine steps. Raises ValueError (AudioError for audio) on bad input
+        before anything runs, and TranscriptionError if the engine fails a request."""
+        planner = TranscriptionPlanner(
+            self.builder,
+            TranscriptionOptions.from_kwargs(options),
+            f"transcribe-{uuid.uuid4().hex}",
         )
-        planner = TranscriptionPlanner(self.builder, options, f"transcribe-{uuid.uuid4().hex}")
         waveforms = load_audio_inputs(audio)
-        return self._run([planner.plan(i, w) for i, w in enumerate(waveforms)])
+        progress = [FileProgress(w.shape[0] / SAMPLE_RATE) for w in waveforms]
+        plans = [
+            planner.plan(i, w, p) for i, (w, p) in enumerate(zip(waveforms, progress, strict=True))
+        ]
+        bar = ProgressBar(progress, show_progress(use_tqdm, progress))
+        try:
+            return self._run(plans, bar.refresh)
+        finally:
+            bar.close()
 
-    def _run(self, plans: list[Plan]) -> list[TranscriptionResult]:
+    def _run(self, plans: list[Plan], on_progress: Callable[[], None]) -> list[TranscriptionResult]:
         engine = self.engine
         pending: dict[str, tuple[int, int]] = {}
         """req_id -> (plan index, position in the plan's current batch)."""
         batches: list[list[WindowOutput | None]] = [[] for _ in plans]
         results: list[TranscriptionResult | None] = [None] * len(plans)
+        waiting = deque(range(len(plans)))
+        active: set[int] = set()
 
         def advance(i: int, sent: list[WindowOutput] | None) -> None:
             try:
                 batch = plans[i].send(sent)  # type: ignore[arg-type]
             except StopIteration as stop:
                 results[i] = stop.value
+                active.discard(i)
                 return
             batches[i] = [None] * len(batch)
             for j, request in enumerate(batch):
                 engine.add_request(request.request_id, request.prompt, request.params)
                 pending[request.request_id] = (i, j)
 
-        try:
-            for i in range(len(plans)):
+        def start_waiting() -> None:
+            while waiting and len(active) < self.max_active_files:
+                i = waiting.popleft()
+                active.add(i)
                 advance(i, None)
+
+        try:
+            start_waiting()
             while pending:
                 for output in engine.step():
                     key = pending.get(output.request_id)
@@ -365,6 +552,8 @@ class Transcriber:
                     batches[i][j] = window_output(output, f"audio input {i}")
                     if all(out is not None for out in batches[i]):
                         advance(i, batches[i])  # type: ignore[arg-type]
+                start_waiting()
+                on_progress()
         except BaseException:
             if pending:
                 engine.abort_request(list(pending))
@@ -381,23 +570,13 @@ class AsyncTranscriber:
         self.builder = WhisperInputBuilder(llm.model_config, llm.tokenizer)
 
     async def transcribe(
-        self,
-        audio: Any,
-        *,
-        language: str | None = None,
-        task: str = "transcribe",
-        timestamps: bool = False,
-        prompt: str | None = None,
-        sampling_params: SamplingParams | None = None,
-        condition_on_previous_text: bool = False,
-        request_id: str | None = None,
+        self, audio: Any, *, request_id: str | None = None, **options: Any
     ) -> list[TranscriptionResult]:
         """As `Transcriber.transcribe`; `request_id` prefixes the ids of its requests."""
-        options = TranscriptionOptions(
-            language, task, timestamps, prompt, sampling_params, condition_on_previous_text
-        )
         prefix = request_id or f"transcribe-{uuid.uuid4().hex}"
-        planner = TranscriptionPlanner(self.builder, options, prefix)
+        planner = TranscriptionPlanner(
+            self.builder, TranscriptionOptions.from_kwargs(options), prefix
+        )
         waveforms = load_audio_inputs(audio)
         plans = [planner.plan(i, w) for i, w in enumerate(waveforms)]
         return await _gather_or_cancel([self._run_plan(i, p) for i, p in enumerate(plans)])

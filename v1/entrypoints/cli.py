@@ -1,7 +1,8 @@
 """The `v1` command: `v1 serve MODEL`, `v1 transcribe FILE...`, `v1 generate`, `v1 embed`.
 
 Engine flags and their --help text are generated from `v1.config.engine_arg_fields()` (type,
-default, the field's docstring), so every engine argument is settable from every subcommand.
+default, the field's docstring); each subcommand lists the ones that mean something to it.
+Inputs and the model are checked before the model loads; errors are one line on stderr.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import ast
 import dataclasses
 import inspect
 import json
+import os
+import signal
 import sys
 import textwrap
 from collections.abc import Sequence
@@ -61,15 +64,49 @@ def _default_text(f: dataclasses.Field) -> str:
     return "computed"
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per engine argument (only flags given on the command line reach the engine)."""
+_NO_KV_CACHE = frozenset(
+    {
+        "block_size",
+        "num_kv_blocks",
+        "kv_cache_memory_bytes",
+        "enable_prefix_caching",
+        "enable_chunked_prefill",
+        "max_model_len",
+        "max_num_encoder_input_tokens",
+        "encoder_cache_size",
+    }
+)
+IGNORED_ENGINE_ARGS: dict[str, frozenset[str]] = {
+    "serve": frozenset(),
+    # Requests from the command line carry no priority; only one device per model for now.
+    "generate": frozenset({"policy", "tensor_parallel_size"}),
+    # Whisper: its own tokenizer and decoder length, short prompts, built-in architecture.
+    "transcribe": frozenset(
+        {
+            "policy",
+            "tensor_parallel_size",
+            "tokenizer",
+            "max_model_len",
+            "trust_remote_code",
+            "enable_chunked_prefill",
+        }
+    ),
+    # Encoder-only models keep no KV cache and run each input whole.
+    "embed": _NO_KV_CACHE | {"policy", "tensor_parallel_size"},
+}
+"""Engine arguments a subcommand does not offer (they mean nothing to what it runs)."""
+
+
+def add_engine_args(parser: argparse.ArgumentParser, ignored: frozenset[str] = frozenset()) -> None:
+    """One flag per engine argument not in `ignored` (only flags given on the command line
+    reach the engine)."""
     from v1.config import EngineConfig, engine_arg_fields
 
     group = parser.add_argument_group("engine arguments")
     docs: dict[type, dict[str, str]] = {}
     for owner, f in engine_arg_fields():
         kind, _ = _scalar_type(f.type)
-        if kind is None:
+        if kind is None or f.name in ignored:
             continue
         doc = docs.setdefault(owner, attribute_docs(owner)).get(f.name, "")
         help_text = f"{doc} [{owner.__name__}; default: {_default_text(f)}]".strip().replace(
@@ -113,9 +150,12 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 # ---- parser ----
 def make_parser() -> argparse.ArgumentParser:
+    from v1 import __version__
+
     parser = argparse.ArgumentParser(
         prog="v1", description="v1-engine: serve and run transformer models."
     )
+    parser.add_argument("--version", action="version", version=f"v1-engine {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
@@ -164,33 +204,107 @@ def make_parser() -> argparse.ArgumentParser:
         choices=["critical", "error", "warning", "info", "debug", "trace"],
         help="uvicorn's log level (default: %(default)s)",
     )
-    add_engine_args(serve)
+    add_engine_args(serve, IGNORED_ENGINE_ARGS["serve"])
 
-    transcribe = sub.add_parser("transcribe", help="transcribe or translate audio files")
-    transcribe.add_argument("files", nargs="+", metavar="FILE", help="audio files")
-    transcribe.add_argument(
+    _add_transcribe(sub)
+    _add_generate(sub)
+    _add_embed(sub)
+    return parser
+
+
+def _add_transcribe(sub: Any) -> None:
+    p = sub.add_parser(
+        "transcribe",
+        help="transcribe or translate audio files",
+        description="Transcribe (or translate to English) audio files with a Whisper model. "
+        "Long files are decoded in 30 s windows that follow the speech (each starts where the "
+        "last complete segment ended), conditioned on the text before them.",
+    )
+    p.add_argument("files", nargs="+", metavar="FILE", help="audio files (wav, flac, mp3, ...)")
+    p.add_argument(
         "--model", default=DEFAULT_WHISPER_MODEL, help="Whisper model (default: %(default)s)"
     )
-    transcribe.add_argument("--language", default=None, help="spoken language (default: detect)")
-    transcribe.add_argument("--task", default="transcribe", choices=["transcribe", "translate"])
-    transcribe.add_argument("--timestamps", action="store_true", help="segment timestamps")
-    transcribe.add_argument(
-        "--format", default="text", choices=["text", "srt", "vtt", "json"], help="output format"
+    p.add_argument("--language", default=None, help="spoken language (default: detect)")
+    p.add_argument(
+        "--task",
+        default="transcribe",
+        choices=["transcribe", "translate"],
+        help="transcribe, or translate to English (default: %(default)s)",
     )
-    add_engine_args(transcribe)
+    p.add_argument(
+        "--timestamps",
+        action="store_true",
+        help="segment times: '[start --> end] text' lines with --format text, segments in json",
+    )
+    p.add_argument(
+        "--format",
+        default="text",
+        choices=list(FORMATS),
+        help="output format; verbose_json is json with segments (default: %(default)s)",
+    )
+    p.add_argument("--prompt", default=None, help="text that precedes the audio (names, style)")
+    p.add_argument(
+        "--condition-on-previous-text",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="prompt each 30 s window with the text before it (default: on)",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        nargs="+",
+        default=None,
+        metavar="T",
+        help="decoding temperatures to fall back through (default: 0 0.2 0.4 0.6 0.8 1)",
+    )
+    for flag, default, text in _FALLBACK_FLAGS:
+        p.add_argument(flag, type=float, default=default, metavar="X", help=text)
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_engine_args(p, IGNORED_ENGINE_ARGS["transcribe"])
 
-    generate = sub.add_parser("generate", help="complete prompts")
-    generate.add_argument("prompts", nargs="+", metavar="PROMPT")
-    generate.add_argument("--model", required=True, help="model folder or hub id")
-    generate.add_argument("--max-tokens", type=int, default=64)
-    generate.add_argument("--temperature", type=float, default=0.0)
-    add_engine_args(generate)
 
-    embed = sub.add_parser("embed", help="embed texts (JSON lines of vectors)")
-    embed.add_argument("texts", nargs="+", metavar="TEXT")
-    embed.add_argument("--model", required=True, help="embedding model folder or hub id")
-    add_engine_args(embed)
-    return parser
+FORMATS = ("text", "srt", "vtt", "json", "verbose_json")
+_FALLBACK_FLAGS = (
+    (
+        "--compression-ratio-threshold",
+        2.4,
+        "decode a window again, hotter, when its compression ratio is above X (default: 2.4)",
+    ),
+    (
+        "--logprob-threshold",
+        -1.0,
+        "decode a window again, hotter, when its mean logprob is below X (default: -1.0)",
+    ),
+    (
+        "--no-speech-threshold",
+        0.6,
+        "skip a window as silence when P(no speech) is above X and its mean logprob is below "
+        "the logprob threshold (default: 0.6)",
+    ),
+)
+
+
+def _add_generate(sub: Any) -> None:
+    p = sub.add_parser("generate", help="complete prompts (one output line per prompt)")
+    p.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompts to complete")
+    p.add_argument("--model", required=True, help="model folder or Hugging Face hub id")
+    p.add_argument(
+        "--max-tokens", type=int, default=64, help="tokens to generate (default: %(default)s)"
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature, 0 for greedy (default: %(default)s)",
+    )
+    add_engine_args(p, IGNORED_ENGINE_ARGS["generate"])
+
+
+def _add_embed(sub: Any) -> None:
+    p = sub.add_parser("embed", help="embed texts (JSON lines of vectors)")
+    p.add_argument("texts", nargs="+", metavar="TEXT", help="texts to embed")
+    p.add_argument("--model", required=True, help="embedding model folder or Hugging Face hub id")
+    add_engine_args(p, IGNORED_ENGINE_ARGS["embed"])
 
 
 # ---- commands ----
@@ -202,29 +316,79 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _transcribe(args: argparse.Namespace) -> int:
+    """Checks every file and the model first; transcribes the files that can be read, prints
+    their results, and exits 1 naming the files that could not."""
     from v1 import LLM
+    from v1.audio import SAMPLE_RATE, AudioError, load_audio
+    from v1.model_source import check_model_source
+
+    failed: list[str] = []
+    for path in args.files:
+        if not os.path.isfile(path):
+            problem = "no such file" if not os.path.exists(path) else "not a regular file"
+            _error("transcribe", f"{path}: {problem}")
+            failed.append(path)
+    check_model_source(args.model, revision=getattr(args, "revision", None))
+    waveforms: dict[str, Any] = {}
+    for path in args.files:
+        if path in failed:
+            continue
+        try:
+            waveforms[path] = load_audio(path)
+        except AudioError as e:
+            _error("transcribe", str(e) if path in str(e) else f"{path}: {e}")
+            failed.append(path)
+    if waveforms:
+        options = {
+            "language": args.language,
+            "task": args.task,
+            "timestamps": args.timestamps or args.format in ("srt", "vtt", "verbose_json"),
+            "prompt": args.prompt,
+            "condition_on_previous_text": args.condition_on_previous_text,
+            "compression_ratio_threshold": args.compression_ratio_threshold,
+            "logprob_threshold": args.logprob_threshold,
+            "no_speech_threshold": args.no_speech_threshold,
+        }
+        if args.temperature is not None:
+            options["temperature"] = tuple(args.temperature)
+        with LLM(args.model, **engine_kwargs(args)) as llm:
+            audio = [(w, SAMPLE_RATE) for w in waveforms.values()]
+            results = llm.transcribe(audio, use_tqdm=not args.quiet, **options)
+        for path, result in zip(waveforms, results, strict=True):
+            _print_transcript(args, path, result, many=len(args.files) > 1)
+    if failed:
+        _error(
+            "transcribe", f"{len(failed)} of {len(args.files)} file(s) failed: {', '.join(failed)}"
+        )
+        return 1
+    return 0
+
+
+def _print_transcript(args: argparse.Namespace, path: str, result: Any, many: bool) -> None:
     from v1.entrypoints.openai import transcript_formats as formats
 
-    timestamps = args.timestamps or args.format in ("srt", "vtt")
-    with LLM(args.model, **engine_kwargs(args)) as llm:
-        results = llm.transcribe(
-            list(args.files), language=args.language, task=args.task, timestamps=timestamps
-        )
-    many = len(args.files) > 1
-    for path, result in zip(args.files, results, strict=True):
-        if args.format == "json":
-            body = formats.to_verbose_json(result, args.task, 0.0, with_segments=timestamps)
-            print(json.dumps({"file": path, **body.model_dump(exclude_none=True)}))
-            continue
-        if many:
-            print(f"==> {path} <==")
-        if args.format == "srt":
-            print(formats.to_srt(result.segments))
-        elif args.format == "vtt":
-            print(formats.to_vtt(result.segments))
-        else:
-            print(result.text.strip())
-    return 0
+    if args.format in ("json", "verbose_json"):
+        segments = args.format == "verbose_json" or args.timestamps
+        body = formats.to_verbose_json(result, args.task, with_segments=segments)
+        print(json.dumps({"file": path, **body.model_dump(exclude_none=True)}), flush=True)
+        return
+    if many:
+        print(f"==> {path} <==")
+    if args.format == "srt":
+        print(formats.to_srt(result.segments))
+    elif args.format == "vtt":
+        print(formats.to_vtt(result.segments))
+    elif args.timestamps:
+        for s in result.segments:
+            start, end = (formats.format_timestamp(t, ".") for t in (s.start, s.end))
+            print(f"[{start} --> {end}] {s.text.strip()}")
+    else:
+        print(result.text.strip())
+    sys.stdout.flush()
+
+
+def _error(command: str, message: str) -> None:
+    print(f"v1 {command}: error: {message}", file=sys.stderr, flush=True)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -254,13 +418,20 @@ _COMMANDS = {"serve": _serve, "transcribe": _transcribe, "generate": _generate, 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = make_parser()
     args = parser.parse_args(argv)
+    if args.command != "serve":  # the server handles its own signals
+        # SIGTERM unwinds like Ctrl-C, so the engine shuts down and its socket dir goes.
+        signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         return _COMMANDS[args.command](args)
     except ValueError as e:  # bad model, engine argument or input: the user's to fix
-        print(f"v1 {args.command}: error: {e}", file=sys.stderr)
+        _error(args.command, str(e))
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _exit_on_signal(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -28,6 +28,9 @@ from v1.outputs import (
 )
 from v1.pooling_params import PoolingParams
 from v1.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from v1.engine.transcription import TranscriptionResult
 
 
 class RequestFailedError(RuntimeError):
@@ -195,19 +198,34 @@ class LLM:
 
     # ---- speech ----
     def transcribe(
-        self, audio: Any, sampling_params: SamplingParams | None = None, **options: Any
-    ) -> Any:
-        """Transcribes (or translates) audio with a Whisper model; the Whisper frontend
-        (`v1.engine.whisper_inputs.transcribe`) splits long audio and builds the requests."""
+        self,
+        audio: Any,
+        sampling_params: SamplingParams | None = None,
+        *,
+        use_tqdm: bool = True,
+        **options: Any,
+    ) -> list[TranscriptionResult]:
+        """Transcribes (or translates) audio with a Whisper model: one `TranscriptionResult`
+        per input, in order.
+
+        `audio`: a path, bytes, `(samples, sample_rate)` or a list of them. Long audio is
+        decoded in 30 s windows, each starting where the last complete segment of the one
+        before ended (openai-whisper's seek), prompted with the text so far, and decoded again
+        hotter when it looks wrong; the windows of many files share the engine's steps.
+        `options` (see `v1.engine.transcription.TranscriptionOptions`): language (default:
+        detect), task ("transcribe" or "translate"), timestamps, prompt,
+        condition_on_previous_text (True), temperature (fallback schedule; one number turns
+        fallback off), compression_ratio_threshold (2.4), logprob_threshold (-1.0),
+        no_speech_threshold (0.6). A progress bar (audio seconds, real-time factor) shows for
+        batches and long audio unless `use_tqdm=False`."""
         mc = self.config.model_config
         if not mc.is_whisper:
             raise ValueError(f"transcribe() needs a Whisper model; {mc.model} is {mc.architecture}")
-        from v1.engine import whisper_inputs
+        from v1.engine.transcription import Transcriber
 
-        transcribe = getattr(whisper_inputs, "transcribe", None)
-        if transcribe is None:
-            raise ValueError("this build's Whisper frontend has no offline transcription")
-        return transcribe(self, audio, sampling_params, **options)
+        return Transcriber(self.llm_engine).transcribe(
+            audio, use_tqdm=use_tqdm, sampling_params=sampling_params, **options
+        )
 
     # ---- misc ----
     def get_tokenizer(self) -> Any:

@@ -117,7 +117,7 @@ class RemoteServer:
                 self.proc.kill()
                 self.proc.wait(timeout=5)
         core = self._core_pid
-        if core is not None and _alive(core) and _is_spawned_child(core):
+        if core is not None and _alive(core) and _is_core_process(core):
             os.kill(core, signal.SIGKILL)  # the server died without stopping its core
 
     def log_tail(self, num_chars: int = 4000) -> str:
@@ -127,9 +127,9 @@ class RemoteServer:
             return "(no log)"
 
     def find_core_pid(self) -> int:
-        """The EngineCore process: the server's multiprocessing-spawned child."""
+        """The EngineCore process: the server's `python -m v1.core.engine_core_proc` child."""
         for child in _children(self.proc.pid):
-            if _is_spawned_child(child):
+            if _is_core_process(child):
                 return child
         raise RuntimeError(f"no EngineCore child under server pid {self.proc.pid}")
 
@@ -188,12 +188,12 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def _is_spawned_child(pid: int) -> bool:
+def _is_core_process(pid: int) -> bool:
     try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return False
-    return b"spawn_main" in cmdline
+    return b"v1.core.engine_core_proc" in cmdline
 
 
 def _alive(pid: int) -> bool:

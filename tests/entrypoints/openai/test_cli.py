@@ -25,6 +25,29 @@ from v1.entrypoints.cli import attribute_docs, engine_kwargs, make_parser
 pytestmark = pytest.mark.timeout(400)
 
 SHORT = AUDIO_DIR / "librispeech" / "test_audio_0.flac"
+JFK = AUDIO_DIR / "jfk.flac"
+
+
+def test_version_and_help_on_every_argument(capsys: pytest.CaptureFixture[str]) -> None:
+    from v1 import __version__
+
+    with pytest.raises(SystemExit) as info:
+        make_parser().parse_args(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out == f"v1-engine {__version__}\n"
+    parser = make_parser()
+    commands = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    for name, sub in commands.items():
+        for action in sub._actions:
+            assert action.help, (name, action.dest)
+    flags = {name: set(sub._option_string_actions) for name, sub in commands.items()}
+    # Each subcommand offers the engine flags that mean something to it.
+    assert "--block-size" in flags["serve"] and "--block-size" not in flags["embed"]
+    assert (
+        "--enable-prefix-caching" not in flags["embed"] and "--max-model-len" in flags["generate"]
+    )
+    assert "--policy" in flags["serve"] and "--policy" not in flags["transcribe"]
+    assert "--tokenizer" not in flags["transcribe"] and "--quiet" in flags["transcribe"]
+    assert {"--device", "--dtype", "--max-num-seqs"} <= flags["embed"] & flags["transcribe"]
 
 
 def test_subcommands_and_engine_flags_help() -> None:
@@ -92,35 +115,53 @@ def test_serve_binds_only_localhost(llama_server: RemoteServer) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(llama_server: RemoteServer) -> Iterator[dict[str, subprocess.CompletedProcess]]:
+def tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Files of the CLI runs: bad.wav is not audio, nope.wav does not exist."""
+    path = tmp_path_factory.mktemp("cli")
+    (path / "bad.wav").write_bytes(b"this is not audio at all " * 40)
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(llama_server: RemoteServer, tmp: Path) -> Iterator[dict[str, subprocess.CompletedProcess]]:
     """Every CLI run of the module, started together (model loading dominates)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "V1_MULTIPROCESSING": "0", "V1_LOG_LEVEL": "ERROR"}
-    commands = {
-        "generate": ["generate", "--model", llama_server.model, "--max-tokens", "6", "the quick"],
-        "bad-model": ["generate", "--model", "/nonexistent/model", "hi"],
+    empty_hub = {"HF_HOME": str(tmp / "hf_home")}  # nothing cached
+    commands: dict[str, tuple[list[str], dict[str, str]]] = {
+        "generate": (
+            ["generate", "--model", llama_server.model, "--max-tokens", "6", "the quick"],
+            {},
+        ),
+        "bad-model": (["generate", "--model", "/nonexistent/model", "hi"], {}),
+        "offline-hub": (["transcribe", str(SHORT), "--model", "openai/whisper-base"], empty_hub),
+        "unreachable-hub": (
+            ["transcribe", str(SHORT), "--model", "openai/whisper-base"],
+            {**empty_hub, "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"},
+        ),
     }
     if WHISPER_DIR.exists():
-        commands["transcribe"] = [
-            "transcribe",
-            str(SHORT),
-            "--model",
-            str(WHISPER_DIR),
-            "--language",
-            "en",
-            "--format",
-            "srt",
-        ]
+        whisper = ["--model", str(WHISPER_DIR), "--language", "en"]
+        commands["transcribe"] = (["transcribe", str(SHORT), *whisper, "--format", "srt"], {})
+        commands["transcribe-mixed"] = (
+            ["transcribe", str(SHORT), str(tmp / "bad.wav"), str(JFK), *whisper, "--timestamps"],
+            {},
+        )
+        commands["transcribe-verbose-json"] = (
+            ["transcribe", str(SHORT), *whisper, "--format", "verbose_json", "--quiet"],
+            {},
+        )
+        commands["transcribe-missing"] = (["transcribe", str(tmp / "nope.wav"), *whisper], {})
     if MINILM_DIR.exists():
-        commands["embed"] = ["embed", "--model", str(MINILM_DIR), "The new movie is awesome"]
+        commands["embed"] = (["embed", "--model", str(MINILM_DIR), "The new movie is awesome"], {})
     procs = {
         name: subprocess.Popen(
             [*v1_command(), *cmd, "--device", "cpu"],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env=env,
+            env={**env, **extra_env},
         )
-        for name, cmd in commands.items()
+        for name, (cmd, extra_env) in commands.items()
     }
     done = {}
     try:
@@ -149,7 +190,71 @@ def test_generate_matches_the_server(
 def test_bad_model_is_a_clean_error(runs: dict[str, subprocess.CompletedProcess]) -> None:
     run = runs["bad-model"]
     assert run.returncode == 2
-    assert "v1 generate: error:" in run.stderr and "Traceback" not in run.stderr
+    assert run.stderr.splitlines() == [
+        "v1 generate: error: no such model folder: '/nonexistent/model'"
+    ]
+
+
+def test_a_hub_model_without_network_fails_at_once_in_one_line(
+    runs: dict[str, subprocess.CompletedProcess],
+) -> None:
+    offline, unreachable = runs["offline-hub"], runs["unreachable-hub"]
+    assert (offline.returncode, unreachable.returncode) == (2, 2)
+    assert offline.stderr.splitlines() == [
+        "v1 transcribe: error: cannot load model 'openai/whisper-base': no such local folder, "
+        "not in the Hugging Face cache, and HF_HUB_OFFLINE is set"
+    ]
+    assert unreachable.stderr.splitlines() == [
+        "v1 transcribe: error: cannot load model 'openai/whisper-base': no such local folder, "
+        "not in the Hugging Face cache, and the hub (http://127.0.0.1:9) is not reachable "
+        "([Errno 111] Connection refused)"
+    ]
+
+
+def test_bad_audio_files_are_named_and_the_good_ones_still_print(
+    runs: dict[str, subprocess.CompletedProcess], tmp: Path
+) -> None:
+    if "transcribe-mixed" not in runs:
+        pytest.skip("whisper-base is absent")
+    missing = runs["transcribe-missing"]
+    assert missing.returncode == 1 and missing.stdout == ""
+    assert missing.stderr.splitlines() == [
+        f"v1 transcribe: error: {tmp}/nope.wav: no such file",
+        f"v1 transcribe: error: 1 of 1 file(s) failed: {tmp}/nope.wav",
+    ]
+    mixed = runs["transcribe-mixed"]
+    assert mixed.returncode == 1
+    errors = mixed.stderr.splitlines()
+    assert errors[0] == (
+        f"v1 transcribe: error: {tmp}/bad.wav: could not decode audio: not a supported audio "
+        "format, or corrupt (libsndfile: Format not recognised; ffmpeg: Invalid data found when "
+        "processing input)"
+    )
+    assert errors[-1] == f"v1 transcribe: error: 1 of 3 file(s) failed: {tmp}/bad.wav"
+    # The good files' transcripts, as `[start --> end] text` lines (--timestamps with text).
+    out = mixed.stdout.splitlines()
+    assert out[:3] == [
+        f"==> {SHORT} <==",
+        "[00:00:00.000 --> 00:00:04.240] A man said to the universe, Sir, I exist.",
+        f"==> {JFK} <==",
+    ]
+    assert out[3].startswith("[00:00:00.000 --> 00:00:") and "fellow Americans" in out[3]
+    # Two files: a progress bar in audio seconds with the real-time factor.
+    assert "Transcribing: 100%" in mixed.stderr and "15.7/15.7 s audio" in mixed.stderr
+    assert "RTFx" in mixed.stderr
+
+
+def test_verbose_json_has_segments(runs: dict[str, subprocess.CompletedProcess]) -> None:
+    if "transcribe-verbose-json" not in runs:
+        pytest.skip("whisper-base is absent")
+    run = runs["transcribe-verbose-json"]
+    assert run.returncode == 0, run.stderr[-2000:]
+    body = json.loads(run.stdout)
+    assert body["file"] == str(SHORT) and body["language"] == "english"
+    ((segment),) = body["segments"]
+    assert (segment["start"], segment["end"], segment["seek"]) == (0.0, 4.24, 0)
+    assert segment["text"] == " A man said to the universe, Sir, I exist."
+    assert segment["temperature"] == 0.0
 
 
 def test_transcribe_srt(runs: dict[str, subprocess.CompletedProcess]) -> None:

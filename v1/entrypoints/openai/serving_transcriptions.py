@@ -173,7 +173,7 @@ class ServingTranscriptions(ServingBase):
         if fmt == "vtt":
             return PlainTextResponse(formats.to_vtt(result.segments), media_type="text/vtt")
         if fmt == "verbose_json":
-            return json_response(formats.to_verbose_json(result, req.task, req.temperature))
+            return json_response(formats.to_verbose_json(result, req.task))
         return json_response(formats.to_json(result))
 
     async def _stream(

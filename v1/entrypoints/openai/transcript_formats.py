@@ -58,19 +58,21 @@ def to_json(result: Any) -> TranscriptionResponse:
 
 
 def to_verbose_json(
-    result: Any, task: str, temperature: float, with_segments: bool = True
+    result: Any, task: str, with_segments: bool = True
 ) -> TranscriptionVerboseResponse:
+    """OpenAI's verbose_json body; each segment reports the seek and temperature of the
+    window decoding it came from."""
     segments = None
     if with_segments:
         segments = [
             TranscriptionSegmentOut(
                 id=s.id,
-                seek=int(math.floor(s.start / 30.0)) * 3000,
+                seek=s.seek,
                 start=s.start,
                 end=s.end,
                 text=s.text,
                 tokens=list(s.tokens),
-                temperature=temperature,
+                temperature=s.temperature,
                 avg_logprob=s.avg_logprob if math.isfinite(s.avg_logprob) else None,
                 compression_ratio=s.compression_ratio,
                 no_speech_prob=s.no_speech_prob,
