@@ -102,7 +102,9 @@ def main() -> None:
         audio = rng.standard_normal((args.clips, 480_000), dtype=np.float32) * np.float32(0.1)
         return [(a, 16_000) for a in audio]
 
-    llm.transcribe(clips(), params, language="en", temperature=0.0, use_tqdm=False)  # warm-up, full size
+    llm.transcribe(
+        clips(), params, language="en", temperature=0.0, use_tqdm=False
+    )  # warm-up, full size
     core = llm.llm_engine.engine_core.engine_core
     timings: dict[str, list[float]] = collections.defaultdict(list)
     wrap(timings, core.scheduler, "schedule")

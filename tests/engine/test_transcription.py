@@ -287,7 +287,7 @@ def test_long_audio_runs_window_after_window_with_the_text_so_far(tiny_llm: LLM)
         history = prompt[:-3]
     offsets = []
     for _, prompt, params_ in recorder.added:
-        window = prompt["multi_modal_data"]["audio"][0]
+        window = prompt["multi_modal_data"]["audio"].samples
         assert params_.whisper_timestamps
         starts = np.flatnonzero(audio == window[0])
         frames = [k for k in starts if np.array_equal(audio[k : k + len(window)], window)]

@@ -60,8 +60,7 @@ class ScriptedEngine:
     pending: list[Call] = field(default_factory=list)
 
     def add_request(self, request_id: str, prompt: dict[str, Any], params: SamplingParams) -> None:
-        samples, rate = prompt["multi_modal_data"]["audio"]
-        assert rate == SR
+        samples = prompt["multi_modal_data"]["audio"].samples  # an AudioClip (16 kHz)
         call = Call(request_id, list(prompt["prompt_token_ids"]), samples, params)
         self.calls.append(call)
         self.pending.append(call)

@@ -192,7 +192,10 @@ def test_whisper_tiny_pipelined_is_token_identical(tmp_path: Path) -> None:
     for async_scheduling in (False, True):
         with LLM(path, async_scheduling=async_scheduling, **ENGINE_ARGS) as llm:
             outs = llm.transcribe(
-                clips, SamplingParams(temperature=0, max_tokens=20), timestamps=True
+                clips,
+                SamplingParams(temperature=0, max_tokens=20),
+                timestamps=True,
+                temperature=0.0,
             )
             results.append([(o.text, [s.text for s in o.segments]) for o in outs])
             assert_idle(llm.llm_engine.get_stats())
