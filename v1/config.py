@@ -39,6 +39,7 @@ ENCODER_ONLY_ARCHS = {
     "XLMRobertaForSequenceClassification",
     "T5EncoderModel",
 }
+CROSS_ATTENTION_MODES = ("auto", "per_layer", "absorbed")
 _DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "fp32", "fp16", "bf16")
 
 
@@ -274,6 +275,11 @@ class CacheConfig:
     """Fraction of GPU memory the engine may use (weights + activations + KV cache)."""
     enable_prefix_caching: bool = True
     """Reuse KV blocks of identical decoder-prompt prefixes (decoder self-attention only)."""
+    cross_attention: str = "auto"
+    """Encoder-decoder cross-attention: per_layer (each decoder layer caches its own K/V of the
+    encoder output), absorbed (the encoder output is cached once and every layer attends over it
+    through its query projected by W_k, exact), or auto (absorbed when per-layer K/V of a full
+    batch would not fit the cache; see docs/architecture.md)."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -287,6 +293,11 @@ class CacheConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.cross_attention not in CROSS_ATTENTION_MODES:
+            raise ValueError(
+                f"cross_attention must be one of {CROSS_ATTENTION_MODES}, got "
+                f"{self.cross_attention!r}"
             )
 
     @property
@@ -396,6 +407,11 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_encoder_input_tokens={sc.max_num_encoder_input_tokens} is below one "
                 f"Whisper window ({mc.max_encoder_len} encoder positions)"
+            )
+
+        if self.cache_config.cross_attention == "absorbed" and mc.kind != ModelKind.ENCODER_DECODER:
+            raise ValueError(
+                f"cross_attention='absorbed' needs an encoder-decoder model, not {mc.architecture}"
             )
 
         if sc.async_scheduling and mc.kind != ModelKind.ENCODER_ONLY:

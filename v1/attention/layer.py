@@ -44,6 +44,8 @@ class Attention(nn.Module):
             num_heads, head_size, scale, self.num_kv_heads, attn_type
         )
         self.kv_cache = torch.empty(0)
+        self.kv_scales: torch.Tensor | None = None
+        """[2, num_blocks, block_size, Hkv] float32 scales of an fp8 `kv_cache` (else None)."""
 
     def forward(
         self,

@@ -1,0 +1,75 @@
+"""The cross-attention layer of encoder-decoder decoders, in one of two modes.
+
+per_layer: the layer projects the encoder output through its K/V projection on a request's first
+step, writes K/V to its own cross blocks and reads them on every step (an `Attention` of type
+ENCODER_DECODER). absorbed: the runner caches the encoder output E once per request in the
+encoder-states group (named ENCODER_STATES_LAYER) and every layer attends over it through its
+query projected by W_k (`ops/absorbed_cross_attention.py`); the K/V never exist.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from v1.attention.backend import AttentionMetadataBuilder, AttentionType
+from v1.attention.layer import Attention
+from v1.attention.ops.absorbed_cross_attention import CrossProjection, absorbed_cross_attention
+from v1.attention.selector import load_backend
+from v1.forward_context import get_forward_context
+
+ENCODER_STATES_LAYER = "encoder_states"
+"""The one pseudo-layer of the encoder-states KV group; absorbed layers read its metadata."""
+
+
+class EncoderDecoderAttention(Attention):
+    def __init__(self, num_heads: int, head_size: int, scale: float, prefix: str) -> None:
+        super().__init__(
+            num_heads, head_size, scale, attn_type=AttentionType.ENCODER_DECODER, prefix=prefix
+        )
+        self.absorbed = False
+        """Set by the runner (with the cache views below) when cross_attention is absorbed."""
+        self.encoder_states = torch.empty(0)
+        """[2, num_blocks, rows_per_half, d]: the encoder-states cache all layers share."""
+        self.encoder_states_scales: torch.Tensor | None = None
+        """[2, num_blocks, rows_per_half] float32 (fp8 caches only)."""
+
+    def use_absorbed(self, states: torch.Tensor, scales: torch.Tensor | None) -> None:
+        self.absorbed = True
+        self.encoder_states = states
+        self.encoder_states_scales = scales
+
+    def forward(  # type: ignore[override]
+        self,
+        query: torch.Tensor,
+        kv_proj: torch.nn.Module,
+        encoder_hidden_states: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """query [T, H*D]; `kv_proj` the layer's fused k/v projection [2*Hkv*D, d];
+        encoder_hidden_states [Tw, d] of the requests whose cross K/V this step writes (per_layer
+        only; None when nothing is written). Returns [T, H*D]."""
+        if not self.absorbed:
+            key = value = None
+            if encoder_hidden_states is not None:
+                key, value = kv_proj(encoder_hidden_states).chunk(2, dim=-1)  # [Tw, Hkv*D]
+            return super().forward(query, key, value)
+        context = get_forward_context()
+        if context.profiling or context.cross_kv_only:
+            # No cache yet (profiling), or the runner's pre-step, which writes E itself.
+            return torch.zeros_like(query)
+        return absorbed_cross_attention(
+            query,
+            CrossProjection.of(kv_proj, self.head_size),
+            self.encoder_states,
+            self.encoder_states_scales,
+            context.attn_metadata[ENCODER_STATES_LAYER],
+            self.num_heads,
+            self.scale,
+        )
+
+
+def encoder_states_builder_cls(backend_name: str) -> type[AttentionMetadataBuilder]:
+    """Metadata of the encoder-states group: the Triton kernel's work items with a GPU backend,
+    the torch reference's padded key slots with torch_sdpa."""
+    return load_backend(
+        "torch_sdpa" if backend_name == "torch_sdpa" else "triton"
+    ).get_builder_cls()
