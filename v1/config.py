@@ -71,6 +71,10 @@ class ModelConfig:
     """Allow code from the model repository to run (off by default)."""
     seed: int = 0
     """Seed for random weights in tests and for sampling without a per-request seed."""
+    quantization: str | None = None
+    """fp8: Linear weights in float8_e4m3 with per-output-channel scales, activations scaled
+    per token (torch._scaled_mm on sm89+ GPUs, an exact dequantizing reference elsewhere).
+    Checkpoints already in fp8 (their quantization_config) are read as fp8 regardless."""
     hf_overrides: dict[str, Any] = field(default_factory=dict)
     """Fields set on the loaded HF config (for tests and odd checkpoints)."""
     hf_config: Any = field(default=None, compare=False, repr=False)
@@ -81,6 +85,8 @@ class ModelConfig:
             raise ValueError("model must be a local folder or a hub id, got an empty string")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be None or 'fp8', got {self.quantization!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.hf_config is None:
