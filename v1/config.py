@@ -40,6 +40,7 @@ ENCODER_ONLY_ARCHS = {
     "T5EncoderModel",
 }
 CROSS_ATTENTION_MODES = ("auto", "per_layer", "absorbed")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 _DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "fp32", "fp16", "bf16")
 
 
@@ -281,6 +282,9 @@ class CacheConfig:
     """Fraction of GPU memory the engine may use (weights + activations + KV cache)."""
     enable_prefix_caching: bool = True
     """Reuse KV blocks of identical decoder-prompt prefixes (decoder self-attention only)."""
+    kv_cache_dtype: str = "auto"
+    """auto (the model dtype) or fp8 (float8_e4m3 with a float32 scale per token and head,
+    dequantized inside attention): self-attention K/V, cross K/V and encoder states."""
     cross_attention: str = "auto"
     """Encoder-decoder cross-attention: per_layer (each decoder layer caches its own K/V of the
     encoder output), absorbed (the encoder output is cached once and every layer attends over it
@@ -300,11 +304,19 @@ class CacheConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
         if self.cross_attention not in CROSS_ATTENTION_MODES:
             raise ValueError(
                 f"cross_attention must be one of {CROSS_ATTENTION_MODES}, got "
                 f"{self.cross_attention!r}"
             )
+
+    @property
+    def fp8_kv_cache(self) -> bool:
+        return self.kv_cache_dtype in ("fp8", "fp8_e4m3")
 
     @property
     def cpu_kv_cache_bytes(self) -> int:

@@ -136,6 +136,7 @@ def word_error_rate(references: list[str], hypotheses: list[str]) -> float:
     return 100.0 * errors / total
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     not WHISPER_BASE.is_dir() or not AUDIO.is_dir(), reason="needs whisper-base and the clips"
 )

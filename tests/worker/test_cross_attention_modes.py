@@ -208,6 +208,7 @@ def test_tiny_whisper_absorbed_matches_per_layer(tmp_path: Path) -> None:
     assert runner.cross_attention == "absorbed" and runner.encoder_states is not None
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     not WHISPER_BASE.is_dir() or not AUDIO.is_dir(), reason="needs whisper-base and the clips"
 )

@@ -66,13 +66,13 @@ class Attention(nn.Module):
                 metadata = context.attn_metadata[self.layer_name]
                 k = key.view(-1, self.num_kv_heads, self.head_size)
                 v = value.view(-1, self.num_kv_heads, self.head_size)
-                self.impl.write_kv(k, v, self.kv_cache, metadata)
+                self.impl.write_kv(k, v, self.kv_cache, metadata, self.kv_scales)
             return torch.zeros_like(query)
         metadata = context.attn_metadata[self.layer_name]
         q = query.view(num_tokens, self.num_heads, self.head_size)
         k = key.view(-1, self.num_kv_heads, self.head_size) if key is not None else None
         v = value.view(-1, self.num_kv_heads, self.head_size) if value is not None else None
-        out = self.impl.forward(q, k, v, self.kv_cache, metadata, bias)
+        out = self.impl.forward(q, k, v, self.kv_cache, metadata, bias, self.kv_scales)
         return out.reshape(num_tokens, self.num_heads * self.head_size)
 
     def extra_repr(self) -> str:

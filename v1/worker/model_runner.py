@@ -75,7 +75,14 @@ class ModelRunner:
         self.max_model_len = self.model_config.effective_max_model_len
         self.block_size = config.cache_config.block_size
         needs_bias = self.model_config.hf_config.model_type in ("t5", "mt5", "umt5")
-        self.backend_name = default_backend_name(device.type, self.block_size, needs_bias)
+        fp8_kv_cache = config.cache_config.fp8_kv_cache
+        self.backend_name = default_backend_name(
+            device.type, self.block_size, needs_bias, fp8_kv_cache
+        )
+        self.kv_cache_dtype = (
+            "float8_e4m3fn" if fp8_kv_cache else str(self.dtype).removeprefix("torch.")
+        )
+        """KV cache spec dtype (fp8 caches keep float32 scales beside their rows)."""
         self.backend = load_backend(self.backend_name)
         self.model: Any = None
         self.attn_layers: dict[str, Attention] = {}
@@ -113,7 +120,7 @@ class ModelRunner:
     def get_kv_cache_specs(self, cross_attention: str | None = None) -> dict[str, KVCacheSpec]:
         """Layer name -> spec; absorbed cross-attention (default: the runner's mode) replaces
         the cross layers' specs by the one encoder-states pseudo-layer."""
-        dtype = str(self.dtype).removeprefix("torch.")
+        dtype = self.kv_cache_dtype
         kinds = {
             AttentionType.DECODER: FullAttentionSpec,
             AttentionType.ENCODER_DECODER: CrossAttentionSpec,
