@@ -5,6 +5,8 @@ values) and forced output lengths. Prints one row per workload: both figures and
 
     python benchmarks/offline.py --workloads all --tokenizer DIR
     python benchmarks/offline.py --workloads whisper-turbo,bert-base --quick
+    python benchmarks/offline.py --workloads whisper-large-v3 \
+        --engine-args '{"cross_attention": "absorbed", "kv_cache_dtype": "fp8"}'
 
 DIR holds tokenizer files (e.g. ../shared/assets/whisper-base); they are copied into each
 random model folder so the engine's frontend has a tokenizer.
@@ -78,10 +80,15 @@ def save_random(model: torch.nn.Module, tokenizer_dir: str, extra: dict | None =
     return path
 
 
+ENGINE_ARGS: dict[str, object] = {}
+"""Extra engine arguments for every engine run (--engine-args): cross_attention,
+kv_cache_dtype, quantization, ... (they override a workload's own)."""
+
+
 def make_llm(path: str, **kwargs: object):
     from v1 import LLM
 
-    return LLM(path, dtype="float16", multiprocess=False, **kwargs)
+    return LLM(path, **{"dtype": "float16", "multiprocess": False, **kwargs, **ENGINE_ARGS})
 
 
 # ---------------------------------------------------------------- Whisper
@@ -416,7 +423,11 @@ def main() -> None:
     parser.add_argument("--bert-tokenizer", default="../shared/assets/all-MiniLM-L6-v2")
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     parser.add_argument("--json", default=None, help="also write results here")
+    parser.add_argument(
+        "--engine-args", default="{}", help="JSON object of extra engine arguments (all runs)"
+    )
     args = parser.parse_args()
+    ENGINE_ARGS.update(json.loads(args.engine_args))
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/offline.py needs a CUDA GPU")
     names = list(WORKLOADS) if args.workloads == "all" else args.workloads.split(",")
@@ -438,7 +449,7 @@ def main() -> None:
                 f"-> {r.ratio:.2f}x ({r.detail})",
                 flush=True,
             )
-    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, engine args {ENGINE_ARGS}")
     print("| workload | unit | v1-engine | transformers | ratio | detail |")
     print("|---|---|---:|---:|---:|---|")
     for r in results:

@@ -260,3 +260,34 @@ def test_absorbed_needs_an_encoder_decoder_model(tiny_llama_dir: str) -> None:
         make_engine_config(tiny_llama_dir, cross_attention="absorbed")
     with pytest.raises(ValueError, match="cross_attention must be one of"):
         make_engine_config(tiny_llama_dir, cross_attention="fused")
+
+
+def test_auto_rule_on_a_gpu_picks_absorbed_when_the_batch_does_not_fit(bart_dir: str) -> None:
+    """The rule itself (CPU-testable): per-layer K/V of max_num_seqs requests of the longest
+    decoder sequence and encoder input must fit the pool, else absorbed."""
+    from v1.config import make_engine_config
+    from v1.worker.cross_attention_mode import choose_cross_attention, per_layer_blocks_per_request
+
+    core = make_core(bart_dir, cross_attention="per_layer", num_kv_blocks=12)
+    specs = runner_of(core).get_kv_cache_specs("per_layer")
+    # max_position_embeddings 128, blocks of 16: 8 self + 8 cross blocks per request.
+    assert per_layer_blocks_per_request(specs, 128, 128) == 16
+
+    def choose(num_kv_blocks: int | None, max_num_seqs: int, available: int | None = None) -> str:
+        config = make_engine_config(
+            bart_dir,
+            device="cpu",
+            cross_attention="auto",
+            num_kv_blocks=num_kv_blocks,
+            max_num_seqs=max_num_seqs,
+        )
+        return choose_cross_attention(config, specs, "cuda", available)
+
+    assert choose(1 + 4 * 16, 4) == "per_layer"
+    assert choose(4 * 16, 4) == "absorbed"
+    page = next(s for s in specs.values() if isinstance(s, CrossAttentionSpec)).page_size_bytes
+    bytes_per_block = 2 * page  # two layers share each block's tensors
+    assert choose(None, 4, available=(1 + 4 * 16) * bytes_per_block) == "per_layer"
+    assert choose(None, 4, available=(4 * 16) * bytes_per_block) == "absorbed"
+    config = make_engine_config(bart_dir, device="cpu", num_kv_blocks=12, max_num_seqs=64)
+    assert choose_cross_attention(config, specs, "cpu", None) == "per_layer"
