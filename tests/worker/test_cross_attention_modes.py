@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_cuda_graphs import emulated_backend  # noqa: F401 (the fixture)
 
 from tests.utils import ASSETS
 from tests.worker.worker_factories import (
@@ -291,3 +292,23 @@ def test_auto_rule_on_a_gpu_picks_absorbed_when_the_batch_does_not_fit(bart_dir:
     assert choose(None, 4, available=(4 * 16) * bytes_per_block) == "absorbed"
     config = make_engine_config(bart_dir, device="cpu", num_kv_blocks=12, max_num_seqs=64)
     assert choose_cross_attention(config, specs, "cpu", None) == "per_layer"
+
+
+# ---- CUDA graphs (replays emulated on CPU, tests/worker/graph_emulation.py) ----
+
+
+@pytest.mark.usefixtures("emulated_backend")
+def test_absorbed_bart_replays_give_the_eager_tokens(bart_dir: str) -> None:
+    """The encoder-states group rides the graph buffers like a cross group: its block table
+    (its own block size) and encoder lengths are copied per replay."""
+    from test_cuda_graphs import run_emulated
+
+    requests = [decoder_request(i, dec, enc) for i, (enc, dec) in enumerate(bart_inputs(9))]
+    args = dict(num_kv_blocks=9, max_num_seqs=4, max_num_batched_tokens=12)
+    per_layer, _ = run_emulated(bart_dir, requests, graphs=False, **args)
+    eager, _ = run_emulated(bart_dir, requests, graphs=False, cross_attention="absorbed", **args)
+    replayed, graphs = run_emulated(
+        bart_dir, requests, graphs=True, cross_attention="absorbed", **args
+    )
+    assert replayed == eager == per_layer
+    assert graphs.num_eager_steps == 0 and graphs.num_mixed_replays > 0

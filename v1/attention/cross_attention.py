@@ -68,8 +68,9 @@ class EncoderDecoderAttention(Attention):
 
 
 def encoder_states_builder_cls(backend_name: str) -> type[AttentionMetadataBuilder]:
-    """Metadata of the encoder-states group: the Triton kernel's work items with a GPU backend,
-    the torch reference's padded key slots with torch_sdpa."""
-    return load_backend(
-        "torch_sdpa" if backend_name == "torch_sdpa" else "triton"
-    ).get_builder_cls()
+    """Metadata of the encoder-states group: the Triton kernel's work items with a GPU backend
+    (flash_attn included), else the backend's own (torch_sdpa: the torch reference's padded
+    key slots; the reference builds those from any other backend's metadata)."""
+    if backend_name == "flash_attn":
+        backend_name = "triton"
+    return load_backend(backend_name).get_builder_cls()

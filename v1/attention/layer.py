@@ -66,13 +66,16 @@ class Attention(nn.Module):
                 metadata = context.attn_metadata[self.layer_name]
                 k = key.view(-1, self.num_kv_heads, self.head_size)
                 v = value.view(-1, self.num_kv_heads, self.head_size)
-                self.impl.write_kv(k, v, self.kv_cache, metadata, self.kv_scales)
+                # fp8 caches pass their scales (impls without fp8 support never get them).
+                extra = {} if self.kv_scales is None else {"kv_scales": self.kv_scales}
+                self.impl.write_kv(k, v, self.kv_cache, metadata, **extra)
             return torch.zeros_like(query)
         metadata = context.attn_metadata[self.layer_name]
         q = query.view(num_tokens, self.num_heads, self.head_size)
         k = key.view(-1, self.num_kv_heads, self.head_size) if key is not None else None
         v = value.view(-1, self.num_kv_heads, self.head_size) if value is not None else None
-        out = self.impl.forward(q, k, v, self.kv_cache, metadata, bias, self.kv_scales)
+        extra = {} if self.kv_scales is None else {"kv_scales": self.kv_scales}
+        out = self.impl.forward(q, k, v, self.kv_cache, metadata, bias, **extra)
         return out.reshape(num_tokens, self.num_heads * self.head_size)
 
     def extra_repr(self) -> str:

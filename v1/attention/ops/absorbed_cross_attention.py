@@ -140,9 +140,18 @@ def attend_encoder_states_torch(
     metadata: Any,
 ) -> torch.Tensor:
     """The reference: q' [T, H, d] (scale folded in) attends over each request's encoder states
-    -> context [T, H, d]. `metadata` is the torch SDPA backend's (built with the encoder-states
-    block size): its padded key slots give every request's rows of E, the heads of a query
-    token attend as separate query rows over the one E (multi-query attention of width d)."""
+    -> context [T, H, d]. The torch SDPA backend's metadata (built with the encoder-states
+    block size; from any other backend's `common` here) gives every request's rows of E as
+    padded key slots; the heads of a query token attend as separate query rows over the one E
+    (multi-query attention of width d)."""
+    from v1.attention.backend import AttentionType
+    from v1.attention.backends.torch_sdpa import SDPAMetadata, SDPAMetadataBuilder
+
+    if not isinstance(metadata, SDPAMetadata):
+        builder = SDPAMetadataBuilder(
+            AttentionType.ENCODER_DECODER, q_abs.device, 2 * states.shape[2]
+        )
+        metadata = builder.build(metadata.common)
     md, common = metadata, metadata.common
     num_heads, dim = q_abs.shape[1], q_abs.shape[2]
     num_tokens = common.num_actual_tokens
@@ -176,7 +185,7 @@ def absorbed_cross_attention(
     """One layer's cross-attention over the cached encoder states: query [T, H * D] ->
     [T, H * D] (the input of the layer's output projection)."""
     q_abs = absorb_query(query, proj, num_heads, scale)  # [T, H, d]
-    if hasattr(metadata, "work"):
+    if q_abs.is_cuda and hasattr(metadata, "work"):  # the Triton backend's work items
         from v1.attention.ops.triton_absorbed import attend_encoder_states_triton
 
         context = attend_encoder_states_triton(q_abs, states, scales, metadata)
