@@ -312,3 +312,25 @@ def test_absorbed_bart_replays_give_the_eager_tokens(bart_dir: str) -> None:
     )
     assert replayed == eager == per_layer
     assert graphs.num_eager_steps == 0 and graphs.num_mixed_replays > 0
+
+
+def test_memory_profile_allocates_the_absorbed_activations(
+    bart_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GPU memory profile runs the model with attention skipped; absorbed layers still
+    build their [T, H, d_model] query and context, the mode's largest activations."""
+    import v1.attention.cross_attention as cross
+
+    shapes: list[tuple[int, ...]] = []
+    real = cross.absorb_query
+
+    def recording(*args: Any, **kwargs: Any) -> torch.Tensor:
+        out = real(*args, **kwargs)
+        shapes.append(tuple(out.shape))
+        return out
+
+    monkeypatch.setattr(cross, "absorb_query", recording)
+    core = make_core(bart_dir, cross_attention="absorbed", num_kv_blocks=12)
+    with torch.inference_mode():
+        runner_of(core).state.dummy_run(24)
+    assert shapes == [(24, 4, 64)] * 2  # two decoder layers: 24 tokens x 4 heads x d_model

@@ -13,7 +13,12 @@ import torch
 
 from v1.attention.backend import AttentionMetadataBuilder, AttentionType
 from v1.attention.layer import Attention
-from v1.attention.ops.absorbed_cross_attention import CrossProjection, absorbed_cross_attention
+from v1.attention.ops.absorbed_cross_attention import (
+    CrossProjection,
+    absorb_query,
+    absorbed_cross_attention,
+    project_values,
+)
 from v1.attention.selector import load_backend
 from v1.forward_context import get_forward_context
 
@@ -27,14 +32,15 @@ class EncoderDecoderAttention(Attention):
             num_heads, head_size, scale, attn_type=AttentionType.ENCODER_DECODER, prefix=prefix
         )
         self.absorbed = False
-        """Set by the runner (with the cache views below) when cross_attention is absorbed."""
+        """Set by the runner when cross_attention is absorbed (the cache views below follow
+        once the cache exists)."""
         self.encoder_states = torch.empty(0)
         """[2, num_blocks, rows_per_half, d]: the encoder-states cache all layers share."""
         self.encoder_states_scales: torch.Tensor | None = None
         """[2, num_blocks, rows_per_half] float32 (fp8 caches only)."""
 
-    def use_absorbed(self, states: torch.Tensor, scales: torch.Tensor | None) -> None:
-        self.absorbed = True
+    def bind_encoder_states(self, states: torch.Tensor, scales: torch.Tensor | None) -> None:
+        assert self.absorbed, "encoder states are bound to absorbed layers only"
         self.encoder_states = states
         self.encoder_states_scales = scales
 
@@ -53,12 +59,17 @@ class EncoderDecoderAttention(Attention):
                 key, value = kv_proj(encoder_hidden_states).chunk(2, dim=-1)  # [Tw, Hkv*D]
             return super().forward(query, key, value)
         context = get_forward_context()
-        if context.profiling or context.cross_kv_only:
-            # No cache yet (profiling), or the runner's pre-step, which writes E itself.
-            return torch.zeros_like(query)
+        proj = CrossProjection.of(kv_proj, self.head_size)
+        if context.cross_kv_only:
+            return torch.zeros_like(query)  # the runner's pre-step writes E itself
+        if context.profiling:
+            # No cache yet; the [T, H, d] query and context are this mode's big activations,
+            # so the memory profile allocates them.
+            q_abs = absorb_query(query, proj, self.num_heads, self.scale)
+            return project_values(torch.zeros_like(q_abs), proj)
         return absorbed_cross_attention(
             query,
-            CrossProjection.of(kv_proj, self.head_size),
+            proj,
             self.encoder_states,
             self.encoder_states_scales,
             context.attn_metadata[ENCODER_STATES_LAYER],

@@ -106,12 +106,17 @@ class ModelRunner:
         self.attn_layers = {
             m.layer_name: m for m in self.model.modules() if isinstance(m, Attention)
         }
+        self.set_cross_attention(self.cross_attention)
         self.state.on_model_loaded()
 
     def set_cross_attention(self, mode: str) -> None:
-        """per_layer or absorbed; before `get_kv_cache_specs` (the cache layout depends on it)."""
+        """per_layer or absorbed, for the cross-attention layers too; before the cache exists
+        (its layout depends on it; a memory profile runs the mode's activations)."""
         assert mode in ("per_layer", "absorbed") and self.kv_cache_config is None, mode
         self.cross_attention = mode
+        for layer in self.attn_layers.values():
+            if isinstance(layer, EncoderDecoderAttention):
+                layer.absorbed = mode == "absorbed"
 
     @property
     def has_cross_attention(self) -> bool:
@@ -148,7 +153,7 @@ class ModelRunner:
                 self.encoder_states = cache
                 for layer in self.attn_layers.values():
                     if isinstance(layer, EncoderDecoderAttention):
-                        layer.use_absorbed(cache.values, cache.scales)
+                        layer.bind_encoder_states(cache.values, cache.scales)
             else:
                 self.attn_layers[name].kv_cache = cache.values
                 self.attn_layers[name].kv_scales = cache.scales

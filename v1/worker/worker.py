@@ -37,6 +37,9 @@ class Worker:
             need_bytes = (
                 self.device.type == "cuda" and self.config.cache_config.num_kv_blocks is None
             )
+            # Profile with absorbed layers: their activations are the larger, so the budget
+            # holds whichever mode the rule picks.
+            runner.set_cross_attention("absorbed")
             available = self.determine_available_kv_bytes() if need_bytes else None
             mode = choose_cross_attention(self.config, per_layer, self.device.type, available)
             logger.info("cross_attention=auto: %s", mode)
