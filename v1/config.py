@@ -39,6 +39,8 @@ ENCODER_ONLY_ARCHS = {
     "XLMRobertaForSequenceClassification",
     "T5EncoderModel",
 }
+CROSS_ATTENTION_MODES = ("auto", "per_layer", "absorbed")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 _DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "fp32", "fp16", "bf16")
 
 
@@ -70,6 +72,10 @@ class ModelConfig:
     """Allow code from the model repository to run (off by default)."""
     seed: int = 0
     """Seed for random weights in tests and for sampling without a per-request seed."""
+    quantization: str | None = None
+    """fp8: Linear weights in float8_e4m3 with per-output-channel scales, activations scaled
+    per token (torch._scaled_mm on sm89+ GPUs, an exact dequantizing reference elsewhere).
+    Checkpoints already in fp8 (their quantization_config) are read as fp8 regardless."""
     hf_overrides: dict[str, Any] = field(default_factory=dict)
     """Fields set on the loaded HF config (for tests and odd checkpoints)."""
     hf_config: Any = field(default=None, compare=False, repr=False)
@@ -80,6 +86,8 @@ class ModelConfig:
             raise ValueError("model must be a local folder or a hub id, got an empty string")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be None or 'fp8', got {self.quantization!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.hf_config is None:
@@ -279,6 +287,14 @@ class CacheConfig:
     """Fraction of GPU memory the engine may use (weights + activations + KV cache)."""
     enable_prefix_caching: bool = True
     """Reuse KV blocks of identical decoder-prompt prefixes (decoder self-attention only)."""
+    kv_cache_dtype: str = "auto"
+    """auto (the model dtype) or fp8 (float8_e4m3 with a float32 scale per token and head,
+    dequantized inside attention): self-attention K/V, cross K/V and encoder states."""
+    cross_attention: str = "auto"
+    """Encoder-decoder cross-attention: per_layer (each decoder layer caches its own K/V of the
+    encoder output), absorbed (the encoder output is cached once and every layer attends over it
+    through its query projected by W_k, exact), or auto (absorbed when per-layer K/V of a full
+    batch would not fit the cache; see docs/architecture.md)."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -293,6 +309,19 @@ class CacheConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
+        if self.cross_attention not in CROSS_ATTENTION_MODES:
+            raise ValueError(
+                f"cross_attention must be one of {CROSS_ATTENTION_MODES}, got "
+                f"{self.cross_attention!r}"
+            )
+
+    @property
+    def fp8_kv_cache(self) -> bool:
+        return self.kv_cache_dtype in ("fp8", "fp8_e4m3")
 
     @property
     def cpu_kv_cache_bytes(self) -> int:
@@ -401,6 +430,11 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_encoder_input_tokens={sc.max_num_encoder_input_tokens} is below one "
                 f"Whisper window ({mc.max_encoder_len} encoder positions)"
+            )
+
+        if self.cache_config.cross_attention == "absorbed" and mc.kind != ModelKind.ENCODER_DECODER:
+            raise ValueError(
+                f"cross_attention='absorbed' needs an encoder-decoder model, not {mc.architecture}"
             )
 
     @property

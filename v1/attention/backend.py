@@ -115,23 +115,32 @@ class AttentionImpl(ABC):
         kv_cache: torch.Tensor,
         attn_metadata: Any,
         bias: AttentionBias | None = None,
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """query [T, H, D]; key/value [T', Hkv, D] or None (cross-attention steps that write
-        nothing); kv_cache [2, num_blocks, block_size, Hkv, D] or empty. Returns [T, H, D]."""
+        nothing); kv_cache [2, num_blocks, block_size, Hkv, D] or empty; kv_scales [2,
+        num_blocks, block_size, Hkv] float32 when the cache is fp8 (rows are stored quantized
+        per head and dequantized inside attention). Returns [T, H, D]."""
 
     def write_kv(
-        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Any
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: Any,
+        kv_scales: torch.Tensor | None = None,
     ) -> None:
         """Write K/V rows to the cache at the metadata's slot mapping, attending nothing."""
         from v1.attention.ops.reference import write_kv_cache
 
-        write_kv_cache(key, value, kv_cache, attn_metadata.common.slot_mapping)
+        write_kv_cache(key, value, kv_cache, attn_metadata.common.slot_mapping, kv_scales)
 
 
 class AttentionBackend(ABC):
     name: ClassVar[str]
     supported_attn_types: ClassVar[frozenset[AttentionType]]
     supports_bias: ClassVar[bool] = False
+    supports_fp8_kv_cache: ClassVar[bool] = False
 
     @staticmethod
     @abstractmethod

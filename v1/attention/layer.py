@@ -44,6 +44,8 @@ class Attention(nn.Module):
             num_heads, head_size, scale, self.num_kv_heads, attn_type
         )
         self.kv_cache = torch.empty(0)
+        self.kv_scales: torch.Tensor | None = None
+        """[2, num_blocks, block_size, Hkv] float32 scales of an fp8 `kv_cache` (else None)."""
 
     def forward(
         self,
@@ -64,13 +66,16 @@ class Attention(nn.Module):
                 metadata = context.attn_metadata[self.layer_name]
                 k = key.view(-1, self.num_kv_heads, self.head_size)
                 v = value.view(-1, self.num_kv_heads, self.head_size)
-                self.impl.write_kv(k, v, self.kv_cache, metadata)
+                # fp8 caches pass their scales (impls without fp8 support never get them).
+                extra = {} if self.kv_scales is None else {"kv_scales": self.kv_scales}
+                self.impl.write_kv(k, v, self.kv_cache, metadata, **extra)
             return torch.zeros_like(query)
         metadata = context.attn_metadata[self.layer_name]
         q = query.view(num_tokens, self.num_heads, self.head_size)
         k = key.view(-1, self.num_kv_heads, self.head_size) if key is not None else None
         v = value.view(-1, self.num_kv_heads, self.head_size) if value is not None else None
-        out = self.impl.forward(q, k, v, self.kv_cache, metadata, bias)
+        extra = {} if self.kv_scales is None else {"kv_scales": self.kv_scales}
+        out = self.impl.forward(q, k, v, self.kv_cache, metadata, bias, **extra)
         return out.reshape(num_tokens, self.num_heads * self.head_size)
 
     def extra_repr(self) -> str:

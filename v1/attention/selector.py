@@ -31,14 +31,24 @@ def _importable(name: str) -> bool:
     return True
 
 
-def default_backend_name(device_type: str, block_size: int = 16, needs_bias: bool = False) -> str:
-    """flash_attn when installed and usable (no bias, 256-token blocks), else triton on CUDA,
-    else torch_sdpa."""
+def default_backend_name(
+    device_type: str, block_size: int = 16, needs_bias: bool = False, fp8_kv_cache: bool = False
+) -> str:
+    """flash_attn when installed and usable (no bias, no fp8 cache, 256-token blocks), else
+    triton on CUDA (fp8 caches: on sm89+, where Triton has float8e4nv), else torch_sdpa."""
     if device_type != "cuda":
         return "torch_sdpa"
-    if not needs_bias and block_size % 256 == 0 and _importable("flash_attn"):
+    if not needs_bias and not fp8_kv_cache and block_size % 256 == 0 and _importable("flash_attn"):
         return "flash_attn"
+    if fp8_kv_cache and not _has_fp8_triton():
+        return "torch_sdpa"
     return "triton" if _importable("triton") else "torch_sdpa"
+
+
+def _has_fp8_triton() -> bool:
+    import torch
+
+    return torch.cuda.get_device_capability() >= (8, 9)
 
 
 @contextmanager

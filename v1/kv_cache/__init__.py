@@ -9,6 +9,7 @@ from v1.kv_cache.manager import KVCacheBlocks, KVCacheManager
 from v1.kv_cache.single_type import (
     CrossAttentionManager,
     EncoderOnlyAttentionManager,
+    EncoderStatesManager,
     FullAttentionManager,
     SingleTypeKVCacheManager,
 )
@@ -16,6 +17,7 @@ from v1.kv_cache.sizing import get_kv_cache_config
 from v1.kv_cache.spec import (
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
+    EncoderStatesSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -29,6 +31,8 @@ __all__ = [
     "CrossAttentionSpec",
     "EncoderOnlyAttentionManager",
     "EncoderOnlyAttentionSpec",
+    "EncoderStatesManager",
+    "EncoderStatesSpec",
     "FreeKVCacheBlockQueue",
     "FullAttentionManager",
     "FullAttentionSpec",

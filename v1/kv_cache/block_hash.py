@@ -83,3 +83,11 @@ def request_block_hashes(request: Request, block_size: int) -> list[bytes]:
         parent = hash_block_tokens(parent, block_tokens, block_extra_keys(request, i))
         hashes.append(parent)
     return hashes[start:]
+
+
+def encoder_states_block_hash(content_hash: str, block_index: int) -> bytes:
+    """Prefix-cache key of block `block_index` of the encoder states of one encoder input (its
+    content hash): equal keys mean equal encoder output rows."""
+    parts: list[bytes] = [b"encoder-states"]
+    _encode_key((content_hash, block_index), parts)
+    return hashlib.sha256(b"".join(parts)).digest()

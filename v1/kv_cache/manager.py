@@ -11,7 +11,11 @@ from typing import TYPE_CHECKING
 
 from v1.kv_cache.block_hash import request_block_hashes
 from v1.kv_cache.block_pool import BlockPool, KVCacheBlock
-from v1.kv_cache.single_type import FullAttentionManager, get_manager_for_spec
+from v1.kv_cache.single_type import (
+    EncoderStatesManager,
+    FullAttentionManager,
+    get_manager_for_spec,
+)
 from v1.kv_cache.spec import KVCacheConfig
 
 if TYPE_CHECKING:
@@ -58,6 +62,9 @@ class KVCacheManager:
             for group_id, group in enumerate(kv_cache_config.groups)
         )
         self._full_managers = [m for m in self.managers if isinstance(m, FullAttentionManager)]
+        self._encoder_states_managers = [
+            m for m in self.managers if isinstance(m, EncoderStatesManager)
+        ]
         full_block_sizes = {m.block_size for m in self._full_managers}
         if len(full_block_sizes) > 1:
             raise ValueError(
@@ -151,7 +158,9 @@ class KVCacheManager:
 
         Full-attention groups grow to cover num_computed_tokens + num_new_computed_tokens +
         num_new_tokens (capped at max_model_len); cross-attention groups get
-        ceil(num_encoder_tokens / block_size) blocks if the request holds none yet.
+        ceil(num_encoder_tokens / block_size) blocks if the request holds none yet;
+        encoder-states groups attach to the entry of the request's encoder content hash when
+        one exists, else allocate it like cross-attention.
         `new_computed_blocks` / `num_new_computed_tokens` come from `get_computed_blocks`.
 
         Returns the blocks added to the request's block tables by this call, per group and in
@@ -172,6 +181,10 @@ class KVCacheManager:
         if new_computed_blocks is None:
             new_computed_blocks = self._empty()
         assert len(new_computed_blocks.blocks) == len(self.managers), "blocks of another config"
+        if self._encoder_states_managers and num_encoder_tokens > 0:
+            new_computed_blocks = self._attach_encoder_states(
+                request, new_computed_blocks, num_encoder_tokens
+            )
         if self._full_managers:
             num_hit_blocks = len(new_computed_blocks.blocks[self._full_managers[0].group_id])
             assert num_new_computed_tokens == num_hit_blocks * self.hash_block_size, (
@@ -201,6 +214,9 @@ class KVCacheManager:
             )
             added.append(list(hit_blocks) + new_blocks)
 
+        for manager in self._encoder_states_managers:
+            if request.encoder_hash is not None:
+                manager.register(req_id, request.encoder_hash)
         if self.enable_caching and not request.is_pooling and self._full_managers:
             # Cache only blocks whose tokens exist and will be computed by this step.
             num_tokens_to_cache = min(num_computed_tokens + num_new_tokens, request.num_tokens)
@@ -208,6 +224,21 @@ class KVCacheManager:
             for manager in self._full_managers:
                 manager.cache_blocks(request, num_tokens_to_cache)
         return KVCacheBlocks(tuple(added))
+
+    def _attach_encoder_states(
+        self, request: Request, computed: KVCacheBlocks, num_encoder_tokens: int
+    ) -> KVCacheBlocks:
+        """`computed` plus, per encoder-states group the request holds nothing of yet, the
+        blocks of an existing entry for its encoder content hash (taken like prefix hits)."""
+        content_hash = request.encoder_hash
+        if content_hash is None:
+            return computed
+        blocks = list(computed.blocks)
+        for manager in self._encoder_states_managers:
+            if manager.get_blocks(request.request_id):
+                continue
+            blocks[manager.group_id] = manager.find_entry(content_hash, num_encoder_tokens)
+        return KVCacheBlocks(tuple(blocks))
 
     def free(self, request: Request) -> None:
         """Release every group's blocks of the request (finish, abort, preemption). Idempotent.

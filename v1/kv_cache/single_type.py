@@ -1,8 +1,10 @@
 """Per-KV-cache-group block managers: one block table per request for one attention type.
 
 `FullAttentionManager` grows with the tokens and uses the prefix cache; `CrossAttentionManager`
-holds the encoder's K/V, allocated once at admission; `EncoderOnlyAttentionManager` holds nothing.
-All draw from one shared BlockPool; free is idempotent per request.
+holds the encoder's K/V, allocated once at admission; `EncoderStatesManager` holds the encoder
+output once per distinct encoder input (absorbed cross-attention), shared by content hash;
+`EncoderOnlyAttentionManager` holds nothing. All draw from one shared BlockPool; free is
+idempotent per request.
 """
 
 from __future__ import annotations
@@ -10,10 +12,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from v1.kv_cache.block_hash import encoder_states_block_hash
 from v1.kv_cache.block_pool import BlockPool, KVCacheBlock
 from v1.kv_cache.spec import (
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
+    EncoderStatesSpec,
     FullAttentionSpec,
     KVCacheSpec,
 )
@@ -155,6 +159,62 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
         return cdiv(num_encoder_tokens, self.block_size)
 
 
+class EncoderStatesManager(CrossAttentionManager):
+    """Absorbed cross-attention's encoder states: like cross-attention, ceil(num_encoder_tokens /
+    block_size) blocks allocated once at admission and never grown, but one entry per distinct
+    encoder input: requests with the same content hash hold the same blocks (ref-counted by the
+    pool), so n>1 children, beams and repeated audio store E once. With prefix caching on, a
+    freed entry stays findable until its blocks are evicted."""
+
+    def __init__(self, spec: KVCacheSpec, block_pool: BlockPool, group_id: int) -> None:
+        super().__init__(spec, block_pool, group_id)
+        self.live: dict[str, list[KVCacheBlock]] = {}
+        """content hash -> the blocks of an entry some request holds."""
+        self.num_holders: dict[str, int] = {}
+        self.req_to_hash: dict[str, str] = {}
+
+    def find_entry(self, content_hash: str, num_encoder_tokens: int) -> list[KVCacheBlock]:
+        """Blocks already holding this encoder input's states (a held entry, or a freed one not
+        yet evicted), taking no reference; [] when there is none or a block was evicted."""
+        blocks = self.live.get(content_hash)
+        if blocks:
+            return list(blocks)
+        if not self.block_pool.enable_caching:
+            return []
+        hits = []
+        for i in range(cdiv(num_encoder_tokens, self.block_size)):
+            block = self.block_pool.get_cached_block(
+                encoder_states_block_hash(content_hash, i), self.group_id
+            )
+            if block is None:
+                return []
+            hits.append(block)
+        return hits
+
+    def register(self, req_id: str, content_hash: str) -> None:
+        """Record that `req_id` holds the entry of `content_hash` (its blocks just allocated or
+        attached) so later requests with the same content find it."""
+        if req_id in self.req_to_hash:
+            return
+        blocks = self.req_to_blocks.get(req_id)
+        if not blocks:
+            return
+        self.req_to_hash[req_id] = content_hash
+        self.num_holders[content_hash] = self.num_holders.get(content_hash, 0) + 1
+        self.live.setdefault(content_hash, blocks)
+        keys = [encoder_states_block_hash(content_hash, i) for i in range(len(blocks))]
+        self.block_pool.cache_full_blocks(blocks, keys, 0, len(blocks), self.group_id)
+
+    def free(self, req_id: str) -> None:
+        content_hash = self.req_to_hash.pop(req_id, None)
+        if content_hash is not None:
+            self.num_holders[content_hash] -= 1
+            if self.num_holders[content_hash] == 0:
+                del self.num_holders[content_hash]
+                del self.live[content_hash]
+        super().free(req_id)
+
+
 class EncoderOnlyAttentionManager(SingleTypeKVCacheManager):
     """Bidirectional attention without a cache: never holds a block."""
 
@@ -171,4 +231,6 @@ def get_manager_for_spec(
         return FullAttentionManager(spec, block_pool, group_id)
     if isinstance(spec, CrossAttentionSpec):
         return CrossAttentionManager(spec, block_pool, group_id)
+    if isinstance(spec, EncoderStatesSpec):
+        return EncoderStatesManager(spec, block_pool, group_id)
     raise ValueError(f"no KV cache manager for spec {type(spec).__name__}")

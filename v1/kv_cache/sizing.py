@@ -9,6 +9,7 @@ from __future__ import annotations
 from v1.kv_cache.spec import (
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
+    EncoderStatesSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -25,13 +26,15 @@ def _group_rank(spec: KVCacheSpec) -> int:
         return 0
     if isinstance(spec, CrossAttentionSpec):
         return 1
+    if isinstance(spec, EncoderStatesSpec):
+        return 2
     raise ValueError(f"unsupported KV cache spec {type(spec).__name__}")
 
 
 def group_layers(layer_specs: dict[str, KVCacheSpec]) -> tuple[KVCacheGroupSpec, ...]:
     """Paged groups of layers with equal specs: full attention first, then cross attention,
-    each by first layer name. Layers keep their `layer_specs` order inside a group;
-    encoder-only layers are dropped (they have no blocks)."""
+    then encoder states, each by first layer name. Layers keep their `layer_specs` order inside
+    a group; encoder-only layers are dropped (they have no blocks)."""
     by_spec: dict[KVCacheSpec, list[str]] = {}
     for name, spec in layer_specs.items():
         if isinstance(spec, EncoderOnlyAttentionSpec):

@@ -8,6 +8,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
+FP8_DTYPES = ("float8_e4m3fn",)
+"""Cache dtypes stored with float32 scales: one per (token, head) for K and V, one per encoder
+position for encoder states."""
+SCALE_BYTES = 4
+
+
+def dtype_bytes(dtype: str) -> int:
+    return _DTYPE_BYTES[dtype]
 
 
 @dataclass(frozen=True)
@@ -21,9 +29,17 @@ class KVCacheSpec:
     """torch dtype name without the `torch.` prefix."""
 
     @property
+    def has_scales(self) -> bool:
+        """fp8 caches keep a float32 scale beside every row (see FP8_DTYPES)."""
+        return self.dtype in FP8_DTYPES
+
+    @property
     def page_size_bytes(self) -> int:
-        """Bytes of one block of one layer (K and V)."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_size * _DTYPE_BYTES[self.dtype]
+        """Bytes of one block of one layer: K and V rows, then their scales (fp8 only)."""
+        row = self.num_kv_heads * self.head_size * _DTYPE_BYTES[self.dtype]
+        if self.has_scales:
+            row += self.num_kv_heads * SCALE_BYTES
+        return 2 * self.block_size * row
 
 
 @dataclass(frozen=True)
@@ -35,6 +51,62 @@ class FullAttentionSpec(KVCacheSpec):
 class CrossAttentionSpec(KVCacheSpec):
     """Cross-attention: ceil(num_encoder_tokens / block_size) blocks allocated once at admission,
     written on the first step, then read-only; never grows, never prefix-cached."""
+
+
+@dataclass(frozen=True)
+class EncoderStatesSpec(KVCacheSpec):
+    """Absorbed cross-attention: the encoder output E [num_encoder_tokens, d_model] stored once
+    per request and read by every decoder layer (one group with one pseudo-layer). Allocated at
+    admission like cross-attention, never grows; requests with the same encoder content hash
+    share the blocks. `num_kv_heads` is 1 and `head_size` is d_model: a block holds
+    `block_size` encoder positions of `head_size` values (plus one scale each in fp8)."""
+
+    page_size_padded: int | None = None
+    """Pool page size when the encoder states share a pool with larger pages (the decoder's
+    self-attention): a block uses its first `real_page_size_bytes`, the rest stays unused."""
+
+    @property
+    def real_page_size_bytes(self) -> int:
+        row = self.head_size * _DTYPE_BYTES[self.dtype]
+        if self.has_scales:
+            row += SCALE_BYTES
+        return self.block_size * row
+
+    @property
+    def page_size_bytes(self) -> int:
+        real = self.real_page_size_bytes
+        if self.page_size_padded is None:
+            return real
+        assert self.page_size_padded >= real, (self.page_size_padded, real)
+        return self.page_size_padded
+
+
+def encoder_states_spec_in_pool(pool_spec: KVCacheSpec, d_model: int) -> EncoderStatesSpec:
+    """The encoder-states spec that shares the pool of `pool_spec` (the decoder's
+    self-attention, same dtype), with its page size.
+
+    A pool block of an attention layer is two halves (K and V) of `block_size * Hkv * D`
+    values, and in fp8 two halves of `block_size * Hkv` scales after all the values. Encoder
+    states use the same halves: `rows_per_half` positions of d_model values (and one scale each)
+    in each, so the block holds `2 * rows_per_half` positions and no byte of it overlaps
+    another block."""
+    half_values = pool_spec.block_size * pool_spec.num_kv_heads * pool_spec.head_size
+    rows_per_half = half_values // d_model
+    if pool_spec.has_scales:
+        rows_per_half = min(rows_per_half, pool_spec.block_size * pool_spec.num_kv_heads)
+    if rows_per_half < 1:
+        raise ValueError(
+            f"a KV block of {pool_spec.block_size} tokens x {pool_spec.num_kv_heads} heads x "
+            f"{pool_spec.head_size} cannot hold one encoder position of {d_model} values: raise "
+            "block_size or use cross_attention='per_layer'"
+        )
+    return EncoderStatesSpec(
+        block_size=2 * rows_per_half,
+        num_kv_heads=1,
+        head_size=d_model,
+        dtype=pool_spec.dtype,
+        page_size_padded=pool_spec.page_size_bytes,
+    )
 
 
 @dataclass(frozen=True)

@@ -141,11 +141,27 @@ def load_model_from_weights(
     device: str | torch.device,
     dtype: torch.dtype,
     architecture: str | None = None,
+    quantization: str | None = None,
 ) -> nn.Module:
-    """Build the model for `hf_config` and load `weights` into it; every parameter must load."""
+    """Build the model for `hf_config` and load `weights` into it; every parameter must load.
+    quantization="fp8" quantizes its Linear layers after loading; a checkpoint already in fp8
+    (its config's `quantization_config`) is read as such whatever `quantization` says."""
+    from v1.quantization.fp8 import Fp8CheckpointConfig, Fp8CheckpointReader, quantize_model_fp8
+
     model = construct_model(hf_config, device, dtype, architecture)
+    checkpoint_fp8 = Fp8CheckpointConfig.from_hf_config(hf_config)
+    reader = Fp8CheckpointReader(checkpoint_fp8) if checkpoint_fp8 is not None else None
+    if reader is not None:
+        reader.track(model)
+        weights = reader.read(weights)
     loaded = model.load_weights(weights)
     check_all_loaded(model, loaded)
+    if reader is not None:
+        reader.quantize_loaded(model)
+    elif quantization == "fp8":
+        quantize_model_fp8(model)
+    elif quantization is not None:
+        raise ValueError(f"unknown quantization {quantization!r}")
     return model.eval()
 
 
@@ -164,4 +180,5 @@ def load_model(
         device,
         dtype,
         architecture=model_config.architecture,
+        quantization=model_config.quantization,
     )

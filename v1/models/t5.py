@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from v1.attention.backend import AttentionType, RelativePositionBias
+from v1.attention.cross_attention import EncoderDecoderAttention
 from v1.attention.layer import Attention
 from v1.models.layers.activation import get_act_fn
 from v1.models.layers.embedding import LMHead, VocabEmbedding
@@ -94,7 +95,9 @@ class T5SelfAttention(nn.Module):
 
 class T5CrossAttention(nn.Module):
     """Decoder queries over the encoder output; K/V are projected only on a request's first
-    step (when `encoder_hidden_states` is given) and read from the cross blocks after."""
+    step (when `encoder_hidden_states` is given) and read from the cross blocks after (or,
+    absorbed, every step attends over the cached encoder output through kv_proj). No position
+    bias in cross-attention."""
 
     def __init__(self, cfg: Any, prefix: str) -> None:
         super().__init__()
@@ -103,22 +106,13 @@ class T5CrossAttention(nn.Module):
         self.q_proj = ColumnLinear(cfg.d_model, inner)
         self.kv_proj = MergedColumnLinear(cfg.d_model, [inner, inner])
         self.o = RowLinear(inner, cfg.d_model)
-        self.attn = Attention(
-            num_heads,
-            head_dim,
-            1.0,
-            attn_type=AttentionType.ENCODER_DECODER,
-            prefix=f"{prefix}.attn",
-        )
+        self.attn = EncoderDecoderAttention(num_heads, head_dim, 1.0, prefix=f"{prefix}.attn")
 
     def forward(
         self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None
     ) -> torch.Tensor:
         q = self.q_proj(hidden_states)  # [T, H*D]
-        k = v = None
-        if encoder_hidden_states is not None:
-            k, v = self.kv_proj(encoder_hidden_states).chunk(2, dim=-1)  # [Tw, H*D] each
-        return self.o(self.attn(q, k, v))
+        return self.o(self.attn(q, self.kv_proj, encoder_hidden_states))
 
 
 class T5DenseActDense(nn.Module):

@@ -154,7 +154,8 @@ class CudaGraphManager:
                 "slot_mapping": self.slot_mappings[i],
                 "positions": self.positions,
             }
-            max_seq_len = self.block_tables[i].shape[1] * runner.block_size
+            block_size = runner.input_batch.block_tables[i].block_size
+            max_seq_len = self.block_tables[i].shape[1] * block_size
             causal = attn_type == AttentionType.DECODER
             common = static_common(size, buffers, self.max_query_len, causal, max_seq_len)
             metadata = runner.builders[i].build(common)

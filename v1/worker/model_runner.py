@@ -11,6 +11,11 @@ import numpy as np
 import torch
 
 from v1.attention.backend import AttentionType, CommonAttentionMetadata
+from v1.attention.cross_attention import (
+    ENCODER_STATES_LAYER,
+    EncoderDecoderAttention,
+    encoder_states_builder_cls,
+)
 from v1.attention.layer import Attention
 from v1.attention.selector import default_backend_name, load_backend, use_backend
 from v1.config import EngineConfig, ModelKind
@@ -24,12 +29,15 @@ from v1.host_copy import to_device
 from v1.kv_cache.spec import (
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
+    EncoderStatesSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheSpec,
+    encoder_states_spec_in_pool,
 )
 from v1.worker.block_table import BlockTable
 from v1.worker.input_batch import InputBatch
+from v1.worker.kv_cache_views import LayerCache, allocate_kv_cache
 
 
 @dataclass
@@ -68,7 +76,14 @@ class ModelRunner:
         self.max_model_len = self.model_config.effective_max_model_len
         self.block_size = config.cache_config.block_size
         needs_bias = self.model_config.hf_config.model_type in ("t5", "mt5", "umt5")
-        self.backend_name = default_backend_name(device.type, self.block_size, needs_bias)
+        fp8_kv_cache = config.cache_config.fp8_kv_cache
+        self.backend_name = default_backend_name(
+            device.type, self.block_size, needs_bias, fp8_kv_cache
+        )
+        self.kv_cache_dtype = (
+            "float8_e4m3fn" if fp8_kv_cache else str(self.dtype).removeprefix("torch.")
+        )
+        """KV cache spec dtype (fp8 caches keep float32 scales beside their rows)."""
         self.backend = load_backend(self.backend_name)
         self.model: Any = None
         self.attn_layers: dict[str, Attention] = {}
@@ -77,6 +92,11 @@ class ModelRunner:
         self.cuda_graphs: Any = None
         self.prev_sampled_token_ids: torch.Tensor | None = None
         """[R] tokens sampled by the last launched step, on the device (pipelined steps)."""
+        mode = config.cache_config.cross_attention
+        self.cross_attention = "absorbed" if mode == "absorbed" else "per_layer"
+        """per_layer or absorbed (the worker resolves "auto" before sizing the cache)."""
+        self.encoder_states: LayerCache | None = None
+        """The encoder-states cache (absorbed cross-attention)."""
         self.state = _make_state(self.model_config.kind, self)
 
     # ---- set-up ----
@@ -89,15 +109,31 @@ class ModelRunner:
         self.attn_layers = {
             m.layer_name: m for m in self.model.modules() if isinstance(m, Attention)
         }
+        self.set_cross_attention(self.cross_attention)
         self.state.on_model_loaded()
 
-    def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
-        dtype = str(self.dtype).removeprefix("torch.")
+    def set_cross_attention(self, mode: str) -> None:
+        """per_layer or absorbed, for the cross-attention layers too; before the cache exists
+        (its layout depends on it; a memory profile runs the mode's activations)."""
+        assert mode in ("per_layer", "absorbed") and self.kv_cache_config is None, mode
+        self.cross_attention = mode
+        for layer in self.attn_layers.values():
+            if isinstance(layer, EncoderDecoderAttention):
+                layer.absorbed = mode == "absorbed"
+
+    @property
+    def has_cross_attention(self) -> bool:
+        return any(isinstance(m, EncoderDecoderAttention) for m in self.attn_layers.values())
+
+    def get_kv_cache_specs(self, cross_attention: str | None = None) -> dict[str, KVCacheSpec]:
+        """Layer name -> spec; absorbed cross-attention (default: the runner's mode) replaces
+        the cross layers' specs by the one encoder-states pseudo-layer."""
+        dtype = self.kv_cache_dtype
         kinds = {
             AttentionType.DECODER: FullAttentionSpec,
             AttentionType.ENCODER_DECODER: CrossAttentionSpec,
         }
-        return {
+        specs: dict[str, KVCacheSpec] = {
             name: kinds.get(layer.attn_type, EncoderOnlyAttentionSpec)(
                 block_size=self.block_size,
                 num_kv_heads=layer.num_kv_heads,
@@ -106,34 +142,44 @@ class ModelRunner:
             )
             for name, layer in self.attn_layers.items()
         }
+        if (cross_attention or self.cross_attention) == "absorbed" and self.has_cross_attention:
+            pool_spec = next(s for s in specs.values() if isinstance(s, FullAttentionSpec))
+            specs = {n: s for n, s in specs.items() if not isinstance(s, CrossAttentionSpec)}
+            d_model = self.model_config.hf_config.d_model
+            specs[ENCODER_STATES_LAYER] = encoder_states_spec_in_pool(pool_spec, d_model)
+        return specs
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         self.kv_cache_config = kv_cache_config
-        num_blocks = kv_cache_config.num_blocks
-        for tensor_cfg in kv_cache_config.tensors:
-            buffer = torch.zeros(tensor_cfg.size_bytes, dtype=torch.uint8, device=self.device)
-            for name in tensor_cfg.shared_by:
-                layer = self.attn_layers[name]
-                shape = self.backend.kv_cache_shape(
-                    num_blocks, self.block_size, layer.num_kv_heads, layer.head_size
-                )
-                layer.kv_cache = buffer.view(self.dtype).view(shape)
+        for name, cache in allocate_kv_cache(kv_cache_config, self.device).items():
+            if name == ENCODER_STATES_LAYER:
+                self.encoder_states = cache
+                for layer in self.attn_layers.values():
+                    if isinstance(layer, EncoderDecoderAttention):
+                        layer.bind_encoder_states(cache.values, cache.scales)
+            else:
+                self.attn_layers[name].kv_cache = cache.values
+                self.attn_layers[name].kv_scales = cache.scales
         self.group_layers: list[tuple[str, ...]] = []
         self.group_types: list[AttentionType] = []
         self.builders = []
         tables = []
         for group in kv_cache_config.groups:
-            is_cross = isinstance(group.spec, CrossAttentionSpec)
+            spec = group.spec
+            is_cross = isinstance(spec, (CrossAttentionSpec, EncoderStatesSpec))
             attn_type = AttentionType.ENCODER_DECODER if is_cross else AttentionType.DECODER
             max_len = self.model_config.max_encoder_len if is_cross else self.max_model_len
             tables.append(
-                BlockTable(self.max_num_reqs, -(-max_len // self.block_size), self.block_size)
+                BlockTable(self.max_num_reqs, -(-max_len // spec.block_size), spec.block_size)
             )
             self.group_layers.append(group.layer_names)
             self.group_types.append(attn_type)
-            self.builders.append(
-                self.backend.get_builder_cls()(attn_type, self.device, self.block_size)
+            builder_cls = (
+                encoder_states_builder_cls(self.backend_name)
+                if isinstance(spec, EncoderStatesSpec)
+                else self.backend.get_builder_cls()
             )
+            self.builders.append(builder_cls(attn_type, self.device, spec.block_size))
         self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, tables)
         self.state.on_kv_cache_ready()
         self.cuda_graphs = None

@@ -23,12 +23,28 @@ class Worker:
             torch.cuda.set_device(self.device)
         torch.manual_seed(config.model_config.seed)
         self.model_runner = ModelRunner(config, self.device)
+        self._available_kv_bytes: int | None = None
 
     def load_model(self) -> None:
         self.model_runner.load_model()
 
     def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
-        return self.model_runner.get_kv_cache_specs()
+        runner = self.model_runner
+        if self.config.cache_config.cross_attention == "auto" and runner.has_cross_attention:
+            from v1.worker.cross_attention_mode import choose_cross_attention
+
+            per_layer = runner.get_kv_cache_specs("per_layer")
+            need_bytes = (
+                self.device.type == "cuda" and self.config.cache_config.num_kv_blocks is None
+            )
+            # Profile with absorbed layers: their activations are the larger, so the budget
+            # holds whichever mode the rule picks.
+            runner.set_cross_attention("absorbed")
+            available = self.determine_available_kv_bytes() if need_bytes else None
+            mode = choose_cross_attention(self.config, per_layer, self.device.type, available)
+            logger.info("cross_attention=auto: %s", mode)
+            runner.set_cross_attention(mode)
+        return runner.get_kv_cache_specs()
 
     def determine_available_kv_bytes(self) -> int:
         cache_config = self.config.cache_config
@@ -36,7 +52,11 @@ class Worker:
             return cache_config.cpu_kv_cache_bytes
         if cache_config.kv_cache_memory_bytes is not None:
             return cache_config.kv_cache_memory_bytes
-        return self.model_runner.profile_available_kv_bytes(cache_config.gpu_memory_utilization)
+        if self._available_kv_bytes is None:  # profiled once (the auto cross-attention rule)
+            self._available_kv_bytes = self.model_runner.profile_available_kv_bytes(
+                cache_config.gpu_memory_utilization
+            )
+        return self._available_kv_bytes
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         self.model_runner.initialize_kv_cache(kv_cache_config)

@@ -52,9 +52,12 @@ class FlashAttnImpl(AttentionImpl):
         kv_cache: torch.Tensor,
         attn_metadata: FlashAttnMetadata,
         bias: AttentionBias | None = None,
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if bias is not None:
             raise ValueError("the flash_attn backend has no additive bias; use triton")
+        if kv_scales is not None:
+            raise ValueError("the flash_attn backend has no fp8 KV cache; use triton")
         common = attn_metadata.common
         num_tokens = common.num_actual_tokens
         out = torch.zeros_like(query)

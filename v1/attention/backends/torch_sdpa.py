@@ -22,7 +22,7 @@ from v1.attention.backend import (
     MaterializedBias,
     RelativePositionBias,
 )
-from v1.attention.ops.reference import write_kv_cache
+from v1.attention.ops.reference import read_kv_rows, write_kv_cache
 
 
 @dataclass
@@ -104,6 +104,7 @@ class SDPAImpl(AttentionImpl):
         kv_cache: torch.Tensor,
         attn_metadata: SDPAMetadata,
         bias: AttentionBias | None = None,
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         md, common = attn_metadata, attn_metadata.common
         num_tokens = common.num_actual_tokens
@@ -111,15 +112,16 @@ class SDPAImpl(AttentionImpl):
         max_q, max_k = md.mask.shape[2], md.mask.shape[3]
         paged = self.attn_type.has_kv_cache
         if paged and key is not None and common.slot_mapping is not None:
-            write_kv_cache(key, value, kv_cache, common.slot_mapping)
+            write_kv_cache(key, value, kv_cache, common.slot_mapping, kv_scales)
 
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_size
         q = query.new_zeros(num_reqs, max_q, heads, dim)
         q[md.token_req, md.token_local] = query[:num_tokens]
-        if paged:
-            flat = kv_cache.view(2, -1, kv_heads, dim)
-            k = flat[0][md.key_gather]  # [R, max_k, Hkv, D]
-            v = flat[1][md.key_gather]
+        if paged:  # fp8 caches dequantize here
+            k = read_kv_rows(
+                kv_cache, kv_scales, 0, md.key_gather, query.dtype
+            )  # [R, max_k, Hkv, D]
+            v = read_kv_rows(kv_cache, kv_scales, 1, md.key_gather, query.dtype)
         else:
             k = key.new_zeros(num_reqs, max_k, kv_heads, dim)
             v = value.new_zeros(num_reqs, max_k, kv_heads, dim)
@@ -153,6 +155,7 @@ class TorchSDPABackend(AttentionBackend):
     name = "torch_sdpa"
     supported_attn_types = frozenset(AttentionType)
     supports_bias = True
+    supports_fp8_kv_cache = True
 
     @staticmethod
     def get_builder_cls() -> type[AttentionMetadataBuilder]:

@@ -63,17 +63,21 @@ class TritonImpl(AttentionImpl):
         kv_cache: torch.Tensor,
         attn_metadata: TritonMetadata,
         bias: AttentionBias | None = None,
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         common = attn_metadata.common
         paged = self.attn_type.has_kv_cache
         if not paged and bias is None and self._can_use_varlen(query):
             return self._varlen_forward(query, key, value, common)
         if paged and key is not None and common.slot_mapping is not None:
-            ops.write_kv_cache(key, value, kv_cache, common.slot_mapping)
+            ops.write_kv_cache(key, value, kv_cache, common.slot_mapping, kv_scales)
+        scales = None
         if paged:
             k = kv_cache[0].flatten(0, 1)  # [num_blocks * block_size, Hkv, D]
             v = kv_cache[1].flatten(0, 1)
             page = kv_cache.shape[2]
+            if kv_scales is not None:  # [num_blocks * block_size, Hkv] each
+                scales = (kv_scales[0].flatten(0, 1), kv_scales[1].flatten(0, 1))
         else:
             k, v, page = key, value, 1
         out = torch.empty_like(query)
@@ -100,12 +104,18 @@ class TritonImpl(AttentionImpl):
             bias_mode=bias_mode,
             relative=relative,
             block_m=attn_metadata.block_m,
+            kv_scales=scales,
         )
 
     def write_kv(
-        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Any
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: Any,
+        kv_scales: torch.Tensor | None = None,
     ) -> None:
-        ops.write_kv_cache(key, value, kv_cache, attn_metadata.common.slot_mapping)
+        ops.write_kv_cache(key, value, kv_cache, attn_metadata.common.slot_mapping, kv_scales)
 
     def _can_use_varlen(self, query: torch.Tensor) -> bool:
         """Cache-less types without bias go to torch's flash varlen kernel (16-bit, MHA)."""
@@ -151,6 +161,7 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     supported_attn_types = frozenset(AttentionType)
     supports_bias = True
+    supports_fp8_kv_cache = True
 
     @staticmethod
     def get_builder_cls() -> type[AttentionMetadataBuilder]:

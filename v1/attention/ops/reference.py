@@ -9,18 +9,50 @@ import math
 
 import torch
 
+from v1.quantization.fp8 import quantize_rows
+
 
 def write_kv_cache(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
     """Scatter key/value rows [N, Hkv, D] into kv_cache [2, num_blocks, block_size, Hkv, D] at
-    flat slots (block_id * block_size + offset); slot -1 skips the row."""
+    flat slots (block_id * block_size + offset); slot -1 skips the row. An fp8 cache (with
+    `kv_scales` [2, num_blocks, block_size, Hkv]) stores each head's row quantized with its
+    own scale."""
     num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
     flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
-    flat[0].index_copy_(0, slots, key[: slot_mapping.shape[0]][valid].to(kv_cache.dtype))
-    flat[1].index_copy_(0, slots, value[: slot_mapping.shape[0]][valid].to(kv_cache.dtype))
+    rows = [key[: slot_mapping.shape[0]][valid], value[: slot_mapping.shape[0]][valid]]
+    for half, row in enumerate(rows):
+        if kv_scales is None:
+            flat[half].index_copy_(0, slots, row.to(kv_cache.dtype))
+            continue
+        q, scale = quantize_rows(row)  # [n, Hkv, D], [n, Hkv]
+        # Byte views: CPU index_copy_ has no float8 kernel.
+        flat[half].view(torch.uint8).index_copy_(0, slots, q.view(torch.uint8))
+        kv_scales[half].view(num_blocks * block_size, -1).index_copy_(0, slots, scale)
+
+
+def read_kv_rows(
+    kv_cache: torch.Tensor,
+    kv_scales: torch.Tensor | None,
+    half: int,
+    slots: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """K (half 0) or V (half 1) rows at flat `slots` (any shape) -> [*slots.shape, Hkv, D] in
+    `dtype`, dequantized when the cache is fp8."""
+    num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
+    rows = kv_cache[half].view(num_blocks * block_size, *kv_cache.shape[3:])[slots]
+    if kv_scales is None:
+        return rows.to(dtype)
+    scale = kv_scales[half].view(num_blocks * block_size, -1)[slots]
+    return (rows.float() * scale[..., None]).to(dtype)
 
 
 def gather_kv(

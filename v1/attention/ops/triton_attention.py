@@ -3,7 +3,9 @@
 One kernel serves every type: queries are packed [T, H, D]; keys come either from the paged
 cache through the block table (DECODER, ENCODER_DECODER) or from packed K/V that share the
 query offsets (ENCODER, ENCODER_ONLY). Optional bias: a materialized padded tensor, or T5
-relative-position buckets evaluated in the kernel. Torch references: `ops/reference.py`.
+relative-position buckets evaluated in the kernel. fp8 caches (float8_e4m3fn rows with one
+float32 scale per token and head) are quantized by the write kernel and dequantized as K/V tiles
+load. Torch references: `ops/reference.py`.
 """
 
 from __future__ import annotations
@@ -60,6 +62,9 @@ def _attention_kernel(
     bias_stride_r,
     bias_stride_h,
     bias_stride_q,
+    KScale,
+    VScale,
+    stride_scale_s,
     stride_qt,
     stride_qh,
     stride_ks,
@@ -85,6 +90,7 @@ def _attention_kernel(
     REL_LOG_RATIO: tl.constexpr,
     BIDIRECTIONAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP8_KV: tl.constexpr,
 ):
     pid = tl.program_id(0)
     head = tl.program_id(1)
@@ -138,6 +144,11 @@ def _attention_kernel(
             mask=kv_mask,
             other=0.0,
         )
+        if FP8_KV:
+            k_scale = tl.load(KScale + rows * stride_scale_s + kv_head, mask=n_mask, other=0.0)
+            v_scale = tl.load(VScale + rows * stride_scale_s + kv_head, mask=n_mask, other=0.0)
+            k = (k.to(tl.float32) * k_scale[:, None]).to(q.dtype)
+            v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * scale
         if BIAS_MODE == 1:
             b_ptr = Bias + req * bias_stride_r + head * bias_stride_h
@@ -200,10 +211,78 @@ def _write_kv_kernel(
         )
 
 
+@triton.jit
+def _quantize_store(
+    X,
+    Cache,
+    Scales,
+    slot,
+    offs_h,
+    offs_d,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+):
+    """One token's [H, D] row: a float32 scale per head (amax / FP8_MAX), values in fp8."""
+    h_mask = offs_h < NUM_HEADS
+    mask = h_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+    idx = offs_h[:, None] * HEAD_DIM + offs_d[None, :]
+    x = tl.load(X + idx, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), 1) / FP8_MAX, 1e-12)
+    q = tl.minimum(tl.maximum(x / scale[:, None], -FP8_MAX), FP8_MAX)
+    q = q.to(Cache.dtype.element_ty, fp_downcast_rounding="rtne")
+    tl.store(Cache + slot * (NUM_HEADS * HEAD_DIM) + idx, q, mask=mask)
+    tl.store(Scales + slot * NUM_HEADS + offs_h, scale, mask=h_mask)
+
+
+@triton.jit
+def _write_kv_fp8_kernel(
+    Key,
+    Value,
+    Cache,
+    Scales,
+    slot_mapping,
+    stride_kt,
+    stride_vt,
+    cache_half,
+    scale_half,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+):
+    row = tl.program_id(0)
+    slot = tl.load(slot_mapping + row).to(tl.int64)
+    if slot >= 0:
+        offs_h = tl.arange(0, BLOCK_H)
+        offs_d = tl.arange(0, BLOCK_D)
+        _quantize_store(
+            Key + row * stride_kt, Cache, Scales, slot, offs_h, offs_d, NUM_HEADS, HEAD_DIM, FP8_MAX
+        )
+        _quantize_store(
+            Value + row * stride_vt,
+            Cache + cache_half,
+            Scales + scale_half,
+            slot,
+            offs_h,
+            offs_d,
+            NUM_HEADS,
+            HEAD_DIM,
+            FP8_MAX,
+        )
+
+
 def write_kv_cache(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
-    """key/value [N, Hkv, D] -> kv_cache [2, num_blocks, block_size, Hkv, D] at flat slots."""
+    """key/value [N, Hkv, D] -> kv_cache [2, num_blocks, block_size, Hkv, D] at flat slots
+    (fp8 caches: quantized per token and head, scales to kv_scales [2, num_blocks, block_size,
+    Hkv])."""
     num_rows = slot_mapping.shape[0]
     if num_rows == 0:
         return
@@ -212,6 +291,26 @@ def write_kv_cache(
     key = key.reshape(key.shape[0], row)
     value = value.reshape(value.shape[0], row)
     assert key.stride(1) == 1 and value.stride(1) == 1
+    if kv_scales is not None:
+        num_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
+        assert kv_cache[0].is_contiguous() and kv_scales[0].is_contiguous()
+        _write_kv_fp8_kernel[(num_rows,)](
+            key,
+            value,
+            kv_cache,
+            kv_scales,
+            slot_mapping,
+            key.stride(0),
+            value.stride(0),
+            kv_cache.stride(0),
+            kv_scales.stride(0),
+            NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim,
+            BLOCK_H=triton.next_power_of_2(num_heads),
+            BLOCK_D=triton.next_power_of_2(head_dim),
+            FP8_MAX=float(torch.finfo(kv_cache.dtype).max),
+        )
+        return
     _write_kv_kernel[(num_rows,)](
         key,
         value,
@@ -260,9 +359,11 @@ def paged_attention(
     relative: tuple[int, int, bool] = (32, 128, True),
     block_m: int = 64,
     block_n: int = 64,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """q [T, H, D]; k/v either the cache halves [num_blocks * page, Hkv, D] (block_table given)
-    or packed [T, Hkv, D] sharing the query offsets. Writes and returns out [T, H, D]."""
+    or packed [T, Hkv, D] sharing the query offsets. Writes and returns out [T, H, D].
+    kv_scales: the fp8 cache's K and V scales [num_blocks * page, Hkv] (rows like k/v)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k.shape[-2]
     work_req, work_mblock = work
@@ -297,6 +398,9 @@ def paged_attention(
         query_positions if query_positions is not None else seq_lens,
         bias,
         *bstrides,
+        kv_scales[0] if kv_scales is not None else q,  # unused pointers without fp8
+        kv_scales[1] if kv_scales is not None else q,
+        kv_scales[0].stride(0) if kv_scales is not None else 0,
         q.stride(0),
         q.stride(1),
         k.stride(-3),
@@ -322,6 +426,7 @@ def paged_attention(
         REL_LOG_RATIO=math.log(max_distance / rel_max_exact),
         BIDIRECTIONAL=bidirectional,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        FP8_KV=kv_scales is not None,
         num_warps=4,
         num_stages=2,
     )

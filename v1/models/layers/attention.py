@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from v1.attention.backend import AttentionType
+from v1.attention.cross_attention import EncoderDecoderAttention
 from v1.attention.layer import Attention
 from v1.models.layers.linear import ColumnLinear, MergedColumnLinear, QKVLinear, RowLinear
 
@@ -31,7 +32,8 @@ class SelfAttention(nn.Module):
 
 class CrossAttention(nn.Module):
     """Decoder queries over the encoder output: K/V are projected and written into the cross
-    blocks on a request's first step only; later steps pass no encoder states and read them."""
+    blocks on a request's first step only; later steps pass no encoder states and read them
+    (or, absorbed, every step attends over the cached encoder output through kv_proj)."""
 
     def __init__(self, d_model: int, num_heads: int, prefix: str) -> None:
         super().__init__()
@@ -39,19 +41,12 @@ class CrossAttention(nn.Module):
         self.q_proj = ColumnLinear(d_model, d_model, bias=True)
         self.kv_proj = MergedColumnLinear(d_model, [d_model, d_model], bias=True)
         self.out_proj = RowLinear(d_model, d_model, bias=True)
-        self.attn = Attention(
-            num_heads,
-            head_dim,
-            head_dim**-0.5,
-            attn_type=AttentionType.ENCODER_DECODER,
-            prefix=f"{prefix}.attn",
+        self.attn = EncoderDecoderAttention(
+            num_heads, head_dim, head_dim**-0.5, prefix=f"{prefix}.attn"
         )
 
     def forward(
         self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None
     ) -> torch.Tensor:
         q = self.q_proj(hidden_states)  # [T, d_model]
-        k = v = None
-        if encoder_hidden_states is not None:
-            k, v = self.kv_proj(encoder_hidden_states).chunk(2, dim=-1)  # 2 x [Tw, d_model]
-        return self.out_proj(self.attn(q, k, v))
+        return self.out_proj(self.attn(q, self.kv_proj, encoder_hidden_states))

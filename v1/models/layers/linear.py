@@ -9,7 +9,7 @@ sharder can be applied from outside without touching model code.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -27,9 +27,11 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
 
 
 class Linear(nn.Module):
-    """y = x W^T + b, replicated. weight [output_size, input_size]."""
+    """y = x W^T + b, replicated. weight [output_size, input_size]. Quantization is applied from
+    outside (v1/quantization): it sets `quant_method`, whose `apply(layer, x)` computes instead."""
 
     shard_dim: ClassVar[int | None] = None
+    quant_method: Any = None
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
@@ -48,6 +50,8 @@ class Linear(nn.Module):
         default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x)
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:

@@ -11,6 +11,8 @@ import numpy as np
 import torch
 
 from v1.attention.backend import AttentionType
+from v1.attention.cross_attention import ENCODER_STATES_LAYER
+from v1.attention.ops.absorbed_cross_attention import write_encoder_states
 from v1.core.protocol import EncoderInput
 from v1.core.sched_output import SchedulerOutput
 from v1.forward_context import ForwardContext, set_forward_context
@@ -60,13 +62,23 @@ class EncoderDecoderState(GenerationState):
         """The cross-K/V pre-step: project the encoder outputs of requests on their first step
         into their cross blocks. The model runs on one placeholder token per writer with every
         attention layer skipped (ForwardContext.cross_kv_only), so only the cross-attention
-        K/V projections and cache writes do real work."""
+        K/V projections and cache writes do real work. Absorbed cross-attention stores the
+        encoder outputs themselves instead, without running the model."""
         runner = self.runner
         requests = runner.input_batch.requests
         encoder_hidden_states = torch.cat(
             [self.encoder_outputs[requests[r].encoder_input.content_hash] for r in encoder_reqs]
         )
         metadata = self._cross_attn_metadata(step, encoder_reqs)
+        if runner.encoder_states is not None:
+            # Absorbed cross-attention: E itself is the cache, written once for all layers.
+            write_encoder_states(
+                encoder_hidden_states,
+                runner.encoder_states.values,
+                runner.encoder_states.scales,
+                metadata[ENCODER_STATES_LAYER].common.slot_mapping,
+            )
+            return
         placeholder = torch.zeros(len(encoder_reqs), dtype=torch.long, device=runner.device)
         with set_forward_context(ForwardContext(metadata, cross_kv_only=True)):
             runner.model(placeholder, placeholder, encoder_hidden_states=encoder_hidden_states)

@@ -1,0 +1,194 @@
+"""Absorbed cross-attention: every decoder layer attends over the one cached encoder output E.
+
+Per layer and head h, with E [S, d] a request's encoder output (exact algebra):
+    scores_h = q_h (E W_k,h + b_k,h)^T = (q_h W_k,h^T) E^T + const   (const cancels in softmax)
+    out_h    = softmax(scores_h) (E W_v,h + b_v,h) = (softmax(scores_h) E) W_v,h + b_v,h
+So a step projects the query into model space (`absorb_query`: q' = q W_k^T, [T, H, d]),
+attends over the paged E (`attend_encoder_states`: a torch reference here, a Triton kernel in
+`triton_absorbed.py`), and applies W_v and b_v to the [T, H, d] context (`project_values`).
+
+Cache layout: a pool block of an attention layer is two halves (K and V) of rows; encoder states
+use both halves, `rows_per_half` encoder positions each: `states` [2, num_blocks, rows_per_half,
+d] and, for fp8, `scales` [2, num_blocks, rows_per_half]. Encoder position p of a request lives in
+block table entry p // block_size at offset o = p % block_size: half o // rows_per_half, row
+o % rows_per_half (block_size = 2 * rows_per_half).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from v1.quantization.fp8 import quantize_rows
+
+
+@dataclass
+class CrossProjection:
+    """One layer's K/V projection of the encoder output, as the absorbed path reads it: the
+    fused [W_k; W_v] weight [2 * Hkv * D, d] (fp8 with per-row scales when quantized) and the
+    bias (b_k is never read: it cancels in softmax)."""
+
+    weight: torch.Tensor
+    weight_scale: torch.Tensor | None
+    bias: torch.Tensor | None
+    head_size: int
+
+    @classmethod
+    def of(cls, kv_proj: Any, head_size: int) -> CrossProjection:
+        """From a fused k/v `Linear` (with `weight_scale` when fp8-quantized)."""
+        scale = getattr(kv_proj, "weight_scale", None)
+        return cls(kv_proj.weight, scale, kv_proj.bias, head_size)
+
+    def halves(self) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self.weight.shape[0] // 2
+        return self.weight[:rows], self.weight[rows:]
+
+
+def _per_head(weight: torch.Tensor, num_heads: int, head_size: int) -> torch.Tensor:
+    """[Hkv * D, d] -> [H, D, d], repeating each kv head's rows for its query heads."""
+    num_kv_heads = weight.shape[0] // head_size
+    w = weight.view(num_kv_heads, head_size, weight.shape[1])
+    if num_kv_heads != num_heads:
+        w = w.repeat_interleave(num_heads // num_kv_heads, dim=0)
+    return w
+
+
+def _scale_per_head(scale: torch.Tensor, num_heads: int, head_size: int) -> torch.Tensor:
+    """[Hkv * D] -> [H, D] (the per-output-channel scales of an fp8 weight)."""
+    s = scale.view(-1, head_size)
+    if s.shape[0] != num_heads:
+        s = s.repeat_interleave(num_heads // s.shape[0], dim=0)
+    return s
+
+
+def absorb_query(
+    query: torch.Tensor, proj: CrossProjection, num_heads: int, scale: float
+) -> torch.Tensor:
+    """q [T, H * D] -> q' = scale * q_h W_k,h^T per head, [T, H, d] (in q's dtype). An fp8
+    weight's per-row scales fold into q (they scale W_k's rows, which q_h contracts over)."""
+    num_tokens, head_size = query.shape[0], proj.head_size
+    w_k, _ = proj.halves()
+    q = query.view(num_tokens, num_heads, head_size).float() * scale
+    if proj.weight_scale is not None:
+        k_scale, _ = proj.weight_scale.chunk(2)
+        q = q * _scale_per_head(k_scale, num_heads, head_size)
+    q = q.to(query.dtype).transpose(0, 1)  # [H, T, D]
+    w = _per_head(w_k, num_heads, head_size).to(query.dtype)  # [H, D, d]
+    return torch.bmm(q, w).transpose(0, 1)  # [T, H, d]
+
+
+def project_values(context: torch.Tensor, proj: CrossProjection) -> torch.Tensor:
+    """context [T, H, d] (attention over E) -> out_h = context_h W_v,h^T + b_v,h, [T, H * D].
+    Exact because every row of softmax weights sums to one."""
+    num_tokens, num_heads, _ = context.shape
+    head_size = proj.head_size
+    _, w_v = proj.halves()
+    bias = None if proj.bias is None else proj.bias.chunk(2)[1]
+    w = _per_head(w_v, num_heads, head_size).to(context.dtype)  # [H, D, d]
+    out = torch.bmm(context.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1)  # [T, H, D]
+    if proj.weight_scale is not None:
+        _, v_scale = proj.weight_scale.chunk(2)
+        out = (out.float() * _scale_per_head(v_scale, num_heads, head_size)).to(context.dtype)
+    if bias is not None:
+        b = bias.view(-1, head_size)
+        if b.shape[0] != num_heads:
+            b = b.repeat_interleave(num_heads // b.shape[0], dim=0)
+        out = out + b.to(out.dtype)
+    return out.reshape(num_tokens, num_heads * head_size)
+
+
+# ---- the encoder-states cache ----
+
+
+def states_index(
+    slots: torch.Tensor, rows_per_half: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Flat slots (block_id * block_size + offset) -> (half, block, row) indices into
+    `states` [2, num_blocks, rows_per_half, d]."""
+    block_size = 2 * rows_per_half
+    block, offset = slots // block_size, slots % block_size
+    return offset // rows_per_half, block, offset % rows_per_half
+
+
+def write_encoder_states(
+    rows: torch.Tensor,
+    states: torch.Tensor,
+    scales: torch.Tensor | None,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Encoder output rows [N, d] -> the cache at flat slots (-1 skips a row); fp8 caches
+    (`scales` given) store each row quantized with its own scale."""
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    half, block, row = states_index(slots, states.shape[2])
+    values = rows[: slot_mapping.shape[0]][valid]
+    if scales is None:
+        states[half, block, row] = values.to(states.dtype)
+        return
+    q, s = quantize_rows(values)
+    states[half, block, row] = q
+    scales[half, block, row] = s
+
+
+def attend_encoder_states_torch(
+    q_abs: torch.Tensor,
+    states: torch.Tensor,
+    scales: torch.Tensor | None,
+    metadata: Any,
+) -> torch.Tensor:
+    """The reference: q' [T, H, d] (scale folded in) attends over each request's encoder states
+    -> context [T, H, d]. The torch SDPA backend's metadata (built with the encoder-states
+    block size; from any other backend's `common` here) gives every request's rows of E as
+    padded key slots; the heads of a query token attend as separate query rows over the one E
+    (multi-query attention of width d)."""
+    from v1.attention.backend import AttentionType
+    from v1.attention.backends.torch_sdpa import SDPAMetadata, SDPAMetadataBuilder
+
+    if not isinstance(metadata, SDPAMetadata):
+        builder = SDPAMetadataBuilder(
+            AttentionType.ENCODER_DECODER, q_abs.device, 2 * states.shape[2]
+        )
+        metadata = builder.build(metadata.common)
+    md, common = metadata, metadata.common
+    num_heads, dim = q_abs.shape[1], q_abs.shape[2]
+    num_tokens = common.num_actual_tokens
+    num_reqs = common.num_reqs
+    max_q = md.mask.shape[2]
+    half, block, row = states_index(md.key_gather, states.shape[2])
+    keys = states[half, block, row]  # [R, max_k, d]
+    if scales is not None:
+        keys = keys.float() * scales[half, block, row][..., None]
+    keys = keys.to(q_abs.dtype)[:, None]  # [R, 1, max_k, d]
+    q = q_abs.new_zeros(num_reqs, max_q, num_heads, dim)
+    q[md.token_req, md.token_local] = q_abs[:num_tokens]
+    q = q.reshape(num_reqs, 1, max_q * num_heads, dim)  # row j * H + h: token j, head h
+    mask = md.mask.repeat_interleave(num_heads, dim=2)  # [R, 1, max_q * H, max_k]
+    out = F.scaled_dot_product_attention(q, keys, keys, attn_mask=mask, scale=1.0)
+    out = out.reshape(num_reqs, max_q, num_heads, dim)[md.token_req, md.token_local]
+    if q_abs.shape[0] > num_tokens:  # padded batch: pad rows come back as zeros
+        out = torch.cat([out, out.new_zeros(q_abs.shape[0] - num_tokens, num_heads, dim)])
+    return out  # [T, H, d]
+
+
+def absorbed_cross_attention(
+    query: torch.Tensor,
+    proj: CrossProjection,
+    states: torch.Tensor,
+    scales: torch.Tensor | None,
+    metadata: Any,
+    num_heads: int,
+    scale: float,
+) -> torch.Tensor:
+    """One layer's cross-attention over the cached encoder states: query [T, H * D] ->
+    [T, H * D] (the input of the layer's output projection)."""
+    q_abs = absorb_query(query, proj, num_heads, scale)  # [T, H, d]
+    if q_abs.is_cuda and hasattr(metadata, "work"):  # the Triton backend's work items
+        from v1.attention.ops.triton_absorbed import attend_encoder_states_triton
+
+        context = attend_encoder_states_triton(q_abs, states, scales, metadata)
+    else:
+        context = attend_encoder_states_torch(q_abs, states, scales, metadata)
+    return project_values(context, proj)

@@ -1,0 +1,325 @@
+"""FP8 (float8_e4m3fn): the row quantizer, fp8 Linear layers and fp8 checkpoints.
+
+`quantize_rows` is the one quantizer of the engine, one float32 scale per row of the last
+dimension: Linear weights (a row = an output channel), activations (a row = a token), cached K/V
+(a row = one head of one token) and encoder states (a row = one encoder position).
+
+`quantize_model_fp8` turns every `Linear` of a loaded model into an fp8 layer: weight float8_e4m3fn
+[N, K] with per-output-channel scales [N]; each call quantizes its input per token and multiplies
+with `torch._scaled_mm` on sm89+ GPUs, or with the exact dequantize-then-matmul reference (CPU,
+and GPUs or shapes _scaled_mm cannot serve). LM heads, embeddings and convolutions keep the model
+dtype. `Fp8CheckpointReader` loads checkpoints already in fp8 (compressed-tensors, or a
+`quantization_config` with quant_method "fp8"): per-tensor, per-channel or block-wise scales.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from v1.logger import init_logger
+
+logger = init_logger(__name__)
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+_MIN_SCALE = 1e-12
+"""Scale of an all-zero row (any positive value dequantizes it to zeros)."""
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., n] -> (fp8 [..., n], float32 scales [...]) with x ~= q * scale[..., None]; each
+    row's largest magnitude maps to the fp8 maximum (448)."""
+    amax = x.abs().amax(dim=-1).float()
+    scale = (amax / FP8_MAX).clamp(min=_MIN_SCALE)
+    q = (x.float() / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of `quantize_rows` (up to fp8 rounding), in `dtype`."""
+    return (q.float() * scale[..., None]).to(dtype)
+
+
+# ---- GEMMs ----
+
+
+def fp8_gemm_reference(
+    x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
+) -> torch.Tensor:
+    """The exact product of the dequantized operands: x [M, K] (per-row scales) times
+    weight [N, K]^T (per-row scales) in float32 -> [M, N]."""
+    return (x_q.float() * x_scale[:, None]) @ (weight.float() * weight_scale[:, None]).T
+
+
+def _scaled_mm(
+    x_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """torch._scaled_mm with row-wise scales: per token (A) and per output channel (B)."""
+    return torch._scaled_mm(
+        x_q,
+        weight.t(),  # [K, N] column-major, as _scaled_mm wants its second operand
+        scale_a=x_scale[:, None].contiguous(),
+        scale_b=weight_scale[None, :].contiguous(),
+        out_dtype=out_dtype,
+    )
+
+
+_SCALED_MM_OUT: dict[tuple[int, torch.dtype], torch.dtype | None] = {}
+
+
+def scaled_mm_out_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype | None:
+    """The output dtype row-wise `torch._scaled_mm` gives on this GPU for a `dtype` model (some
+    builds produce bfloat16 only), or None where it cannot run (no CUDA, before sm89). Probed
+    once per device and dtype, outside any CUDA graph capture (at model load)."""
+    if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, dtype)
+    if key not in _SCALED_MM_OUT:
+        _SCALED_MM_OUT[key] = None
+        if torch.cuda.get_device_capability(index) >= (8, 9):
+            a = torch.ones(16, 32, device=device).to(FP8_DTYPE)
+            scale = torch.ones(16, device=device)
+            for out_dtype in dict.fromkeys((dtype, torch.bfloat16)):
+                try:
+                    _scaled_mm(a, scale, a, scale, out_dtype)
+                except RuntimeError as e:
+                    logger.info("row-wise _scaled_mm to %s unavailable: %s", out_dtype, e)
+                    continue
+                _SCALED_MM_OUT[key] = out_dtype
+                break
+    return _SCALED_MM_OUT[key]
+
+
+class Fp8LinearMethod:
+    """What an fp8 `Linear` computes: y = dequant(quant(x)) dequant(W)^T + b, per-token
+    activation scales and per-channel weight scales."""
+
+    def __init__(self, scaled_mm_out: torch.dtype | None) -> None:
+        self.scaled_mm_out = scaled_mm_out
+        """Output dtype of the GPU GEMM (None: the reference GEMM)."""
+        self._dequantized: dict[int, torch.Tensor] = {}
+        """CPU only: id(layer) -> its dequantized float32 weight (the reference's right operand
+        does not change, and recomputing it every call makes CPU tests slow)."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])  # [M, K]
+        x_q, x_scale = quantize_rows(x2)
+        weight, weight_scale = layer.weight, layer.weight_scale
+        n, k = weight.shape
+        if self.scaled_mm_out is not None and x2.is_cuda and n % 16 == 0 and k % 16 == 0:
+            out = _scaled_mm(x_q, x_scale, weight, weight_scale, self.scaled_mm_out)
+        elif x2.is_cuda:
+            out = fp8_gemm_reference(x_q, x_scale, weight, weight_scale)
+        else:
+            w = self._dequantized.get(id(layer))
+            if w is None:
+                w = self._dequantized[id(layer)] = weight.float() * weight_scale[:, None]
+            out = (x_q.float() * x_scale[:, None]) @ w.T
+        out = out.to(x.dtype)
+        if layer.bias is not None:
+            out = out + layer.bias
+        return out.view(*shape[:-1], n)
+
+
+def quantize_linear_(layer: nn.Module, method: Fp8LinearMethod) -> None:
+    """Replace a loaded Linear's weight by fp8 [N, K] and per-channel `weight_scale` [N]."""
+    weight, weight_scale = quantize_rows(layer.weight.data)
+    layer.weight = nn.Parameter(weight, requires_grad=False)
+    layer.weight_scale = nn.Parameter(weight_scale, requires_grad=False)
+    layer.quant_method = method
+
+
+def quantize_model_fp8(model: nn.Module, skip: set[str] | frozenset[str] = frozenset()) -> int:
+    """Quantize every `Linear` of a loaded model (but the module names in `skip`) in place;
+    returns how many."""
+    from v1.models.layers.linear import Linear
+
+    layers = [
+        (name, m) for name, m in model.named_modules() if isinstance(m, Linear) and name not in skip
+    ]
+    if not layers:
+        return 0
+    param = layers[0][1].weight
+    method = Fp8LinearMethod(scaled_mm_out_dtype(param.device, param.dtype))
+    for _, layer in layers:
+        quantize_linear_(layer, method)
+    logger.info(
+        "fp8: %d Linear layers quantized (%s GEMM)",
+        len(layers),
+        "torch._scaled_mm" if method.scaled_mm_out is not None else "dequantize reference",
+    )
+    return len(layers)
+
+
+# ---- checkpoints already in fp8 ----
+
+_DYNAMIC_SCALE_SUFFIXES = (".input_scale", ".k_scale", ".v_scale", ".output_scale")
+"""Static activation / KV scales of some fp8 checkpoints: the engine scales per token instead."""
+_SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")
+
+
+@dataclass(frozen=True)
+class Fp8CheckpointConfig:
+    """The fp8 `quantization_config` of a checkpoint."""
+
+    quant_method: str
+    weight_block_size: tuple[int, int] | None = None
+    """Block-wise weight scales [ceil(N / bn), ceil(K / bk)] (else per tensor or channel)."""
+
+    @classmethod
+    def from_hf_config(cls, hf_config: Any) -> Fp8CheckpointConfig | None:
+        """None when the checkpoint is not quantized; ValueError when it is quantized in a way
+        the engine cannot read."""
+        qc = getattr(hf_config, "quantization_config", None)
+        if qc is None:
+            return None
+        if not isinstance(qc, dict):
+            qc = qc.to_dict() if hasattr(qc, "to_dict") else vars(qc)
+        method = qc.get("quant_method")
+        if method == "fp8":
+            block = qc.get("weight_block_size")
+            return cls("fp8", tuple(block) if block else None)
+        if method == "compressed-tensors":
+            _check_compressed_tensors(qc)
+            return cls("compressed-tensors")
+        raise ValueError(
+            f"unsupported checkpoint quantization {method!r}: fp8 checkpoints (quant_method "
+            "'fp8' or 'compressed-tensors' float8) load; others do not"
+        )
+
+
+def _check_compressed_tensors(qc: dict[str, Any]) -> None:
+    groups = qc.get("config_groups") or {}
+    if not groups:
+        raise ValueError("compressed-tensors quantization_config has no config_groups")
+    for name, group in groups.items():
+        weights = group.get("weights") or {}
+        if (weights.get("num_bits"), weights.get("type")) != (8, "float"):
+            raise ValueError(
+                f"compressed-tensors group {name!r} quantizes weights to "
+                f"{weights.get('num_bits')}-bit {weights.get('type')}: only 8-bit float (fp8) "
+                "checkpoints load"
+            )
+        if weights.get("strategy") not in ("tensor", "channel", "block"):
+            raise ValueError(
+                f"compressed-tensors group {name!r}: fp8 weight strategy "
+                f"{weights.get('strategy')!r} is not supported (tensor, channel or block)"
+            )
+
+
+def dequantize_weight(
+    weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int] | None
+) -> torch.Tensor:
+    """An fp8 checkpoint weight [N, K] and its scale (per tensor [] or [1], per channel [N] or
+    [N, 1], or per block [ceil(N / bn), ceil(K / bk)]) -> float32 [N, K]."""
+    n, k = weight.shape
+    scale = scale.float()
+    if scale.numel() == 1:
+        return weight.float() * scale.reshape(())
+    if scale.numel() == n and (scale.dim() == 1 or scale.shape[-1] == 1):
+        return weight.float() * scale.reshape(n, 1)
+    if scale.dim() == 2:
+        bn = block_size[0] if block_size else -(-n // scale.shape[0])
+        bk = block_size[1] if block_size else -(-k // scale.shape[1])
+        if scale.shape == (-(-n // bn), -(-k // bk)):
+            full = scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+            return weight.float() * full
+    raise ValueError(
+        f"cannot read an fp8 weight {tuple(weight.shape)} with a scale of shape "
+        f"{tuple(scale.shape)}"
+    )
+
+
+class Fp8CheckpointReader:
+    """Reads an fp8 checkpoint's tensors into a model built in its high-precision dtype: each
+    fp8 `*.weight` is dequantized with its `*.weight_scale` (or `*.weight_scale_inv`) and
+    marked, static activation/KV scales are dropped. After loading, `quantize_loaded` quantizes
+    (per channel) every Linear whose weight came only from fp8 tensors: layers the checkpoint
+    kept in high precision (its ignore list) stay so."""
+
+    MARK = "_v1_from_fp8"
+
+    def __init__(self, config: Fp8CheckpointConfig) -> None:
+        self.config = config
+        self._loads: dict[int, list[bool]] = {}
+        """id(Linear) -> per loaded weight tensor: did it come from fp8?"""
+        self._linears: list[nn.Module] = []
+
+    def read(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        pending_weights: dict[str, torch.Tensor] = {}
+        pending_scales: dict[str, torch.Tensor] = {}
+        for name, tensor in weights:
+            if name.endswith(_DYNAMIC_SCALE_SUFFIXES):
+                continue
+            scale_suffix = next((s for s in _SCALE_SUFFIXES if name.endswith(s)), None)
+            if scale_suffix is not None:
+                base = name.removesuffix(scale_suffix)
+                if base in pending_weights:
+                    yield self._dequantized(base, pending_weights.pop(base), tensor)
+                else:
+                    pending_scales[base] = tensor
+            elif name.endswith(".weight") and tensor.dtype == FP8_DTYPE:
+                base = name.removesuffix(".weight")
+                if base in pending_scales:
+                    yield self._dequantized(base, tensor, pending_scales.pop(base))
+                else:
+                    pending_weights[base] = tensor
+            else:
+                yield name, tensor
+        if pending_weights or pending_scales:
+            unpaired = sorted(pending_weights) + sorted(pending_scales)
+            raise ValueError(f"fp8 weights and scales that do not pair up: {unpaired[:10]}")
+
+    def _dequantized(
+        self, base: str, weight: torch.Tensor, scale: torch.Tensor
+    ) -> tuple[str, torch.Tensor]:
+        tensor = dequantize_weight(weight, scale, self.config.weight_block_size)
+        setattr(tensor, self.MARK, True)
+        return f"{base}.weight", tensor
+
+    def track(self, model: nn.Module) -> None:
+        """Before loading: record, for every Linear, which of its weight tensors were fp8."""
+        from v1.models.layers.linear import Linear
+
+        for module in model.modules():
+            if not isinstance(module, Linear):
+                continue
+            loads = self._loads.setdefault(id(module), [])
+            self._linears.append(module)
+            param = module.weight
+            inner = param.weight_loader
+
+            def loader(
+                p: Any, loaded: torch.Tensor, *args: Any, _inner=inner, _loads=loads
+            ) -> None:
+                _loads.append(bool(getattr(loaded, Fp8CheckpointReader.MARK, False)))
+                _inner(p, loaded, *args)
+
+            param.weight_loader = loader
+
+    def quantize_loaded(self, model: nn.Module) -> int:
+        """After loading: quantize the Linear layers loaded only from fp8 tensors."""
+        skip = {
+            name
+            for name, module in model.named_modules()
+            if id(module) in self._loads
+            and not (self._loads[id(module)] and all(self._loads[id(module)]))
+        }
+        for module in self._linears:
+            module.weight.weight_loader = module.weight_loader
+        if skip:
+            logger.info("fp8 checkpoint: %d Linear layers stay in high precision", len(skip))
+        return quantize_model_fp8(model, skip)

@@ -1,0 +1,121 @@
+"""Device tensors of the KV cache pool and the views every paged layer reads.
+
+One uint8 buffer per KVCacheTensor, shared by the j-th layer of every group. All specs that share
+a buffer agree on where block i lives: two halves (K and V) of `num_blocks` chunks of values,
+then, for fp8 caches, two halves of `num_blocks` chunks of float32 scales:
+    [values: half 0 | half 1][scales: half 0 | half 1], each half [num_blocks, chunk].
+An attention layer sees values [2, num_blocks, block_size, Hkv, D] (+ scales [2, num_blocks,
+block_size, Hkv]); the encoder states of absorbed cross-attention see the first
+`rows_per_half * d` values of each chunk as [2, num_blocks, rows_per_half, d] (+ scales [2,
+num_blocks, rows_per_half]).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from v1.kv_cache.spec import SCALE_BYTES, EncoderStatesSpec, KVCacheConfig, KVCacheSpec
+
+_TORCH_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _TORCH_DTYPES[name]
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    """Bytes of one block's chunk in each half: values, and scales (0 unless fp8)."""
+
+    value_chunk: int
+    scale_chunk: int
+
+    @classmethod
+    def of(cls, spec: KVCacheSpec) -> PoolLayout:
+        """The layout an attention spec (not encoder states) defines."""
+        rows = spec.block_size * spec.num_kv_heads
+        value_bytes = torch_dtype(spec.dtype).itemsize
+        return cls(
+            rows * spec.head_size * value_bytes, rows * SCALE_BYTES if spec.has_scales else 0
+        )
+
+
+@dataclass
+class LayerCache:
+    values: torch.Tensor
+    scales: torch.Tensor | None
+
+
+def _halves(buffer: torch.Tensor, start: int, num_blocks: int, chunk: int) -> torch.Tensor:
+    """Bytes [start, start + 2 * num_blocks * chunk) as [2, num_blocks, chunk]."""
+    return buffer[start : start + 2 * num_blocks * chunk].view(2, num_blocks, chunk)
+
+
+def attention_views(
+    buffer: torch.Tensor, spec: KVCacheSpec, num_blocks: int, layout: PoolLayout
+) -> LayerCache:
+    """values [2, num_blocks, block_size, Hkv, D] and (fp8) scales [2, num_blocks, block_size,
+    Hkv] of one attention layer."""
+    dtype = torch_dtype(spec.dtype)
+    shape = (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+    values = _halves(buffer, 0, num_blocks, layout.value_chunk).view(dtype).view(shape)
+    scales = None
+    if spec.has_scales:
+        start = 2 * num_blocks * layout.value_chunk
+        raw = _halves(buffer, start, num_blocks, layout.scale_chunk)
+        scales = raw.view(torch.float32).view(shape[:-1])
+    return LayerCache(values, scales)
+
+
+def encoder_states_views(
+    buffer: torch.Tensor, spec: EncoderStatesSpec, num_blocks: int, layout: PoolLayout | None
+) -> LayerCache:
+    """values [2, num_blocks, rows_per_half, d] and (fp8) scales [2, num_blocks, rows_per_half]
+    inside the chunks of `layout` (the attention layers' that share the buffer; None: the
+    encoder states alone, chunks exactly their size)."""
+    dtype = torch_dtype(spec.dtype)
+    rows, dim = spec.block_size // 2, spec.head_size
+    if layout is None:
+        layout = PoolLayout(rows * dim * dtype.itemsize, rows * SCALE_BYTES * spec.has_scales)
+    assert rows * dim * dtype.itemsize <= layout.value_chunk
+    values = _halves(buffer, 0, num_blocks, layout.value_chunk)[:, :, : rows * dim * dtype.itemsize]
+    values = values.view(dtype).view(2, num_blocks, rows, dim)
+    scales = None
+    if spec.has_scales:
+        assert rows * SCALE_BYTES <= layout.scale_chunk
+        start = 2 * num_blocks * layout.value_chunk
+        raw = _halves(buffer, start, num_blocks, layout.scale_chunk)[:, :, : rows * SCALE_BYTES]
+        scales = raw.view(torch.float32)
+    return LayerCache(values, scales)
+
+
+def allocate_kv_cache(config: KVCacheConfig, device: torch.device) -> dict[str, LayerCache]:
+    """Zeroed buffers for `config` and the views of every layer (and of the encoder states,
+    under their pseudo-layer name), by layer name."""
+    spec_of = {name: group.spec for group in config.groups for name in group.layer_names}
+    views: dict[str, LayerCache] = {}
+    for tensor in config.tensors:
+        buffer = torch.zeros(tensor.size_bytes, dtype=torch.uint8, device=device)
+        attention_specs = [
+            spec_of[name]
+            for name in tensor.shared_by
+            if not isinstance(spec_of[name], EncoderStatesSpec)
+        ]
+        layout = PoolLayout.of(attention_specs[0]) if attention_specs else None
+        for name in tensor.shared_by:
+            spec = spec_of[name]
+            if isinstance(spec, EncoderStatesSpec):
+                views[name] = encoder_states_views(buffer, spec, config.num_blocks, layout)
+            else:
+                assert layout is not None and PoolLayout.of(spec) == layout, (
+                    f"{name}: layers sharing a KV tensor must lay blocks out alike"
+                )
+                views[name] = attention_views(buffer, spec, config.num_blocks, layout)
+    return views
