@@ -50,6 +50,7 @@ class Request:
         arrival_time: float = 0.0,
         priority: int = 0,
         max_model_len: int = 1 << 30,
+        group_id: str | None = None,
     ) -> None:
         if (sampling_params is None) == (pooling_params is None):
             raise ValueError("a request needs exactly one of sampling_params and pooling_params")
@@ -62,6 +63,10 @@ class Request:
         self.eos_token_id = eos_token_id
         self.arrival_time = arrival_time
         self.priority = priority
+        self.group_id = group_id if group_id is not None else request_id
+        """Fair-share group in the waiting queue (see EngineCoreRequest.group_id)."""
+        self.num_times_passed = 0
+        """Steps in which a later waiting request was admitted while this one could not run."""
 
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
@@ -93,6 +98,7 @@ class Request:
             arrival_time=req.arrival_time,
             priority=req.priority,
             max_model_len=max_model_len,
+            group_id=req.group_id,
         )
 
     # ---- derived ----
