@@ -42,14 +42,14 @@ def check_engine_capacity(config: EngineConfig, kv_cache_config: KVCacheConfig) 
                 f"reserved). Raise num_kv_blocks (or kv_cache_memory_bytes / "
                 f"gpu_memory_utilization){hint}"
             )
-    if mc.kind != ModelKind.ENCODER_ONLY and not sc.enable_chunked_prefill:
-        if sc.max_num_batched_tokens < max_model_len:
-            raise ValueError(
-                f"with enable_chunked_prefill=False a prompt runs whole in one step, but "
-                f"max_num_batched_tokens={sc.max_num_batched_tokens} is below "
-                f"max_model_len={max_model_len}: raise max_num_batched_tokens, lower "
-                f"max_model_len or enable chunked prefill"
-            )
+    unchunked = mc.kind != ModelKind.ENCODER_ONLY and not sc.enable_chunked_prefill
+    if unchunked and sc.max_num_batched_tokens < max_model_len:
+        raise ValueError(
+            f"with enable_chunked_prefill=False a prompt runs whole in one step, but "
+            f"max_num_batched_tokens={sc.max_num_batched_tokens} is below "
+            f"max_model_len={max_model_len}: raise max_num_batched_tokens, lower "
+            f"max_model_len or enable chunked prefill"
+        )
     if max_encoder_len:
         for name, value in (
             ("max_num_encoder_input_tokens", config.encoder_budget),
