@@ -128,7 +128,7 @@ def test_truncation_and_input_order(scorer: LLM) -> None:
 
 
 def test_generator_rejects_pooling_calls(tiny_llama_dir: str) -> None:
-    with LLM(tiny_llama_dir, multiprocess=False, num_kv_blocks=16) as llm:
+    with LLM(tiny_llama_dir, multiprocess=False, num_kv_blocks=17) as llm:
         for call in (llm.embed, llm.classify):
             with pytest.raises(ValueError, match="generative"):
                 call("hello")

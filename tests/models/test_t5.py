@@ -257,6 +257,8 @@ def make_core(path: str, **overrides: Any) -> EngineCore:
         device="cpu",
         num_kv_blocks=18,
         block_size=4,
+        max_model_len=32,  # one longest request (8 + 8 blocks) fits the crowded cache
+        max_encoder_input_len=32,
         max_num_seqs=4,
         max_num_batched_tokens=8,
         max_num_encoder_input_tokens=48,
@@ -334,6 +336,8 @@ def test_llm_generate_matches_transformers(checkpoints: Checkpoints, tokenizer_d
         device="cpu",
         num_kv_blocks=64,
         block_size=4,
+        max_model_len=64,  # one longest request (16 + 16 blocks) fits
+        max_encoder_input_len=64,
     )
     try:
         params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]

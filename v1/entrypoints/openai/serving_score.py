@@ -105,16 +105,16 @@ class ServingScore(ServingPooling):
         request_id = random_id("score")
         if self.is_cross_encoder:
             params = self.pooling_params("model", task="score")
-            prompts = self.text_inputs(pairs, truncate, param)
-            outputs = await self.run_pooling(request, prompts, params, request_id)
+            prompts = await self.offload(self.text_inputs, pairs, truncate, param)
+            outputs = await self.run_pooling(request, prompts, params, request_id, param)
             scores = [float(np.asarray(o.outputs.data).reshape(-1)[0]) for o in outputs]
             self.metrics.prompt_tokens.inc(sum(len(o.prompt_token_ids) for o in outputs))
             return scores, sum(len(o.prompt_token_ids) for o in outputs)
         # Bi-encoder: embed every distinct text once, then the cosine of each pair.
         texts = list(dict.fromkeys(t for pair in pairs for t in pair))
         params = self.pooling_params("model", task="embed")
-        prompts = self.text_inputs(texts, truncate, param)
-        outputs = await self.run_pooling(request, prompts, params, request_id)
+        prompts = await self.offload(self.text_inputs, texts, truncate, param)
+        outputs = await self.run_pooling(request, prompts, params, request_id, param)
         vectors = {
             t: np.asarray(o.outputs.data, dtype=np.float32).reshape(-1)
             for t, o in zip(texts, outputs, strict=True)
