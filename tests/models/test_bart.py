@@ -378,8 +378,8 @@ def make_core(path: str, **overrides: Any) -> EngineCore:
         max_num_seqs=3,
         block_size=BLOCK,
         num_kv_blocks=14,
-        max_model_len=24,  # one longest request (6 + 6 blocks) fits the crowded cache
-        max_encoder_input_len=24,
+        max_model_len=20,  # one longest request (5 + 8 blocks) fits the crowded cache
+        max_encoder_input_len=32,
         enable_prefix_caching=False,
     )
     args.update(overrides)
@@ -592,10 +592,8 @@ LLM_ARGS = dict(
     multiprocess=False,
     device="cpu",
     block_size=BLOCK,
-    num_kv_blocks=24,
+    num_kv_blocks=33,  # one longest request (16 + 16 blocks) fits
     max_num_seqs=3,
-    max_model_len=32,  # one longest request (8 + 8 blocks) fits
-    max_encoder_input_len=32,
 )
 LANG_CODE = 300
 """An mBART-style target-language token, forced first by the generation config."""

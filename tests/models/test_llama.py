@@ -150,7 +150,7 @@ def test_llm_caps_max_model_len_at_the_sliding_window(
     )
     hf_model = AutoModelForCausalLM.from_pretrained(path).eval()
     prompt = [1, *range(40, 49)]  # 10 tokens
-    args = dict(multiprocess=False, device="cpu", block_size=4, num_kv_blocks=16, max_model_len=60)
+    args = dict(multiprocess=False, device="cpu", block_size=4, num_kv_blocks=16)
     with pytest.raises(ValueError, match=f"sliding window of {WINDOW}"):
         LLM(path, max_model_len=2 * WINDOW, **args)
     with caplog.at_level(logging.WARNING, logger="v1.config"), LLM(path, **args) as llm:

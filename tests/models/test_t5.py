@@ -257,8 +257,6 @@ def make_core(path: str, **overrides: Any) -> EngineCore:
         device="cpu",
         num_kv_blocks=18,
         block_size=4,
-        max_model_len=32,  # one longest request (8 + 8 blocks) fits the crowded cache
-        max_encoder_input_len=32,
         max_num_seqs=4,
         max_num_batched_tokens=8,
         max_num_encoder_input_tokens=48,
@@ -302,7 +300,8 @@ def test_greedy_matches_transformers_under_preemption(
     refs = hf_refs
     # Greedy outputs that vary: a position-blind bias would not reproduce them.
     assert max(len(set(r.token_ids)) for r in refs) >= 8
-    core = make_core(path)
+    # One longest request (24 decoder tokens + 40 encoder positions: 6 + 10 blocks) fits.
+    core = make_core(path, max_model_len=24, max_encoder_input_len=40)
     decoder_start = hf_model.config.decoder_start_token_id
     for i, ref in enumerate(refs):
         core.add_request(generation_request(i, ref, decoder_start))

@@ -1,8 +1,11 @@
 """Audio decoding for the frontend: a path, bytes, file-like or (array, rate) -> float32 mono 16 kHz.
 
 WAV/FLAC/OGG decode through soundfile, MP3/M4A/WebM and anything libsndfile cannot open through
-PyAV. Blocks are mixed to mono and resampled with soxr (librosa's resampler) as they are decoded,
-so the duration cap stops a decompression bomb long before it is decoded into memory.
+PyAV. Blocks are mixed to mono and resampled with soxr (librosa's resampler) as they are decoded.
+Duration counts twice against the cap: the length the file declares (its header, or for
+compressed streams the sum of its packets' durations, read without decoding) is checked before
+decoding, so a file hiding its length is refused in constant memory, and the decoded length is
+counted as blocks arrive.
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ _SF_UNKNOWN_FRAMES = 2**63 - 1
 # libsndfile's MP3 reader pads truncated streams with silence and logs to stderr; ffmpeg is
 # the better MP3 decoder.
 _PYAV_FORMATS = frozenset({"MP3"})
+# Compressed formats libsndfile reads whose header length may be absent or false: their
+# packets are counted (demuxed, not decoded) before decoding.
+_DEMUX_CHECKED_FORMATS = frozenset({"FLAC", "OGG"})
 # RIFF sizes that streaming writers leave in place of the real one.
 _WAV_UNKNOWN_SIZES = (0, 0xFFFFFFFF)
 _WAV_PLACEHOLDER_MIN = 0x7FFFF000
@@ -248,13 +254,15 @@ def _decode_bytes(data: bytes, max_seconds: float) -> np.ndarray:
     with sf_file:
         if sf_file.format in _PYAV_FORMATS or sf_file.frames == _SF_UNKNOWN_FRAMES:
             return _decode_pyav(data, max_seconds, soundfile_error=None)
-        return _decode_soundfile(sf_file, max_seconds)
+        return _decode_soundfile(sf_file, max_seconds, data)
 
 
-def _decode_soundfile(sf_file: sf.SoundFile, max_seconds: float) -> np.ndarray:
+def _decode_soundfile(sf_file: sf.SoundFile, max_seconds: float, data: bytes) -> np.ndarray:
     sample_rate = _check_sample_rate(sf_file.samplerate)
     if sf_file.frames > max_seconds * sample_rate:  # header length: reject before decoding
         raise AudioError(_too_long(sf_file.frames / sample_rate, max_seconds))
+    if sf_file.format in _DEMUX_CHECKED_FORMATS:
+        check_packet_duration(data, max_seconds)  # a header may understate the length
     collector = _MonoCollector(sample_rate, max_seconds)
     try:
         for block in sf_file.blocks(_BLOCK_FRAMES, dtype="float32", always_2d=True):
@@ -264,9 +272,43 @@ def _decode_soundfile(sf_file: sf.SoundFile, max_seconds: float) -> np.ndarray:
     return collector.finish()
 
 
+def check_packet_duration(data: bytes, max_seconds: float) -> float | None:
+    """Seconds of audio the container's packets hold, summed without decoding (constant
+    memory, about 0.1 s per hour of FLAC); raises AudioError as soon as the sum passes
+    `max_seconds`. None when the container cannot be read or its packets carry no durations
+    (the decoded length is still counted while decoding)."""
+    try:
+        container = av.open(io.BytesIO(data), mode="r", metadata_errors="ignore")
+    except av.FFmpegError:
+        return None  # the decoder says what is wrong with it
+    with container:
+        if not container.streams.audio:
+            return None
+        stream = container.streams.audio[0]
+        time_base = stream.time_base
+        if not time_base:
+            return None
+        limit = max_seconds / float(time_base)
+        total = 0
+        try:
+            for packet in container.demux(stream):
+                if packet.duration is None or packet.size == 0:
+                    continue
+                total += packet.duration
+                if total > limit:
+                    raise AudioError(
+                        f"audio is too long: more than the limit of {max_seconds:g} s (its "
+                        f"packets hold at least {float(total * time_base):.1f} s)"
+                    )
+        except av.FFmpegError:
+            return None  # corrupt: the decoder says where
+        return float(total * time_base) if total else None
+
+
 def _decode_pyav(
     data: bytes, max_seconds: float, *, soundfile_error: sf.SoundFileError | None
 ) -> np.ndarray:
+    check_packet_duration(data, max_seconds)
     try:
         container = av.open(io.BytesIO(data), mode="r", metadata_errors="ignore")
     except av.FFmpegError as e:
