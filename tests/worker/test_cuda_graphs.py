@@ -23,7 +23,7 @@ from worker_factories import (
     runner_of,
 )
 
-from tests.utils import ASSETS, make_tiny_llama_dir
+from tests.utils import ASSETS, make_tiny_llama_dir, needs_assets
 from v1.attention.backend import AttentionType
 from v1.worker.cuda_graphs import (
     CudaGraphManager,
@@ -220,7 +220,7 @@ def test_bart_replays_give_the_eager_tokens(tmp_path) -> None:
     assert graphs.num_eager_steps == 0 and graphs.num_mixed_replays > 0
 
 
-@pytest.mark.skipif(not (ASSETS / "whisper-base").is_dir(), reason="needs whisper-base")
+@needs_assets(ASSETS / "whisper-base")
 @pytest.mark.usefixtures("emulated_backend")
 def test_whisper_first_steps_replay(tmp_path) -> None:
     from tests.models.test_whisper import make_tiny_whisper_dir, make_waves

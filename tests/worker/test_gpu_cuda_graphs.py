@@ -24,7 +24,7 @@ from worker_factories import (
     runner_of,
 )
 
-from tests.utils import ASSETS, make_tiny_llama_dir
+from tests.utils import ASSETS, make_tiny_llama_dir, needs_assets
 
 pytestmark = [
     pytest.mark.gpu,
@@ -134,7 +134,7 @@ def test_bart_multi_token_decoder_prompts_replay(tmp_path, enforce_eager: bool) 
 WINDOW = 1500
 
 
-@pytest.mark.skipif(not (ASSETS / "whisper-base").is_dir(), reason="needs whisper-base")
+@needs_assets(ASSETS / "whisper-base")
 def test_whisper_first_steps_replay(tmp_path) -> None:
     """Graphs on and off in one test: graphed tokens must equal the eager ones exactly, and
     both transformers' (on CPU: if only that fails, look upstream of the graphs, e.g. the GPU

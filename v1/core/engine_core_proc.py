@@ -13,6 +13,7 @@ import logging
 import os
 import queue
 import re
+import shutil
 import signal
 import sys
 import threading
@@ -328,9 +329,12 @@ class _ParentWatch(threading.Thread):
     """Exits the process when the frontend that started it is gone: at once while the core is
     still starting, through a graceful shutdown once it serves (`proc` set)."""
 
-    def __init__(self, parent_pid: int) -> None:
+    def __init__(self, parent_pid: int, ipc_dir: str | None = None) -> None:
         super().__init__(name="ParentWatch", daemon=True)
         self.parent_pid = parent_pid
+        self.ipc_dir = ipc_dir
+        """The frontend's private socket directory: a frontend killed outright cannot remove
+        it, so the core does when it notices."""
         self.proc: EngineCoreProc | None = None
         self.stopped = threading.Event()
 
@@ -351,6 +355,8 @@ class _ParentWatch(threading.Thread):
             if not gone or self.stopped.is_set():
                 continue
             logger.warning("the frontend process %d is gone; EngineCore exits", self.parent_pid)
+            if self.ipc_dir is not None:
+                shutil.rmtree(self.ipc_dir, ignore_errors=True)
             proc = self.proc
             if proc is not None:
                 proc.request_shutdown()
@@ -374,7 +380,9 @@ def run_engine_core(
         raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    watch = _ParentWatch(os.getppid() if parent_pid is None else parent_pid)
+    watch = _ParentWatch(
+        os.getppid() if parent_pid is None else parent_pid, private_ipc_dir(input_address)
+    )
     watch.start()  # before the (possibly long) model load
     addresses = CoreAddresses(input_address, output_address)
     try:
@@ -396,6 +404,21 @@ def run_engine_core(
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+IPC_DIR_PREFIX = "v1-engine-"
+"""Name prefix of the private socket directory a client makes (tempfile.mkdtemp)."""
+
+
+def private_ipc_dir(address: str) -> str | None:
+    """The client's private socket directory an `ipc://DIR/input.sock` address lives in (None
+    for TCP or for any other path: the core removes only a directory the client made)."""
+    if not address.startswith("ipc://"):
+        return None
+    directory = os.path.dirname(address[len("ipc://") :])
+    if not os.path.basename(directory).startswith(IPC_DIR_PREFIX):
+        return None
+    return directory
 
 
 def _send_failed_handshake(output_address: str, error: str) -> None:

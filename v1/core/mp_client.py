@@ -31,7 +31,7 @@ import zmq
 from v1 import envs
 from v1.config import EngineConfig
 from v1.core.client import EngineCoreClient, EngineDeadError
-from v1.core.engine_core_proc import run_engine_core
+from v1.core.engine_core_proc import IPC_DIR_PREFIX, run_engine_core
 from v1.core.protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -175,7 +175,7 @@ class MPClient(EngineCoreClient):
             raise ValueError("give both input_address and output_address, or neither")
         ipc_dir = None
         if input_address is None or output_address is None:
-            ipc_dir = tempfile.mkdtemp(prefix="v1-engine-")  # mode 0700
+            ipc_dir = tempfile.mkdtemp(prefix=IPC_DIR_PREFIX)  # mode 0700
             input_address = f"ipc://{ipc_dir}/input.sock"
             output_address = f"ipc://{ipc_dir}/output.sock"
         else:

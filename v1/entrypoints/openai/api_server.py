@@ -364,7 +364,10 @@ def _add_inference_routes(
             list[str] | None, Form(alias="timestamp_granularities[]")
         ] = None,
         stream: Annotated[bool, Form()] = False,
+        include: Annotated[list[str] | None, Form(alias="include[]")] = None,
+        chunking_strategy: Annotated[str | None, Form()] = None,
     ) -> Response:
+        _reject_unsupported_audio(include, chunking_strategy)
         req = AudioRequest(
             "transcribe",
             file,
@@ -398,6 +401,23 @@ def _add_inference_routes(
 def http_limits_from_args(args: argparse.Namespace) -> HttpLimits:
     names = ("max_header_bytes", "max_headers", "header_timeout", "max_connections")
     return HttpLimits(**{n: getattr(args, n) for n in names if getattr(args, n, None) is not None})
+
+
+def _reject_unsupported_audio(include: list[str] | None, chunking_strategy: str | None) -> None:
+    """400 naming audio options this server would otherwise silently ignore."""
+    if include:
+        raise APIError(
+            400,
+            f"include {include} is not supported (no per-token logprobs in transcriptions)",
+            param="include",
+        )
+    if chunking_strategy not in (None, "auto"):
+        raise APIError(
+            400,
+            "chunking_strategy must be 'auto' (fixed 30 s windows); voice-activity chunking "
+            "is not supported",
+            param="chunking_strategy",
+        )
 
 
 def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:

@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -38,6 +40,8 @@ from v1.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from v1.sampling_params import SamplingParams
 
 _TIMED_FORMATS = ("srt", "vtt", "verbose_json")
+MAX_CONCURRENT_DECODES = 2
+"""Uploads decoded at once (off the event loop); more wait, which bounds decoding memory."""
 
 
 @dataclass
@@ -58,6 +62,7 @@ class AudioRequest:
 class ServingTranscriptions(ServingBase):
     def __init__(self, engine: Any, settings: ServerSettings, metrics: ServerMetrics) -> None:
         super().__init__(engine, settings, metrics)
+        self.decode_pool = ThreadPoolExecutor(MAX_CONCURRENT_DECODES, thread_name_prefix="v1-audio")
         self.builder: Any = None
         if self.model_config.is_whisper:
             from v1.engine.whisper_inputs import WhisperInputBuilder
@@ -154,11 +159,11 @@ class ServingTranscriptions(ServingBase):
                 code="payload_too_large",
             )
         try:
-            return await asyncio.to_thread(
-                load_audio,
-                data,
-                max_seconds=self.settings.max_audio_seconds,
-                max_bytes=limit,
+            return await asyncio.get_running_loop().run_in_executor(
+                self.decode_pool,
+                partial(
+                    load_audio, data, max_seconds=self.settings.max_audio_seconds, max_bytes=limit
+                ),
             )
         except AudioError as e:
             raise bad_request(str(e), param="file", code="invalid_audio") from e
