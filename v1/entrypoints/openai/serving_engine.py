@@ -110,12 +110,12 @@ class ServingBase:
         )
 
     # ---- input limits ----
-    def check_chars(self, text: str, where: str, param: str) -> None:
+    def check_chars(self, num_chars: int, where: str, param: str) -> None:
         """The character limit, checked before a text is tokenized (a huge prompt must not
         hold the tokenizer thread for seconds)."""
-        if len(text) > self.max_prompt_chars:
+        if num_chars > self.max_prompt_chars:
             raise bad_request(
-                f"{where} has {len(text)} characters, more than this server's limit of "
+                f"{where} has {num_chars} characters, more than this server's limit of "
                 f"{self.max_prompt_chars} (--max-prompt-chars)",
                 param=param,
                 code="context_length_exceeded",

@@ -1,0 +1,243 @@
+"""How `v1 serve` stops and what its connections may cost: drain on SIGTERM (503 + Retry-After
+for new requests, in-flight ones finish, exit 0), exit 1 when the engine dies, socket
+directories removed even when the server is SIGKILLed, and the HTTP limits (header size and
+count, header-read timeout, idle connections) answered with OpenAI-shaped bodies."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.entrypoints.openai.conftest import (
+    CHAT_TEMPLATE,
+    RemoteServer,
+    ServerPool,
+    make_chat_llama_dir,
+)
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_chat_llama_dir(tmp_path_factory.mktemp("llama"), CHAT_TEMPLATE)
+
+
+def start(
+    llama_dir: str, tmp_path: Path, *args: str, env: dict[str, str] | None = None
+) -> RemoteServer:
+    server = RemoteServer(
+        "lifecycle", llama_dir, ["--num-kv-blocks", "64", *args], tmp_path, env=env
+    )
+    try:
+        return server.wait_ready()
+    except BaseException:
+        server.stop()
+        raise
+
+
+def wait_exit(server: RemoteServer, timeout: float = 30) -> int:
+    try:
+        return server.proc.wait(timeout=timeout)
+    finally:
+        server.stop()
+
+
+def stream_lines(server: RemoteServer, body: dict[str, Any], out: dict[str, Any]) -> None:
+    lines = []
+    with (
+        server.http(timeout=120) as http,
+        http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response,
+    ):
+        out["status"] = response.status_code
+        for line in response.iter_lines():
+            if line:
+                lines.append(line)
+                out.setdefault("first", time.monotonic())
+    out["lines"] = lines
+
+
+LONG = {"prompt": "once upon a time", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+
+
+def test_sigterm_drains_then_exits_zero(llama_dir: str, tmp_path: Path) -> None:
+    server = start(llama_dir, tmp_path, "--shutdown-timeout", "60", "--max-num-seqs", "1")
+    out: dict[str, Any] = {}
+    thread = threading.Thread(target=stream_lines, args=(server, LONG, out))
+    thread.start()
+    deadline = time.monotonic() + 30
+    while "first" not in out and time.monotonic() < deadline:
+        time.sleep(0.01)
+    server.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    with server.http(timeout=10) as http:
+        refused = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+        health = http.get("/health")
+    for response in (refused, health):  # the listener stays open during the drain
+        assert response.status_code == 503
+        assert response.json()["error"]["code"] == "shutting_down"
+        assert int(response.headers["Retry-After"]) >= 1
+    thread.join(timeout=60)
+    assert out["lines"][-1] == "data: [DONE]"  # the in-flight stream finished
+    last = json.loads(out["lines"][-2][len("data: ") :])
+    assert last["choices"][0]["finish_reason"] == "length"
+    assert wait_exit(server) == 0
+
+
+def test_shutdown_timeout_fails_the_rest_with_an_error_event(
+    llama_dir: str, tmp_path: Path
+) -> None:
+    server = start(llama_dir, tmp_path, "--shutdown-timeout", "0.5", "--max-num-seqs", "1")
+    outs = [{} for _ in range(6)]  # one runs at a time: the last ones are still queued
+    threads = [threading.Thread(target=stream_lines, args=(server, LONG, o)) for o in outs]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while "first" not in outs[0] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    server.proc.send_signal(signal.SIGTERM)
+    start_time = time.monotonic()
+    code = wait_exit(server)
+    assert code == 0 and time.monotonic() - start_time < 10
+    for t in threads:
+        t.join(timeout=30)
+    cut = [o for o in outs if o["lines"][-1] != "data: [DONE]"]
+    assert cut, "every stream finished within 0.5 s: the test proves nothing"
+    for o in cut:
+        assert '"error"' in o["lines"][-1], o["lines"][-2:]
+
+
+def _ipc_dirs(root: Path) -> list[Path]:
+    return sorted(root.glob("v1-engine-*"))
+
+
+def test_engine_death_exits_nonzero_and_removes_the_socket_dir(
+    llama_dir: str, tmp_path: Path
+) -> None:
+    private_tmp = Path(tempfile.mkdtemp(dir=tmp_path))
+    server = start(llama_dir, tmp_path, env={"TMPDIR": str(private_tmp)})
+    assert len(_ipc_dirs(private_tmp)) == 1
+    out: dict[str, Any] = {}
+    thread = threading.Thread(target=stream_lines, args=(server, LONG, out))
+    thread.start()
+    deadline = time.monotonic() + 30
+    while "first" not in out and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.kill(server.find_core_pid(), signal.SIGKILL)
+    assert wait_exit(server, timeout=15) == 1  # so an orchestrator restarts it
+    thread.join(timeout=10)
+    assert "engine_dead" in out["lines"][-1]  # the in-flight stream was failed first
+    assert _ipc_dirs(private_tmp) == []
+
+
+def test_sigkilled_server_leaves_no_core_and_no_socket_dir(llama_dir: str, tmp_path: Path) -> None:
+    private_tmp = Path(tempfile.mkdtemp(dir=tmp_path))
+    server = start(llama_dir, tmp_path, env={"TMPDIR": str(private_tmp)})
+    core = server.find_core_pid()
+    assert len(_ipc_dirs(private_tmp)) == 1
+    server.proc.kill()
+    server.proc.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (_alive(core) or _ipc_dirs(private_tmp)):
+        time.sleep(0.1)
+    assert not _alive(core), "the EngineCore outlived its SIGKILLed server"
+    assert _ipc_dirs(private_tmp) == []
+    server.stop()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.split(") ", 1)[1][0] != "Z"
+
+
+def test_pytest_death_takes_its_servers_along(llama_dir: str, tmp_path: Path) -> None:
+    """A test process killed outright (SIGKILL, no fixture teardown) leaves no `v1 serve`."""
+    script = tmp_path / "victim.py"
+    pid_file = tmp_path / "server.pid"
+    script.write_text(
+        "import sys, time\n"
+        f"sys.path.insert(0, {str(Path(__file__).resolve().parents[3])!r})\n"
+        "from pathlib import Path\n"
+        "from tests.entrypoints.openai.conftest import RemoteServer\n"
+        f"s = RemoteServer('victim', {llama_dir!r}, ['--num-kv-blocks', '64'], "
+        f"Path({str(tmp_path)!r}))\n"
+        f"Path({str(pid_file)!r}).write_text(str(s.proc.pid))\n"
+        "time.sleep(600)\n"
+    )
+    victim = subprocess.Popen([sys.executable, str(script)], env=os.environ.copy())
+    deadline = time.monotonic() + 60
+    while not pid_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    server_pid = int(pid_file.read_text())
+    time.sleep(1.0)
+    victim.kill()
+    victim.wait()
+    deadline = time.monotonic() + 30
+    while _alive(server_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(server_pid)
+
+
+# ---- connection limits (the pooled llama server: --header-timeout 2 --keep-alive-timeout 2) ----
+
+
+def _raw(server: RemoteServer, payload: bytes, wait: float = 10) -> bytes:
+    with socket.create_connection(("127.0.0.1", server.port), timeout=wait) as sock:
+        with contextlib.suppress(OSError):  # the server may close while we still send
+            sock.sendall(payload)
+        chunks = []
+        try:
+            while True:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+        except (ConnectionResetError, TimeoutError):
+            pass
+    return b"".join(chunks)
+
+
+def _error_of(response: bytes, status: int) -> dict[str, Any]:
+    head, _, body = response.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 %d" % status), response[:200]
+    error = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+@pytest.mark.uses_servers("llama_server")
+def test_http_limits_answer_with_openai_bodies(server_pool: ServerPool) -> None:
+    server = server_pool.get("llama_server")
+    request = b"GET /health HTTP/1.1\r\nHost: x\r\n"
+    big = _raw(server, request + b"X-Big: " + b"a" * 100_000 + b"\r\n\r\n")
+    assert "exceed" in _error_of(big, 431)["message"]
+    many = b"".join(b"X-%d: 1\r\n" % i for i in range(200))
+    assert "header fields" in _error_of(_raw(server, request + many + b"\r\n"), 431)["message"]
+    garbage = _raw(server, b"\x16\x03\x01 not http at all\r\n\r\n")
+    assert _error_of(garbage, 400)["code"] == "invalid_http_request"
+    start = time.monotonic()
+    slow = _raw(server, request)  # headers never completed
+    assert _error_of(slow, 408)["code"] == "request_timeout"
+    assert time.monotonic() - start < 6
+    start = time.monotonic()
+    assert _raw(server, b"") == b""  # a connection that sends nothing is closed
+    assert time.monotonic() - start < 6
+    head = httpx.head(server.url + "/health")
+    assert head.status_code == 200
+    assert httpx.get(server.url + "/health").status_code == 200
