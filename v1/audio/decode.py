@@ -10,12 +10,13 @@ counted as blocks arrive.
 
 from __future__ import annotations
 
+import contextvars
 import io
 import math
 import numbers
 import os
 from pathlib import Path
-from typing import BinaryIO, TypeAlias
+from typing import BinaryIO, Protocol, TypeAlias
 
 import av
 import librosa
@@ -56,6 +57,53 @@ AudioSource: TypeAlias = (
 
 class AudioError(ValueError):
     """Audio input that cannot be used; the message says why, in terms a caller can act on."""
+
+
+class ChunkSink(Protocol):
+    """Where `stream_audio` hands the waveform, `chunk_samples` 16 kHz samples at a time (the
+    last chunk may be shorter). `put` may block: the decoder then waits, which is what bounds
+    the memory of a long file to the chunks in flight."""
+
+    chunk_samples: int
+
+    def put(self, chunk: np.ndarray) -> None: ...
+
+
+_SINK: contextvars.ContextVar[ChunkSink | None] = contextvars.ContextVar(
+    "v1_audio_sink", default=None
+)
+"""The sink of the `stream_audio` call running in this thread (None: `load_audio` collects)."""
+
+
+def stream_audio(
+    source: AudioSource,
+    sink: ChunkSink,
+    *,
+    max_seconds: float = envs.V1_MAX_AUDIO_SECONDS,
+    max_bytes: int = envs.V1_MAX_AUDIO_BYTES,
+) -> int:
+    """`load_audio`, but the waveform goes to `sink` in chunks as it is decoded instead of
+    being returned whole; the chunks joined equal `load_audio`'s array. Every check of
+    `load_audio` applies; one that fails mid-stream raises after the chunks before it were
+    handed over. Returns the number of samples."""
+    counter = _CountingSink(sink)
+    token = _SINK.set(counter)
+    try:
+        load_audio(source, max_seconds=max_seconds, max_bytes=max_bytes)
+    finally:
+        _SINK.reset(token)
+    return counter.num_samples
+
+
+class _CountingSink:
+    def __init__(self, sink: ChunkSink) -> None:
+        self.sink = sink
+        self.chunk_samples = sink.chunk_samples
+        self.num_samples = 0
+
+    def put(self, chunk: np.ndarray) -> None:
+        self.num_samples += chunk.shape[0]
+        self.sink.put(chunk)
 
 
 def load_audio(
@@ -202,6 +250,11 @@ class _MonoCollector:
         self.num_frames = 0
         self._max_frames = max_seconds * sample_rate
         self._chunks: list[np.ndarray] = []
+        self._sink = _SINK.get()
+        self._num_pending = 0
+        """16 kHz samples in _chunks (with a sink: not yet handed over)."""
+        self._num_out = 0
+        """16 kHz samples handed to the sink."""
         self._stream = (
             None
             if sample_rate == SAMPLE_RATE
@@ -219,7 +272,27 @@ class _MonoCollector:
         if not np.isfinite(block).all():
             raise AudioError("audio contains NaN or infinite sample values")
         mono = np.ascontiguousarray(block.T.mean(axis=0) if block.shape[1] > 1 else block[:, 0])
-        self._chunks.append(mono if self._stream is None else self._stream.resample_chunk(mono))
+        self._append(mono if self._stream is None else self._stream.resample_chunk(mono))
+
+    def _append(self, samples: np.ndarray) -> None:
+        self._chunks.append(samples)
+        self._num_pending += samples.shape[0]
+        if self._sink is not None and self._num_pending >= self._sink.chunk_samples:
+            self._hand_over(final=False)
+
+    def _hand_over(self, final: bool) -> None:
+        """Gives the sink every full chunk (and, when `final`, the rest)."""
+        assert self._sink is not None
+        size = self._sink.chunk_samples
+        data = np.concatenate(self._chunks) if self._chunks else np.zeros(0, np.float32)
+        start = 0
+        while data.shape[0] - start >= size or (final and start < data.shape[0]):
+            chunk = data[start : start + size].copy()
+            self._sink.put(chunk)
+            start += chunk.shape[0]
+        self._num_out += start
+        self._chunks = [data[start:]] if start < data.shape[0] else []
+        self._num_pending = data.shape[0] - start
 
     def finish(self) -> np.ndarray:
         """The whole waveform at 16 kHz; raises if it is empty or shorter than the minimum."""
@@ -232,11 +305,21 @@ class _MonoCollector:
                 f"{1000 * MIN_AUDIO_SECONDS:g} ms is needed"
             )
         if self._stream is None:
+            if self._sink is not None:
+                return self._finish_sink(self.num_frames)
             return np.concatenate(self._chunks)
         self._chunks.append(self._stream.resample_chunk(np.zeros(0, np.float32), last=True))
         # librosa.resample's output length: soxr may come up one sample short of it.
         num_out = int(np.ceil(self.num_frames * (float(SAMPLE_RATE) / self.sample_rate)))
+        if self._sink is not None:
+            return self._finish_sink(num_out)
         return librosa.util.fix_length(np.concatenate(self._chunks), size=num_out)
+
+    def _finish_sink(self, num_out: int) -> np.ndarray:
+        rest = np.concatenate(self._chunks) if self._chunks else np.zeros(0, np.float32)
+        self._chunks = [librosa.util.fix_length(rest, size=max(num_out - self._num_out, 0))]
+        self._hand_over(final=True)
+        return np.zeros(0, np.float32)  # the waveform went to the sink
 
 
 # ----------------------------------------------------------------------------------------------

@@ -253,6 +253,13 @@ def _add_server_limits(serve: argparse.ArgumentParser) -> None:
         "failing them; then exit 0 (default: %(default)s)",
     )
     group.add_argument(
+        "--audio-chunk-seconds",
+        type=int,
+        default=300,
+        help="audio a transcription decodes and hands the engine at a time, a multiple of 30 "
+        "(bounds its memory and its share of the engine; default: %(default)s)",
+    )
+    group.add_argument(
         "--keep-alive-on-engine-death",
         action="store_true",
         help="keep answering 503 when the engine dies instead of exiting with code 1",

@@ -322,6 +322,8 @@ def _server_specs(root: Path) -> dict[str, Any]:
                 str(MAX_AUDIO_BYTES),
                 "--max-audio-seconds",
                 str(MAX_AUDIO_SECONDS),
+                "--audio-chunk-seconds",
+                "30",  # every multi-window file goes through the chunked path
                 "--max-num-seqs",
                 "16",
             ],

@@ -227,6 +227,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         "max_tokens_per_request",
         "shutdown_timeout",
         "keep_alive_on_engine_death",
+        "audio_chunk_seconds",
     ):
         value = getattr(args, name, None)
         if value is not None:

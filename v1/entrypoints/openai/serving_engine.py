@@ -56,6 +56,9 @@ class ServerSettings:
     """Seconds SIGTERM / SIGINT waits for in-flight requests before failing them."""
     keep_alive_on_engine_death: bool = False
     """Keep serving 503s after the engine dies instead of exiting with code 1."""
+    audio_chunk_seconds: int = 300
+    """Audio a transcription decodes and hands the engine at a time (a multiple of Whisper's
+    30 s window): memory and engine share per request are bounded by it, not by the file."""
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):
@@ -72,6 +75,11 @@ class ServerSettings:
             raise ValueError(f"max_prompt_chars must be >= 1, got {self.max_prompt_chars}")
         if not self.max_audio_seconds > 0:
             raise ValueError(f"max_audio_seconds must be > 0, got {self.max_audio_seconds}")
+        if self.audio_chunk_seconds < 30 or self.audio_chunk_seconds % 30:
+            raise ValueError(
+                f"audio_chunk_seconds must be a positive multiple of 30, got "
+                f"{self.audio_chunk_seconds}"
+            )
         if not self.shutdown_timeout >= 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
 
