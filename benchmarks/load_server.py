@@ -43,7 +43,7 @@ def hostile_requests() -> list[tuple[str, dict[str, Any]]]:
         ("prompt_10mb", {"json": {"prompt": "x" * 10_000_000}}),
         ("min_tokens_2_40", {"json": {**body, "min_tokens": 2**40}}),
         ("stop_id_2_63", {"json": {**body, "stop_token_ids": [2**63]}}),
-        ("token_budget", {"json": {"prompt": [[5] * 100] * 2048, "max_tokens": 1}}),
+        ("token_budget", {"json": {"prompt": [[5] * 200] * 2048, "max_tokens": 1}}),
         ("big_header", {"json": body, "headers": {"X-Big": "a" * 200_000}}),
         (
             "json_mode",
