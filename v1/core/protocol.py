@@ -93,6 +93,8 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     num_total_blocks: int = 0
     num_preemptions: int = 0
     num_encoder_runs: int = 0
+    num_encoder_lookups: int = 0
+    """Requests with an encoder input admitted (num_encoder_runs of them ran the encoder)."""
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
 

@@ -127,6 +127,7 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
         self.num_encoder_runs = 0
+        self.num_encoder_lookups = 0
 
     # ---- request lifecycle ----
     def add_request(self, request: Request) -> None:
@@ -261,6 +262,7 @@ class Scheduler:
         if new_blocks is None:
             return False
         if request.encoder_input is not None:
+            self.num_encoder_lookups += 1
             if run_encoder:
                 self.encoder_cache.allocate(request)
                 budget.encoder_tokens -= request.num_encoder_tokens
@@ -430,6 +432,7 @@ class Scheduler:
             num_total_blocks=kv.num_total_blocks,
             num_preemptions=self.num_preemptions,
             num_encoder_runs=self.num_encoder_runs,
+            num_encoder_lookups=self.num_encoder_lookups,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
         )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import hmac
 import sys
+import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -120,20 +121,36 @@ class ServerMiddleware:
                 return
             self.in_flight += 1
             self.metrics.in_flight.set(self.in_flight)
+            arrival = time.perf_counter()
             # Every sequence this HTTP request makes shares one fair-share group in the core.
             group = request_group.set(f"http-{uuid.uuid4().hex}")
             try:
                 await self.app(scope, receive, send_and_record)
+            except Exception:
+                status.setdefault("code", 500)
+                raise
             finally:
                 request_group.reset(group)
                 self.in_flight -= 1
                 self.metrics.in_flight.set(self.in_flight)
+                self._observe_end(endpoint, status.get("code", 499), arrival)
         except Exception:
             status.setdefault("code", 500)  # answered by the outer ServerErrorMiddleware
             raise
         finally:
             # No response started: the client went away first (nginx's 499).
             self.metrics.observe_request(endpoint, status.get("code", 499))
+
+    def _observe_end(self, endpoint: str, code: int, arrival: float) -> None:
+        """Latency of every inference request; a request that ended without its answer
+        (client gone: 499; server error: 5xx) counts as one abort or error. Finishes of
+        answered requests are counted where their sequences end (serving_*)."""
+        if code < 400 or code == 499:
+            self.metrics.observe_e2e(endpoint, time.perf_counter() - arrival)
+        if code == 499:
+            self.metrics.observe_finish(endpoint, "abort")
+        elif code >= 500:
+            self.metrics.observe_finish(endpoint, "error")
 
     def _reject(self, scope: Scope, path: str) -> APIError | None:
         if self.lifecycle.draining and (path in INFERENCE_PATHS or path in _PUBLIC_PATHS):

@@ -357,6 +357,9 @@ class ServingCompletions(ServingBase):
                 raise APIError(500, "a request ended without a result (it was aborted)")
             if out.error is not None:
                 raise _engine_failed(out.error)
+        for out in finals:
+            for c in out.outputs:
+                self.metrics.observe_finish(timer.endpoint, c.finish_reason)
         return finals, usage  # type: ignore[return-value]
 
     # ---- responses ----
@@ -404,11 +407,14 @@ class ServingCompletions(ServingBase):
         usage = _Usage()
         offsets: dict[int, int] = {}
         echoed: set[int] = set()
+        ends = _Ends(self.metrics, job.endpoint, len(job.prompts) * job.n)
         try:
             async for i, out in merge_streams(streams):
                 if out.error is not None:
+                    ends.error()
                     yield sse_error(_engine_failed(out.error))
                     return
+                ends.add(out.outputs)
                 usage.add_prompt(i, out)
                 num_new = sum(len(c.token_ids) for c in out.outputs)
                 usage.completion_tokens += num_new
@@ -448,10 +454,13 @@ class ServingCompletions(ServingBase):
                 )
             yield SSE_DONE
         except EngineDeadError as e:
+            ends.error()
             yield sse_error(engine_dead_error(e))
         except ValueError as e:
+            ends.error()
             yield sse_error(bad_request(str(e)))
         finally:
+            ends.abort_rest()
             timer.finish(sum(usage.prompt_tokens.values()))
 
     async def _stream_chat(
@@ -459,11 +468,14 @@ class ServingCompletions(ServingBase):
     ) -> AsyncIterator[str]:
         usage = _Usage()
         started: set[int] = set()
+        ends = _Ends(self.metrics, job.endpoint, job.n)
         try:
             async for _, out in merge_streams(streams):
                 if out.error is not None:
+                    ends.error()
                     yield sse_error(_engine_failed(out.error))
                     return
+                ends.add(out.outputs)
                 usage.add_prompt(0, out)
                 num_new = sum(len(c.token_ids) for c in out.outputs)
                 usage.completion_tokens += num_new
@@ -482,10 +494,13 @@ class ServingCompletions(ServingBase):
                 )
             yield SSE_DONE
         except EngineDeadError as e:
+            ends.error()
             yield sse_error(engine_dead_error(e))
         except ValueError as e:
+            ends.error()
             yield sse_error(bad_request(str(e)))
         finally:
+            ends.abort_rest()
             timer.finish(sum(usage.prompt_tokens.values()))
 
     def _chat_chunks(
@@ -512,6 +527,30 @@ class ServingCompletions(ServingBase):
                     )
                 )
         return chunks
+
+
+class _Ends:
+    """Finish reasons of a stream's choices for the metrics: each as it finishes; an error
+    ends the rest as errors, a stream closed early (the client left) ends them as aborts."""
+
+    def __init__(self, metrics: ServerMetrics, endpoint: str, num_choices: int) -> None:
+        self.metrics = metrics
+        self.endpoint = endpoint
+        self.remaining = num_choices
+
+    def add(self, outputs: list[CompletionOutput]) -> None:
+        for c in outputs:
+            if c.finish_reason is not None:
+                self.metrics.observe_finish(self.endpoint, c.finish_reason)
+                self.remaining -= 1
+
+    def error(self) -> None:
+        self.metrics.observe_finish(self.endpoint, "error", self.remaining)
+        self.remaining = 0
+
+    def abort_rest(self) -> None:
+        self.metrics.observe_finish(self.endpoint, "abort", self.remaining)
+        self.remaining = 0
 
 
 def _reject_unsupported(body: SamplingFields) -> None:

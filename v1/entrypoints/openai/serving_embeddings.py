@@ -171,6 +171,7 @@ class ServingEmbeddings(ServingPooling):
             data.append(EmbeddingData(index=i, embedding=_encode(vector, body.encoding_format)))
             num_tokens += len(out.prompt_token_ids)
         self.metrics.prompt_tokens.inc(num_tokens)
+        self.metrics.observe_finish("/v1/embeddings", "stop", len(outputs))
         usage = UsageInfo(prompt_tokens=num_tokens, completion_tokens=None, total_tokens=num_tokens)
         return json_response(EmbeddingResponse(data=data, model=model, usage=usage))
 

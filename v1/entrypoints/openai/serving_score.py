@@ -52,6 +52,7 @@ class ServingScore(ServingPooling):
             request, list(zip(left, right, strict=True)), body.truncate_prompt_tokens, "text_1"
         )
         usage = UsageInfo(prompt_tokens=num_tokens, completion_tokens=None, total_tokens=num_tokens)
+        self.metrics.observe_finish("/v1/score", "stop", len(scores))
         data = [ScoreData(index=i, score=s) for i, s in enumerate(scores)]
         return json_response(
             ScoreResponse(id=random_id("score"), model=model, data=data, usage=usage)
@@ -68,6 +69,7 @@ class ServingScore(ServingPooling):
         scores, num_tokens = await self._scores(
             request, [(body.query, d) for d in docs], body.truncate_prompt_tokens, "documents"
         )
+        self.metrics.observe_finish("/v1/rerank", "stop", len(scores))
         order = sorted(range(len(docs)), key=lambda i: scores[i], reverse=True)
         if body.top_n is not None:
             order = order[: body.top_n]

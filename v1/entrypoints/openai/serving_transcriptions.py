@@ -109,6 +109,7 @@ class ServingTranscriptions(ServingBase):
         finally:
             await chunks.aclose()
         self.metrics.audio_seconds.inc(result.duration)
+        self.metrics.observe_finish(endpoint, "stop")
         return self._format(result, req)
 
     async def _transcribe_chunks(
@@ -264,6 +265,8 @@ class ServingTranscriptions(ServingBase):
                 chunk = await _next_chunk(chunks)
             result = merged.result()
             self.metrics.audio_seconds.inc(result.duration)
+            kind = "translations" if options["task"] == "translate" else "transcriptions"
+            self.metrics.observe_finish(f"/v1/audio/{kind}", "stop")
             yield sse_event(
                 {
                     "type": "transcript.text.done",
