@@ -524,6 +524,15 @@ def test_servers_idle_afterwards(name: str, server_pool: ServerPool) -> None:
         v for k, v in metrics.items() if k.startswith("v1_http_request_errors_total") and '"4' in k
     )
     assert errors_4xx >= sum(1 for c in CASES if c.server == name)
+    # The normal request after each case finished normally and was counted so.
+    finished = sum(v for k, v in metrics.items() if k.startswith("v1_request_finish_total"))
+    assert finished >= sum(1 for c in CASES if c.server == name)
+    total = [v for k, v in metrics.items() if k.startswith("v1_kv_cache_total_blocks")]
+    if name in (LLAMA, WHISPER):
+        assert total and total[0] > 0
+        lookups = server.metric("v1_encoder_cache_lookups")
+        runs = server.metric("v1_encoder_runs")
+        assert (lookups > runs > 0) if name == WHISPER else lookups == runs == 0
 
 
 # ---- one request never harms another ----

@@ -81,15 +81,21 @@ def _wait_first_line(outs: list[dict[str, Any]]) -> None:
 
 
 def test_sigterm_drains_then_exits_zero(llama_dir: str, tmp_path: Path) -> None:
-    """The running stream finishes during the drain while new requests (and /health) get 503
-    with Retry-After; then the server exits 0."""
+    """A request in flight (its body still arriving) is served to the end during the drain,
+    while new requests (and /health) get 503 with Retry-After; then the server exits 0."""
     server = start(llama_dir, tmp_path, "--shutdown-timeout", "120")
-    out: dict[str, Any] = {}
-    thread = threading.Thread(target=stream_lines, args=(server, {**LONG, "max_tokens": 40}, out))
-    thread.start()
-    _wait_first_line([out])
+    body = json.dumps({"prompt": "hi", "max_tokens": 3, "temperature": 0}).encode()
+    held = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    held.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(body) + body[:5]
+    )
+    deadline = time.monotonic() + 10
+    while server.metric("v1_http_requests_in_flight") != 1:
+        assert time.monotonic() < deadline, "the held request never counted as in flight"
+        time.sleep(0.05)
     server.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.2)
+    time.sleep(0.3)
     with server.http(timeout=10) as http:
         refused = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
         health = http.get("/health")
@@ -97,10 +103,16 @@ def test_sigterm_drains_then_exits_zero(llama_dir: str, tmp_path: Path) -> None:
         assert response.status_code == 503
         assert response.json()["error"]["code"] == "shutting_down"
         assert int(response.headers["Retry-After"]) >= 1
-    thread.join(timeout=120)
-    assert out["lines"][-1] == "data: [DONE]"  # the in-flight stream finished
-    last = json.loads(out["lines"][-2][len("data: ") :])
-    assert last["choices"][0]["finish_reason"] == "length"
+    assert server.proc.poll() is None  # still draining: the held request is in flight
+    held.sendall(body[5:])
+    reply = b""
+    while b'"finish_reason"' not in reply:
+        chunk = held.recv(65536)
+        if not chunk:
+            break
+        reply += chunk
+    held.close()
+    assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
     assert wait_exit(server) == 0
 
 
@@ -134,18 +146,19 @@ def test_engine_death_exits_nonzero_and_removes_the_socket_dir(
     llama_dir: str, tmp_path: Path
 ) -> None:
     private_tmp = Path(tempfile.mkdtemp(dir=tmp_path))
-    server = start(llama_dir, tmp_path, env={"TMPDIR": str(private_tmp)})
+    server = start(llama_dir, tmp_path, "--max-num-seqs", "1", env={"TMPDIR": str(private_tmp)})
     assert len(_ipc_dirs(private_tmp)) == 1
-    out: dict[str, Any] = {}
-    thread = threading.Thread(target=stream_lines, args=(server, LONG, out))
-    thread.start()
-    deadline = time.monotonic() + 30
-    while "first" not in out and time.monotonic() < deadline:
-        time.sleep(0.01)
+    outs: list[dict[str, Any]] = [{} for _ in range(4)]  # queued one behind the other
+    threads = [threading.Thread(target=stream_lines, args=(server, LONG, o)) for o in outs]
+    for t in threads:
+        t.start()
+    _wait_first_line(outs)
     os.kill(server.find_core_pid(), signal.SIGKILL)
     assert wait_exit(server, timeout=15) == 1  # so an orchestrator restarts it
-    thread.join(timeout=10)
-    assert "engine_dead" in out["lines"][-1]  # the in-flight stream was failed first
+    for t in threads:
+        t.join(timeout=10)
+    last_lines = [(o.get("lines") or [""])[-1] for o in outs]
+    assert any("engine_dead" in line for line in last_lines), last_lines  # failed first
     assert _ipc_dirs(private_tmp) == []
 
 
