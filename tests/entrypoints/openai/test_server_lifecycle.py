@@ -57,17 +57,21 @@ def wait_exit(server: RemoteServer, timeout: float = 30) -> int:
 
 
 def stream_lines(server: RemoteServer, body: dict[str, Any], out: dict[str, Any]) -> None:
-    lines = []
-    with (
-        server.http(timeout=120) as http,
-        http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response,
-    ):
-        out["status"] = response.status_code
-        for line in response.iter_lines():
-            if line:
-                lines.append(line)
-                out.setdefault("first", time.monotonic())
-    out["lines"] = lines
+    """The non-empty lines of a streamed completion (a transport error ends them as a line)."""
+    lines: list[str] = []
+    try:
+        with (
+            server.http(timeout=120) as http,
+            http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response,
+        ):
+            out["status"] = response.status_code
+            for line in response.iter_lines():
+                if line:
+                    lines.append(line)
+                    out.setdefault("first", time.monotonic())
+    except httpx.HTTPError as e:
+        lines.append(f"transport error: {type(e).__name__}: {e}")
+    out["lines"] = lines or [""]
 
 
 LONG = {"prompt": "once upon a time", "max_tokens": 240, "ignore_eos": True, "temperature": 0}
