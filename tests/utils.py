@@ -12,7 +12,38 @@ from pathlib import Path
 from typing import Any
 
 ASSETS = Path(__file__).resolve().parents[2] / "shared" / "assets"
-"""Real checkpoints and audio (see ../shared/assets/README.md); tests skip when absent."""
+"""Real checkpoints and audio (see ../shared/assets/README.md): tests that need them skip when
+they are absent locally, and fail under CI (see `require_asset`)."""
+IN_CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+def asset_missing_message(path: Path) -> str:
+    return f"shared test asset {path} is absent (see ../shared/assets/README.md)"
+
+
+def require_asset(path: Path) -> Path:
+    """`path`, or a skip when it is absent; under CI (CI=true) a failure instead, so a
+    checkout without the assets cannot pass while silently skipping the real-weight tests."""
+    if not path.exists():
+        import pytest
+
+        if IN_CI:
+            pytest.fail(asset_missing_message(path), pytrace=False)
+        pytest.skip(asset_missing_message(path))
+    return path
+
+
+def needs_assets(*paths: Path) -> Any:
+    """A mark skipping the test when an asset is absent, except under CI, where the test runs
+    and fails on the missing file."""
+    import pytest
+
+    missing = [p for p in paths if not p.exists()]
+    return pytest.mark.skipif(
+        bool(missing) and not IN_CI,
+        reason=asset_missing_message(missing[0]) if missing else "",
+    )
+
 
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog.",

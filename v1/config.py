@@ -68,6 +68,11 @@ class ModelConfig:
     max_model_len: int | None = None
     """Longest decoder sequence (prompt + output); defaults to the model's limit, capped at its
     sliding window if it has one (no more than the window may be asked for)."""
+    max_encoder_input_len: int | None = None
+    """Longest encoder input of one request, in encoder positions (encoder-decoder and
+    encoder-only models); defaults to the model's limit. Lower it to serve with a smaller KV
+    cache (each request reserves cross-attention blocks for its encoder input). Whisper's is
+    fixed (1500)."""
     trust_remote_code: bool = False
     """Allow code from the model repository to run (off by default)."""
     seed: int = 0
@@ -90,6 +95,10 @@ class ModelConfig:
             raise ValueError(f"quantization must be None or 'fp8', got {self.quantization!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_encoder_input_len is not None and self.max_encoder_input_len < 1:
+            raise ValueError(
+                f"max_encoder_input_len must be >= 1, got {self.max_encoder_input_len}"
+            )
         if self.hf_config is None:
             from transformers import AutoConfig
 
@@ -113,6 +122,26 @@ class ModelConfig:
                 f"max_model_len={self.max_model_len} is longer than the model's limit of {limit}"
             )
         self._check_sliding_window()
+        self._check_encoder_input_len()
+
+    def _check_encoder_input_len(self) -> None:
+        wanted = self.max_encoder_input_len
+        if wanted is None:
+            return
+        if self.kind == ModelKind.DECODER_ONLY:
+            raise ValueError(
+                f"max_encoder_input_len needs an encoder; {self.architecture} has none"
+            )
+        limit = self._model_max_encoder_len
+        if self.is_whisper and wanted != limit:
+            raise ValueError(
+                f"Whisper's encoder input is always {limit} positions (one 30 s window); "
+                f"max_encoder_input_len={wanted} cannot change it"
+            )
+        if wanted > limit:
+            raise ValueError(
+                f"max_encoder_input_len={wanted} is longer than the model's limit of {limit}"
+            )
 
     def _check_sliding_window(self) -> None:
         """The attention backends have no windowed attention, which equals full attention only
@@ -219,7 +248,14 @@ class ModelConfig:
 
     @cached_property
     def max_encoder_len(self) -> int:
-        """Longest encoder input of one request, in encoder positions (Whisper: 1500)."""
+        """Longest encoder input of one request, in encoder positions (Whisper: 1500):
+        max_encoder_input_len, else the model's limit."""
+        if self.max_encoder_input_len is not None:
+            return self.max_encoder_input_len
+        return self._model_max_encoder_len
+
+    @cached_property
+    def _model_max_encoder_len(self) -> int:
         cfg = self.hf_config
         if self.kind == ModelKind.DECODER_ONLY:
             return 0

@@ -11,6 +11,9 @@ import math
 import msgspec
 
 _INT_MAX = 2**31 - 1
+"""Largest count or id accepted: every integer field fits the int32/int64 tensors it is written to."""
+FLOAT32_MAX = 3.4028234663852886e38
+"""Largest float accepted: every float field is written to a float32 tensor."""
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -58,13 +61,17 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """Apply Whisper's timestamp rules (set by the Whisper input path)."""
 
     def __post_init__(self) -> None:
-        self._check()
+        self.validate()
 
-    def _check(self) -> None:  # noqa: C901 - a flat list of independent checks
+    def validate(self) -> None:  # noqa: C901 - a flat list of independent checks
+        """Raises ValueError (message starting with the field name) for a value outside the
+        range its sampling tensor holds. Runs on construction and decoding, and again in the
+        EngineCore, which cannot trust an object changed after construction."""
+
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"{name} {why}, got {getattr(self, name)!r}")
 
-        if not isinstance(self.n, int) or self.n < 1 or self.n > 128:
+        if not _is_int(self.n) or self.n < 1 or self.n > 128:
             raise bad("n", "must be an integer in [1, 128]")
         for name in (
             "temperature",
@@ -75,14 +82,33 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             "repetition_penalty",
         ):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise bad(name, "must be a finite number")
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or abs(value) > FLOAT32_MAX
+            ):
+                raise bad(name, "must be a finite number (within float32 range)")
+        for name in ("top_k", "min_tokens"):
+            if not _is_int(getattr(self, name)):
+                raise bad(name, "must be an integer")
+        for name in (
+            "max_tokens",
+            "seed",
+            "logprobs",
+            "truncate_prompt_tokens",
+            "no_repeat_ngram_size",
+            "forced_eos_token_id",
+        ):
+            value = getattr(self, name)
+            if value is not None and not _is_int(value):
+                raise bad(name, "must be an integer or null")
         if self.temperature < 0:
             raise bad("temperature", "must be >= 0")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "must be in (0, 1]")
-        if self.top_k < -1:
-            raise bad("top_k", "must be -1, 0 (disabled) or a positive integer")
+        if not -1 <= self.top_k <= _INT_MAX:
+            raise bad("top_k", f"must be -1, 0 (disabled) or a positive integer <= {_INT_MAX}")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "must be in [0, 1]")
         if not -2.0 <= self.presence_penalty <= 2.0:
@@ -92,19 +118,24 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         if self.repetition_penalty <= 0:
             raise bad("repetition_penalty", "must be > 0")
         if self.max_tokens is not None and not 1 <= self.max_tokens <= _INT_MAX:
-            raise bad("max_tokens", "must be >= 1")
-        if self.min_tokens < 0:
-            raise bad("min_tokens", "must be >= 0")
+            raise bad("max_tokens", f"must be in [1, {_INT_MAX}]")
+        if not 0 <= self.min_tokens <= _INT_MAX:
+            raise bad("min_tokens", f"must be in [0, {_INT_MAX}]")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise bad("logprobs", "must be in [0, 20]")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise bad("seed", "must fit in 64 bits")
-        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
-            raise bad("truncate_prompt_tokens", "must be >= 1")
-        if self.no_repeat_ngram_size is not None and self.no_repeat_ngram_size < 0:
-            raise bad("no_repeat_ngram_size", "must be >= 0")
+        if (
+            self.truncate_prompt_tokens is not None
+            and not 1 <= self.truncate_prompt_tokens <= _INT_MAX
+        ):
+            raise bad("truncate_prompt_tokens", f"must be in [1, {_INT_MAX}]")
+        if self.no_repeat_ngram_size is not None and not 0 <= self.no_repeat_ngram_size <= _INT_MAX:
+            raise bad("no_repeat_ngram_size", f"must be in [0, {_INT_MAX}]")
+        if self.forced_eos_token_id is not None and not 0 <= self.forced_eos_token_id <= _INT_MAX:
+            raise bad("forced_eos_token_id", "must be a token id")
         if self.stop is not None and any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be a list of non-empty strings")
         for name in (
@@ -114,8 +145,15 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             "allowed_token_ids",
         ):
             ids = getattr(self, name)
-            if ids is not None and any(not isinstance(t, int) or t < 0 for t in ids):
-                raise bad(name, "must be a list of non-negative token ids")
+            if ids is not None and any(not _is_int(t) or not 0 <= t <= _INT_MAX for t in ids):
+                raise bad(name, "must be a list of token ids (integers in [0, 2**31))")
+        for pair in self.forced_token_ids or []:
+            if (
+                not isinstance(pair, (list, tuple))
+                or len(pair) != 2
+                or not all(_is_int(v) and 0 <= v <= _INT_MAX for v in pair)
+            ):
+                raise bad("forced_token_ids", "must be a list of [output_index, token_id] pairs")
 
     @property
     def greedy(self) -> bool:
@@ -127,6 +165,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
 
     def validate_for_model(self, vocab_size: int) -> None:
         """Checks that need the model: every token id inside the vocabulary."""
+        if self.forced_eos_token_id is not None and self.forced_eos_token_id >= vocab_size:
+            raise ValueError(
+                f"forced_eos_token_id {self.forced_eos_token_id} is outside the vocabulary of "
+                f"{vocab_size}"
+            )
         for name in (
             "stop_token_ids",
             "suppress_tokens",
@@ -143,3 +186,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
 
     def clone(self, **changes: object) -> SamplingParams:
         return msgspec.structs.replace(self, **changes)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -6,13 +6,9 @@ from pathlib import Path
 
 import pytest
 
-ASSETS = Path(__file__).resolve().parents[3] / "shared" / "assets"
+from tests.utils import ASSETS, require_asset
 
-
-def _require(path: Path) -> Path:
-    if not path.exists():
-        pytest.skip(f"shared test asset {path} is absent (see shared/assets/README.md)")
-    return path
+_require = require_asset
 
 
 @pytest.fixture(scope="session")

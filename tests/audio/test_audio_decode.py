@@ -16,6 +16,7 @@ import soundfile as sf
 
 from tests.utils import forbid_resampling
 from v1.audio import MIN_AUDIO_SECONDS, SAMPLE_RATE, AudioError, load_audio
+from v1.audio.decode import stream_audio
 
 # ----------------------------------------------------------------------------------------------
 # Factories
@@ -411,8 +412,52 @@ def test_long_flac_of_unknown_length_stops_decoding_at_the_cap(long_silent_flac:
     bomb = without_flac_length(long_silent_flac)
 
     def decode() -> None:
-        with pytest.raises(AudioError, match=r"limit of 5 s \(stopped decoding at 5\.\d s\)"):
+        with pytest.raises(AudioError, match=r"limit of 5 s \(its packets hold at least 5\.\d s\)"):
             load_audio(bomb, max_seconds=5)
 
     # Fully decoded it would take 77 MB; the cap holds it to a few seconds of samples.
     assert peak_memory(decode) < 8 << 20
+
+
+class _ListSink:
+    def __init__(self, chunk_samples: int) -> None:
+        self.chunk_samples = chunk_samples
+        self.chunks: list[np.ndarray] = []
+
+    def put(self, chunk: np.ndarray) -> None:
+        self.chunks.append(chunk)
+
+
+@pytest.mark.parametrize(
+    ("rate", "fmt", "channels"), [(16_000, "WAV", 1), (44_100, "FLAC", 2), (22_050, "OGG", 2)]
+)
+def test_streamed_chunks_join_into_the_whole_waveform(rate: int, fmt: str, channels: int) -> None:
+    rng = np.random.default_rng(rate)
+    audio = (0.1 * rng.standard_normal((int(rate * 4.3), channels))).astype(np.float32)
+    buf = io.BytesIO()
+    sf.write(buf, audio, rate, format=fmt)
+    sink = _ListSink(16_000)
+    num_samples = stream_audio(buf.getvalue(), sink)
+    whole = load_audio(buf.getvalue())
+    assert [c.shape[0] for c in sink.chunks] == [16_000] * 4 + [whole.shape[0] - 64_000]
+    assert num_samples == whole.shape[0]
+    np.testing.assert_array_equal(np.concatenate(sink.chunks), whole)
+
+
+def test_streaming_holds_only_the_chunks_in_flight(long_silent_flac: bytes) -> None:
+    """A 20 min file through a sink that drops its chunks: memory stays at a few chunks,
+    where load_audio would hold 77 MB."""
+
+    class Dropping:
+        chunk_samples = 30 * 16_000
+
+        def put(self, chunk: np.ndarray) -> None:
+            del chunk
+
+    counted: dict[str, int] = {}
+
+    def run() -> None:
+        counted["n"] = stream_audio(long_silent_flac, Dropping(), max_seconds=3600)
+
+    assert peak_memory(run) < 16 << 20
+    assert counted["n"] == 1200 * 16_000

@@ -23,7 +23,7 @@ EOS = 2
 VOCAB = 100
 
 
-def _hf_config(kind: str) -> Any:
+def _hf_config(kind: str, max_positions: int = 256) -> Any:
     if kind == "encoder_decoder":
         return BartConfig(
             vocab_size=VOCAB,
@@ -32,7 +32,7 @@ def _hf_config(kind: str) -> Any:
             decoder_layers=1,
             encoder_attention_heads=2,
             decoder_attention_heads=2,
-            max_position_embeddings=256,
+            max_position_embeddings=max_positions,
             architectures=["BartForConditionalGeneration"],
         )
     if kind == "encoder_only":
@@ -42,7 +42,7 @@ def _hf_config(kind: str) -> Any:
             num_hidden_layers=1,
             num_attention_heads=2,
             intermediate_size=32,
-            max_position_embeddings=256,
+            max_position_embeddings=max_positions,
             architectures=["BertModel"],
         )
     return LlamaConfig(
@@ -52,7 +52,7 @@ def _hf_config(kind: str) -> Any:
         num_attention_heads=2,
         num_key_value_heads=1,
         intermediate_size=32,
-        max_position_embeddings=256,
+        max_position_embeddings=max_positions,
         architectures=["LlamaForCausalLM"],
     )
 
@@ -60,12 +60,13 @@ def _hf_config(kind: str) -> Any:
 def make_config(kind: str = "decoder_only", **overrides: Any) -> EngineConfig:
     cache_keys = {"block_size", "num_kv_blocks", "enable_prefix_caching"}
     cache = {k: overrides.pop(k) for k in list(overrides) if k in cache_keys}
-    cache.setdefault("num_kv_blocks", 64)
+    cache.setdefault("num_kv_blocks", 65)  # one request of max_model_len=256 fits
     cache.setdefault("block_size", 4)
     max_model_len = overrides.pop("max_model_len", None)
+    hf_config = _hf_config(kind, overrides.pop("max_positions", 256))
     return EngineConfig(
         model_config=ModelConfig(
-            model=f"fake-{kind}", hf_config=_hf_config(kind), max_model_len=max_model_len
+            model=f"fake-{kind}", hf_config=hf_config, max_model_len=max_model_len
         ),
         cache_config=CacheConfig(**cache),
         scheduler_config=SchedulerConfig(**overrides),

@@ -111,6 +111,7 @@ def _simulate(kind: str, seed: int, steps: int) -> None:
         token_fn=lambda rid, n: rng.choice([2, 7, 8, 9, 10, 11]),
         num_kv_blocks=40,
         block_size=4,
+        max_positions=56,  # one longest request (56 tokens + 56 encoder positions) fits
         max_num_seqs=8,
         max_num_batched_tokens=48,
         max_num_encoder_input_tokens=60,

@@ -268,3 +268,32 @@ def test_core_death_fails_pending_and_later_requests(llm: AsyncLLM):
     asyncio.run(main())
     llm.shutdown()
     llm.shutdown()
+
+
+def test_requests_take_the_fair_share_group_of_their_context(llm: AsyncLLM, monkeypatch):
+    """The server sets `request_group` per HTTP request: every core request it makes (n
+    children included) carries that group; without it each call is its own group."""
+    from v1.engine.async_llm import request_group
+
+    sent: list[Any] = []
+    original = llm.engine_core.add_request_async
+
+    async def capture(request: Any) -> None:
+        sent.append(request)
+        await original(request)
+
+    monkeypatch.setattr(llm.engine_core, "add_request_async", capture)
+
+    async def main() -> None:
+        token = request_group.set("http-1")
+        try:
+            await stream(llm, "hello", greedy(2, n=3), "grouped")
+        finally:
+            request_group.reset(token)
+        await stream(llm, "hello", greedy(2), "alone")
+
+    asyncio.run(main())
+    groups = {r.request_id: r.group_id for r in sent}
+    assert len(groups) == 4
+    assert {g for rid, g in groups.items() if rid != "alone"} == {"http-1"}
+    assert groups["alone"] == "alone"

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from tests.utils import ASSETS, make_tiny_wordpiece_tokenizer
+from tests.utils import ASSETS, make_tiny_wordpiece_tokenizer, require_asset
 from v1.engine.detokenizer import (
     FastIncrementalDetokenizer,
     SlowIncrementalDetokenizer,
@@ -28,8 +28,7 @@ def tokenizer(request: pytest.FixtureRequest, tiny_tokenizer, wordpiece):
         return tiny_tokenizer
     if request.param == "wordpiece":
         return wordpiece
-    if not (ASSETS / "whisper-base").is_dir():
-        pytest.skip("needs ../shared/assets/whisper-base")
+    require_asset(ASSETS / "whisper-base")
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(ASSETS / "whisper-base"))

@@ -21,7 +21,7 @@ import soundfile as sf
 import torch
 
 from tests.models.test_whisper import WHISPER_BASE, make_tiny_whisper_dir
-from tests.utils import ASSETS
+from tests.utils import ASSETS, needs_assets
 from v1 import LLM
 from v1.audio import AudioError, load_audio
 from v1.engine.transcription import Transcriber, TranscriptionResult
@@ -31,10 +31,7 @@ from v1.sampling_params import SamplingParams
 AUDIO = ASSETS / "audio"
 CLIPS = ["jfk.flac", "librispeech/test_audio_0.flac", "librispeech/test_audio_1.flac"]
 SR = 16_000
-pytestmark = pytest.mark.skipif(
-    not WHISPER_BASE.is_dir() or not AUDIO.is_dir(),
-    reason=f"needs the real whisper-base folder and clips under {ASSETS}",
-)
+pytestmark = needs_assets(WHISPER_BASE, AUDIO)
 ENGINE_ARGS = dict(
     device="cpu",
     multiprocess=False,

@@ -26,6 +26,7 @@ ENGINE_ARGS = dict(
     multiprocess=False,
     num_kv_blocks=32,
     block_size=4,
+    max_model_len=124,  # the longest request one crowded cache can hold
     max_num_seqs=3,
     max_num_batched_tokens=32,
 )

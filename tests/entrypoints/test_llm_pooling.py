@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import BertConfig, BertForSequenceClassification
 
-from tests.utils import ASSETS, make_tiny_model_dir, make_tiny_wordpiece_tokenizer
+from tests.utils import ASSETS, make_tiny_model_dir, make_tiny_wordpiece_tokenizer, needs_assets
 from v1 import LLM, PoolingParams, SamplingParams
 
 pytest.importorskip("v1.models.bert")
@@ -128,7 +128,7 @@ def test_truncation_and_input_order(scorer: LLM) -> None:
 
 
 def test_generator_rejects_pooling_calls(tiny_llama_dir: str) -> None:
-    with LLM(tiny_llama_dir, multiprocess=False, num_kv_blocks=16) as llm:
+    with LLM(tiny_llama_dir, multiprocess=False, num_kv_blocks=17) as llm:
         for call in (llm.embed, llm.classify):
             with pytest.raises(ValueError, match="generative"):
                 call("hello")
@@ -137,7 +137,7 @@ def test_generator_rejects_pooling_calls(tiny_llama_dir: str) -> None:
         assert llm.generate("hello", SamplingParams(max_tokens=2))[0].outputs[0].token_ids
 
 
-@pytest.mark.skipif(not (ASSETS / "all-MiniLM-L6-v2").is_dir(), reason="needs MiniLM assets")
+@needs_assets(ASSETS / "all-MiniLM-L6-v2")
 def test_minilm_embeddings_and_cosine_scores() -> None:
     """The reference values of ../shared/assets/README.md (sentence-transformers, fp32)."""
     with LLM(str(ASSETS / "all-MiniLM-L6-v2"), **ENGINE_ARGS) as llm:

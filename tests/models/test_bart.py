@@ -378,6 +378,8 @@ def make_core(path: str, **overrides: Any) -> EngineCore:
         max_num_seqs=3,
         block_size=BLOCK,
         num_kv_blocks=14,
+        max_model_len=20,  # one longest request (5 + 8 blocks) fits the crowded cache
+        max_encoder_input_len=32,
         enable_prefix_caching=False,
     )
     args.update(overrides)
@@ -587,7 +589,11 @@ def test_generation_rules_match_transformers(variant: str, tmp_path: Path) -> No
 # ---------------------------------------------------------------------------------------------
 
 LLM_ARGS = dict(
-    multiprocess=False, device="cpu", block_size=BLOCK, num_kv_blocks=24, max_num_seqs=3
+    multiprocess=False,
+    device="cpu",
+    block_size=BLOCK,
+    num_kv_blocks=33,  # one longest request (16 + 16 blocks) fits
+    max_num_seqs=3,
 )
 LANG_CODE = 300
 """An mBART-style target-language token, forced first by the generation config."""

@@ -300,7 +300,8 @@ def test_greedy_matches_transformers_under_preemption(
     refs = hf_refs
     # Greedy outputs that vary: a position-blind bias would not reproduce them.
     assert max(len(set(r.token_ids)) for r in refs) >= 8
-    core = make_core(path)
+    # One longest request (24 decoder tokens + 40 encoder positions: 6 + 10 blocks) fits.
+    core = make_core(path, max_model_len=24, max_encoder_input_len=40)
     decoder_start = hf_model.config.decoder_start_token_id
     for i, ref in enumerate(refs):
         core.add_request(generation_request(i, ref, decoder_start))
@@ -334,6 +335,8 @@ def test_llm_generate_matches_transformers(checkpoints: Checkpoints, tokenizer_d
         device="cpu",
         num_kv_blocks=64,
         block_size=4,
+        max_model_len=64,  # one longest request (16 + 16 blocks) fits
+        max_encoder_input_len=64,
     )
     try:
         params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]

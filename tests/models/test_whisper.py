@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.models.hf_reference import randomize_
-from tests.utils import ASSETS
+from tests.utils import ASSETS, needs_assets
 from v1.config import make_engine_config
 from v1.core.engine_core import EngineCore
 from v1.core.protocol import EngineCoreRequest
@@ -25,9 +25,7 @@ from v1.engine.whisper_inputs import WhisperInputBuilder
 from v1.sampling_params import SamplingParams
 
 WHISPER_BASE = ASSETS / "whisper-base"
-pytestmark = pytest.mark.skipif(
-    not WHISPER_BASE.is_dir(), reason=f"needs the real whisper-base folder at {WHISPER_BASE}"
-)
+pytestmark = needs_assets(WHISPER_BASE)
 WINDOW = 1500
 """Encoder positions of one window."""
 TINY = dict(

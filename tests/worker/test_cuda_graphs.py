@@ -23,7 +23,7 @@ from worker_factories import (
     runner_of,
 )
 
-from tests.utils import ASSETS, make_tiny_llama_dir
+from tests.utils import ASSETS, make_tiny_llama_dir, needs_assets
 from v1.attention.backend import AttentionType
 from v1.worker.cuda_graphs import (
     CudaGraphManager,
@@ -141,7 +141,9 @@ def run_checked(core: Any, requests: list[Any], max_tokens: int) -> dict[str, in
 def test_llama_step_buffers_match_the_eager_metadata(tmp_path) -> None:
     path = make_tiny_llama_dir(tmp_path)
     # Budget 20: chunks of up to 20 tokens (some too long for a graph), preemption.
-    core = make_core(path, num_kv_blocks=10, max_num_seqs=4, max_num_batched_tokens=20)
+    core = make_core(
+        path, num_kv_blocks=10, max_model_len=144, max_num_seqs=4, max_num_batched_tokens=20
+    )
     requests = [decoder_request(i, p) for i, p in enumerate(llama_prompts(10))]
     counts = run_checked(core, requests, max_tokens=20)
     assert counts["mixed"] > 0 and counts["eager"] > 0
@@ -192,7 +194,7 @@ def run_emulated(
 def test_llama_replays_give_the_eager_tokens(tmp_path) -> None:
     path = make_tiny_llama_dir(tmp_path)
     requests = [decoder_request(i, p) for i, p in enumerate(llama_prompts(10))]
-    args = dict(num_kv_blocks=8, max_num_seqs=4, max_num_batched_tokens=16)
+    args = dict(num_kv_blocks=8, max_model_len=112, max_num_seqs=4, max_num_batched_tokens=16)
     eager, _ = run_emulated(path, requests, graphs=False, **args)
     replayed, graphs = run_emulated(path, requests, graphs=True, **args)
     assert replayed == eager
@@ -205,14 +207,20 @@ def test_bart_replays_give_the_eager_tokens(tmp_path) -> None:
     path = make_tiny_bart_dir(tmp_path)
     requests = [decoder_request(i, dec, enc) for i, (enc, dec) in enumerate(bart_inputs(9))]
     # Budget 12: 4-token chunks of recomputed requests next to 1-6 token first steps.
-    args = dict(num_kv_blocks=9, max_num_seqs=4, max_num_batched_tokens=12)
+    args = dict(
+        num_kv_blocks=9,
+        max_model_len=64,  # one longest request (4 + 4 blocks) fits the crowded cache
+        max_encoder_input_len=64,
+        max_num_seqs=4,
+        max_num_batched_tokens=12,
+    )
     eager, _ = run_emulated(path, requests, graphs=False, **args)
     replayed, graphs = run_emulated(path, requests, graphs=True, **args)
     assert replayed == eager
     assert graphs.num_eager_steps == 0 and graphs.num_mixed_replays > 0
 
 
-@pytest.mark.skipif(not (ASSETS / "whisper-base").is_dir(), reason="needs whisper-base")
+@needs_assets(ASSETS / "whisper-base")
 @pytest.mark.usefixtures("emulated_backend")
 def test_whisper_first_steps_replay(tmp_path) -> None:
     from tests.models.test_whisper import make_tiny_whisper_dir, make_waves

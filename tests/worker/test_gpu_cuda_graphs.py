@@ -24,7 +24,7 @@ from worker_factories import (
     runner_of,
 )
 
-from tests.utils import ASSETS, make_tiny_llama_dir
+from tests.utils import ASSETS, make_tiny_llama_dir, needs_assets
 
 pytestmark = [
     pytest.mark.gpu,
@@ -84,7 +84,13 @@ def test_llama_chunks_and_first_steps_replay(tmp_path, enforce_eager: bool) -> N
     requests = [decoder_request(i, p) for i, p in enumerate(prompts)]
     # Budget 16: every step fits a graph (prompts chunked to <= 16 tokens), few blocks: recompute.
     tokens, graphs, replays = run_engine(
-        path, requests, enforce_eager, num_kv_blocks=8, max_num_seqs=4, max_num_batched_tokens=16
+        path,
+        requests,
+        enforce_eager,
+        num_kv_blocks=8,
+        max_model_len=112,  # the longest request the crowded cache holds
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
     )
     assert [tokens[r.request_id] for r in requests] == expected
     if graphs is not None:
@@ -110,7 +116,14 @@ def test_bart_multi_token_decoder_prompts_replay(tmp_path, enforce_eager: bool) 
         expected.append(until_eos(out[0, len(decoder) :].tolist(), EOS))
     requests = [decoder_request(i, dec, enc) for i, (enc, dec) in enumerate(inputs)]
     tokens, graphs, replays = run_engine(
-        path, requests, enforce_eager, num_kv_blocks=9, max_num_seqs=4, max_num_batched_tokens=16
+        path,
+        requests,
+        enforce_eager,
+        num_kv_blocks=9,
+        max_model_len=64,  # one longest request (4 + 4 blocks) fits the crowded cache
+        max_encoder_input_len=64,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
     )
     assert [tokens[r.request_id] for r in requests] == expected
     if graphs is not None:
@@ -121,7 +134,7 @@ def test_bart_multi_token_decoder_prompts_replay(tmp_path, enforce_eager: bool) 
 WINDOW = 1500
 
 
-@pytest.mark.skipif(not (ASSETS / "whisper-base").is_dir(), reason="needs whisper-base")
+@needs_assets(ASSETS / "whisper-base")
 def test_whisper_first_steps_replay(tmp_path) -> None:
     """Graphs on and off in one test: graphed tokens must equal the eager ones exactly, and
     both transformers' (on CPU: if only that fails, look upstream of the graphs, e.g. the GPU

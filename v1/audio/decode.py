@@ -1,20 +1,24 @@
 """Audio decoding for the frontend: a path, bytes, file-like or (array, rate) -> float32 mono 16 kHz.
 
 WAV/FLAC/OGG decode through soundfile, MP3/M4A/WebM and anything libsndfile cannot open through
-PyAV. Blocks are mixed to mono and resampled with soxr (librosa's resampler) as they are decoded,
-so the duration cap stops a decompression bomb long before it is decoded into memory. Arrays
-already at 16 kHz are only checked: mono float32 comes back without a copy.
+PyAV. Blocks are mixed to mono and resampled with soxr (librosa's resampler) as they are decoded.
+Duration counts twice against the cap: the length the file declares (its header, or for
+compressed streams the sum of its packets' durations, read without decoding) is checked before
+decoding, so a file hiding its length is refused in constant memory, and the decoded length is
+counted as blocks arrive.
+Arrays already at 16 kHz are only checked: mono float32 comes back without a copy.
 """
 
 from __future__ import annotations
 
+import contextvars
 import io
 import math
 import numbers
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO, TypeAlias
+from typing import TYPE_CHECKING, BinaryIO, Protocol, TypeAlias
 
 import numpy as np
 
@@ -43,6 +47,9 @@ _SF_UNKNOWN_FRAMES = 2**63 - 1
 # libsndfile's MP3 reader pads truncated streams with silence and logs to stderr; ffmpeg is
 # the better MP3 decoder.
 _PYAV_FORMATS = frozenset({"MP3"})
+# Compressed formats libsndfile reads whose header length may be absent or false: their
+# packets are counted (demuxed, not decoded) before decoding.
+_DEMUX_CHECKED_FORMATS = frozenset({"FLAC", "OGG"})
 # RIFF sizes that streaming writers leave in place of the real one.
 _WAV_UNKNOWN_SIZES = (0, 0xFFFFFFFF)
 _WAV_PLACEHOLDER_MIN = 0x7FFFF000
@@ -54,6 +61,53 @@ AudioSource: TypeAlias = (
 
 class AudioError(ValueError):
     """Audio input that cannot be used; the message says why, in terms a caller can act on."""
+
+
+class ChunkSink(Protocol):
+    """Where `stream_audio` hands the waveform, `chunk_samples` 16 kHz samples at a time (the
+    last chunk may be shorter). `put` may block: the decoder then waits, which is what bounds
+    the memory of a long file to the chunks in flight."""
+
+    chunk_samples: int
+
+    def put(self, chunk: np.ndarray) -> None: ...
+
+
+_SINK: contextvars.ContextVar[ChunkSink | None] = contextvars.ContextVar(
+    "v1_audio_sink", default=None
+)
+"""The sink of the `stream_audio` call running in this thread (None: `load_audio` collects)."""
+
+
+def stream_audio(
+    source: AudioSource,
+    sink: ChunkSink,
+    *,
+    max_seconds: float = envs.V1_MAX_AUDIO_SECONDS,
+    max_bytes: int = envs.V1_MAX_AUDIO_BYTES,
+) -> int:
+    """`load_audio`, but the waveform goes to `sink` in chunks as it is decoded instead of
+    being returned whole; the chunks joined equal `load_audio`'s array. Every check of
+    `load_audio` applies; one that fails mid-stream raises after the chunks before it were
+    handed over. Returns the number of samples."""
+    counter = _CountingSink(sink)
+    token = _SINK.set(counter)
+    try:
+        load_audio(source, max_seconds=max_seconds, max_bytes=max_bytes)
+    finally:
+        _SINK.reset(token)
+    return counter.num_samples
+
+
+class _CountingSink:
+    def __init__(self, sink: ChunkSink) -> None:
+        self.sink = sink
+        self.chunk_samples = sink.chunk_samples
+        self.num_samples = 0
+
+    def put(self, chunk: np.ndarray) -> None:
+        self.num_samples += chunk.shape[0]
+        self.sink.put(chunk)
 
 
 def load_audio(
@@ -239,6 +293,11 @@ class _MonoCollector:
         self.num_frames = 0
         self._max_frames = max_seconds * sample_rate
         self._chunks: list[np.ndarray] = []
+        self._sink = _SINK.get()
+        self._num_pending = 0
+        """16 kHz samples in _chunks (with a sink: not yet handed over)."""
+        self._num_out = 0
+        """16 kHz samples handed to the sink."""
         import soxr
 
         self._stream = (
@@ -258,7 +317,27 @@ class _MonoCollector:
         if not np.isfinite(block).all():
             raise AudioError("audio contains NaN or infinite sample values")
         mono = np.ascontiguousarray(block.T.mean(axis=0) if block.shape[1] > 1 else block[:, 0])
-        self._chunks.append(mono if self._stream is None else self._stream.resample_chunk(mono))
+        self._append(mono if self._stream is None else self._stream.resample_chunk(mono))
+
+    def _append(self, samples: np.ndarray) -> None:
+        self._chunks.append(samples)
+        self._num_pending += samples.shape[0]
+        if self._sink is not None and self._num_pending >= self._sink.chunk_samples:
+            self._hand_over(final=False)
+
+    def _hand_over(self, final: bool) -> None:
+        """Gives the sink every full chunk (and, when `final`, the rest)."""
+        assert self._sink is not None
+        size = self._sink.chunk_samples
+        data = np.concatenate(self._chunks) if self._chunks else np.zeros(0, np.float32)
+        start = 0
+        while data.shape[0] - start >= size or (final and start < data.shape[0]):
+            chunk = data[start : start + size].copy()
+            self._sink.put(chunk)
+            start += chunk.shape[0]
+        self._num_out += start
+        self._chunks = [data[start:]] if start < data.shape[0] else []
+        self._num_pending = data.shape[0] - start
 
     def finish(self) -> np.ndarray:
         """The whole waveform at 16 kHz; raises if it is empty or shorter than the minimum."""
@@ -267,13 +346,25 @@ class _MonoCollector:
         if self.num_frames < MIN_AUDIO_SECONDS * self.sample_rate:
             raise AudioError(_too_short(self.num_frames, self.sample_rate))
         if self._stream is None:
+            if self._sink is not None:
+                return self._finish_sink(self.num_frames)
             return np.concatenate(self._chunks)
         self._chunks.append(self._stream.resample_chunk(np.zeros(0, np.float32), last=True))
         # librosa.resample's output length: soxr may come up one sample short of it.
         num_out = int(np.ceil(self.num_frames * (float(SAMPLE_RATE) / self.sample_rate)))
+        if self._sink is not None:
+            return self._finish_sink(num_out)
         import librosa
 
         return librosa.util.fix_length(np.concatenate(self._chunks), size=num_out)
+
+    def _finish_sink(self, num_out: int) -> np.ndarray:
+        import librosa
+
+        rest = np.concatenate(self._chunks) if self._chunks else np.zeros(0, np.float32)
+        self._chunks = [librosa.util.fix_length(rest, size=max(num_out - self._num_out, 0))]
+        self._hand_over(final=True)
+        return np.zeros(0, np.float32)  # the waveform went to the sink
 
 
 # ----------------------------------------------------------------------------------------------
@@ -293,15 +384,17 @@ def _decode_bytes(data: bytes, max_seconds: float) -> np.ndarray:
     with sf_file:
         if sf_file.format in _PYAV_FORMATS or sf_file.frames == _SF_UNKNOWN_FRAMES:
             return _decode_pyav(data, max_seconds, soundfile_error=None)
-        return _decode_soundfile(sf_file, max_seconds)
+        return _decode_soundfile(sf_file, max_seconds, data)
 
 
-def _decode_soundfile(sf_file: sf.SoundFile, max_seconds: float) -> np.ndarray:
+def _decode_soundfile(sf_file: sf.SoundFile, max_seconds: float, data: bytes) -> np.ndarray:
     import soundfile as sf
 
     sample_rate = _check_sample_rate(sf_file.samplerate)
     if sf_file.frames > max_seconds * sample_rate:  # header length: reject before decoding
         raise AudioError(_too_long(sf_file.frames / sample_rate, max_seconds))
+    if sf_file.format in _DEMUX_CHECKED_FORMATS:
+        check_packet_duration(data, max_seconds)  # a header may understate the length
     collector = _MonoCollector(sample_rate, max_seconds)
     try:
         for block in sf_file.blocks(_BLOCK_FRAMES, dtype="float32", always_2d=True):
@@ -311,11 +404,47 @@ def _decode_soundfile(sf_file: sf.SoundFile, max_seconds: float) -> np.ndarray:
     return collector.finish()
 
 
+def check_packet_duration(data: bytes, max_seconds: float) -> float | None:
+    """Seconds of audio the container's packets hold, summed without decoding (constant
+    memory, about 0.1 s per hour of FLAC); raises AudioError as soon as the sum passes
+    `max_seconds`. None when the container cannot be read or its packets carry no durations
+    (the decoded length is still counted while decoding)."""
+    import av
+
+    try:
+        container = av.open(io.BytesIO(data), mode="r", metadata_errors="ignore")
+    except av.FFmpegError:
+        return None  # the decoder says what is wrong with it
+    with container:
+        if not container.streams.audio:
+            return None
+        stream = container.streams.audio[0]
+        time_base = stream.time_base
+        if not time_base:
+            return None
+        limit = max_seconds / float(time_base)
+        total = 0
+        try:
+            for packet in container.demux(stream):
+                if packet.duration is None or packet.size == 0:
+                    continue
+                total += packet.duration
+                if total > limit:
+                    raise AudioError(
+                        f"audio is too long: more than the limit of {max_seconds:g} s (its "
+                        f"packets hold at least {float(total * time_base):.1f} s)"
+                    )
+        except av.FFmpegError:
+            return None  # corrupt: the decoder says where
+        return float(total * time_base) if total else None
+
+
 def _decode_pyav(
     data: bytes, max_seconds: float, *, soundfile_error: sf.SoundFileError | None
 ) -> np.ndarray:
     import av
 
+    check_packet_duration(data, max_seconds)
     try:
         container = av.open(io.BytesIO(data), mode="r", metadata_errors="ignore")
     except av.FFmpegError as e:

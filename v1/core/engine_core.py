@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from v1.config import EngineConfig, ModelKind
+from v1.core.admission import check_engine_capacity, check_request
 from v1.core.protocol import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -52,6 +53,11 @@ class EngineCore:
         self.kv_cache_config = get_kv_cache_config(
             specs, available_bytes=available, num_blocks=num_blocks
         )
+        try:
+            check_engine_capacity(config, self.kv_cache_config)
+        except ValueError:
+            self.executor.shutdown()
+            raise
         self.executor.initialize_kv_cache(self.kv_cache_config)
         self.scheduler = Scheduler(config, self.kv_cache_config)
         self.max_model_len = config.model_config.effective_max_model_len
@@ -96,37 +102,16 @@ class EngineCore:
             )
 
     def _check_request(self, request: EngineCoreRequest) -> None:
-        if not request.prompt_token_ids:
-            raise ValueError("the prompt is empty")
-        if request.pooling_params is None and len(request.prompt_token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt of {len(request.prompt_token_ids)} tokens leaves no room to generate "
-                f"within max_model_len={self.max_model_len}"
-            )
-        enc = request.encoder_input
-        max_encoder_len = self.config.model_config.max_encoder_len
-        if enc is not None and enc.num_encoder_tokens > max_encoder_len:
-            raise ValueError(
-                f"encoder input of {enc.num_encoder_tokens} positions exceeds the model's "
-                f"{max_encoder_len}"
-            )
-        if enc is not None and enc.num_encoder_tokens > self.config.encoder_cache_size:
-            raise ValueError(
-                f"encoder input of {enc.num_encoder_tokens} positions exceeds the encoder cache "
-                f"({self.config.encoder_cache_size})"
-            )
+        """Admission (v1.core.admission): a request that could never run, or whose numbers do
+        not fit the step tensors, fails alone here instead of hanging or failing a step."""
+        check_request(request, self.config, self.max_model_len)
         if request.pooling_params is not None:
             self._check_pooling_request(request)
 
     def _check_pooling_request(self, request: EngineCoreRequest) -> None:
-        num_tokens = len(request.prompt_token_ids)
-        budget = self.config.scheduler_config.max_num_batched_tokens
-        if num_tokens > budget:
-            raise ValueError(
-                f"input of {num_tokens} tokens exceeds max_num_batched_tokens={budget}"
-            )
         if self._pooling_config is None:
             return  # the model folder's pooling files could not be read; the runner checks
+        num_tokens = len(request.prompt_token_ids)
         if num_tokens > self._pooling_config.max_input_len:
             raise ValueError(
                 f"input of {num_tokens} tokens exceeds the model's limit of "

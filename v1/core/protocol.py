@@ -56,6 +56,10 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
     arrival_time: float = 0.0
     priority: int = 0
     """Lower runs first under the priority policy."""
+    group_id: str | None = None
+    """Requests of one client request (n > 1 samples, a batch of prompts, a transcription's
+    windows) share a group; the fcfs waiting queue takes turns between groups, so one client's
+    many sequences do not queue ahead of everyone else. None: a group of its own."""
 
 
 class EngineCoreOutput(msgspec.Struct, omit_defaults=True, array_like=True):
@@ -89,6 +93,8 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     num_total_blocks: int = 0
     num_preemptions: int = 0
     num_encoder_runs: int = 0
+    num_encoder_lookups: int = 0
+    """Requests with an encoder input admitted (num_encoder_runs of them ran the encoder)."""
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
 

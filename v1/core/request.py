@@ -50,6 +50,7 @@ class Request:
         arrival_time: float = 0.0,
         priority: int = 0,
         max_model_len: int = 1 << 30,
+        group_id: str | None = None,
     ) -> None:
         if (sampling_params is None) == (pooling_params is None):
             raise ValueError("a request needs exactly one of sampling_params and pooling_params")
@@ -63,6 +64,10 @@ class Request:
         self.arrival_time = arrival_time
         self.priority = priority
         self.max_model_len = max_model_len
+        self.group_id = group_id if group_id is not None else request_id
+        """Fair-share group in the waiting queue (see EngineCoreRequest.group_id)."""
+        self.num_times_passed = 0
+        """Steps in which a later waiting request was admitted while this one could not run."""
 
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
@@ -97,6 +102,7 @@ class Request:
             arrival_time=req.arrival_time,
             priority=req.priority,
             max_model_len=max_model_len,
+            group_id=req.group_id,
         )
 
     # ---- derived ----

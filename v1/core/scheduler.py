@@ -9,8 +9,8 @@ priority running request is preempted by recompute (its self AND cross blocks ar
 from __future__ import annotations
 
 import heapq
-from collections import deque
-from collections.abc import Iterable
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Iterator
 
 from v1.config import EngineConfig
 from v1.core.encoder_cache import EncoderCacheManager
@@ -27,44 +27,81 @@ from v1.kv_cache.spec import KVCacheConfig
 
 
 class RequestQueue:
-    """Waiting requests: FIFO for fcfs, a heap ordered by (priority, arrival) for priority.
-    Preempted requests go back in front (fcfs) or by their priority."""
+    """Waiting requests. fcfs: groups (EngineCoreRequest.group_id) take turns, each group's
+    requests in arrival order, so one client's many sequences share the queue with everyone
+    else instead of queueing ahead (with one request per group this is plain FIFO).
+    priority: a heap ordered by (priority, arrival). Preempted requests go back in front (fcfs:
+    their group first) or by their priority."""
 
     def __init__(self, policy: str) -> None:
         self.policy = policy
-        self._fifo: deque[Request] = deque()
+        self._groups: OrderedDict[str, deque[Request]] = OrderedDict()
         self._heap: list[Request] = []
+        self._len = 0
 
     def add(self, request: Request) -> None:
+        self._len += 1
         if self.policy == "priority":
             heapq.heappush(self._heap, request)
-        else:
-            self._fifo.append(request)
+            return
+        group = self._groups.get(request.group_id)
+        if group is None:
+            group = self._groups[request.group_id] = deque()
+        group.append(request)
 
     def add_front(self, request: Request) -> None:
         if self.policy == "priority":
-            heapq.heappush(self._heap, request)
-        else:
-            self._fifo.appendleft(request)
+            self.add(request)
+            return
+        self._len += 1
+        group = self._groups.get(request.group_id)
+        if group is None:
+            group = self._groups[request.group_id] = deque()
+        group.appendleft(request)
+        self._groups.move_to_end(request.group_id, last=False)
 
     def peek(self) -> Request:
-        return self._heap[0] if self.policy == "priority" else self._fifo[0]
+        if self.policy == "priority":
+            return self._heap[0]
+        return next(iter(self._groups.values()))[0]
 
     def pop(self) -> Request:
-        return heapq.heappop(self._heap) if self.policy == "priority" else self._fifo.popleft()
+        """The next request; its group (fcfs) moves behind the others."""
+        self._len -= 1
+        if self.policy == "priority":
+            return heapq.heappop(self._heap)
+        group_id, group = next(iter(self._groups.items()))
+        request = group.popleft()
+        if group:
+            self._groups.move_to_end(group_id)
+        else:
+            del self._groups[group_id]
+        return request
 
     def remove(self, request: Request) -> None:
         if self.policy == "priority":
             self._heap.remove(request)
             heapq.heapify(self._heap)
         else:
-            self._fifo.remove(request)
+            group = self._groups[request.group_id]
+            group.remove(request)
+            if not group:
+                del self._groups[request.group_id]
+        self._len -= 1
 
     def __len__(self) -> int:
-        return len(self._heap) if self.policy == "priority" else len(self._fifo)
+        return self._len
 
-    def __iter__(self):
-        return iter(sorted(self._heap) if self.policy == "priority" else self._fifo)
+    def __iter__(self) -> Iterator[Request]:
+        if self.policy == "priority":
+            return iter(sorted(self._heap))
+        return (r for group in self._groups.values() for r in group)
+
+
+MAX_SKIPS_PER_STEP = 16
+"""Waiting requests that cannot run now which one step looks past for ones that can."""
+MAX_TIMES_PASSED = 64
+"""Steps a waiting request may be overtaken; after that nothing overtakes it (no starvation)."""
 
 
 class Scheduler:
@@ -90,6 +127,7 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
         self.num_encoder_runs = 0
+        self.num_encoder_lookups = 0
 
     # ---- request lifecycle ----
     def add_request(self, request: Request) -> None:
@@ -175,51 +213,72 @@ class Scheduler:
         return self._make_output(budget, scheduled_running, running_new_blocks, scheduled_new)
 
     def _schedule_waiting(self, budget: _StepBudget) -> list[Request]:
+        """Admits waiting requests in queue order while the budgets last. One that cannot run
+        now (no room in the step budgets, the encoder cache or the KV cache) is passed over for
+        later ones that can, at most MAX_SKIPS_PER_STEP per step; once a request has been
+        overtaken MAX_TIMES_PASSED times nothing passes it, so it runs as room frees up."""
         scheduled: list[Request] = []
+        skipped: list[tuple[Request, int]] = []
+        """Requests passed over, each with how many were admitted before it was."""
         while len(self.waiting) and budget.tokens > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting.peek()
-            computed_blocks, num_cached = None, 0
-            if request.num_computed_tokens == 0 and not request.is_pooling:
-                computed_blocks, num_cached = self.kv_cache_manager.get_computed_blocks(request)
-            num_new = request.num_tokens - num_cached
-            if num_new > budget.tokens and (request.is_pooling or not self.enable_chunked_prefill):
-                break  # pooling inputs run whole; without chunking a prompt waits for room
-            num_new = min(num_new, budget.tokens)
-            run_encoder = False
-            if request.encoder_input is not None:
-                run_encoder = not self.encoder_cache.has(request.encoder_hash)
-                if run_encoder and (
-                    request.num_encoder_tokens > budget.encoder_tokens
-                    or not self.encoder_cache.can_allocate(request.num_encoder_tokens)
-                ):
-                    break
-            new_blocks = self.kv_cache_manager.allocate_slots(
-                request,
-                num_new,
-                num_new_computed_tokens=num_cached,
-                new_computed_blocks=computed_blocks,
-                num_encoder_tokens=request.num_encoder_tokens,
-            )
-            if new_blocks is None:
+            request = self.waiting.pop()
+            if self._try_admit(request, budget):
+                scheduled.append(request)
+                continue
+            skipped.append((request, len(scheduled)))
+            if len(skipped) >= MAX_SKIPS_PER_STEP or request.num_times_passed >= MAX_TIMES_PASSED:
                 break
-            self.waiting.pop()
-            if request.encoder_input is not None:
-                if run_encoder:
-                    self.encoder_cache.allocate(request)
-                    budget.encoder_tokens -= request.num_encoder_tokens
-                    budget.encoder_hashes_to_run[request.encoder_hash] = request.request_id
-                    self.num_encoder_runs += 1
-                else:
-                    self.encoder_cache.add_ref(request)
-                budget.encoder_reqs.append(request.request_id)
-            request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_cached
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_cached
-            self.running.append(request)
-            scheduled.append(request)
-            budget.take(request, num_new)
+        for request, num_before in reversed(skipped):
+            if len(scheduled) > num_before:
+                request.num_times_passed += 1
+            self.waiting.add_front(request)
         return scheduled
+
+    def _try_admit(self, request: Request, budget: _StepBudget) -> bool:
+        """Moves `request` (already taken off the queue) to running with its first chunk in
+        this step; False, changing nothing, when it cannot run now."""
+        computed_blocks, num_cached = None, 0
+        if request.num_computed_tokens == 0 and not request.is_pooling:
+            computed_blocks, num_cached = self.kv_cache_manager.get_computed_blocks(request)
+        num_new = request.num_tokens - num_cached
+        if num_new > budget.tokens and (request.is_pooling or not self.enable_chunked_prefill):
+            return False  # pooling inputs run whole; without chunking a prompt waits for room
+        num_new = min(num_new, budget.tokens)
+        run_encoder = False
+        if request.encoder_input is not None:
+            run_encoder = not self.encoder_cache.has(request.encoder_hash)
+            if run_encoder and (
+                request.num_encoder_tokens > budget.encoder_tokens
+                or not self.encoder_cache.can_allocate(request.num_encoder_tokens)
+            ):
+                return False
+        new_blocks = self.kv_cache_manager.allocate_slots(
+            request,
+            num_new,
+            num_new_computed_tokens=num_cached,
+            new_computed_blocks=computed_blocks,
+            num_encoder_tokens=request.num_encoder_tokens,
+        )
+        if new_blocks is None:
+            return False
+        if request.encoder_input is not None:
+            self.num_encoder_lookups += 1
+            if run_encoder:
+                self.encoder_cache.allocate(request)
+                budget.encoder_tokens -= request.num_encoder_tokens
+                budget.encoder_hashes_to_run[request.encoder_hash] = request.request_id
+                self.num_encoder_runs += 1
+            else:
+                self.encoder_cache.add_ref(request)
+            budget.encoder_reqs.append(request.request_id)
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_cached
+        request.num_times_passed = 0
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_cached
+        self.running.append(request)
+        budget.take(request, num_new)
+        return True
 
     def _pick_victim(self) -> Request:
         if self.policy == "priority":
@@ -388,6 +447,7 @@ class Scheduler:
             num_total_blocks=kv.num_total_blocks,
             num_preemptions=self.num_preemptions,
             num_encoder_runs=self.num_encoder_runs,
+            num_encoder_lookups=self.num_encoder_lookups,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
         )

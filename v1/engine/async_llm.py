@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import gc
-from collections.abc import AsyncIterator, Iterable
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import Any, TypeVar
 
 from v1.config import EngineConfig, ModelKind, make_engine_config
 from v1.core.client import EngineDeadError
@@ -27,6 +30,15 @@ from v1.sampling_params import SamplingParams
 logger = init_logger(__name__)
 
 _Item = AnyRequestOutput | BaseException
+_T = TypeVar("_T")
+
+request_group: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "v1_request_group", default=None
+)
+"""The fair-share group (EngineCoreRequest.group_id) of requests added from this context: the
+server sets it to the HTTP request's id, so every sequence one client request makes (prompts,
+inputs, n samples, transcription windows) takes turns with other clients in the core's queue.
+Unset: the group of each `generate` / `encode` call is its own request id."""
 
 
 class AsyncLLM:
@@ -65,6 +77,9 @@ class AsyncLLM:
         self._error: str | None = None
         """Why the engine cannot serve any more (set once the core or the handler died)."""
         self._closed = False
+        self._input_pool = ThreadPoolExecutor(1, thread_name_prefix="v1-input")
+        """Tokenization and input checks, off the event loop and one at a time (a tokenizer
+        is not safe to use from two threads at once)."""
         # Last: starting the core process is the slow, resource-holding part.
         self.engine_core = AsyncMPClient(config, **client_kwargs)
         gc.collect()
@@ -101,6 +116,12 @@ class AsyncLLM:
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
+
+    async def run_input_work(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+        """`fn(*args, **kwargs)` on the input thread (tokenizing, checking prompts), so the
+        event loop stays free; use it for anything that calls the tokenizer."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._input_pool, partial(fn, *args, **kwargs))
 
     # ---- requests ----
     async def generate(
@@ -210,17 +231,27 @@ class AsyncLLM:
         self._ensure_output_handler()
         if request_id in self._queues or request_id in self.output_processor.parent_requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        core_requests = self.input_processor.process_all(
-            request_id, prompt, params, priority=priority
-        )
-        if any(r.request_id in self.output_processor.request_states for r in core_requests):
-            raise ValueError(f"request id {request_id!r} is already in use")
+        q: asyncio.Queue[_Item | None] = asyncio.Queue()
+        self._queues[request_id] = q  # holds the id while the input thread works
+        try:
+            core_requests = await self.run_input_work(
+                self.input_processor.process_all, request_id, prompt, params, priority=priority
+            )
+            if any(r.request_id in self.output_processor.request_states for r in core_requests):
+                raise ValueError(f"request id {request_id!r} is already in use")
+        except BaseException:
+            if self._queues.get(request_id) is q:
+                del self._queues[request_id]
+            raise
+        if self._queues.get(request_id) is not q:  # aborted meanwhile
+            return q
+        group = request_group.get() or request_id
+        for r in core_requests:
+            r.group_id = group
         prompt_text, encoder_text = self.input_processor.prompt_texts(prompt)
         parent = None
         if isinstance(params, SamplingParams) and params.n > 1:
             parent = ParentRequest(request_id, params)
-        q: asyncio.Queue[_Item | None] = asyncio.Queue()
-        self._queues[request_id] = q
         for index, request in enumerate(core_requests):
             self.output_processor.add_request(
                 request,
@@ -307,4 +338,5 @@ class AsyncLLM:
         if handler is not None and not handler.done():
             with contextlib.suppress(RuntimeError):  # its loop is closed: it never runs again
                 handler.cancel()
+        self._input_pool.shutdown(wait=False, cancel_futures=True)
         self.engine_core.shutdown()

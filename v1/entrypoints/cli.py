@@ -198,6 +198,7 @@ def make_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--chat-template", default=None, help="a Jinja chat template file (or text) to use"
     )
+    _add_server_limits(serve)
     serve.add_argument(
         "--uvicorn-log-level",
         default="info",
@@ -307,12 +308,83 @@ def _add_embed(sub: Any) -> None:
     add_engine_args(p, IGNORED_ENGINE_ARGS["embed"])
 
 
+def _add_server_limits(serve: argparse.ArgumentParser) -> None:
+    """`v1 serve` flags for per-request budgets, connection limits and shutdown."""
+    from v1.entrypoints.openai.http_limits import HttpLimits
+    from v1.entrypoints.openai.serving_engine import DEFAULT_MAX_TOKENS_PER_REQUEST
+
+    http = HttpLimits()
+    group = serve.add_argument_group("limits and shutdown")
+    group.add_argument(
+        "--max-prompt-chars",
+        type=int,
+        default=None,
+        help="longest prompt / input text in characters, checked before tokenizing (default: "
+        "32 x the model's context length, at least 200000)",
+    )
+    group.add_argument(
+        "--max-tokens-per-request",
+        type=int,
+        default=DEFAULT_MAX_TOKENS_PER_REQUEST,
+        help="input tokens one request may hold over all its prompts, inputs and n samples "
+        "(default: %(default)s)",
+    )
+    group.add_argument(
+        "--max-header-bytes",
+        type=int,
+        default=http.max_header_bytes,
+        help="request line plus headers, in bytes; more gets 431 (default: %(default)s)",
+    )
+    group.add_argument(
+        "--max-headers",
+        type=int,
+        default=http.max_headers,
+        help="header fields per request; more gets 431 (default: %(default)s)",
+    )
+    group.add_argument(
+        "--header-timeout",
+        type=float,
+        default=http.header_timeout,
+        help="seconds for a request's headers to arrive; then 408 (default: %(default)s)",
+    )
+    group.add_argument(
+        "--keep-alive-timeout",
+        type=float,
+        default=5.0,
+        help="seconds an idle connection stays open (default: %(default)s)",
+    )
+    group.add_argument(
+        "--max-connections",
+        type=int,
+        default=http.max_connections,
+        help="open connections; more get 503 (default: %(default)s)",
+    )
+    group.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/SIGINT, seconds to drain in-flight requests (new ones get 503) before "
+        "failing them; then exit 0 (default: %(default)s)",
+    )
+    group.add_argument(
+        "--audio-chunk-seconds",
+        type=int,
+        default=300,
+        help="audio a transcription decodes and hands the engine at a time, a multiple of 30 "
+        "(bounds its memory and its share of the engine; default: %(default)s)",
+    )
+    group.add_argument(
+        "--keep-alive-on-engine-death",
+        action="store_true",
+        help="keep answering 503 when the engine dies instead of exiting with code 1",
+    )
+
+
 # ---- commands ----
 def _serve(args: argparse.Namespace) -> int:
     from v1.entrypoints.openai.api_server import run_server
 
-    run_server(args, engine_kwargs(args))
-    return 0
+    return run_server(args, engine_kwargs(args))
 
 
 def _transcribe(args: argparse.Namespace) -> int:

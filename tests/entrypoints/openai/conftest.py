@@ -1,10 +1,16 @@
 """`v1 serve` subprocesses for the server tests: one per model for the whole directory, all
 started together at the beginning of the session (startup is the slow part), each on 127.0.0.1
 with a free port, stopped at the end. Tiny model folders are built here too.
+
+No exit path leaves a server behind: the fixture stops them, an atexit hook covers an
+interpreter that exits otherwise, and each server gets SIGTERM from the kernel when the test
+process dies, even by SIGKILL (PR_SET_PDEATHSIG); its EngineCore follows its server.
 """
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import json
 import os
 import shutil
@@ -26,6 +32,7 @@ from tests.utils import (
     make_tiny_llama_dir,
     make_tiny_model_dir,
     make_tiny_wordpiece_tokenizer,
+    require_asset,
 )
 
 API_KEY = "test-key-123"
@@ -34,6 +41,8 @@ MINILM_DIR = ASSETS / "all-MiniLM-L6-v2"
 AUDIO_DIR = ASSETS / "audio"
 MAX_AUDIO_BYTES = 2_000_000
 """The Whisper server's upload cap (jfk.flac is 1.15 MB)."""
+MAX_AUDIO_SECONDS = 900
+"""The Whisper server's duration cap."""
 CHAT_TEMPLATE = (
     "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<s>assistant:{% endif %}"
@@ -45,7 +54,22 @@ TINY_BERT = dict(
     intermediate_size=64,
     max_position_embeddings=64,
 )
-STARTUP_TIMEOUT_S = 240.0
+STARTUP_TIMEOUT_S = float(os.environ.get("V1_TEST_SERVER_STARTUP_S", "600"))
+"""Upper bound only: readiness is polled, and a server that exits is reported at once."""
+_PR_SET_PDEATHSIG = 1
+_LIVE_SERVERS: set[RemoteServer] = set()
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the test process dies, however it dies."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@atexit.register
+def _stop_live_servers() -> None:
+    for server in list(_LIVE_SERVERS):
+        server.stop()
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -71,7 +95,14 @@ def v1_command() -> list[str]:
 class RemoteServer:
     """A `v1 serve` subprocess; its output goes to a log file shown when it fails to start."""
 
-    def __init__(self, name: str, model: str, args: list[str], log_dir: Path) -> None:
+    def __init__(
+        self,
+        name: str,
+        model: str,
+        args: list[str],
+        log_dir: Path,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.name = name
         self.model = model
         self.port = free_port()
@@ -83,10 +114,18 @@ class RemoteServer:
             "HF_HUB_OFFLINE": "1",
             "TOKENIZERS_PARALLELISM": "false",
             "V1_LOG_LEVEL": "INFO",
+            **(env or {}),
         }
         cmd = [*v1_command(), "serve", model, "--port", str(self.port), "--device", "cpu", *args]
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            self.proc = subprocess.Popen(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            )
+        _LIVE_SERVERS.add(self)
         self._ready = False
         self._core_pid: int | None = None
 
@@ -99,7 +138,11 @@ class RemoteServer:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} server exited early:\n{self.log_tail()}")
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                ready = httpx.get(self.url + "/health", timeout=2).status_code == 200
+                if ready:
+                    with self.http(timeout=5) as client:
+                        ready = client.get("/v1/models").status_code == 200
+                if ready:
                     self._ready = True
                     self._core_pid = self.find_core_pid()
                     return self
@@ -109,6 +152,7 @@ class RemoteServer:
         raise RuntimeError(f"{self.name} server not ready in {timeout} s:\n{self.log_tail()}")
 
     def stop(self) -> None:
+        _LIVE_SERVERS.discard(self)
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -248,12 +292,26 @@ def _server_specs(root: Path) -> dict[str, Any]:
                 "--max-num-seqs",
                 "16",
                 "--max-request-bytes",
-                "1000000",
+                "12000000",
+                "--max-tokens-per-request",
+                "4096",
+                "--header-timeout",
+                "2",
+                "--keep-alive-timeout",
+                "2",
             ],
         ),
         "doomed_server": lambda: (
             make_chat_llama_dir(root / "llama_plain", None),
-            ["--served-model-name", "doomed", "--num-kv-blocks", "64", "--max-pending", "2"],
+            [
+                "--served-model-name",
+                "doomed",
+                "--num-kv-blocks",
+                "64",
+                "--max-pending",
+                "2",
+                "--keep-alive-on-engine-death",
+            ],
         ),
         "whisper_server": lambda: (
             str(WHISPER_DIR),
@@ -262,6 +320,10 @@ def _server_specs(root: Path) -> dict[str, Any]:
                 "whisper-1",
                 "--max-audio-bytes",
                 str(MAX_AUDIO_BYTES),
+                "--max-audio-seconds",
+                str(MAX_AUDIO_SECONDS),
+                "--audio-chunk-seconds",
+                "30",  # every multi-window file goes through the chunked path
                 "--max-num-seqs",
                 "16",
             ],
@@ -294,8 +356,8 @@ class ServerPool:
 
     def get(self, name: str) -> RemoteServer:
         missing = _NEEDS_ASSETS.get(name)
-        if missing is not None and not missing.exists():
-            pytest.skip(f"{missing} is absent (see ../shared/assets/README.md)")
+        if missing is not None:
+            require_asset(missing)  # a skip locally, a failure under CI
         return self.start(name).wait_ready()
 
     def stop_all(self) -> None:

@@ -19,6 +19,7 @@ from tests.entrypoints.openai.conftest import (
     RemoteServer,
     v1_command,
 )
+from tests.utils import ASSETS, require_asset
 from v1.config import engine_arg_fields
 from v1.entrypoints.cli import attribute_docs, engine_kwargs, make_parser
 
@@ -259,7 +260,7 @@ def test_verbose_json_has_segments(runs: dict[str, subprocess.CompletedProcess])
 
 def test_transcribe_srt(runs: dict[str, subprocess.CompletedProcess]) -> None:
     if "transcribe" not in runs:
-        pytest.skip("whisper-base is absent")
+        require_asset(ASSETS / "whisper-base")
     run = runs["transcribe"]
     assert run.returncode == 0, run.stderr[-2000:]
     lines = run.stdout.strip().split("\n")
@@ -269,7 +270,7 @@ def test_transcribe_srt(runs: dict[str, subprocess.CompletedProcess]) -> None:
 
 def test_embed_prints_unit_vectors(runs: dict[str, subprocess.CompletedProcess]) -> None:
     if "embed" not in runs:
-        pytest.skip("all-MiniLM-L6-v2 is absent")
+        require_asset(ASSETS / "all-MiniLM-L6-v2")
     run = runs["embed"]
     assert run.returncode == 0, run.stderr[-2000:]
     row = json.loads(run.stdout.strip())

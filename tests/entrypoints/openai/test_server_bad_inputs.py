@@ -4,11 +4,18 @@ use. Nothing here reaches a model step, so the whole table runs in seconds."""
 
 from __future__ import annotations
 
+import io
+import json
+import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import httpx
+import numpy as np
 import pytest
+import soundfile as sf
 
 from tests.entrypoints.openai.conftest import AUDIO_DIR, RemoteServer, ServerPool, assert_error_body
 
@@ -25,6 +32,25 @@ def _audio(name: str) -> bytes:
 
 FLAC = _audio("jfk.flac")
 WAV = _audio("stereo_diarization.wav")
+
+
+def silent_flac(seconds: int, sample_rate: int = 16_000) -> bytes:
+    """A FLAC of silence (about 50 bytes a second), its length in the header."""
+    buf = io.BytesIO()
+    block = np.zeros(sample_rate * 60, dtype=np.float32)
+    with sf.SoundFile(buf, "w", sample_rate, 1, format="FLAC", subtype="PCM_16") as f:
+        for start in range(0, seconds, 60):
+            f.write(block[: sample_rate * min(60, seconds - start)])
+    return buf.getvalue()
+
+
+def hide_flac_length(data: bytes) -> bytes:
+    """The same FLAC with STREAMINFO's total-samples field zeroed ("unknown length")."""
+    out = bytearray(data)
+    assert out[:4] == b"fLaC"
+    out[8 + 13] &= 0xF0  # STREAMINFO starts at byte 8; total samples: 36 bits from byte 13
+    out[8 + 14 : 8 + 18] = b"\0\0\0\0"
+    return bytes(out)
 
 
 @dataclass(frozen=True)
@@ -65,7 +91,7 @@ CASES = [
     Case("json-string-body", LLAMA, CMPL, raw(b'"hello"'), 400, message_has="JSON object"),
     Case("empty-body", LLAMA, CMPL, raw(b""), 400),
     Case("not-json-content-type", LLAMA, CMPL, raw(b'{"prompt": "hi"}', "text/plain"), 400),
-    Case("body-too-large", LLAMA, CMPL, js(prompt="x" * 1_200_000), 413),
+    Case("body-too-large", LLAMA, CMPL, js(prompt="x" * 12_100_000), 413),
     Case("missing-prompt", LLAMA, CMPL, js(max_tokens=3), 400, param="prompt"),
     Case("empty-prompt", LLAMA, CMPL, js(prompt=""), 400, param="prompt"),
     Case("empty-prompt-list", LLAMA, CMPL, js(prompt=[]), 400, param="prompt"),
@@ -294,7 +320,175 @@ CASES = [
         param="text_2",
     ),
     Case("completions-on-scorer", SCORER, CMPL, js(prompt="hi"), 400, code="wrong_model_kind"),
+    # ---- numbers outside what the engine's tensors hold (issue 14, item 1) ----
+    Case("top-k-2-63", LLAMA, CMPL, js(prompt="hi", top_k=2**63), 400, param="top_k"),
+    Case("top-k-2-64", LLAMA, CMPL, js(prompt="hi", top_k=2**64), 400, param="top_k"),
+    Case(
+        "repetition-penalty-1e300",
+        LLAMA,
+        CMPL,
+        js(prompt="hi", repetition_penalty=1e300),
+        400,
+        param="repetition_penalty",
+    ),
+    Case("min-tokens-2-40", LLAMA, CMPL, js(prompt="hi", min_tokens=2**40), 400, "min_tokens"),
+    Case(
+        "stop-id-2-40", LLAMA, CMPL, js(prompt="hi", stop_token_ids=[2**40]), 400, "stop_token_ids"
+    ),
+    Case("seed-2-64", LLAMA, CMPL, js(prompt="hi", seed=2**64), 400, param="seed"),
+    Case("max-tokens-2-63", LLAMA, CHAT, js(messages=MSG, max_tokens=2**63), 400, "max_tokens"),
+    # ---- text that is not Unicode (item 6) ----
+    Case(
+        "lone-surrogate-prompt",
+        LLAMA,
+        CMPL,
+        raw(b'{"prompt": "hi \\ud800 there"}'),
+        400,
+        param="prompt",
+        message_has="surrogate",
+    ),
+    Case(
+        "lone-surrogate-chat",
+        LLAMA,
+        CHAT,
+        raw(b'{"messages": [{"role": "user", "content": "\\udc00"}]}'),
+        400,
+        param="messages",
+    ),
+    Case(
+        "lone-surrogate-stop",
+        LLAMA,
+        CMPL,
+        raw(b'{"prompt": "a", "stop": ["\\ud800"]}'),
+        400,
+        "stop",
+    ),
+    Case(
+        "lone-surrogate-embedding",
+        MINILM,
+        EMB,
+        raw(b'{"input": ["ok", "\\ud83d"]}'),
+        400,
+        param="input",
+    ),
+    # ---- options that would otherwise be silently ignored (item 7) ----
+    Case(
+        "json-object-mode",
+        LLAMA,
+        CHAT,
+        js(messages=MSG, response_format={"type": "json_object"}),
+        400,
+        param="response_format",
+        message_has="structured output",
+    ),
+    Case(
+        "json-schema-mode",
+        LLAMA,
+        CHAT,
+        js(messages=MSG, response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+        400,
+        param="response_format",
+    ),
+    Case("tool-choice", LLAMA, CHAT, js(messages=MSG, tool_choice="auto"), 400, "tool_choice"),
+    Case("functions", LLAMA, CHAT, js(messages=MSG, functions=[{"name": "f"}]), 400, "functions"),
+    Case(
+        "function-call",
+        LLAMA,
+        CHAT,
+        js(messages=MSG, function_call={"name": "f"}),
+        400,
+        param="function_call",
+    ),
+    Case("audio-modality", LLAMA, CHAT, js(messages=MSG, modalities=["audio"]), 400, "modalities"),
+    Case(
+        "audio-include-logprobs",
+        WHISPER,
+        TRANSCRIBE,
+        form(FLAC, **{"include[]": "logprobs"}),
+        400,
+        param="include",
+    ),
+    Case(
+        "audio-vad-chunking",
+        WHISPER,
+        TRANSCRIBE,
+        form(FLAC, chunking_strategy="server_vad"),
+        400,
+        param="chunking_strategy",
+    ),
+    # ---- size limits before any work (items 3 and 8) ----
+    Case(
+        "prompt-over-char-limit",
+        LLAMA,
+        CMPL,
+        js(prompt="hello " * 50_000),
+        400,
+        param="prompt",
+        code="context_length_exceeded",
+        message_has="--max-prompt-chars",
+    ),
+    Case(
+        "chat-over-char-limit",
+        LLAMA,
+        CHAT,
+        js(messages=[{"role": "user", "content": "hello " * 50_000}]),
+        400,
+        param="messages",
+        code="context_length_exceeded",
+    ),
+    Case(
+        "tokens-per-request",
+        LLAMA,
+        CMPL,
+        js(prompt=[[5] * 200] * 25, max_tokens=1),  # 5,000 tokens; the server allows 4,096
+        400,
+        param="prompt",
+        code="request_too_large",
+    ),
+    Case(
+        "tokens-per-request-n",
+        LLAMA,
+        CMPL,
+        js(prompt=[5] * 200, n=25, max_tokens=1),
+        400,
+        param="prompt",
+        code="request_too_large",
+    ),
+    # ---- audio length (item 2) ----
+    Case(
+        "declared-too-long",
+        WHISPER,
+        TRANSCRIBE,
+        form(silent_flac(1200)),
+        400,
+        param="file",
+        message_has="1200.0 s",
+    ),
+    Case(
+        "hidden-length-too-long",
+        WHISPER,
+        TRANSCRIBE,
+        form(hide_flac_length(silent_flac(1200))),
+        400,
+        param="file",
+        message_has="packets hold",
+    ),
 ]
+
+
+def _one_second_wav() -> bytes:
+    samples, rate = sf.read(io.BytesIO(FLAC), dtype="float32") if FLAC else (np.zeros(0), 16000)
+    buf = io.BytesIO()
+    sf.write(buf, samples[: int(rate)], rate, format="WAV")
+    return buf.getvalue()
+
+
+NORMAL_REQUESTS = {
+    LLAMA: (CMPL, js(prompt="hi", max_tokens=1)),
+    WHISPER: (TRANSCRIBE, form(_one_second_wav(), "a.wav")),
+    MINILM: (EMB, js(input="hi")),
+    SCORER: ("/v1/score", js(text_1="a", text_2="b")),
+}
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
@@ -304,14 +498,17 @@ def test_bad_request(case: Case, server_pool: ServerPool) -> None:
     with server.http(timeout=60) as http:
         response = http.request(case.method, case.path, **case.request)
         health = http.get("/health")
-    error = assert_error_body(response, case.status)
-    assert time.monotonic() - start < 10
+        error = assert_error_body(response, case.status)
+        assert time.monotonic() - start < 10
+        path, normal = NORMAL_REQUESTS[case.server]
+        after = http.post(path, **normal)
     if case.param is not None:
         assert error["param"] == case.param, error
     if case.code is not None:
         assert error["code"] == case.code, error
     assert case.message_has in error["message"], error
     assert health.status_code == 200
+    assert after.status_code == 200, after.text  # the server still serves normal requests
 
 
 @pytest.mark.parametrize("name", ALL_SERVERS)
@@ -327,3 +524,158 @@ def test_servers_idle_afterwards(name: str, server_pool: ServerPool) -> None:
         v for k, v in metrics.items() if k.startswith("v1_http_request_errors_total") and '"4' in k
     )
     assert errors_4xx >= sum(1 for c in CASES if c.server == name)
+    # The normal request after each case finished normally and was counted so.
+    finished = sum(v for k, v in metrics.items() if k.startswith("v1_request_finish_total"))
+    assert finished >= sum(1 for c in CASES if c.server == name)
+    total = [v for k, v in metrics.items() if k.startswith("v1_kv_cache_total_blocks")]
+    if name in (LLAMA, WHISPER):
+        assert total and total[0] > 0
+        lookups = server.metric("v1_encoder_cache_lookups")
+        runs = server.metric("v1_encoder_runs")
+        assert (lookups > runs > 0) if name == WHISPER else lookups == runs == 0
+
+
+# ---- one request never harms another ----
+
+
+def _stream_completion(server: RemoteServer, prompt: str, max_tokens: int) -> dict[str, Any]:
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    text, finish, events = "", None, []
+    with (
+        server.http(timeout=120) as http,
+        http.stream("POST", CMPL, json=body) as response,
+    ):
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: ") :])
+            events.append(event)
+            assert "error" not in event, event
+            for choice in event["choices"]:
+                text += choice["text"]
+                finish = choice["finish_reason"] or finish
+    return {"text": text, "finish": finish}
+
+
+POISON = [
+    {"top_k": 2**63},
+    {"top_k": 2**64},
+    {"repetition_penalty": 1e300},
+    {"min_tokens": 2**40, "max_tokens": 2**40},
+    {"stop_token_ids": [2**63]},
+    {"presence_penalty": 1e39},
+]
+
+
+@pytest.mark.uses_servers(LLAMA)
+def test_poisoned_requests_beside_honest_streams(server_pool: ServerPool) -> None:
+    """Hostile numbers sent while four honest streams run: each is a 400 naming its field,
+    and the honest streams finish intact (the same text as when run alone)."""
+    server = server_pool.get(LLAMA)
+    prompts = [f"stream number {i} says" for i in range(4)]
+    alone = [_stream_completion(server, p, 24) for p in prompts]
+    results: dict[int, Any] = {}
+    rejected: list[tuple[dict[str, Any], httpx.Response]] = []
+
+    def honest(i: int) -> None:
+        results[i] = _stream_completion(server, prompts[i], 24)
+
+    threads = [threading.Thread(target=honest, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    with server.http(timeout=60) as http:
+        for poison in POISON:
+            rejected.append((poison, http.post(CMPL, json={"prompt": "x", **poison})))
+    for t in threads:
+        t.join(timeout=120)
+    for poison, response in rejected:
+        error = assert_error_body(response, 400)
+        assert error["param"] == next(iter(poison)), (poison, error)
+    assert [results[i] for i in range(4)] == alone
+    assert all(r["finish"] == "length" for r in alone)
+
+
+@pytest.mark.uses_servers(WHISPER)
+def test_hidden_length_flac_is_refused_in_bounded_memory(server_pool: ServerPool) -> None:
+    """A 2 h FLAC whose header hides its length, against a 900 s cap: refused without
+    decoding (decoding to the cap would hold 900 s x 16 kHz x 4 B = 58 MB of samples)."""
+    server = server_pool.get(WHISPER)
+    bomb = hide_flac_length(silent_flac(7200))
+    assert len(bomb) < 1_000_000
+    baseline = _rss_bytes(server.proc.pid)
+    peak = {"rss": baseline}
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            peak["rss"] = max(peak["rss"], _rss_bytes(server.proc.pid))
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        start = time.monotonic()
+        with server.http(timeout=60) as http:
+            response = http.post(TRANSCRIBE, **form(bomb))
+        elapsed = time.monotonic() - start
+    finally:
+        done.set()
+        watcher.join()
+    error = assert_error_body(response, 400)
+    assert error["param"] == "file" and "too long" in error["message"]
+    assert elapsed < 5
+    growth = peak["rss"] - baseline
+    assert growth < 24 << 20, f"the server grew by {growth / 2**20:.1f} MiB"
+
+
+def _rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.uses_servers(LLAMA)
+def test_health_answers_fast_during_huge_prompts(server_pool: ServerPool) -> None:
+    """/health within 100 ms while a 10 MB prompt (refused by the character limit) and prompts
+    just under the limit (tokenized on the input thread) are in flight."""
+    server = server_pool.get(LLAMA)
+    outcome: dict[str, Any] = {}
+
+    def huge() -> None:
+        with server.http(timeout=120) as http:
+            outcome["huge"] = http.post(CMPL, json={"prompt": "x" * 10_000_000})
+
+    def long_ones() -> None:
+        with server.http(timeout=120) as http:
+            outcome["long"] = [
+                http.post(CMPL, json={"prompt": "hello world " * 16_000, "max_tokens": 1})
+                for _ in range(3)
+            ]
+
+    threads = [threading.Thread(target=huge), threading.Thread(target=long_ones)]
+    latencies = []
+    with server.http(timeout=10) as http:
+        http.get("/health")  # connect first
+        for t in threads:
+            t.start()
+        while any(t.is_alive() for t in threads):
+            start = time.perf_counter()
+            assert http.get("/health").status_code == 200
+            latencies.append(time.perf_counter() - start)
+            time.sleep(0.01)
+    for t in threads:
+        t.join()
+    error = assert_error_body(outcome["huge"], 400)
+    assert error["param"] == "prompt" and "--max-prompt-chars" in error["message"]
+    for response in outcome["long"]:  # 192,000 characters: tokenized, then over the budget
+        assert assert_error_body(response, 400)["code"] == "request_too_large"
+    assert len(latencies) >= 5
+    assert max(latencies) < 0.1, sorted(latencies)[-5:]

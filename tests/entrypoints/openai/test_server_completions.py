@@ -225,7 +225,11 @@ def _wait_idle(server: RemoteServer, timeout: float = 10.0) -> dict[str, float]:
 def test_client_disconnect_aborts_the_request(llama_server: RemoteServer) -> None:
     body = {"model": MODEL, "prompt": "hello", "max_tokens": 250, **greedy()}
     key = 'v1_http_requests_total{endpoint="/v1/completions",status="499"}'
+    aborts = (
+        'v1_request_finish_total{endpoint="/v1/completions",model_name="tiny-llama",reason="abort"}'
+    )
     before = llama_server.metrics().get(key, 0.0)
+    aborts_before = llama_server.metrics().get(aborts, 0.0)
     with llama_server.http() as http, pytest.raises(httpx.TimeoutException):
         http.post("/v1/completions", json=body, timeout=0.5)
     metrics = _wait_idle(llama_server)
@@ -243,18 +247,23 @@ def test_client_disconnect_aborts_the_request(llama_server: RemoteServer) -> Non
     assert metrics['v1_num_requests_running{model_name="tiny-llama"}'] == 0
     assert metrics['v1_kv_cache_used_blocks{model_name="tiny-llama"}'] == 0
     assert time.monotonic() - start < 5  # aborted, not left to generate 250 tokens
+    # Both count as aborts, the stream too (its status was 200 when the client left).
+    assert metrics[aborts] == aborts_before + 2
 
 
 def test_latency_metrics_are_recorded(llama_server: RemoteServer, client: openai.OpenAI) -> None:
     before = llama_server.metrics()
     client.completions.create(model=MODEL, prompt="hi", max_tokens=4, **_x(greedy()))
     after = llama_server.metrics()
-    ttft = 'v1_time_to_first_token_seconds_count{model_name="tiny-llama"}'
-    itl = 'v1_inter_token_latency_seconds_count{model_name="tiny-llama"}'
-    e2e = 'v1_e2e_request_latency_seconds_count{endpoint="/v1/completions",model_name="tiny-llama"}'
+    labels = '{endpoint="/v1/completions",model_name="tiny-llama"}'
+    ttft = f"v1_time_to_first_token_seconds_count{labels}"
+    itl = f"v1_inter_token_latency_seconds_count{labels}"
+    e2e = f"v1_e2e_request_latency_seconds_count{labels}"
+    length = 'v1_request_finish_total{endpoint="/v1/completions",model_name="tiny-llama",reason="length"}'
     assert after[ttft] == before.get(ttft, 0) + 1
     assert after[itl] >= before.get(itl, 0) + 3
     assert after[e2e] == before.get(e2e, 0) + 1
+    assert after[length] == before.get(length, 0) + 1
     ok = 'v1_http_requests_total{endpoint="/v1/completions",status="200"}'
     assert after[ok] == before.get(ok, 0) + 1
 

@@ -33,6 +33,21 @@ def _words(text: str) -> str:
     return " ".join(re.sub(r"[^a-z ]", " ", text.lower()).split())
 
 
+LONG_STARTS = (1.0, 36.0, 71.0)
+"""Where the short clip is placed in an 80 s file: one per 30 s chunk of the test server."""
+
+
+def _long_flac() -> bytes:
+    samples, rate = sf.read(str(SHORT), dtype="float32")
+    assert rate == 16_000
+    audio = np.zeros(80 * rate, dtype=np.float32)
+    for start in LONG_STARTS:
+        audio[int(start * rate) : int(start * rate) + samples.shape[0]] = samples
+    buf = io.BytesIO()
+    sf.write(buf, audio, rate, format="FLAC")
+    return buf.getvalue()
+
+
 async def _run_all(server: RemoteServer) -> dict[str, Any]:
     """Every request of the module at once: the engine batches their windows."""
     client = server.async_openai()
@@ -43,11 +58,11 @@ async def _run_all(server: RemoteServer) -> dict[str, Any]:
         response = await tr.with_raw_response.create(model=MODEL, **kwargs)
         return response.headers.get("content-type", ""), response.parse()
 
-    async def stream() -> list[Any]:
-        events = await tr.create(
-            model=MODEL, file=("short.flac", short), language="en", stream=True
-        )
+    async def stream(file: tuple[str, bytes] = ("short.flac", short)) -> list[Any]:
+        events = await tr.create(model=MODEL, file=file, language="en", stream=True)
         return [event async for event in events]
+
+    long = ("long.flac", _long_flac())
 
     jobs = {
         "json": tr.create(model=MODEL, file=("jfk.flac", jfk), language="en"),
@@ -62,6 +77,13 @@ async def _run_all(server: RemoteServer) -> dict[str, Any]:
         "text": raw(file=("short.flac", short), response_format="text", language="en"),
         "translation": client.audio.translations.create(model=MODEL, file=("s.flac", short)),
         "stream": stream(),
+        "long": tr.create(
+            model=MODEL,
+            file=long,
+            response_format="verbose_json",
+            timestamp_granularities=["segment"],
+        ),
+        "long_stream": stream(long),
     }
     results = await asyncio.gather(*jobs.values())
     await client.close()
@@ -122,6 +144,25 @@ def test_translation_of_english_speech_is_english(results: dict[str, Any]) -> No
     assert "man said to the universe" in _words(results["translation"].text)
 
 
+def test_long_audio_goes_through_in_chunks(results: dict[str, Any]) -> None:
+    """80 s against the test server's 30 s chunks: three chunks transcribed one after another,
+    joined into one text with segment times on the file's clock."""
+    phrase = _words(SHORT_TEXT)
+    long = results["long"]
+    assert _words(long.text).count(phrase) == 3, long.text
+    assert long.language == "english" and abs(long.duration - 80.0) < 0.01
+    starts = [seg.start for seg in long.segments]
+    assert starts == sorted(starts) and [seg.id for seg in long.segments] == list(
+        range(len(starts))
+    )
+    for k in range(3):  # each chunk's segments on the file's clock, inside that chunk
+        assert any(30 * k <= start < 30 * (k + 1) for start in starts), (k, starts)
+    assert all(seg.end <= 80.0 for seg in long.segments)
+    done = results["long_stream"][-1]
+    assert done.type == "transcript.text.done"
+    assert _words(done.text).count(phrase) == 3
+
+
 def test_stream_events(results: dict[str, Any]) -> None:
     events = results["stream"]
     deltas = [e for e in events if e.type == "transcript.text.delta"]
@@ -133,7 +174,7 @@ def test_stream_events(results: dict[str, Any]) -> None:
 
 def test_audio_seconds_metric(results: dict[str, Any], whisper_server: RemoteServer) -> None:
     short = sf.info(str(SHORT)).duration
-    expected = sf.info(str(JFK)).duration + 6 * short
+    expected = sf.info(str(JFK)).duration + 6 * short + 2 * 80
     seconds = whisper_server.metric('v1_audio_seconds_processed_total{model_name="whisper-1"}')
     assert seconds >= expected - 0.1
 

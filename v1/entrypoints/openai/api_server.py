@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import argparse
 import hmac
+import sys
+import time
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
@@ -19,12 +22,15 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import v1
+from v1.engine.async_llm import request_group
 from v1.entrypoints.openai.errors import (
     APIError,
     ClientDisconnected,
     error_response,
     install_error_handlers,
 )
+from v1.entrypoints.openai.http_limits import HttpLimits, limited_protocol
+from v1.entrypoints.openai.lifecycle import DrainingServer, ServerLifecycle
 from v1.entrypoints.openai.metrics import ServerMetrics
 from v1.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -73,14 +79,22 @@ class ServerMiddleware:
     is ever buffered.
     """
 
-    def __init__(self, app: ASGIApp, settings: ServerSettings, metrics: ServerMetrics) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        settings: ServerSettings,
+        metrics: ServerMetrics,
+        lifecycle: ServerLifecycle,
+    ) -> None:
         self.app = app
         self.api_key = settings.api_key.encode() if settings.api_key else None
         self.max_pending = settings.max_pending
         self.json_limit = settings.max_request_bytes
         self.audio_limit = settings.max_audio_bytes + _FORM_OVERHEAD_BYTES
         self.metrics = metrics
+        self.lifecycle = lifecycle
         self.in_flight = 0
+        lifecycle.in_flight = lambda: self.in_flight
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -107,11 +121,19 @@ class ServerMiddleware:
                 return
             self.in_flight += 1
             self.metrics.in_flight.set(self.in_flight)
+            arrival = time.perf_counter()
+            # Every sequence this HTTP request makes shares one fair-share group in the core.
+            group = request_group.set(f"http-{uuid.uuid4().hex}")
             try:
                 await self.app(scope, receive, send_and_record)
+            except Exception:
+                status.setdefault("code", 500)
+                raise
             finally:
+                request_group.reset(group)
                 self.in_flight -= 1
                 self.metrics.in_flight.set(self.in_flight)
+                self._observe_end(endpoint, status.get("code", 499), arrival)
         except Exception:
             status.setdefault("code", 500)  # answered by the outer ServerErrorMiddleware
             raise
@@ -119,7 +141,25 @@ class ServerMiddleware:
             # No response started: the client went away first (nginx's 499).
             self.metrics.observe_request(endpoint, status.get("code", 499))
 
+    def _observe_end(self, endpoint: str, code: int, arrival: float) -> None:
+        """Latency of every inference request; a request that ended without its answer
+        (client gone: 499; server error: 5xx) counts as one abort or error. Finishes of
+        answered requests are counted where their sequences end (serving_*)."""
+        if code < 400 or code == 499:
+            self.metrics.observe_e2e(endpoint, time.perf_counter() - arrival)
+        if code == 499:
+            self.metrics.observe_finish(endpoint, "abort")
+        elif code >= 500:
+            self.metrics.observe_finish(endpoint, "error")
+
     def _reject(self, scope: Scope, path: str) -> APIError | None:
+        if self.lifecycle.draining and (path in INFERENCE_PATHS or path in _PUBLIC_PATHS):
+            return APIError(
+                503,
+                "the server is shutting down; retry on another instance",
+                code="shutting_down",
+                headers={"Retry-After": str(_RETRY_AFTER_S)},
+            )
         if self.api_key is not None and path not in _PUBLIC_PATHS:
             given = _bearer_token(scope)
             if given is None or not hmac.compare_digest(given, self.api_key):
@@ -195,7 +235,17 @@ def _endpoint_label(path: str) -> str:
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     names = getattr(args, "served_model_name", None) or [args.model]
     kwargs: dict[str, Any] = {}
-    for name in ("max_pending", "max_audio_bytes", "max_audio_seconds", "max_request_bytes"):
+    for name in (
+        "max_pending",
+        "max_audio_bytes",
+        "max_audio_seconds",
+        "max_request_bytes",
+        "max_prompt_chars",
+        "max_tokens_per_request",
+        "shutdown_timeout",
+        "keep_alive_on_engine_death",
+        "audio_chunk_seconds",
+    ):
         value = getattr(args, name, None)
         if value is not None:
             kwargs[name] = value
@@ -212,6 +262,7 @@ def build_app(engine: Any, args: argparse.Namespace | ServerSettings) -> FastAPI
     """The FastAPI app serving `engine` (an AsyncLLM); it shuts the engine down on exit."""
     settings = args if isinstance(args, ServerSettings) else settings_from_args(args)
     metrics = ServerMetrics(settings.model_name)
+    lifecycle = ServerLifecycle(settings.shutdown_timeout, settings.keep_alive_on_engine_death)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -232,12 +283,13 @@ def build_app(engine: Any, args: argparse.Namespace | ServerSettings) -> FastAPI
     async def _disconnected(request: Request, exc: ClientDisconnected) -> Response:
         return Response(status_code=499)
 
-    app.add_middleware(ServerMiddleware, settings=settings, metrics=metrics)
+    app.add_middleware(ServerMiddleware, settings=settings, metrics=metrics, lifecycle=lifecycle)
     _add_info_routes(app, engine, settings, metrics)
     _add_inference_routes(app, engine, settings, metrics)
     app.state.engine = engine
     app.state.settings = settings
     app.state.metrics = metrics
+    app.state.lifecycle = lifecycle
     return app
 
 
@@ -252,7 +304,7 @@ def _add_info_routes(
             for name in settings.served_model_names
         ]
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         if engine.errored:
             return error_response(
@@ -330,7 +382,10 @@ def _add_inference_routes(
             list[str] | None, Form(alias="timestamp_granularities[]")
         ] = None,
         stream: Annotated[bool, Form()] = False,
+        include: Annotated[list[str] | None, Form(alias="include[]")] = None,
+        chunking_strategy: Annotated[str | None, Form()] = None,
     ) -> Response:
+        _reject_unsupported_audio(include, chunking_strategy)
         req = AudioRequest(
             "transcribe",
             file,
@@ -361,13 +416,38 @@ def _add_inference_routes(
         return await audio.create(req, request)
 
 
-def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> None:
-    """Starts the engine, then serves it with uvicorn on uvloop until SIGINT / SIGTERM."""
+def http_limits_from_args(args: argparse.Namespace) -> HttpLimits:
+    names = ("max_header_bytes", "max_headers", "header_timeout", "max_connections")
+    return HttpLimits(**{n: getattr(args, n) for n in names if getattr(args, n, None) is not None})
+
+
+def _reject_unsupported_audio(include: list[str] | None, chunking_strategy: str | None) -> None:
+    """400 naming audio options this server would otherwise silently ignore."""
+    if include:
+        raise APIError(
+            400,
+            f"include {include} is not supported (no per-token logprobs in transcriptions)",
+            param="include",
+        )
+    if chunking_strategy not in (None, "auto"):
+        raise APIError(
+            400,
+            "chunking_strategy must be 'auto' (fixed 30 s windows); voice-activity chunking "
+            "is not supported",
+            param="chunking_strategy",
+        )
+
+
+def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
+    """Starts the engine, then serves it with uvicorn on uvloop until SIGINT / SIGTERM (a
+    drain, then 0) or the engine's death (1, unless --keep-alive-on-engine-death). Returns the
+    process exit code."""
     import uvicorn
 
     from v1.engine.async_llm import AsyncLLM
 
     settings = settings_from_args(args)
+    limits = http_limits_from_args(args)
     engine = AsyncLLM(args.model, **engine_kwargs)
     try:
         app = build_app(engine, settings)
@@ -379,13 +459,19 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> None:
         host=args.host,
         port=args.port,
         loop="uvloop",
-        http="httptools",
+        http=limited_protocol(limits),
         log_level=getattr(args, "uvicorn_log_level", "info"),
         access_log=False,
-        timeout_graceful_shutdown=5,
+        timeout_keep_alive=int(getattr(args, "keep_alive_timeout", 5)),
+        timeout_graceful_shutdown=2,  # after our own drain (ServerLifecycle)
     )
-    server = uvicorn.Server(config)
+    lifecycle: ServerLifecycle = app.state.lifecycle
+    server = DrainingServer(config, lifecycle, engine)
     try:
         server.run()
     finally:
         engine.shutdown()  # idempotent; covers a failed bind, where lifespan never ran
+    if not server.started and lifecycle.exit_code == 0:
+        print("v1 serve: error: the server did not start (see the log above)", file=sys.stderr)
+        return 1
+    return lifecycle.exit_code

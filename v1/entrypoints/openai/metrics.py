@@ -59,9 +59,16 @@ class ServerMetrics:
         )
         self.e2e = Histogram(
             "v1_e2e_request_latency_seconds",
-            "Time from arrival to the end of a request.",
+            "Time from arrival to the end of a request (streams: the last byte), per endpoint.",
             ["model_name", "endpoint"],
             buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.finished = Counter(
+            "v1_request_finish",
+            "Sequences (choices, inputs, transcriptions) by how they ended: stop, length, "
+            "abort (the client left) or error.",
+            ["model_name", "endpoint", "reason"],
             registry=r,
         )
         # Engine and model metrics, labelled with the model name.
@@ -70,22 +77,42 @@ class ServerMetrics:
         self.running = gauge("v1_num_requests_running", "Requests the engine is running.")
         self.kv_usage = gauge("v1_kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
         self.kv_used_blocks = gauge("v1_kv_cache_used_blocks", "KV cache blocks in use.")
+        self.kv_total_blocks = gauge("v1_kv_cache_total_blocks", "KV cache blocks in all.")
+        self.prefix_queries = gauge(
+            "v1_prefix_cache_queried_tokens",
+            "Prompt tokens looked up in the prefix cache since start (hit rate: hits / queried).",
+        )
+        self.prefix_hits = gauge(
+            "v1_prefix_cache_hit_tokens", "Of those, tokens found cached since start."
+        )
+        self.encoder_lookups = gauge(
+            "v1_encoder_cache_lookups",
+            "Requests with an encoder input admitted since start (encoder and cross caches).",
+        )
+        self.encoder_runs = gauge(
+            "v1_encoder_runs",
+            "Of those, encoder runs (the rest reused a cached encoder output and its cross "
+            "blocks' content: hit rate = 1 - runs / lookups).",
+        )
         self.preemptions = gauge("v1_num_preemptions", "Preemptions since the engine started.")
         self.prompt_tokens = counter("v1_prompt_tokens", "Prompt (input) tokens processed.")
         self.generation_tokens = counter("v1_generation_tokens", "Tokens generated.")
         self.audio_seconds = counter(
             "v1_audio_seconds_processed", "Seconds of audio transcribed or translated."
         )
-        histogram = self._labelled(Histogram)
-        self.ttft = histogram(
+        self.ttft = Histogram(
             "v1_time_to_first_token_seconds",
-            "Time from arrival to the first output token.",
+            "Time from arrival to the first output token, per endpoint.",
+            ["model_name", "endpoint"],
             buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
-        self.itl = histogram(
+        self.itl = Histogram(
             "v1_inter_token_latency_seconds",
-            "Time between output tokens of a request.",
+            "Time between output tokens of a request, per endpoint.",
+            ["model_name", "endpoint"],
             buckets=_TOKEN_BUCKETS,
+            registry=r,
         )
 
     def _labelled(self, kind: type) -> Any:
@@ -104,6 +131,10 @@ class ServerMetrics:
 
     def observe_e2e(self, endpoint: str, seconds: float) -> None:
         self.e2e.labels(self.model_name, endpoint).observe(seconds)
+
+    def observe_finish(self, endpoint: str, reason: str | None, count: int = 1) -> None:
+        if count > 0:
+            self.finished.labels(self.model_name, endpoint, reason or "stop").inc(count)
 
     async def render(self, engine: Any) -> tuple[bytes, str]:
         """Refreshes the engine gauges (when the engine is alive) and renders every metric."""
@@ -124,7 +155,12 @@ class ServerMetrics:
         self.running.set(stats.get("num_running_reqs", 0))
         self.kv_usage.set(stats.get("kv_cache_usage", 0.0))
         self.kv_used_blocks.set(stats.get("num_used_blocks", 0))
+        self.kv_total_blocks.set(stats.get("num_total_blocks", 0))
         self.preemptions.set(stats.get("num_preemptions", 0))
+        self.prefix_queries.set(stats.get("prefix_cache_queries", 0))
+        self.prefix_hits.set(stats.get("prefix_cache_hits", 0))
+        self.encoder_lookups.set(stats.get("num_encoder_lookups", 0))
+        self.encoder_runs.set(stats.get("num_encoder_runs", 0))
 
 
 class RequestTimer:
@@ -141,15 +177,17 @@ class RequestTimer:
         if num_new_tokens <= 0:
             return
         t = time.perf_counter()
+        labels = (self.metrics.model_name, self.endpoint)
         if self._last is None:
-            self.metrics.ttft.observe(t - self.arrival)
+            self.metrics.ttft.labels(*labels).observe(t - self.arrival)
         else:
             gap = (t - self._last) / num_new_tokens
+            itl = self.metrics.itl.labels(*labels)
             for _ in range(min(num_new_tokens, 64)):
-                self.metrics.itl.observe(gap)
+                itl.observe(gap)
         self.metrics.generation_tokens.inc(num_new_tokens)
         self._last = t
 
     def finish(self, num_prompt_tokens: int) -> None:
+        """(End-to-end latency is observed by the server middleware for every endpoint.)"""
         self.metrics.prompt_tokens.inc(num_prompt_tokens)
-        self.metrics.observe_e2e(self.endpoint, time.perf_counter() - self.arrival)

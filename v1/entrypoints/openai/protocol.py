@@ -8,14 +8,19 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
 
 MAX_N = 128
 """Most completions per prompt (SamplingParams' limit)."""
 MAX_BATCH_INPUTS = 2048
 """Most prompts / inputs / documents in one request (OpenAI's embeddings limit)."""
+INT32_MAX = 2**31 - 1
+"""Largest count or token id accepted (what the engine's int32 tensors hold)."""
+FLOAT32_MAX = 3.4028234663852886e38
+"""Largest float accepted (what the engine's float32 tensors hold)."""
+TokenId = Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]
 
 
 def random_id(prefix: str) -> str:
@@ -28,6 +33,34 @@ def now_s() -> int:
 
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, protected_namespaces=())
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _no_lone_surrogates(cls, value: Any) -> Any:
+        """JSON may escape half a UTF-16 pair (\\ud800); no tokenizer or response can hold it.
+        (Nested models check their own fields.)"""
+        if _has_surrogate(value):
+            raise ValueError(
+                "holds a lone UTF-16 surrogate (such as \\ud800), which is not valid Unicode text"
+            )
+        return value
+
+
+def _has_surrogate(value: Any) -> bool:
+    """A str with a lone surrogate in `value` (nested models check themselves)."""
+    if isinstance(value, str):
+        if value.isascii():
+            return False
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, (list, tuple)):
+        return any(_has_surrogate(v) for v in value)
+    if isinstance(value, dict):
+        return any(_has_surrogate(k) or _has_surrogate(v) for k, v in value.items())
+    return False
 
 
 # ---- errors and models ----
@@ -89,23 +122,23 @@ class SamplingFields(OpenAIModel):
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM extensions
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)
-    min_tokens: int = Field(0, ge=0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=FLOAT32_MAX)
+    min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     ignore_eos: bool = False
-    stop_token_ids: list[StrictInt] | None = None
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_BATCH_INPUTS)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    truncate_prompt_tokens: int | None = Field(None, ge=1)
+    truncate_prompt_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
 
 
 class CompletionRequest(SamplingFields):
     prompt: PromptInput
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=1, le=INT32_MAX)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
-    best_of: int | None = Field(None, ge=1)
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = None
 
 
@@ -122,13 +155,24 @@ class ChatMessage(OpenAIModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_BATCH_INPUTS)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI options the server does not implement: accepted here only to answer 400 naming
+    # them (serving_completions), never to be silently ignored.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
 
 
 # ---- completion responses ----
@@ -228,9 +272,9 @@ class EmbeddingRequest(OpenAIModel):
     model: str | None = None
     input: PromptInput
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(None, ge=1)
+    dimensions: int | None = Field(None, ge=1, le=INT32_MAX)
     user: str | None = None
-    truncate_prompt_tokens: int | None = Field(None, ge=1)
+    truncate_prompt_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
 
 
 class EmbeddingData(BaseModel):
@@ -254,9 +298,9 @@ class RerankRequest(OpenAIModel):
     model: str | None = None
     query: StrictStr
     documents: list[StrictStr | RerankDocument] = Field(max_length=MAX_BATCH_INPUTS)
-    top_n: int | None = Field(None, ge=1)
+    top_n: int | None = Field(None, ge=1, le=INT32_MAX)
     return_documents: bool = True
-    truncate_prompt_tokens: int | None = Field(None, ge=1)
+    truncate_prompt_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
 
 
 class RerankResult(BaseModel):
@@ -280,7 +324,7 @@ class ScoreRequest(OpenAIModel):
     model: str | None = None
     text_1: StrictStr | list[StrictStr]
     text_2: StrictStr | list[StrictStr]
-    truncate_prompt_tokens: int | None = Field(None, ge=1)
+    truncate_prompt_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
 
 
 class ScoreData(BaseModel):

@@ -134,13 +134,16 @@ class ServingCompletions(ServingBase):
             raise bad_request("best_of must equal n (beam search is not supported)", "best_of")
         if body.echo and body.logprobs is not None:
             raise bad_request("echo with logprobs (prompt logprobs) is not supported", "echo")
-        prompts = self._completion_prompts(body.prompt, body.truncate_prompt_tokens)
+        prompts = await self.offload(
+            self._completion_prompts, body.prompt, body.truncate_prompt_tokens
+        )
         if len(prompts) * body.n > MAX_BATCH_INPUTS:
             raise bad_request(
                 f"{len(prompts)} prompts x n={body.n} is more than {MAX_BATCH_INPUTS} completions "
                 "per request",
                 param="n",
             )
+        self.check_token_budget(sum(p.num_decoder_tokens for p in prompts) * body.n, "prompt")
         explicit = "max_tokens" in body.model_fields_set and body.max_tokens is not None
         params = [
             self._sampling_params(body, p, body.max_tokens, explicit, body.logprobs, "prompt")
@@ -165,17 +168,13 @@ class ServingCompletions(ServingBase):
         model = self.check_model(body.model)
         self._check_generator("/v1/chat/completions")
         _reject_unsupported(body)
-        if body.tools:
-            raise bad_request("tools (function calling) are not supported", param="tools")
+        _reject_unsupported_chat(body)
         if body.top_logprobs and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
-        assert self.chat_template is not None
-        text = self.chat_template.render(
-            body.messages,
-            add_generation_prompt=body.add_generation_prompt,
-            extra=body.chat_template_kwargs,
-        )
-        prompt = self._text_prompt(text, False, body.truncate_prompt_tokens, "messages")
+        num_chars = sum(_content_chars(m.content) for m in body.messages)
+        self.check_chars(num_chars, "the messages", "messages")
+        prompt = await self.offload(self._chat_prompt, body)
+        self.check_token_budget(prompt.num_decoder_tokens * body.n, "messages")
         max_tokens = body.max_completion_tokens or body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = self._sampling_params(
@@ -195,6 +194,16 @@ class ServingCompletions(ServingBase):
         return await self._run(job, body.stream, request)
 
     # ---- validation ----
+    def _chat_prompt(self, body: ChatCompletionRequest) -> _Prompt:
+        """The rendered and tokenized chat (on the input thread)."""
+        assert self.chat_template is not None
+        text = self.chat_template.render(
+            body.messages,
+            add_generation_prompt=body.add_generation_prompt,
+            extra=body.chat_template_kwargs,
+        )
+        return self._text_prompt(text, False, body.truncate_prompt_tokens, "messages")
+
     def _check_generator(self, endpoint: str) -> None:
         if not self.is_generator:
             raise self.wrong_endpoint(endpoint, "a text generation model")
@@ -226,6 +235,7 @@ class ServingCompletions(ServingBase):
     ) -> _Prompt:
         if not text:
             raise bad_request(f"{where} is an empty string", param=where.split("[")[0])
+        self.check_chars(len(text), where, where.split("[")[0])
         if not self.decoder_only:
             return _Prompt(text, 1, text)  # the encoder's input; the decoder starts from 1 token
         ids = self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
@@ -347,6 +357,9 @@ class ServingCompletions(ServingBase):
                 raise APIError(500, "a request ended without a result (it was aborted)")
             if out.error is not None:
                 raise _engine_failed(out.error)
+        for out in finals:
+            for c in out.outputs:
+                self.metrics.observe_finish(timer.endpoint, c.finish_reason)
         return finals, usage  # type: ignore[return-value]
 
     # ---- responses ----
@@ -394,11 +407,14 @@ class ServingCompletions(ServingBase):
         usage = _Usage()
         offsets: dict[int, int] = {}
         echoed: set[int] = set()
+        ends = _Ends(self.metrics, job.endpoint, len(job.prompts) * job.n)
         try:
             async for i, out in merge_streams(streams):
                 if out.error is not None:
+                    ends.error()
                     yield sse_error(_engine_failed(out.error))
                     return
+                ends.add(out.outputs)
                 usage.add_prompt(i, out)
                 num_new = sum(len(c.token_ids) for c in out.outputs)
                 usage.completion_tokens += num_new
@@ -438,10 +454,13 @@ class ServingCompletions(ServingBase):
                 )
             yield SSE_DONE
         except EngineDeadError as e:
+            ends.error()
             yield sse_error(engine_dead_error(e))
         except ValueError as e:
+            ends.error()
             yield sse_error(bad_request(str(e)))
         finally:
+            ends.abort_rest()
             timer.finish(sum(usage.prompt_tokens.values()))
 
     async def _stream_chat(
@@ -449,11 +468,14 @@ class ServingCompletions(ServingBase):
     ) -> AsyncIterator[str]:
         usage = _Usage()
         started: set[int] = set()
+        ends = _Ends(self.metrics, job.endpoint, job.n)
         try:
             async for _, out in merge_streams(streams):
                 if out.error is not None:
+                    ends.error()
                     yield sse_error(_engine_failed(out.error))
                     return
+                ends.add(out.outputs)
                 usage.add_prompt(0, out)
                 num_new = sum(len(c.token_ids) for c in out.outputs)
                 usage.completion_tokens += num_new
@@ -472,10 +494,13 @@ class ServingCompletions(ServingBase):
                 )
             yield SSE_DONE
         except EngineDeadError as e:
+            ends.error()
             yield sse_error(engine_dead_error(e))
         except ValueError as e:
+            ends.error()
             yield sse_error(bad_request(str(e)))
         finally:
+            ends.abort_rest()
             timer.finish(sum(usage.prompt_tokens.values()))
 
     def _chat_chunks(
@@ -504,9 +529,74 @@ class ServingCompletions(ServingBase):
         return chunks
 
 
+class _Ends:
+    """Finish reasons of a stream's choices for the metrics: each as it finishes; an error
+    ends the rest as errors, a stream closed early (the client left) ends them as aborts."""
+
+    def __init__(self, metrics: ServerMetrics, endpoint: str, num_choices: int) -> None:
+        self.metrics = metrics
+        self.endpoint = endpoint
+        self.remaining = num_choices
+
+    def add(self, outputs: list[CompletionOutput]) -> None:
+        for c in outputs:
+            if c.finish_reason is not None:
+                self.metrics.observe_finish(self.endpoint, c.finish_reason)
+                self.remaining -= 1
+
+    def error(self) -> None:
+        self.metrics.observe_finish(self.endpoint, "error", self.remaining)
+        self.remaining = 0
+
+    def abort_rest(self) -> None:
+        self.metrics.observe_finish(self.endpoint, "abort", self.remaining)
+        self.remaining = 0
+
+
 def _reject_unsupported(body: SamplingFields) -> None:
     if body.logit_bias:
         raise bad_request("logit_bias is not supported", param="logit_bias")
+
+
+_STRUCTURED_OUTPUT_WHY = (
+    "structured output (JSON mode / JSON schema) is not supported by this server yet: it needs "
+    "a grammar-constrained logits mask in the sampler"
+)
+
+
+def _reject_unsupported_chat(body: ChatCompletionRequest) -> None:
+    """400 naming each OpenAI option this server would otherwise silently ignore."""
+    if body.tools:
+        raise bad_request("tools (function calling) are not supported", param="tools")
+    if body.functions:
+        raise bad_request("functions (function calling) are not supported", param="functions")
+    if body.tool_choice not in (None, "none"):
+        raise bad_request("tool_choice is not supported (no function calling)", "tool_choice")
+    if body.function_call not in (None, "none"):
+        raise bad_request("function_call is not supported (no function calling)", "function_call")
+    if body.parallel_tool_calls:
+        raise bad_request(
+            "parallel_tool_calls needs tools, which are not supported", "parallel_tool_calls"
+        )
+    fmt = body.response_format
+    if fmt is not None and fmt.get("type", "text") != "text":
+        raise bad_request(
+            f"response_format type {fmt.get('type')!r}: {_STRUCTURED_OUTPUT_WHY}",
+            param="response_format",
+        )
+    if body.modalities is not None and any(m != "text" for m in body.modalities):
+        raise bad_request("only the 'text' output modality is supported", param="modalities")
+    for name in ("audio", "prediction", "web_search_options"):
+        if getattr(body, name) is not None:
+            raise bad_request(f"{name} is not supported", param=name)
+
+
+def _content_chars(content: Any) -> int:
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(str(part.get("text", ""))) for part in content if isinstance(part, dict))
+    return 0
 
 
 def _engine_failed(error: str) -> APIError:

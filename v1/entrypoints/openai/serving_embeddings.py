@@ -98,6 +98,7 @@ class ServingPooling(ServingBase):
             parts = text if isinstance(text, tuple) else (text,)
             if any(not t for t in parts):
                 raise bad_request(f"{param}[{i}] is an empty string", param=param)
+            self.check_chars(sum(len(t) for t in parts), f"{param}[{i}]", param)
         limit = min(truncate, self.max_input_len) if truncate is not None else None
         prompts = []
         for i, text in enumerate(texts):
@@ -120,8 +121,11 @@ class ServingPooling(ServingBase):
         prompts: list[dict[str, Any]],
         params: PoolingParams,
         request_id: str,
+        param: str,
     ) -> list[PoolingRequestOutput]:
-        """The outputs of every prompt, in order; the client leaving aborts them all."""
+        """The outputs of every prompt, in order; the client leaving aborts them all. The
+        prompts' tokens count against --max-tokens-per-request (400 naming `param`)."""
+        self.check_token_budget(sum(len(p["prompt_token_ids"]) for p in prompts), param)
 
         async def one(i: int, prompt: dict[str, Any]) -> PoolingRequestOutput | None:
             final = None
@@ -150,14 +154,16 @@ class ServingEmbeddings(ServingPooling):
         model = self.check_model(body.model)
         if not self.is_pooling:
             raise self.wrong_endpoint("/v1/embeddings", "an embedding (encoder-only) model")
-        prompts, id_inputs = self._inputs(body.input, body.truncate_prompt_tokens)
+        prompts, id_inputs = await self.offload(
+            self._inputs, body.input, body.truncate_prompt_tokens
+        )
         truncate = body.truncate_prompt_tokens if id_inputs else None
         if truncate is not None:
             truncate = min(truncate, self.max_input_len)
         params = self.pooling_params(
             "dimensions", task="embed", dimensions=body.dimensions, truncate_prompt_tokens=truncate
         )
-        outputs = await self.run_pooling(request, prompts, params, random_id("embd"))
+        outputs = await self.run_pooling(request, prompts, params, random_id("embd"), "input")
         data = []
         num_tokens = 0
         for i, out in enumerate(outputs):
@@ -165,6 +171,7 @@ class ServingEmbeddings(ServingPooling):
             data.append(EmbeddingData(index=i, embedding=_encode(vector, body.encoding_format)))
             num_tokens += len(out.prompt_token_ids)
         self.metrics.prompt_tokens.inc(num_tokens)
+        self.metrics.observe_finish("/v1/embeddings", "stop", len(outputs))
         usage = UsageInfo(prompt_tokens=num_tokens, completion_tokens=None, total_tokens=num_tokens)
         return json_response(EmbeddingResponse(data=data, model=model, usage=usage))
 

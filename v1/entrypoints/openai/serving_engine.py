@@ -26,6 +26,10 @@ from v1.entrypoints.openai.metrics import ServerMetrics
 
 T = TypeVar("T")
 
+DEFAULT_MAX_TOKENS_PER_REQUEST = 1 << 18
+"""262,144 input tokens per request (e.g. 1,024 inputs of 256 tokens)."""
+MIN_PROMPT_CHARS = 200_000
+
 
 @dataclass(frozen=True)
 class ServerSettings:
@@ -42,15 +46,42 @@ class ServerSettings:
     max_request_bytes: int = envs.V1_MAX_REQUEST_BYTES
     chat_template: str | None = None
     """A Jinja chat template (text) replacing the tokenizer's."""
+    max_prompt_chars: int | None = None
+    """Longest text of one prompt or input, checked before tokenizing; None: 32 x the model's
+    context length, at least 200,000."""
+    max_tokens_per_request: int = DEFAULT_MAX_TOKENS_PER_REQUEST
+    """Input tokens one request may hold over all its prompts, inputs and samples (prompt
+    tokens x n); more gets 400."""
+    shutdown_timeout: float = 30.0
+    """Seconds SIGTERM / SIGINT waits for in-flight requests before failing them."""
+    keep_alive_on_engine_death: bool = False
+    """Keep serving 503s after the engine dies instead of exiting with code 1."""
+    audio_chunk_seconds: int = 300
+    """Audio a transcription decodes and hands the engine at a time (a multiple of Whisper's
+    30 s window): memory and engine share per request are bounded by it, not by the file."""
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):
             raise ValueError("served model names must be non-empty strings")
-        for name in ("max_pending", "max_audio_bytes", "max_request_bytes"):
+        for name in (
+            "max_pending",
+            "max_audio_bytes",
+            "max_request_bytes",
+            "max_tokens_per_request",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_audio_seconds <= 0:
+        if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
+            raise ValueError(f"max_prompt_chars must be >= 1, got {self.max_prompt_chars}")
+        if not self.max_audio_seconds > 0:
             raise ValueError(f"max_audio_seconds must be > 0, got {self.max_audio_seconds}")
+        if self.audio_chunk_seconds < 30 or self.audio_chunk_seconds % 30:
+            raise ValueError(
+                f"audio_chunk_seconds must be a positive multiple of 30, got "
+                f"{self.audio_chunk_seconds}"
+            )
+        if not self.shutdown_timeout >= 0:
+            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
 
     @property
     def model_name(self) -> str:
@@ -67,6 +98,8 @@ class ServingBase:
         self.model_config = engine.model_config
         self.tokenizer = engine.get_tokenizer()
         self.max_model_len: int = self.model_config.effective_max_model_len
+        context = max(self.max_model_len, self.model_config.max_encoder_len)
+        self.max_prompt_chars = settings.max_prompt_chars or max(32 * context, MIN_PROMPT_CHARS)
 
     @property
     def model_name(self) -> str:
@@ -83,6 +116,34 @@ class ServingBase:
             param="model",
             code="model_not_found",
         )
+
+    # ---- input limits ----
+    def check_chars(self, num_chars: int, where: str, param: str) -> None:
+        """The character limit, checked before a text is tokenized (a huge prompt must not
+        hold the tokenizer thread for seconds)."""
+        if num_chars > self.max_prompt_chars:
+            raise bad_request(
+                f"{where} has {num_chars} characters, more than this server's limit of "
+                f"{self.max_prompt_chars} (--max-prompt-chars)",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    def check_token_budget(self, num_tokens: int, param: str) -> None:
+        """--max-tokens-per-request over all the inputs (and samples) of one request."""
+        limit = self.settings.max_tokens_per_request
+        if num_tokens > limit:
+            raise bad_request(
+                f"the request holds {num_tokens} input tokens over all its inputs, more than "
+                f"this server's limit of {limit} per request (--max-tokens-per-request); split "
+                "it into smaller requests",
+                param=param,
+                code="request_too_large",
+            )
+
+    async def offload(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Runs tokenizer work on the engine's input thread, off the event loop."""
+        return await self.engine.run_input_work(fn, *args, **kwargs)
 
     # ---- model kinds ----
     @property

@@ -52,6 +52,7 @@ class ServingScore(ServingPooling):
             request, list(zip(left, right, strict=True)), body.truncate_prompt_tokens, "text_1"
         )
         usage = UsageInfo(prompt_tokens=num_tokens, completion_tokens=None, total_tokens=num_tokens)
+        self.metrics.observe_finish("/v1/score", "stop", len(scores))
         data = [ScoreData(index=i, score=s) for i, s in enumerate(scores)]
         return json_response(
             ScoreResponse(id=random_id("score"), model=model, data=data, usage=usage)
@@ -68,6 +69,7 @@ class ServingScore(ServingPooling):
         scores, num_tokens = await self._scores(
             request, [(body.query, d) for d in docs], body.truncate_prompt_tokens, "documents"
         )
+        self.metrics.observe_finish("/v1/rerank", "stop", len(scores))
         order = sorted(range(len(docs)), key=lambda i: scores[i], reverse=True)
         if body.top_n is not None:
             order = order[: body.top_n]
@@ -105,16 +107,16 @@ class ServingScore(ServingPooling):
         request_id = random_id("score")
         if self.is_cross_encoder:
             params = self.pooling_params("model", task="score")
-            prompts = self.text_inputs(pairs, truncate, param)
-            outputs = await self.run_pooling(request, prompts, params, request_id)
+            prompts = await self.offload(self.text_inputs, pairs, truncate, param)
+            outputs = await self.run_pooling(request, prompts, params, request_id, param)
             scores = [float(np.asarray(o.outputs.data).reshape(-1)[0]) for o in outputs]
             self.metrics.prompt_tokens.inc(sum(len(o.prompt_token_ids) for o in outputs))
             return scores, sum(len(o.prompt_token_ids) for o in outputs)
         # Bi-encoder: embed every distinct text once, then the cosine of each pair.
         texts = list(dict.fromkeys(t for pair in pairs for t in pair))
         params = self.pooling_params("model", task="embed")
-        prompts = self.text_inputs(texts, truncate, param)
-        outputs = await self.run_pooling(request, prompts, params, request_id)
+        prompts = await self.offload(self.text_inputs, texts, truncate, param)
+        outputs = await self.run_pooling(request, prompts, params, request_id, param)
         vectors = {
             t: np.asarray(o.outputs.data, dtype=np.float32).reshape(-1)
             for t, o in zip(texts, outputs, strict=True)

@@ -1,15 +1,22 @@
 """/v1/audio/transcriptions and /v1/audio/translations with a Whisper model.
 
 The upload (size-capped while it streams in, see api_server) is decoded off the event loop with
-the server's byte and duration limits, then transcribed by AsyncLLM.transcribe. `stream=true`
-drives the Whisper transcription plan itself so text deltas go out as tokens are decoded.
+the server's byte and duration limits, in chunks of --audio-chunk-seconds that are transcribed one after
+another by AsyncLLM.transcribe: a long file holds a few chunks in memory, not the whole
+waveform, and has at most one chunk of windows in the engine, which takes turns with other
+requests'. `stream=true` drives the Whisper transcription plan itself so text deltas go out as
+tokens are decoded.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import math
+import threading
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +24,8 @@ import numpy as np
 from fastapi import Request, UploadFile
 from fastapi.responses import PlainTextResponse, Response
 
-from v1.audio import SAMPLE_RATE, AudioError, load_audio
+from v1.audio import MIN_AUDIO_SECONDS, SAMPLE_RATE, AudioError
+from v1.audio.decode import stream_audio
 from v1.core.client import EngineDeadError
 from v1.entrypoints.openai import transcript_formats as formats
 from v1.entrypoints.openai.errors import APIError, bad_request, engine_dead_error
@@ -38,6 +46,10 @@ from v1.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from v1.sampling_params import SamplingParams
 
 _TIMED_FORMATS = ("srt", "vtt", "verbose_json")
+MAX_CONCURRENT_DECODES = 2
+"""Uploads decoded at once (off the event loop); more wait, which bounds decoding memory."""
+CHUNKS_AHEAD = 1
+"""Decoded chunks waiting for their turn; the decoder pauses beyond that."""
 
 
 @dataclass
@@ -58,6 +70,7 @@ class AudioRequest:
 class ServingTranscriptions(ServingBase):
     def __init__(self, engine: Any, settings: ServerSettings, metrics: ServerMetrics) -> None:
         super().__init__(engine, settings, metrics)
+        self.decode_pool = ThreadPoolExecutor(MAX_CONCURRENT_DECODES, thread_name_prefix="v1-audio")
         self.builder: Any = None
         if self.model_config.is_whisper:
             from v1.engine.whisper_inputs import WhisperInputBuilder
@@ -70,8 +83,9 @@ class ServingTranscriptions(ServingBase):
         if self.builder is None:
             raise self.wrong_endpoint(endpoint, "a Whisper speech model")
         language = self._check_options(req)
-        samples = await self._decode(req.file)
-        duration = samples.shape[0] / SAMPLE_RATE
+        data = await self._read_upload(req.file)
+        chunks = self._decode_chunks(data)
+        first = await _first_chunk(chunks)  # decoding errors are 400s before any work
         params = SamplingParams(temperature=req.temperature, max_tokens=None)
         options = {
             "language": language,
@@ -81,20 +95,48 @@ class ServingTranscriptions(ServingBase):
         }
         request_id = random_id("trsc")
         if req.stream:
-            return SSEResponse(self._stream(samples, params, options, request_id, duration))
+            return SSEResponse(self._stream(first, chunks, params, options, request_id))
         try:
-            results = await map_input_errors(
+            result = await map_input_errors(
                 run_until_disconnected(
-                    request,
-                    self.engine.transcribe((samples, SAMPLE_RATE), params, request_id, **options),
+                    request, self._transcribe_chunks(first, chunks, params, options, request_id)
                 )
             )
         except (APIError, EngineDeadError):
             raise
         except RuntimeError as e:  # TranscriptionError: the engine failed a window
             raise APIError(500, f"transcription failed: {e}", code="engine_error") from e
-        self.metrics.audio_seconds.inc(duration)
-        return self._format(results[0], req)
+        finally:
+            await chunks.aclose()
+        self.metrics.audio_seconds.inc(result.duration)
+        self.metrics.observe_finish(endpoint, "stop")
+        return self._format(result, req)
+
+    async def _transcribe_chunks(
+        self,
+        first: np.ndarray,
+        chunks: AsyncIterator[np.ndarray],
+        params: SamplingParams,
+        options: dict[str, Any],
+        request_id: str,
+    ) -> Any:
+        """One TranscriptionResult for the whole audio, transcribed chunk by chunk: the first
+        chunk's language (detected or given) holds for the rest, the prompt for the first."""
+        merged = _MergedResult()
+        chunk: np.ndarray | None = first
+        while chunk is not None:
+            if chunk.shape[0] >= MIN_AUDIO_SECONDS * SAMPLE_RATE:
+                opts = {**options, "language": merged.language or options["language"]}
+                if merged.num_chunks:
+                    opts["prompt"] = None
+                (result,) = await self.engine.transcribe(
+                    (chunk, SAMPLE_RATE), params, f"{request_id}-{merged.num_chunks}", **opts
+                )
+                merged.add(result, chunk.shape[0])
+            else:
+                merged.skip(chunk.shape[0])
+            chunk = await _next_chunk(chunks)
+        return merged.result()
 
     # ---- input ----
     def _check_options(self, req: AudioRequest) -> str | None:
@@ -136,7 +178,7 @@ class ServingTranscriptions(ServingBase):
         except ValueError as e:
             raise bad_request(str(e), param="language") from e
 
-    async def _decode(self, upload: UploadFile) -> np.ndarray:
+    async def _read_upload(self, upload: UploadFile) -> bytes:
         limit = self.settings.max_audio_bytes
         if upload.size is not None and upload.size > limit:
             raise APIError(
@@ -153,15 +195,29 @@ class ServingTranscriptions(ServingBase):
                 param="file",
                 code="payload_too_large",
             )
+        return data
+
+    async def _decode_chunks(self, data: bytes) -> AsyncIterator[np.ndarray]:
+        """The 16 kHz waveform in --audio-chunk-seconds chunks, decoded on the audio threads while the
+        caller works on earlier chunks (at most CHUNKS_AHEAD wait). AudioError: a 400."""
+        loop = asyncio.get_running_loop()
+        chunk_samples = self.settings.audio_chunk_seconds * SAMPLE_RATE
+        sink = _AsyncChunkSink(loop, chunk_samples, CHUNKS_AHEAD)
+        limits = (self.settings.max_audio_seconds, self.settings.max_audio_bytes)
+        decoding = loop.run_in_executor(self.decode_pool, _decode_into, data, sink, *limits)
         try:
-            return await asyncio.to_thread(
-                load_audio,
-                data,
-                max_seconds=self.settings.max_audio_seconds,
-                max_bytes=limit,
-            )
-        except AudioError as e:
-            raise bad_request(str(e), param="file", code="invalid_audio") from e
+            while True:
+                item = await sink.queue.get()
+                if item is _END:
+                    return
+                if isinstance(item, AudioError):
+                    raise bad_request(str(item), param="file", code="invalid_audio") from item
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            sink.closed.set()  # a decoder waiting to hand over a chunk gives up
+            decoding.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     # ---- output ----
     def _format(self, result: Any, req: AudioRequest) -> Response:
@@ -178,49 +234,171 @@ class ServingTranscriptions(ServingBase):
 
     async def _stream(
         self,
-        samples: np.ndarray,
+        first: np.ndarray,
+        chunks: AsyncIterator[np.ndarray],
         params: SamplingParams,
         options: dict[str, Any],
         request_id: str,
-        duration: float,
     ) -> AsyncIterator[str]:
         """`transcript.text.delta` events in audio order, then `transcript.text.done`."""
-        from v1.engine.transcription import TranscriptionOptions, TranscriptionPlanner
-
-        opts = TranscriptionOptions(
-            language=options["language"],
-            task=options["task"],
-            timestamps=False,
-            prompt=options["prompt"],
-            sampling_params=params,
-        )
+        merged = _MergedResult()
         try:
-            plan = TranscriptionPlanner(self.builder, opts, request_id).plan(0, samples)
-            sent = None
-            while True:
-                try:
-                    batch = plan.send(sent)
-                except StopIteration as stop:
-                    result = stop.value
-                    break
-                window_stream = _WindowStream(len(batch))
-                async for delta in window_stream.run(self.engine, batch):
-                    yield sse_event({"type": "transcript.text.delta", "delta": delta})
-                sent = window_stream.window_outputs()
-            self.metrics.audio_seconds.inc(duration)
+            chunk: np.ndarray | None = first
+            while chunk is not None:
+                if chunk.shape[0] < MIN_AUDIO_SECONDS * SAMPLE_RATE:
+                    merged.skip(chunk.shape[0])
+                else:
+                    language = merged.language or options["language"]
+                    prompt = None if merged.num_chunks else options["prompt"]
+                    plan = self._plan(chunk, params, options, language, prompt, request_id, merged)
+                    sent = None
+                    while True:
+                        try:
+                            batch = plan.send(sent)
+                        except StopIteration as stop:
+                            merged.add(stop.value, chunk.shape[0])
+                            break
+                        window_stream = _WindowStream(len(batch))
+                        async for delta in window_stream.run(self.engine, batch):
+                            yield sse_event({"type": "transcript.text.delta", "delta": delta})
+                        sent = window_stream.window_outputs()
+                chunk = await _next_chunk(chunks)
+            result = merged.result()
+            self.metrics.audio_seconds.inc(result.duration)
+            kind = "translations" if options["task"] == "translate" else "transcriptions"
+            self.metrics.observe_finish(f"/v1/audio/{kind}", "stop")
             yield sse_event(
                 {
                     "type": "transcript.text.done",
                     "text": result.text,
-                    "usage": formats.usage(duration).model_dump(),
+                    "usage": formats.usage(result.duration).model_dump(),
                 }
             )
         except EngineDeadError as e:
             yield sse_error(engine_dead_error(e))
+        except APIError as e:
+            yield sse_error(e)
         except ValueError as e:
             yield sse_error(bad_request(str(e)))
         except RuntimeError as e:
             yield sse_error(APIError(500, f"transcription failed: {e}", code="engine_error"))
+        finally:
+            await chunks.aclose()
+
+    def _plan(
+        self,
+        chunk: np.ndarray,
+        params: SamplingParams,
+        options: dict[str, Any],
+        language: str | None,
+        prompt: str | None,
+        request_id: str,
+        merged: _MergedResult,
+    ) -> Any:
+        from v1.engine.transcription import TranscriptionOptions, TranscriptionPlanner
+
+        opts = TranscriptionOptions(
+            language=language,
+            task=options["task"],
+            timestamps=False,
+            prompt=prompt,
+            sampling_params=params,
+        )
+        planner = TranscriptionPlanner(self.builder, opts, f"{request_id}-{merged.num_chunks}")
+        return planner.plan(0, chunk)
+
+
+_END = object()
+"""Queue marker: the decoder handed over every chunk."""
+
+
+class _DecodeCancelled(Exception):
+    """The consumer went away; the decoder stops."""
+
+
+class _AsyncChunkSink:
+    """A ChunkSink (v1.audio.decode) for the decoding thread that feeds an asyncio queue of
+    bounded size: `put` blocks the decoder while the queue is full."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, chunk_samples: int, max_ahead: int) -> None:
+        self.loop = loop
+        self.chunk_samples = chunk_samples
+        self.queue: asyncio.Queue[Any] = asyncio.Queue(max_ahead)
+        self.closed = threading.Event()
+
+    def put(self, chunk: Any) -> None:
+        future = asyncio.run_coroutine_threadsafe(self.queue.put(chunk), self.loop)
+        while True:
+            try:
+                future.result(timeout=0.1)
+                return
+            except concurrent.futures.TimeoutError:
+                if self.closed.is_set():
+                    future.cancel()
+                    raise _DecodeCancelled() from None
+
+
+def _decode_into(data: bytes, sink: _AsyncChunkSink, max_seconds: float, max_bytes: int) -> None:
+    """Runs on an audio thread: decodes into `sink`, then its end marker or the error."""
+    try:
+        stream_audio(data, sink, max_seconds=max_seconds, max_bytes=max_bytes)
+        sink.put(_END)
+    except _DecodeCancelled:
+        return
+    except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
+        with contextlib.suppress(_DecodeCancelled, RuntimeError):  # RuntimeError: loop closed
+            sink.put(e)
+
+
+async def _first_chunk(chunks: AsyncIterator[np.ndarray]) -> np.ndarray:
+    chunk = await _next_chunk(chunks)
+    if chunk is None:
+        raise bad_request("audio contains no samples", param="file", code="invalid_audio")
+    return chunk
+
+
+async def _next_chunk(chunks: AsyncIterator[np.ndarray]) -> np.ndarray | None:
+    try:
+        return await chunks.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+class _MergedResult:
+    """TranscriptionResults of consecutive chunks as one: segment times shifted by the chunk's
+    offset and renumbered, texts joined (each starts with its own space, as Whisper writes)."""
+
+    def __init__(self) -> None:
+        self.num_chunks = 0
+        self.num_samples = 0
+        self.language: str | None = None
+        self.texts: list[str] = []
+        self.segments: list[Any] = []
+
+    def add(self, result: Any, num_samples: int) -> None:
+        offset = self.num_samples / SAMPLE_RATE
+        for seg in result.segments:
+            seg.id = len(self.segments)
+            seg.start = round(seg.start + offset, 3)
+            seg.end = round(seg.end + offset, 3)
+            self.segments.append(seg)
+        self.texts.append(result.text)
+        self.language = self.language or result.language
+        self.num_chunks += 1
+        self.num_samples += num_samples
+
+    def skip(self, num_samples: int) -> None:
+        self.num_samples += num_samples
+
+    def result(self) -> Any:
+        from v1.engine.transcription import TranscriptionResult
+
+        return TranscriptionResult(
+            text="".join(self.texts),
+            language=self.language or "en",
+            duration=self.num_samples / SAMPLE_RATE,
+            segments=self.segments,
+        )
 
 
 class _WindowStream:

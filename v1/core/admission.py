@@ -1,0 +1,143 @@
+"""What the EngineCore accepts: the start-up capacity check and the per-request admission check.
+
+Pure Python (no torch). Start-up refuses a configuration in which one maximal request could never
+run (the message names the knob to change); admission turns a request that could never run, or
+whose numbers do not fit the step tensors, into that request's error instead of a hang or a
+failed step for everyone.
+"""
+
+from __future__ import annotations
+
+from v1.config import EngineConfig, ModelKind
+from v1.core.protocol import EngineCoreRequest
+from v1.kv_cache.capacity import max_tokens_that_fit, num_blocks_needed, num_usable_blocks
+from v1.kv_cache.spec import KVCacheConfig
+
+_INT32_MAX = 2**31 - 1
+
+
+def check_engine_capacity(config: EngineConfig, kv_cache_config: KVCacheConfig) -> None:
+    """Raises ValueError when one request of the longest allowed size cannot run: its KV blocks
+    (self-attention for max_model_len, plus cross-attention for the longest encoder input) must
+    fit the pool, its prompt must fit one step when prefill is not chunked, and its encoder input
+    must fit the per-step encoder budget and the encoder cache."""
+    mc, sc = config.model_config, config.scheduler_config
+    max_model_len = mc.effective_max_model_len
+    max_encoder_len = mc.max_encoder_len if mc.kind == ModelKind.ENCODER_DECODER else 0
+    if kv_cache_config.groups:
+        needed = num_blocks_needed(kv_cache_config, max_model_len, max_encoder_len)
+        usable = num_usable_blocks(kv_cache_config)
+        if needed > usable:
+            cross = f" plus {max_encoder_len} encoder positions" if max_encoder_len else ""
+            fits = max_tokens_that_fit(kv_cache_config, max_encoder_len)
+            hint = (
+                f"; or set max_model_len <= {fits}"
+                if fits > 0
+                else " (not even the cross-attention blocks of one encoder input fit)"
+            )
+            raise ValueError(
+                f"the KV cache is too small for one request of max_model_len={max_model_len} "
+                f"tokens{cross}: it needs {needed} blocks of {kv_cache_config.block_size} tokens "
+                f"but the cache has {usable} (num_kv_blocks={kv_cache_config.num_blocks}, one is "
+                f"reserved). Raise num_kv_blocks (or kv_cache_memory_bytes / "
+                f"gpu_memory_utilization){hint}"
+            )
+    unchunked = mc.kind != ModelKind.ENCODER_ONLY and not sc.enable_chunked_prefill
+    if unchunked and sc.max_num_batched_tokens < max_model_len:
+        raise ValueError(
+            f"with enable_chunked_prefill=False a prompt runs whole in one step, but "
+            f"max_num_batched_tokens={sc.max_num_batched_tokens} is below "
+            f"max_model_len={max_model_len}: raise max_num_batched_tokens, lower "
+            f"max_model_len or enable chunked prefill"
+        )
+    if max_encoder_len:
+        for name, value in (
+            ("max_num_encoder_input_tokens", config.encoder_budget),
+            ("encoder_cache_size", config.encoder_cache_size),
+        ):
+            if value < max_encoder_len:
+                raise ValueError(
+                    f"{name}={value} is below the model's longest encoder input "
+                    f"({max_encoder_len} positions): such inputs could never run; raise {name}"
+                )
+
+
+def check_request(request: EngineCoreRequest, config: EngineConfig, max_model_len: int) -> None:
+    """Raises ValueError for a request the core must not queue: empty, too long for the model
+    or the step budgets (so it could never run), or with a number its step tensors cannot
+    hold."""
+    if not request.prompt_token_ids:
+        raise ValueError("the prompt is empty")
+    _check_numbers(request, config)
+    num_tokens = len(request.prompt_token_ids)
+    mc, sc = config.model_config, config.scheduler_config
+    if request.pooling_params is None and num_tokens >= max_model_len:
+        raise ValueError(
+            f"prompt of {num_tokens} tokens leaves no room to generate "
+            f"within max_model_len={max_model_len}"
+        )
+    enc = request.encoder_input
+    if enc is not None:
+        num_encoder_tokens = enc.num_encoder_tokens
+        for limit, what in (
+            (mc.max_encoder_len, "the model's"),
+            (config.encoder_budget, "the per-step encoder budget"),
+            (config.encoder_cache_size, "the encoder cache"),
+        ):
+            if num_encoder_tokens > limit:
+                raise ValueError(
+                    f"encoder input of {num_encoder_tokens} positions exceeds {what} ({limit})"
+                )
+    if request.pooling_params is not None and num_tokens > sc.max_num_batched_tokens:
+        raise ValueError(
+            f"input of {num_tokens} tokens exceeds "
+            f"max_num_batched_tokens={sc.max_num_batched_tokens}"
+        )
+    # Anything shorter than max_model_len fits the KV cache and the step budget on its own:
+    # check_engine_capacity refused every configuration where it would not.
+
+
+def _check_numbers(request: EngineCoreRequest, config: EngineConfig) -> None:
+    """Every id and number inside the range its step tensor holds (the frontend checks these
+    too; a request from another frontend, or changed after its checks, fails alone here)."""
+    mc = config.model_config
+    if mc.kind == ModelKind.ENCODER_ONLY:
+        _check_ids(request.prompt_token_ids, mc.encoder_vocab_size, "prompt_token_ids")
+        if request.token_type_ids is not None:
+            limit = getattr(mc.hf_config, "type_vocab_size", 2)
+            if len(request.token_type_ids) != len(request.prompt_token_ids):
+                raise ValueError("token_type_ids must have one id per input token")
+            _check_ids(request.token_type_ids, limit, "token_type_ids")
+    else:
+        _check_ids(request.prompt_token_ids, mc.vocab_size, "prompt_token_ids")
+    enc = request.encoder_input
+    if enc is not None:
+        if not 0 < enc.num_encoder_tokens <= _INT32_MAX:
+            raise ValueError(f"num_encoder_tokens must be > 0, got {enc.num_encoder_tokens}")
+        if enc.token_ids is not None:
+            _check_ids(enc.token_ids, mc.encoder_vocab_size, "encoder token_ids")
+    if request.eos_token_id is not None and not _in_range(request.eos_token_id, mc.vocab_size):
+        raise ValueError(f"eos_token_id {request.eos_token_id!r} is outside the vocabulary")
+    if isinstance(request.priority, bool) or not isinstance(request.priority, int):
+        raise ValueError(f"priority must be an integer, got {request.priority!r}")
+    if not -(2**63) <= request.priority < 2**63:
+        raise ValueError(f"priority must fit in 64 bits, got {request.priority}")
+    params = request.sampling_params
+    if params is not None:
+        params.validate()
+        params.validate_for_model(mc.vocab_size)
+    elif request.pooling_params is not None:
+        request.pooling_params.__post_init__()  # the same checks as on construction
+
+
+def _in_range(value: object, limit: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < limit
+
+
+def _check_ids(ids: list[int], limit: int, what: str) -> None:
+    # Fast path at C speed: all plain ints inside the range.
+    if set(map(type, ids)) <= {int} and (not ids or (min(ids) >= 0 and max(ids) < limit)):
+        return
+    for t in ids:
+        if not _in_range(t, limit):
+            raise ValueError(f"{what} holds {t!r}, not a token id in [0, {limit})")
