@@ -110,6 +110,9 @@ def generation_outputs(kind: str, async_scheduling: bool, n: int = 24, **overrid
         return 2 if num_tokens >= 8 + lengths[i] else 10 + (num_tokens * 7 + i) % 80  # 2 = EOS
 
     overrides.setdefault("max_num_batched_tokens", 32)
+    # One maximal request (24 decoder tokens + 24 encoder positions) fits the smallest cache.
+    overrides.setdefault("max_model_len", 24)
+    overrides.setdefault("max_positions", 24)
     core = make_engine_core(kind, token_fn=token_fn, async_scheduling=async_scheduling, **overrides)
     core.num_scheduled_tokens = 0
     execute = core.executor.execute_model
@@ -137,13 +140,13 @@ def generation_outputs(kind: str, async_scheduling: bool, n: int = 24, **overrid
 
 
 @pytest.mark.parametrize("kind", ["decoder_only", "encoder_decoder"])
-@pytest.mark.parametrize("num_kv_blocks", [64, 12])  # 12: preemption by recompute
+@pytest.mark.parametrize("num_kv_blocks", [64, 16])  # 16: preemption by recompute
 def test_pipelined_generation_equals_the_synchronous_core(kind, num_kv_blocks):
     sync, _ = generation_outputs(kind, False, num_kv_blocks=num_kv_blocks)
     piped, core = generation_outputs(kind, True, num_kv_blocks=num_kv_blocks)
     assert piped == sync and len(sync) == 24
     assert {reason for _, reason in sync.values()} == {FinishReason.STOP, FinishReason.LENGTH}
-    if num_kv_blocks == 12:
+    if num_kv_blocks == 16:
         assert core.scheduler.num_preemptions > 0
     kv = core.scheduler.kv_cache_manager
     assert kv.num_free_blocks == kv.num_total_blocks and not core.scheduler.requests
@@ -167,7 +170,9 @@ def test_pipelined_generation_wastes_at_most_one_row_per_eos_stop():
 
 def test_pipelined_abort_mid_run_frees_everything():
     rng = random.Random(5)
-    core = make_engine_core("decoder_only", async_scheduling=True, num_kv_blocks=24)
+    core = make_engine_core(
+        "decoder_only", async_scheduling=True, num_kv_blocks=24, max_model_len=48
+    )
     live: set[str] = set()
     for i in range(300):
         if rng.random() < 0.3:

@@ -25,7 +25,9 @@ from tests.models.test_whisper import WHISPER_BASE, make_tiny_whisper_dir
 from tests.utils import ASSETS, make_tiny_llama_dir, make_tiny_model_dir, make_tiny_tokenizer
 from v1 import LLM, SamplingParams
 
-ENGINE_ARGS = dict(multiprocess=False, block_size=4, max_num_seqs=4, max_num_batched_tokens=24)
+ENGINE_ARGS = dict(
+    multiprocess=False, block_size=4, max_num_seqs=4, max_num_batched_tokens=24, max_model_len=64
+)
 """A small budget (chunked prefill) and few slots; `num_kv_blocks` is set per model so that
 the batch preempts."""
 
@@ -106,7 +108,7 @@ def prompts(kind: str) -> list[Any]:
 
 def run(model: str, async_scheduling: bool, requests: list[Any], **kwargs: Any):
     """({request index: [(token ids, finish reason, text)]}, stats) of one engine."""
-    with LLM(model, async_scheduling=async_scheduling, **ENGINE_ARGS, **kwargs) as llm:
+    with LLM(model, async_scheduling=async_scheduling, **(ENGINE_ARGS | kwargs)) as llm:
         outputs = llm.generate(
             [p for p, _ in requests], [params for _, params in requests], use_tqdm=False
         )
@@ -145,7 +147,9 @@ def test_pipelined_generation_is_token_identical(
 ) -> None:
     path = {"llama": llama_dir, "bart": bart_dir, "t5": t5_dir}[model]
     requests = [(p, PARAMS[i % len(PARAMS)]) for i, p in enumerate(prompts(model) * 2)]
-    kwargs = {"num_kv_blocks": 16 if model == "llama" else 24}
+    kwargs: dict[str, Any] = {"num_kv_blocks": 17}
+    if model != "llama":  # one maximal request (decoder + cross blocks) fits 23 blocks
+        kwargs = {"num_kv_blocks": 24, "max_model_len": 32, "max_encoder_input_len": 48}
     sync, _ = run(path, False, requests, **kwargs)
     piped, stats = run(path, True, requests, **kwargs)
     assert strip_logprobs(piped) == strip_logprobs(sync)
@@ -157,7 +161,10 @@ def test_pipelined_generation_is_token_identical(
 
 
 def test_abort_mid_run_frees_every_block(llama_dir: str) -> None:
-    with LLM(llama_dir, async_scheduling=True, num_kv_blocks=40, **ENGINE_ARGS) as llm:
+    with LLM(
+        llama_dir,
+        **(ENGINE_ARGS | dict(async_scheduling=True, num_kv_blocks=40, max_model_len=128)),
+    ) as llm:
         engine = llm.llm_engine
         params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
         for i, text in enumerate(prompts("llama")):
