@@ -150,7 +150,12 @@ def bench_bart(ctx: Context) -> list[Row]:
 
     engine_kwargs = ctx.engine_kwargs(
         dict(max_num_seqs=256, max_num_batched_tokens=16384, max_num_encoder_input_tokens=65536),
-        dict(max_num_seqs=8, max_num_batched_tokens=512, max_num_encoder_input_tokens=512),
+        dict(
+            max_num_seqs=8,
+            max_num_batched_tokens=512,
+            max_num_encoder_input_tokens=512,
+            max_encoder_input_len=512,
+        ),
     )
 
     def prompts(input_set: int) -> list[dict[str, Any]]:
