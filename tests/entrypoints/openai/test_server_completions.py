@@ -230,8 +230,9 @@ def test_client_disconnect_aborts_the_request(llama_server: RemoteServer) -> Non
     )
     before = llama_server.metrics().get(key, 0.0)
     aborts_before = llama_server.metrics().get(aborts, 0.0)
+    # n=8 x 250 tokens: far longer than the client waits, on any machine.
     with llama_server.http() as http, pytest.raises(httpx.TimeoutException):
-        http.post("/v1/completions", json=body, timeout=0.5)
+        http.post("/v1/completions", json={**body, "n": 8}, timeout=0.25)
     metrics = _wait_idle(llama_server)
     assert metrics.get(key, 0.0) == before + 1  # seen as a disconnect, not finished
     assert metrics['v1_num_requests_running{model_name="tiny-llama"}'] == 0
