@@ -92,6 +92,10 @@ def compare_modes(
 
 # ---- BART ----
 
+SMALL_BART = dict(max_model_len=32, max_encoder_input_len=40)
+"""Limits that let one maximal request fit the tests' small caches (the engine checks at
+start-up); every request here stays under them."""
+
 
 @pytest.fixture(scope="module")
 def bart_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
@@ -109,7 +113,9 @@ def bart_requests() -> list[EngineCoreRequest]:
 
 def test_bart_absorbed_matches_per_layer_under_preemption(bart_dir: str) -> None:
     # Blocks of 4 tokens, room for a few requests at once: growing decodes preempt others.
-    absorbed, cores = compare_modes(bart_dir, bart_requests, block_size=4, num_kv_blocks=24)
+    absorbed, cores = compare_modes(
+        bart_dir, bart_requests, block_size=4, num_kv_blocks=24, **SMALL_BART
+    )
     assert all(core.get_stats()["num_preemptions"] > 0 for core in cores.values())
     assert len({tuple(r["tokens"]) for r in absorbed.values()}) > 1, "outputs ignore the input"
 
@@ -171,7 +177,14 @@ def test_t5_absorbed_matches_per_layer_under_preemption(
         return out
 
     # 16 blocks of 4 tokens: growing decodes preempt others in both modes.
-    absorbed, cores = compare_modes(t5_dirs[variant], requests, make_t5_core, num_kv_blocks=16)
+    absorbed, cores = compare_modes(
+        t5_dirs[variant],
+        requests,
+        make_t5_core,
+        num_kv_blocks=16,
+        max_model_len=20,
+        max_encoder_input_len=40,
+    )
     assert all(core.get_stats()["num_preemptions"] > 0 for core in cores.values())
     assert len({tuple(r["tokens"]) for r in absorbed.values()}) > 1, "outputs ignore the input"
 
@@ -200,7 +213,7 @@ def test_tiny_whisper_absorbed_matches_per_layer(tmp_path: Path) -> None:
     path = make_tiny_whisper_dir(tmp_path / "whisper")
     waves = make_waves(3, seed=5)
     waves.append(waves[0].copy())  # the same audio twice
-    probe = make_whisper_core(path, num_kv_blocks=64)
+    probe = make_whisper_core(path, num_kv_blocks=256)
     absorbed, cores = compare_modes(
         path, lambda: whisper_requests(probe, waves), make_whisper_core, num_kv_blocks=256
     )
@@ -249,7 +262,7 @@ def test_real_whisper_base_absorbed_gives_the_expected_tokens() -> None:
 
 
 def test_auto_keeps_per_layer_on_cpu(bart_dir: str) -> None:
-    core = make_core(bart_dir, cross_attention="auto", num_kv_blocks=12)
+    core = make_core(bart_dir, cross_attention="auto", num_kv_blocks=12, **SMALL_BART)
     assert runner_of(core).cross_attention == "per_layer"
     assert CrossAttentionSpec in [type(g.spec) for g in core.kv_cache_config.groups]
 
@@ -269,7 +282,7 @@ def test_auto_rule_on_a_gpu_picks_absorbed_when_the_batch_does_not_fit(bart_dir:
     from v1.config import make_engine_config
     from v1.worker.cross_attention_mode import choose_cross_attention, per_layer_blocks_per_request
 
-    core = make_core(bart_dir, cross_attention="per_layer", num_kv_blocks=12)
+    core = make_core(bart_dir, cross_attention="per_layer", num_kv_blocks=12, **SMALL_BART)
     specs = runner_of(core).get_kv_cache_specs("per_layer")
     # max_position_embeddings 128, blocks of 16: 8 self + 8 cross blocks per request.
     assert per_layer_blocks_per_request(specs, 128, 128) == 16
@@ -304,7 +317,7 @@ def test_absorbed_bart_replays_give_the_eager_tokens(bart_dir: str) -> None:
     from test_cuda_graphs import run_emulated
 
     requests = [decoder_request(i, dec, enc) for i, (enc, dec) in enumerate(bart_inputs(9))]
-    args = dict(num_kv_blocks=9, max_num_seqs=4, max_num_batched_tokens=12)
+    args = dict(num_kv_blocks=9, max_num_seqs=4, max_num_batched_tokens=12, **SMALL_BART)
     per_layer, _ = run_emulated(bart_dir, requests, graphs=False, **args)
     eager, _ = run_emulated(bart_dir, requests, graphs=False, cross_attention="absorbed", **args)
     replayed, graphs = run_emulated(
