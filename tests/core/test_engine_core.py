@@ -160,3 +160,14 @@ def test_randomized_simulation_encoder_decoder():
 
 def test_randomized_simulation_encoder_only():
     _simulate("encoder_only", seed=2, steps=1000)
+
+
+def test_ready_line_of_an_encoder_only_core_says_it_has_no_kv_cache(caplog) -> None:
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="v1.core.engine_core"):
+        make_engine_core("encoder_only")
+        make_engine_core("decoder_only")
+    lines = [r.getMessage() for r in caplog.records if "EngineCore ready" in r.getMessage()]
+    assert lines[0] == "EngineCore ready: no KV cache (encoder-only)"
+    assert lines[1].startswith("EngineCore ready: 65 KV blocks of 4 tokens")

@@ -71,12 +71,15 @@ class EngineCore:
         self._pooling_config = self._load_pooling_config()
         gc.collect()
         gc.freeze()  # start-up objects live forever: keep them out of cyclic GC scans
-        logger.info(
-            "EngineCore ready: %d KV blocks of %d tokens, %d KV groups",
-            self.kv_cache_config.num_blocks,
-            self.kv_cache_config.block_size,
-            len(self.kv_cache_config.groups),
-        )
+        if not self.kv_cache_config.groups:
+            logger.info("EngineCore ready: no KV cache (encoder-only)")
+        else:
+            logger.info(
+                "EngineCore ready: %d KV blocks of %d tokens, %d KV groups",
+                self.kv_cache_config.num_blocks,
+                self.kv_cache_config.block_size,
+                len(self.kv_cache_config.groups),
+            )
 
     # ---- requests ----
     def add_request(self, request: EngineCoreRequest) -> None:
