@@ -15,6 +15,7 @@ import torch
 
 from v1.attention.backend import AttentionType, CommonAttentionMetadata
 from v1.forward_context import ForwardContext, set_forward_context
+from v1.host_copy import to_device
 from v1.logger import init_logger
 
 if TYPE_CHECKING:
@@ -245,9 +246,7 @@ class CudaGraphManager:
         """Host arrays into static buffers through ONE pinned host-to-device copy (each pinned
         buffer costs tens of microseconds of host time), then device-side copies."""
         flat = np.concatenate([np.asarray(a, dtype=np.int64).reshape(-1) for _, a in copies])
-        src = torch.from_numpy(flat)
-        if self.input_ids.device.type == "cuda":
-            src = src.pin_memory().to(self.input_ids.device, non_blocking=True)
+        src = to_device(flat, self.input_ids.device)
         start = 0
         for dst, array in copies:
             n = int(np.prod(array.shape))

@@ -45,6 +45,9 @@ class InputBatch:
         none). Its value is on the device until that step is read back."""
         self.pending_rows = np.full(max_num_reqs, -1, dtype=np.int64)
         """Per slot: that token's row in the last launched step's sampled tensor."""
+        self.slot_generations = np.zeros(max_num_reqs, dtype=np.int64)
+        """Per slot: how many requests have held it, so results of a launched step can tell
+        whether the slot still belongs to the same request (vectorized)."""
         self.requests: dict[str, CachedRequestState] = {}
         self._free_slots = list(range(max_num_reqs - 1, -1, -1))
 
@@ -55,6 +58,7 @@ class InputBatch:
         if data.req_id in self.requests:
             raise AssertionError(f"request {data.req_id} already in the batch")
         slot = self._free_slots.pop()
+        self.slot_generations[slot] += 1
         tokens = data.prompt_token_ids + data.output_token_ids
         if len(tokens) > self.max_model_len:
             raise ValueError(f"{len(tokens)} tokens exceed max_model_len={self.max_model_len}")

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from v1.core.sched_output import ModelRunnerOutput
-from v1.worker.input_batch import CachedRequestState, InputBatch
+from v1.worker.input_batch import InputBatch
 
 
 class HostCopy:
@@ -47,13 +47,18 @@ class PendingSampledStep:
 
     batch: InputBatch
     req_ids: list[str]
-    states: list[CachedRequestState]
-    """The batch entries of the step's requests, to recognise a slot reused since."""
     keep_rows: np.ndarray
     """Rows that sampled a token (their step reached the end of the known tokens)."""
+    slots: np.ndarray
+    """Slot of each kept row."""
+    generations: np.ndarray
+    """`InputBatch.slot_generations` of those slots at launch: a slot reused since then
+    belongs to another request, whose tokens must not be overwritten."""
     positions: np.ndarray
     """Sequence position of each kept row's token."""
     host: HostCopy
+    num_logprobs: np.ndarray | None = None
+    """Per row: logprobs asked for (-1: none); None when no row asks."""
     num_encoder_runs: int = 0
     finalize: list[Callable[[ModelRunnerOutput, dict[str, np.ndarray]], None]] = field(
         default_factory=list
@@ -65,7 +70,10 @@ class PendingSampledStep:
         sampled = data["sampled"]
         keep = np.zeros(len(self.req_ids), dtype=bool)
         keep[self.keep_rows] = True
-        self._resolve(sampled)
+        held = self.batch.slot_generations[self.slots] == self.generations
+        self.batch.resolve_pending(
+            self.slots[held], self.positions[held], sampled[self.keep_rows[held]]
+        )
         result = ModelRunnerOutput(
             req_ids=self.req_ids,
             sampled_token_ids=[[int(t)] if k else [] for t, k in zip(sampled, keep, strict=True)],
@@ -77,27 +85,14 @@ class PendingSampledStep:
             hook(result, data)
         return result
 
-    def _resolve(self, sampled: np.ndarray) -> None:
-        """Writes the tokens into the host batch for slots their request still holds."""
-        requests = self.batch.requests
-        rows = [
-            i for i in self.keep_rows.tolist() if requests.get(self.req_ids[i]) is self.states[i]
-        ]
-        if rows:
-            rows_array = np.asarray(rows, dtype=np.int64)
-            order = np.searchsorted(self.keep_rows, rows_array)
-            slots = np.array([self.states[i].slot for i in rows], dtype=np.int64)
-            self.batch.resolve_pending(slots, self.positions[order], sampled[rows_array])
-
     def _add_logprobs(
         self, result: ModelRunnerOutput, data: dict[str, Any], keep: np.ndarray
     ) -> None:
+        assert self.num_logprobs is not None
         ids, values, ranks = data["lp_ids"], data["lp"], data["ranks"]
         result.logprob_token_ids, result.logprobs, result.logprob_ranks = [], [], []
-        for i, state in enumerate(self.states):
-            params = state.sampling_params
-            num = params.logprobs if params is not None else None
-            if num is None or not keep[i]:
+        for i, num in enumerate(self.num_logprobs.tolist()):
+            if num < 0 or not keep[i]:
                 for lst in (result.logprob_token_ids, result.logprobs, result.logprob_ranks):
                     lst.append(None)
                 continue

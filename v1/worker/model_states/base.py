@@ -129,24 +129,29 @@ class GenerationState(ModelState):
         out = self.sampler(logits, self.sampling_state.make_metadata(step.slots))
         sampled = out.sampled_token_ids  # [R] int64, on the device
         keep_rows = np.flatnonzero(step.reached_end)
+        kept_slots = step.slots[keep_rows]
         if len(keep_rows):
             if len(keep_rows) == len(step.slots):
                 kept = sampled
             else:
                 kept = sampled[runner._to_device(keep_rows)]
-            self.sampling_state.append_output_tokens(step.slots[keep_rows], kept)
+            self.sampling_state.append_output_tokens(kept_slots, kept)
         batch = runner.input_batch
-        positions = batch.mark_pending(step.slots[keep_rows], keep_rows)
+        positions = batch.mark_pending(kept_slots, keep_rows)
         runner.prev_sampled_token_ids = sampled
         to_host = {"sampled": sampled}
+        num_logprobs = None
         if out.logprobs is not None:
             to_host |= {"lp_ids": out.logprob_token_ids, "lp": out.logprobs, "ranks": out.ranks}
+            num_logprobs = self.sampling_state.num_logprobs[step.slots]
         to_host |= extra_to_host or {}
         return PendingSampledStep(
             batch=batch,
             req_ids=step.req_ids,
-            states=[batch.requests[r] for r in step.req_ids],
             keep_rows=keep_rows,
+            slots=kept_slots,
+            generations=batch.slot_generations[kept_slots],
             positions=positions,
             host=HostCopy(to_host),
+            num_logprobs=num_logprobs,
         )
