@@ -87,15 +87,19 @@ class _TokenIdTable:
         if self.dev.shape[1] != self.ids.shape[1]:
             self.dev = to_device(self.ids, self.device)
         else:
-            rows = np.fromiter(self._dirty, dtype=np.int64, count=len(self._dirty))
-            packed = to_device(np.concatenate([rows[:, None], self.ids[rows]], axis=1), self.device)
-            self.dev[packed[:, 0]] = packed[:, 1:]
+            _push_rows(self.dev, self.ids, self._dirty)
         self._dirty.clear()
 
     def rows(self, idx: torch.Tensor, slots: np.ndarray) -> torch.Tensor:
         """[k, width of the longest of these lists] int64 on the device."""
         width = int(self.lengths[slots].max()) if len(slots) else 0
         return self.dev[idx, :width]
+
+
+def _push_rows(dev: torch.Tensor, host: np.ndarray, rows: set[int]) -> None:
+    """dev[rows] = host[rows]: one pinned copy of the rows, scattered on the device."""
+    index = np.fromiter(rows, dtype=np.int64, count=len(rows))
+    dev[to_device(index, dev.device)] = to_device(host[index], dev.device)
 
 
 class _Packer:
@@ -288,13 +292,9 @@ class SamplingState:
         """Writes the rows of requests that entered or left since the last step to the device
         (one packed copy per table); steps already launched keep reading the old rows."""
         if self._dirty:
-            rows = np.fromiter(self._dirty, dtype=np.int64, count=len(self._dirty))
+            _push_rows(self.iparams_dev, self.iparams, self._dirty)
+            _push_rows(self.fparams_dev, self.fparams, self._dirty)
             self._dirty.clear()
-            packed_i = to_device(
-                np.concatenate([rows[:, None], self.iparams[rows]], 1), self.device
-            )
-            self.iparams_dev[packed_i[:, 0]] = packed_i[:, 1:]
-            self.fparams_dev[packed_i[:, 0]] = to_device(self.fparams[rows], self.device)
         for table in self._tables:
             table.flush()
 
