@@ -38,11 +38,33 @@ def _decode(tokenizer, ids: list[int], skip: bool) -> str:
     return tokenizer.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
 
 
-def _stream(tokenizer, ids, *, prompt=(), fast=True, **params) -> str:
-    detok = make_detokenizer(tokenizer, SamplingParams(**params), list(prompt), fast=fast)
+def _stream(tokenizer, ids, *, prompt=(), fast=True, final_only=False, **params) -> str:
+    detok = make_detokenizer(
+        tokenizer, SamplingParams(**params), list(prompt), fast=fast, final_only=final_only
+    )
     for t in ids:
         detok.update([t], stop_terminated=False)
-    return detok.output_text
+    return detok.get_next_output_text(finished=True, delta=False)
+
+
+@pytest.mark.parametrize("skip", [True, False], ids=["skip_special", "keep_special"])
+def test_final_only_decodes_once_as_the_stream_would(tokenizer, skip: bool) -> None:
+    """A request whose text is read only at its end (no stop strings) is decoded once then:
+    the same text as stepping the stream, with and without a prompt to prime it."""
+    rng = random.Random(2)
+    vocab = len(tokenizer)
+    prompt = tokenizer("the quick brown fox jumps")["input_ids"]
+    for k in range(60):
+        ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))]
+        context = prompt if k % 2 else []
+        kw = dict(prompt=context, skip_special_tokens=skip)
+        assert _stream(tokenizer, ids, final_only=True, **kw) == _stream(tokenizer, ids, **kw), ids
+    detok = make_detokenizer(tokenizer, SamplingParams(), prompt, final_only=True)
+    detok.update(ids[:3], stop_terminated=False)
+    assert detok.output_text == ""  # nothing decoded per step
+    detok = make_detokenizer(tokenizer, SamplingParams(stop=["x"]), prompt, final_only=True)
+    detok.update(ids[:3], stop_terminated=False)
+    assert detok._pending == []  # stop strings need the text every step
 
 
 @pytest.mark.parametrize("fast", [True, False], ids=["decode_stream", "offsets"])

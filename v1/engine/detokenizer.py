@@ -101,7 +101,12 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
     """Steps the fast tokenizer's `DecodeStream`."""
 
     def __init__(
-        self, tokenizer: Any, params: SamplingParams | None, prompt_token_ids: list[int]
+        self,
+        tokenizer: Any,
+        params: SamplingParams | None,
+        prompt_token_ids: list[int],
+        *,
+        final_only: bool = False,
     ) -> None:
         from tokenizers.decoders import DecodeStream
 
@@ -111,7 +116,43 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
             ids=ids, skip_special_tokens=self.skip_special_tokens
         )
         self._vocab_size = self._backend.get_vocab_size(with_added_tokens=True)
-        self._stream = self._new_stream(self._prime_ids(tokenizer, prompt_token_ids))
+        self._prime = self._prime_ids(tokenizer, prompt_token_ids)
+        self._stream = self._new_stream(self._prime)
+        # Nobody reads the text before the request ends and no stop string needs it: decode
+        # once at the end instead of stepping the stream per token (the per-step host cost of
+        # a large batch). `_pending` holds the ids not yet decoded.
+        self._deferred = final_only and not self.stop
+        self._pending: list[int] = []
+
+    def update(self, new_token_ids: list[int], stop_terminated: bool) -> str | None:
+        if not self._deferred:
+            return super().update(new_token_ids, stop_terminated)
+        self.token_ids.extend(new_token_ids)
+        to_decode = new_token_ids
+        if stop_terminated and not self.include_stop_str_in_output:
+            to_decode = new_token_ids[:-1]
+        self._pending.extend(to_decode)
+        return None
+
+    def get_next_output_text(self, finished: bool, delta: bool) -> str:
+        if self._pending:
+            self._flush_pending()
+        return super().get_next_output_text(finished, delta)
+
+    def _flush_pending(self) -> None:
+        """The pending ids' text in one decode of prime + output (what the stream would have
+        given), or through the stream where one decode cannot tell (an unfinished character
+        at the end, or a decoder that rewrites the prime's text)."""
+        ids, self._pending = self._pending, []
+        if not self.output_text:
+            known = [t for t in ids if 0 <= t < self._vocab_size]
+            skip = self.skip_special_tokens
+            head = self._backend.decode(self._prime, skip_special_tokens=skip)
+            full = self._backend.decode(self._prime + known, skip_special_tokens=skip)
+            if full.startswith(head) and not full.endswith(_REPLACEMENT_CHAR):
+                self.output_text = full[len(head) :]
+                return
+        self.output_text += "".join(self._decode_next(t) for t in ids)
 
     def _prime_ids(self, tokenizer: Any, prompt_token_ids: list[int]) -> list[int]:
         """A prompt suffix that decodes to whole characters (as vLLM picks it)."""
@@ -202,13 +243,17 @@ def make_detokenizer(
     prompt_token_ids: list[int],
     *,
     fast: bool | None = None,
+    final_only: bool = False,
 ) -> IncrementalDetokenizer:
     """The detokenizer for one request: a no-text one when detokenize=False (or no tokenizer),
-    else the DecodeStream one for fast tokenizers (`fast=False` forces the fallback)."""
+    else the DecodeStream one for fast tokenizers (`fast=False` forces the fallback).
+    `final_only`: the text is read once, when the request ends (it is decoded then)."""
     if tokenizer is None or (params is not None and not params.detokenize):
         return IncrementalDetokenizer(params)
     if fast is None:
         fast = getattr(tokenizer, "backend_tokenizer", None) is not None
     if fast:
-        return FastIncrementalDetokenizer(tokenizer, params, prompt_token_ids)
+        return FastIncrementalDetokenizer(
+            tokenizer, params, prompt_token_ids, final_only=final_only
+        )
     return SlowIncrementalDetokenizer(tokenizer, params, prompt_token_ids)

@@ -117,7 +117,12 @@ class OutputProcessor:
         params = request.sampling_params
         detokenizer = None
         if params is not None:
-            detokenizer = make_detokenizer(self.tokenizer, params, request.prompt_token_ids)
+            detokenizer = make_detokenizer(
+                self.tokenizer,
+                params,
+                request.prompt_token_ids,
+                final_only=output_kind == RequestOutputKind.FINAL_ONLY,
+            )
         enc = request.encoder_input
         self.request_states[req_id] = RequestState(
             request_id=req_id,

@@ -217,7 +217,9 @@ class TranscriptionPlanner:
                 f"transcription samples one sequence per window (n=1), got n={params.n}"
             )
         logprobs = 0 if params.logprobs is None else params.logprobs
-        return params.clone(logprobs=logprobs)
+        # Windows are read as token ids (text comes from the assembled segments), so the
+        # engine's detokenizer runs only where stop strings need the text.
+        return params.clone(logprobs=logprobs, detokenize=bool(params.stop))
 
     # ---- the plan of one file ----
     def plan(self, index: int, samples: np.ndarray, progress: FileProgress | None = None) -> Plan:

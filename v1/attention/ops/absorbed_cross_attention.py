@@ -120,11 +120,13 @@ def write_encoder_states(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Encoder output rows [N, d] -> the cache at flat slots (-1 skips a row); fp8 caches
-    (`scales` given) store each row quantized with its own scale."""
-    valid = slot_mapping >= 0
-    slots = slot_mapping[valid]
-    half, block, row = states_index(slots, states.shape[2])
-    values = rows[: slot_mapping.shape[0]][valid]
+    (`scales` given) store each row quantized with its own scale.
+
+    No host sync: a skipped row is written to slot 0 instead, which belongs to the block pool's
+    null block (never handed out, never read unmasked), rather than selected out by a boolean
+    mask (whose size the host would have to wait for)."""
+    half, block, row = states_index(slot_mapping.clamp(min=0), states.shape[2])
+    values = rows[: slot_mapping.shape[0]]
     if scales is None:
         states[half, block, row] = values.to(states.dtype)
         return
