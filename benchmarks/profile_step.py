@@ -82,6 +82,9 @@ def main() -> None:
     parser.add_argument("--clips", type=int, default=256)
     parser.add_argument("--tokens", type=int, default=60)
     parser.add_argument("--trace", default=None, help="write a chrome trace here")
+    parser.add_argument(
+        "--cprofile", action="store_true", help="also one run under cProfile (host functions)"
+    )
     args = parser.parse_args()
 
     from v1 import LLM, SamplingParams
@@ -182,6 +185,18 @@ def main() -> None:
             f"{name}: median {np.median(ms):.2f} ms, p90 {np.percentile(ms, 90):.2f} ms, "
             f"steady-state median {np.median(tail):.2f} ms"
         )
+    if args.cprofile:
+        import cProfile
+        import pstats
+
+        audio = clips()
+        profiler = cProfile.Profile()
+        profiler.enable()
+        llm.transcribe(audio, params, language="en", temperature=0.0, use_tqdm=False)
+        profiler.disable()
+        stats = pstats.Stats(profiler)
+        stats.sort_stats("tottime").print_stats(40)
+        stats.sort_stats("cumulative").print_stats(60)
     llm.shutdown()
 
 

@@ -209,21 +209,20 @@ def make_tiny_llama_dir(path: str | os.PathLike[str], **overrides: Any) -> str:
 
 
 def count_clip_hashes(monkeypatch: Any) -> list[Any]:
-    """Routes AudioClip's sha256 calls through a recorder (via pytest's `monkeypatch`): the
-    returned list gets the argument of each call, so a test sees how often audio was hashed and
-    whether hashlib read the array itself (a memoryview of it) or a copy."""
-    import hashlib
-    import types
+    """Routes AudioClip's hash calls (BLAKE3) through a recorder (via pytest's `monkeypatch`):
+    the returned list gets the argument of each call, so a test sees how often audio was hashed
+    and whether the hash read the array itself (a memoryview of it) or a copy."""
+    from blake3 import blake3
 
     import v1.audio.clip as clip_module
 
     calls: list[Any] = []
 
-    def sha256(data: Any) -> Any:
+    def recorded(data: Any) -> Any:
         calls.append(data)
-        return hashlib.sha256(data)
+        return blake3(data)
 
-    monkeypatch.setattr(clip_module, "hashlib", types.SimpleNamespace(sha256=sha256))
+    monkeypatch.setattr(clip_module, "blake3", recorded)
     return calls
 
 

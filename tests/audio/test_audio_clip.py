@@ -1,13 +1,13 @@
-"""AudioClip: the content hash is sha256 of the samples' bytes, read in place, computed once;
+"""AudioClip: the content hash is BLAKE3 of the samples' bytes, read in place, computed once;
 only 1-D C-contiguous float32 arrays are clips; a window's clip is one object."""
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import numpy as np
 import pytest
+from blake3 import blake3
 
 from tests.utils import count_clip_hashes
 from v1.audio import AudioClip, AudioError, split_windows
@@ -25,14 +25,14 @@ def noise(seconds: float, seed: int = 0) -> np.ndarray:
     return (0.1 * rng.standard_normal(round(seconds * SR))).astype(np.float32)
 
 
-def test_hash_is_sha256_of_the_buffer_computed_once_without_a_copy(sha_calls) -> None:
+def test_hash_is_blake3_of_the_buffer_computed_once_without_a_copy(sha_calls) -> None:
     samples = noise(2.0)
     clip = AudioClip(samples)
     assert clip.samples is samples and clip.duration_seconds == 2.0
-    reference = hashlib.sha256(samples.tobytes()).hexdigest()
+    reference = blake3(samples.tobytes()).hexdigest()
     assert [clip.content_hash for _ in range(3)] == [reference] * 3
     (arg,) = sha_calls  # once, however often it is read
-    # hashlib was handed a view of the array itself, not a bytes copy of it.
+    # blake3 was handed a view of the array itself, not a bytes copy of it.
     assert isinstance(arg, memoryview) and arg.obj is samples
     # A different clip of equal samples hashes equal; one changed sample changes the hash.
     assert AudioClip(samples.copy()).content_hash == reference
@@ -63,7 +63,7 @@ def test_a_window_has_one_clip_over_its_own_samples(sha_calls) -> None:
     assert second.clip.samples.shape == (15 * SR,)
     hashes = [w.clip.content_hash for w in (first, second, first, second)]
     assert hashes[:2] == hashes[2:] and len(sha_calls) == 2
-    assert hashes[1] == hashlib.sha256(audio[30 * SR :].tobytes()).hexdigest()
+    assert hashes[1] == blake3(audio[30 * SR :].tobytes()).hexdigest()
     (other_rate,) = split_windows(np.zeros(8000, np.float32), 8000)
     with pytest.raises(ValueError, match="16 kHz"):
         _ = other_rate.clip

@@ -1,17 +1,17 @@
 """Whisper's input path on the host: 16 kHz float32 audio reaches the EngineCore without a copy
-or a resampling pass, and each clip is hashed once (sha256 of its buffer, read in place), through
+or a resampling pass, and each clip is hashed once (BLAKE3 of its buffer, read in place), through
 the input processor, `LLM.generate` (n > 1 included) and `LLM.transcribe`.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from blake3 import blake3
 from msgspec.structs import replace
 
 from tests.models.test_whisper import WHISPER_BASE, make_tiny_whisper_dir
@@ -69,7 +69,7 @@ def waves(seconds: list[float], seed: int = 0) -> list[np.ndarray]:
 
 
 def reference_hash(samples: np.ndarray) -> str:
-    return hashlib.sha256(samples.tobytes()).hexdigest()
+    return blake3(samples.tobytes()).hexdigest()
 
 
 def encoder_runs(llm: LLM) -> int:

@@ -6,9 +6,8 @@ transcription, retries) share the clip's hash, hence one encoder run, without ha
 
 from __future__ import annotations
 
-import hashlib
-
 import numpy as np
+from blake3 import blake3
 
 from v1.audio.decode import SAMPLE_RATE, AudioError
 
@@ -16,8 +15,9 @@ from v1.audio.decode import SAMPLE_RATE, AudioError
 class AudioClip:
     """float32 mono 16 kHz samples, used in place (never copied), and their content hash.
 
-    `content_hash` is the sha256 hex digest of the samples' bytes, read straight from the
-    array's buffer (no copy), computed on first use and kept. The clip does not own its samples:
+    `content_hash` is the BLAKE3 hex digest of the samples' bytes (as vLLM hashes multimodal
+    inputs: ~6x faster than sha256 on a 30 s clip, which the host pays for every clip), read
+    straight from the array's buffer (no copy), computed on first use and kept. The clip does not own its samples:
     leave the array unchanged while the clip, or a request made from it, is in use.
     Pass a clip as `multi_modal_data={"audio": clip}` to reuse its hash across requests.
     """
@@ -48,8 +48,8 @@ class AudioClip:
     @property
     def content_hash(self) -> str:
         if self._content_hash is None:
-            # hashlib reads the buffer in place; the same bytes as samples.tobytes().
-            self._content_hash = hashlib.sha256(memoryview(self.samples)).hexdigest()
+            # blake3 reads the buffer in place; the same bytes as samples.tobytes().
+            self._content_hash = blake3(memoryview(self.samples).cast("B")).hexdigest()
         return self._content_hash
 
     @property
