@@ -76,7 +76,9 @@ class PendingSampledStep:
         )
         result = ModelRunnerOutput(
             req_ids=self.req_ids,
-            sampled_token_ids=[[int(t)] if k else [] for t, k in zip(sampled, keep, strict=True)],
+            sampled_token_ids=[
+                [t] if k else [] for t, k in zip(sampled.tolist(), keep.tolist(), strict=True)
+            ],
             num_encoder_runs=self.num_encoder_runs,
         )
         if "lp" in data:
@@ -89,13 +91,22 @@ class PendingSampledStep:
         self, result: ModelRunnerOutput, data: dict[str, Any], keep: np.ndarray
     ) -> None:
         assert self.num_logprobs is not None
-        ids, values, ranks = data["lp_ids"], data["lp"], data["ranks"]
-        result.logprob_token_ids, result.logprobs, result.logprob_ranks = [], [], []
-        for i, num in enumerate(self.num_logprobs.tolist()):
-            if num < 0 or not keep[i]:
-                for lst in (result.logprob_token_ids, result.logprobs, result.logprob_ranks):
-                    lst.append(None)
+        # One conversion of each array to Python lists, then per-row slices of those.
+        ids, values = data["lp_ids"].tolist(), data["lp"].tolist()
+        ranks = data["ranks"].tolist()
+        token_ids: list[list[list[int]] | None] = []
+        logprobs: list[list[list[float]] | None] = []
+        logprob_ranks: list[list[int] | None] = []
+        for i, (num, kept) in enumerate(
+            zip(self.num_logprobs.tolist(), keep.tolist(), strict=True)
+        ):
+            if num < 0 or not kept:
+                token_ids.append(None)
+                logprobs.append(None)
+                logprob_ranks.append(None)
                 continue
-            result.logprob_token_ids.append([ids[i][: 1 + num].tolist()])
-            result.logprobs.append([values[i][: 1 + num].tolist()])
-            result.logprob_ranks.append([int(ranks[i])])
+            token_ids.append([ids[i][: 1 + num]])
+            logprobs.append([values[i][: 1 + num]])
+            logprob_ranks.append([int(ranks[i])])
+        result.logprob_token_ids, result.logprobs = token_ids, logprobs
+        result.logprob_ranks = logprob_ranks
