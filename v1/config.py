@@ -407,8 +407,13 @@ class ParallelConfig:
 
     tensor_parallel_size: int = 1
     """Devices one model is sharded over (only 1 in this release)."""
+    data_parallel_size: int = 1
+    """EngineCore processes serving the model side by side, each on its own device set
+    (tensor_parallel_size devices); the frontend sends each request to the least-loaded one."""
 
     def __post_init__(self) -> None:
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
         if self.tensor_parallel_size != 1:
             raise ValueError(
                 f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet; use 1"
