@@ -63,7 +63,8 @@ def test_ray_transcribes_20_clips_like_llm(tmp_path: Path):
         task="transcribe",
         model=model,
         engine_kwargs={"device": "cpu"},
-        options={"language": "en", "max_tokens": 16},
+        # One temperature: no sampled fallback, so both runs are greedy throughout.
+        options={"language": "en", "temperature": 0.0, "max_tokens": 12},
         shard_size=8,
         batch_size=5,
         ray_address="auto",
@@ -74,8 +75,8 @@ def test_ray_transcribes_20_clips_like_llm(tmp_path: Path):
 
     paths = sorted(str(p) for p in folder.rglob("*.*"))
     with LLM(model, device="cpu", multiprocess=False) as llm:
-        params = SamplingParams(temperature=0.0, max_tokens=16)
-        expected = llm.transcribe(paths, params, language="en", use_tqdm=False)
+        params = SamplingParams(temperature=0.0, max_tokens=12)
+        expected = llm.transcribe(paths, params, language="en", temperature=0.0, use_tqdm=False)
     assert [r["id"] for r in rows] == [os.path.relpath(p, folder) for p in paths]
     assert [r["text"] for r in rows] == [e.text for e in expected]
     assert [r["duration"] for r in rows] == pytest.approx([e.duration for e in expected])

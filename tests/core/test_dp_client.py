@@ -8,6 +8,7 @@ import asyncio
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -273,3 +274,30 @@ def test_offline_llm_with_two_cores_matches_one_core(tiny_llama_dir: str):
     assert got == expected
     assert [s["num_used_blocks"] for s in stats["data_parallel"]] == [0, 0]
     assert all(s["prefix_cache_queries"] > 0 for s in stats["data_parallel"])
+
+
+def _num_cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_num_cuda_devices() < 2, reason="needs 2 CUDA GPUs")
+def test_two_cores_on_two_gpus_match_one(tiny_llama_dir: str):
+    """Each core sees only its own GPU (a CUDA_VISIBLE_DEVICES slice) and both serve."""
+    params = greedy(8)
+    prompts = [PROMPTS[i % 4] + " " * (i % 5) for i in range(64)]
+    kwargs: dict[str, Any] = dict(device="cuda", dtype="float32", enforce_eager=True)
+    with LLM(tiny_llama_dir, **kwargs) as one:
+        expected = [o.outputs[0].token_ids for o in one.generate(prompts, params)]
+    with LLM(tiny_llama_dir, data_parallel_size=2, **kwargs) as two:
+        client = two.llm_engine.engine_core
+        visible = [Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") for pid in client.pids]
+        got = [o.outputs[0].token_ids for o in two.generate(prompts, params)]
+        stats = two.llm_engine.get_stats()
+    slices = [[v for v in env if v.startswith(b"CUDA_VISIBLE_DEVICES=")] for env in visible]
+    assert slices[0] != slices[1] and all(len(s) == 1 for s in slices), slices
+    assert got == expected
+    assert all(s["prefix_cache_queries"] > 0 for s in stats["data_parallel"])
+    assert [s["num_used_blocks"] for s in stats["data_parallel"]] == [0, 0]

@@ -131,9 +131,7 @@ def _run_ray(job: BatchJob, shards: dict[int, list[dict[str, Any]]], progress: t
         # Ray reads the files where the actors run (no shared file system needed).
         # Reading is I/O: its tasks take no CPU slot, or actors holding every CPU would starve
         # the read (and wait for it forever).
-        ds = ray.data.read_binary_files(
-            [r["path"] for r in todo], include_paths=True, ray_remote_args={"num_cpus": 0}
-        )
+        ds = ray.data.read_binary_files([r["path"] for r in todo], include_paths=True, num_cpus=0)
         index_of_path = {_norm(r["path"]): r["index"] for r in todo}
     else:
         ds = ray.data.from_items([{"index": r["index"], "text": r["text"]} for r in todo])
@@ -151,7 +149,7 @@ def _run_ray(job: BatchJob, shards: dict[int, list[dict[str, Any]]], progress: t
         },
         batch_size=job.batch_size,
         batch_format="numpy",
-        concurrency=num_actors,
+        compute=ray.data.ActorPoolStrategy(size=num_actors),
         num_gpus=1 if use_gpu else 0,
         num_cpus=None if use_gpu else job.cpus_per_actor,
     )
