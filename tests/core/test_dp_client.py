@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from tests.models.test_whisper import WHISPER_BASE, make_tiny_whisper_dir
+from tests.utils import ASSETS, needs_assets
 from v1.config import EngineConfig, make_engine_config
 from v1.core.client import EngineDeadError
 from v1.core.dp_client import AsyncDPClient, CoreLoadBalancer, core_device_envs, merge_stats
@@ -301,3 +303,23 @@ def test_two_cores_on_two_gpus_match_one(tiny_llama_dir: str):
     assert got == expected
     assert all(s["prefix_cache_queries"] > 0 for s in stats["data_parallel"])
     assert [s["num_used_blocks"] for s in stats["data_parallel"]] == [0, 0]
+
+
+@needs_assets(WHISPER_BASE, ASSETS / "audio" / "jfk.flac")
+def test_same_audio_goes_to_the_core_that_encoded_it(tmp_path: Path):
+    model = make_tiny_whisper_dir(tmp_path / "tiny_whisper")
+    clip = str(ASSETS / "audio" / "jfk.flac")
+    with LLM(model, device="cpu", data_parallel_size=2) as llm:
+        params = SamplingParams(temperature=0.0, max_tokens=4)
+        llm.transcribe([clip] * 4, params, language="en", temperature=0.0, use_tqdm=False)
+        stats = llm.llm_engine.get_stats()["data_parallel"]
+    lookups = sorted(s["num_encoder_lookups"] for s in stats)
+    assert lookups == [0, 4]
+    assert sum(s["num_encoder_runs"] for s in stats) == 1
+
+
+def test_serve_and_batch_take_data_parallel_size():
+    from v1.entrypoints.cli import engine_kwargs, make_parser
+
+    args = make_parser().parse_args(["serve", "m", "--data-parallel-size", "2"])
+    assert engine_kwargs(args) == {"data_parallel_size": 2}
