@@ -112,3 +112,32 @@ def test_ray_embeds_200_texts_like_llm(tmp_path: Path):
     # A second run finds every shard written and starts no engine.
     again = run_batch(job, use_tqdm=False)
     assert again.written == [] and again.num_skipped == 4
+
+
+@pytest.mark.gpu
+@needs_assets(MINILM)
+def test_ray_runs_one_engine_per_gpu_actor(tmp_path: Path):
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if ray.cluster_resources().get("GPU", 0) < 1:
+        pytest.skip("the Ray session sees no GPU")
+    texts = [f"text {i} on a GPU actor" for i in range(64)]
+    inp = tmp_path / "texts.jsonl"
+    inp.write_text("".join(f'{{"text": "{t}"}}\n' for t in texts))
+    job = BatchJob(
+        input=str(inp),
+        output=str(tmp_path / "out"),
+        task="embed",
+        model=str(MINILM),
+        engine_kwargs={"dtype": "float32"},  # device auto: the actors take a GPU each
+        shard_size=32,
+        ray_address="auto",
+    )
+    # The reference first: its engine frees the GPU before the actors take it.
+    with LLM(str(MINILM), device="cuda", dtype="float32") as llm:
+        expected = [o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)]
+    assert len(run_batch(job, use_tqdm=False).written) == 2
+    got = np.asarray([r["embedding"] for r in read_output(job.output)], dtype=np.float32)
+    np.testing.assert_allclose(got, np.asarray(expected, dtype=np.float32), atol=1e-4)
