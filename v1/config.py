@@ -443,6 +443,16 @@ class DeviceConfig:
     def device_type(self) -> str:
         return self.resolved.split(":")[0]
 
+    @staticmethod
+    def visible_cuda_devices() -> list[str]:
+        """The ids of the CUDA devices this process may use (CUDA_VISIBLE_DEVICES or all)."""
+        listed = envs.cuda_visible_devices()
+        if listed is not None:
+            return listed
+        import torch
+
+        return [str(i) for i in range(torch.cuda.device_count())]
+
 
 @dataclass(frozen=True)
 class EngineConfig:

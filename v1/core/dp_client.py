@@ -11,7 +11,6 @@ cores are stopped, so no process outlives a half-dead engine.
 from __future__ import annotations
 
 import asyncio
-import os
 import queue
 import threading
 from abc import abstractmethod
@@ -50,7 +49,7 @@ def core_device_envs(config: EngineConfig) -> list[dict[str, str]]:
             f"data_parallel_size={num_cores} gives each core its own devices; use device "
             f"'cuda' (and CUDA_VISIBLE_DEVICES), not {config.device_config.device!r}"
         )
-    visible = _visible_cuda_devices()
+    visible = config.device_config.visible_cuda_devices()
     per_core = pc.tensor_parallel_size
     if len(visible) < num_cores * per_core:
         raise ValueError(
@@ -61,15 +60,6 @@ def core_device_envs(config: EngineConfig) -> list[dict[str, str]]:
         {"CUDA_VISIBLE_DEVICES": ",".join(visible[i * per_core : (i + 1) * per_core])}
         for i in range(num_cores)
     ]
-
-
-def _visible_cuda_devices() -> list[str]:
-    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if listed is not None:
-        return [d.strip() for d in listed.split(",") if d.strip()]
-    import torch
-
-    return [str(i) for i in range(torch.cuda.device_count())]
 
 
 class CoreLoadBalancer:
