@@ -131,11 +131,14 @@ def _run_ray(job: BatchJob, shards: dict[int, list[dict[str, Any]]], progress: t
         # Ray reads the files where the actors run (no shared file system needed).
         # Reading is I/O: its tasks take no CPU slot, or actors holding every CPU would starve
         # the read (and wait for it forever).
-        ds = ray.data.read_binary_files([r["path"] for r in todo], include_paths=True, num_cpus=0)
-        index_of_path = {_norm(r["path"]): r["index"] for r in todo}
+        # A file listed twice (JSONL) is read and transcribed once, its result used for both.
+        indices_of_path: dict[str, list[int]] = {}
+        for r in todo:
+            indices_of_path.setdefault(_norm(r["path"]), []).append(r["index"])
+        paths = list(dict.fromkeys(r["path"] for r in todo))
+        ds = ray.data.read_binary_files(paths, include_paths=True, num_cpus=0)
     else:
         ds = ray.data.from_items([{"index": r["index"], "text": r["text"]} for r in todo])
-        index_of_path = {}
     ds = ds.map_batches(
         RayBatchProcessor,
         fn_constructor_kwargs={
@@ -158,14 +161,18 @@ def _run_ray(job: BatchJob, shards: dict[int, list[dict[str, Any]]], progress: t
     written = []
     for table in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
         for result in table.to_pylist():
-            index = result["index"] if "index" in result else index_of_path[_norm(result["path"])]
-            k = index // job.shard_size
-            done[k].append((index, _output_row(rows_by_index[index], result)))
-            progress.update(1)
-            if len(done[k]) == len(shards[k]):
-                out = [row for _, row in sorted(done.pop(k), key=lambda item: item[0])]
-                write_shard(shard_path(job, k), out, job.output_format)
-                written.append(shard_path(job, k))
+            if "index" in result:
+                indices = [result["index"]]
+            else:
+                indices = indices_of_path[_norm(result["path"])]
+            for index in indices:
+                k = index // job.shard_size
+                done[k].append((index, _output_row(rows_by_index[index], result)))
+                progress.update(1)
+                if len(done[k]) == len(shards[k]):
+                    out = [row for _, row in sorted(done.pop(k), key=lambda item: item[0])]
+                    write_shard(shard_path(job, k), out, job.output_format)
+                    written.append(shard_path(job, k))
     if done:
         raise RuntimeError(f"Ray returned no rows for shards {sorted(done)}")
     return sorted(written)
