@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from v1 import envs
 from v1.batch import BatchJob, run_batch
 from v1.batch.job import list_inputs
 from v1.batch.writer import read_shard
@@ -30,6 +31,12 @@ def write_jsonl(path: Path, rows: list[dict]) -> str:
 def read_output(folder: Path) -> list[dict]:
     parts = sorted(p for p in os.listdir(folder) if p.startswith("part-"))
     return [row for p in parts for row in read_shard(str(folder / p))]
+
+
+@pytest.fixture(autouse=True)
+def inprocess_engines(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The jobs' engines run in this process (a core process per job only adds start-up)."""
+    monkeypatch.setattr(envs, "V1_MULTIPROCESSING", False)
 
 
 @pytest.fixture(scope="module")

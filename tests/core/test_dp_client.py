@@ -268,7 +268,7 @@ def test_offline_llm_with_two_cores_matches_one_core(tiny_llama_dir: str):
     params = greedy(6)
     prompts = [PROMPTS[i % 4] + " " * (i % 3) for i in range(24)]
     kwargs: dict[str, Any] = dict(device="cpu", block_size=16, num_kv_blocks=256)
-    with LLM(tiny_llama_dir, **kwargs) as one:
+    with LLM(tiny_llama_dir, multiprocess=False, **kwargs) as one:
         expected = [o.outputs[0].token_ids for o in one.generate(prompts, params)]
     with LLM(tiny_llama_dir, data_parallel_size=2, **kwargs) as two:
         got = [o.outputs[0].token_ids for o in two.generate(prompts, params)]
