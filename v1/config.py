@@ -407,8 +407,13 @@ class ParallelConfig:
 
     tensor_parallel_size: int = 1
     """Devices one model is sharded over (only 1 in this release)."""
+    data_parallel_size: int = 1
+    """EngineCore processes serving the model side by side, each on its own device set
+    (tensor_parallel_size devices); the frontend sends each request to the least-loaded one."""
 
     def __post_init__(self) -> None:
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
         if self.tensor_parallel_size != 1:
             raise ValueError(
                 f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet; use 1"
@@ -437,6 +442,16 @@ class DeviceConfig:
     @property
     def device_type(self) -> str:
         return self.resolved.split(":")[0]
+
+    @staticmethod
+    def visible_cuda_devices() -> list[str]:
+        """The ids of the CUDA devices this process may use (CUDA_VISIBLE_DEVICES or all)."""
+        listed = envs.cuda_visible_devices()
+        if listed is not None:
+            return listed
+        import torch
+
+        return [str(i) for i in range(torch.cuda.device_count())]
 
 
 @dataclass(frozen=True)

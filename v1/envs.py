@@ -40,3 +40,12 @@ V1_MAX_REQUEST_BYTES: int = _int("V1_MAX_REQUEST_BYTES", 32 << 20)
 
 V1_MAX_PENDING_REQUESTS: int = _int("V1_MAX_PENDING_REQUESTS", 1024)
 """Inference requests the API server holds at once; more are answered 503 (`--max-pending`)."""
+
+
+def cuda_visible_devices() -> list[str] | None:
+    """The CUDA_VISIBLE_DEVICES list as it is now (None when unset). Read on each call, not at
+    import: a data-parallel frontend gives each EngineCore a slice of it."""
+    value = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if value is None:
+        return None
+    return [d.strip() for d in value.split(",") if d.strip()]

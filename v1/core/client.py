@@ -20,6 +20,14 @@ class EngineCoreClient(ABC):
     def make_client(
         config: EngineConfig, *, multiprocess: bool, asyncio_mode: bool = False
     ) -> EngineCoreClient:
+        if config.parallel_config.data_parallel_size > 1:
+            if not multiprocess:
+                raise ValueError("data_parallel_size > 1 needs the multiprocess engine core")
+            from v1.core import dp_client
+
+            if asyncio_mode:
+                return dp_client.AsyncDPClient(config)
+            return dp_client.SyncDPClient(config)
         if not multiprocess:
             if asyncio_mode:
                 raise ValueError("the asyncio client needs the multiprocess engine core")

@@ -74,13 +74,16 @@ class CoreProcess:
     then nothing): the core sees end-of-file once its frontend is gone, however it died.
     Thread-safe: Popen serializes reaping, and a blocked `wait_exit` does not stop `join`."""
 
-    def __init__(self, args: list[str], config_json: str) -> None:
+    def __init__(
+        self, args: list[str], config_json: str, env_overrides: dict[str, str] | None = None
+    ) -> None:
         env = dict(os.environ)
         # The caller's import path, as multiprocessing's spawn would give it (tests and
         # scripts may import executors from next to themselves).
         env["PYTHONPATH"] = os.pathsep.join(
             dict.fromkeys([*filter(None, sys.path), *env.get("PYTHONPATH", "").split(os.pathsep)])
         ).strip(os.pathsep)
+        env.update(env_overrides or {})  # e.g. a data-parallel core's CUDA_VISIBLE_DEVICES
         self._popen = subprocess.Popen(
             [sys.executable, "-m", "v1.core.engine_core_proc", *args],
             stdin=subprocess.PIPE,
@@ -196,11 +199,14 @@ class MPClient(EngineCoreClient):
         output_address: str | None = None,
         executor_factory: str | None = None,
         ready_timeout_s: float | None = None,
+        core_env: dict[str, str] | None = None,
     ) -> None:
         """`input_address`/`output_address`: explicit endpoints to bind (both or neither; e.g.
         tcp://127.0.0.1:5555); default ipc:// in a private temp dir. `executor_factory`: an
-        import path `module:Name` the core builds its executor with (tests)."""
+        import path `module:Name` the core builds its executor with (tests). `core_env`:
+        environment variables set for the core process only (a data-parallel core's devices)."""
         self.config = config
+        self._core_env = core_env
         self._lock = threading.Lock()
         self._dead_error: str | None = None
         self._closing = False
@@ -263,7 +269,7 @@ class MPClient(EngineCoreClient):
             args += ["--executor-factory", executor_factory]
         if self._res.ipc_dir is not None:
             args += ["--ipc-dir", self._res.ipc_dir]
-        self._res.proc = CoreProcess(args, self.config.to_json())
+        self._res.proc = CoreProcess(args, self.config.to_json(), self._core_env)
 
     def _wait_ready(self, timeout_s: float) -> ReadyMessage:
         decoder = MsgpackDecoder(ReadyMessage)

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 from v1.config import EngineConfig, ModelKind, make_engine_config
 from v1.core.client import EngineDeadError
+from v1.core.dp_client import AsyncDPClient
 from v1.core.mp_client import AsyncMPClient
 from v1.engine.input_processor import InputProcessor, Params
 from v1.engine.output_processor import AnyRequestOutput, OutputProcessor, ParentRequest
@@ -81,7 +82,10 @@ class AsyncLLM:
         """Tokenization and input checks, off the event loop and one at a time (a tokenizer
         is not safe to use from two threads at once)."""
         # Last: starting the core process is the slow, resource-holding part.
-        self.engine_core = AsyncMPClient(config, **client_kwargs)
+        if config.parallel_config.data_parallel_size > 1:
+            self.engine_core: AsyncMPClient | AsyncDPClient = AsyncDPClient(config, **client_kwargs)
+        else:
+            self.engine_core = AsyncMPClient(config, **client_kwargs)
         gc.collect()
         gc.freeze()  # start-up objects live forever: keep them out of cyclic GC scans
 

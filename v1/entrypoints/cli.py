@@ -1,4 +1,5 @@
-"""The `v1` command: `v1 serve MODEL`, `v1 transcribe FILE...`, `v1 generate`, `v1 embed`.
+"""The `v1` command: `v1 serve MODEL`, `v1 transcribe FILE...`, `v1 generate`, `v1 embed`,
+`v1 batch` (offline jobs, see v1.batch).
 
 Engine flags and their --help text are generated from `v1.config.engine_arg_fields()` (type,
 default, the field's docstring); each subcommand lists the ones that mean something to it.
@@ -210,6 +211,9 @@ def make_parser() -> argparse.ArgumentParser:
     _add_transcribe(sub)
     _add_generate(sub)
     _add_embed(sub)
+    from v1.batch.cli import add_batch_parser
+
+    add_batch_parser(sub, add_engine_args)
     return parser
 
 
@@ -484,7 +488,19 @@ def _embed(args: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS = {"serve": _serve, "transcribe": _transcribe, "generate": _generate, "embed": _embed}
+def _batch(args: argparse.Namespace) -> int:
+    from v1.batch.cli import run_batch_command
+
+    return run_batch_command(args, engine_kwargs(args))
+
+
+_COMMANDS = {
+    "serve": _serve,
+    "transcribe": _transcribe,
+    "generate": _generate,
+    "embed": _embed,
+    "batch": _batch,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,99 @@
+"""`v1 batch`: the flags of an offline batch job and the command that runs it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from v1.batch.job import OUTPUT_FORMATS, TASKS, BatchJob
+
+
+def add_batch_parser(sub: Any, add_engine_args: Any) -> None:
+    p = sub.add_parser(
+        "batch",
+        help="run an offline job over a corpus (here, or over a Ray cluster with --ray)",
+        description="Transcribe audio files, or embed / complete the texts of a JSONL file, into "
+        "output shards (part-00000.jsonl, ...). A restarted job skips the shards already "
+        "written. With --ray the job runs over Ray Data, one engine per actor.",
+    )
+    p.add_argument("--input", required=True, help="audio directory / glob / file, or a .jsonl")
+    p.add_argument("--output", required=True, help="output directory (one file per shard)")
+    p.add_argument("--task", required=True, choices=TASKS, help="what to run on each input")
+    p.add_argument("--model", required=True, help="model folder or Hugging Face hub id")
+    p.add_argument(
+        "--format", default="jsonl", choices=OUTPUT_FORMATS, help="shard format (default: jsonl)"
+    )
+    p.add_argument("--shard-size", type=int, default=1000, help="rows per shard (default: 1000)")
+    p.add_argument("--batch-size", type=int, default=64, help="rows per engine call (default: 64)")
+    p.add_argument(
+        "--ray",
+        default=None,
+        metavar="ADDRESS",
+        help="run over a Ray cluster: host:port, ray://host:port or auto (needs v1-engine[ray])",
+    )
+    p.add_argument("--num-actors", type=int, default=None, help="Ray: engines to run")
+    p.add_argument("--language", default=None, help="transcribe: spoken language (default: detect)")
+    p.add_argument(
+        "--translate", action="store_true", help="transcribe: translate to English instead"
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="generate: tokens per prompt; transcribe: per 30 s window",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="generate: sampling temperature (default 0, greedy); transcribe: one temperature "
+        "instead of the fallback schedule",
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_engine_args(p)
+
+
+def job_from_args(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> BatchJob:
+    options: dict[str, Any] = {}
+    if args.task == "transcribe":
+        if args.language is not None:
+            options["language"] = args.language
+        if args.translate:
+            options["task"] = "translate"
+        if args.temperature is not None:
+            options["temperature"] = args.temperature
+        if args.max_tokens is not None:
+            options["max_tokens"] = args.max_tokens
+    elif args.task == "generate":
+        options["temperature"] = args.temperature if args.temperature is not None else 0.0
+        if args.max_tokens is not None:
+            options["max_tokens"] = args.max_tokens
+    return BatchJob(
+        input=args.input,
+        output=args.output,
+        task=args.task,
+        model=args.model,
+        engine_kwargs=engine_kwargs,
+        options=options,
+        shard_size=args.shard_size,
+        batch_size=args.batch_size,
+        output_format=args.format,
+        ray_address=args.ray,
+        num_actors=args.num_actors,
+    )
+
+
+def run_batch_command(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
+    from v1.batch.runner import run_batch
+
+    report = run_batch(job_from_args(args, engine_kwargs), use_tqdm=not args.quiet)
+    summary = {
+        "output": args.output,
+        "rows": report.num_rows,
+        "shards": report.num_shards,
+        "written": len(report.written),
+        "skipped": report.num_skipped,
+    }
+    print(json.dumps(summary), flush=True)
+    return 0

@@ -1,0 +1,419 @@
+"""Data parallelism: N EngineCore processes behind one client (`data_parallel_size=N`).
+
+Each core is the ordinary core program (`python -m v1.core.engine_core_proc`) on its own device
+set (a CUDA_VISIBLE_DEVICES slice on CUDA). `CoreLoadBalancer` sends each request to the
+least-loaded core, or to the core that took the same encoder content last (its encoder and cross
+caches likely still hold it); aborts go to the owning core; stats are summed over the cores.
+One core's death is the engine's: every pending request fails with EngineDeadError and the other
+cores are stopped, so no process outlives a half-dead engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from abc import abstractmethod
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from v1.config import EngineConfig
+from v1.core.client import EngineCoreClient, EngineDeadError
+from v1.core.mp_client import _DEAD, EngineCoreStartError, MPClient, _Dead
+from v1.core.protocol import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    SchedulerStats,
+)
+from v1.logger import init_logger
+
+logger = init_logger(__name__)
+
+_AFFINITY_CAPACITY = 4096
+"""Encoder content hashes remembered for routing (far more than any core's encoder cache
+holds, so a hash seen recently still finds the core that may have it cached)."""
+
+
+def core_device_envs(config: EngineConfig) -> list[dict[str, str]]:
+    """Per core, the environment that gives it its own device set: on CUDA a slice of the
+    visible devices (`tensor_parallel_size` each); on CPU nothing (each core is a process)."""
+    pc = config.parallel_config
+    num_cores = pc.data_parallel_size
+    if config.device_config.device_type != "cuda":
+        return [{} for _ in range(num_cores)]
+    if config.device_config.device != "auto" and ":" in config.device_config.device:
+        raise ValueError(
+            f"data_parallel_size={num_cores} gives each core its own devices; use device "
+            f"'cuda' (and CUDA_VISIBLE_DEVICES), not {config.device_config.device!r}"
+        )
+    visible = config.device_config.visible_cuda_devices()
+    per_core = pc.tensor_parallel_size
+    if len(visible) < num_cores * per_core:
+        raise ValueError(
+            f"data_parallel_size={num_cores} x tensor_parallel_size={per_core} needs "
+            f"{num_cores * per_core} CUDA devices; {len(visible)} visible"
+        )
+    return [
+        {"CUDA_VISIBLE_DEVICES": ",".join(visible[i * per_core : (i + 1) * per_core])}
+        for i in range(num_cores)
+    ]
+
+
+class CoreLoadBalancer:
+    """Picks a core per request and remembers which core owns which request.
+
+    Load of a core = waiting + running requests of its last reported `SchedulerStats` + the
+    requests sent to it since that report (they are not in any report yet). Ties go to the core
+    with fewer requests in flight, then the lower index. Not thread-safe: the client locks."""
+
+    def __init__(self, num_cores: int, affinity_capacity: int = _AFFINITY_CAPACITY) -> None:
+        self.num_cores = num_cores
+        self._reported = [0] * num_cores
+        self._sent_since_report = [0] * num_cores
+        self.num_in_flight = [0] * num_cores
+        self.owner: dict[str, int] = {}
+        self._affinity: OrderedDict[str, int] = OrderedDict()
+        self._affinity_capacity = affinity_capacity
+
+    def load(self, core: int) -> int:
+        return self._reported[core] + self._sent_since_report[core]
+
+    def assign(self, request: EngineCoreRequest) -> int:
+        """The core `request` goes to (recorded as its owner)."""
+        content_hash = (
+            request.encoder_input.content_hash if request.encoder_input is not None else None
+        )
+        core = self._affinity.get(content_hash) if content_hash is not None else None
+        if core is None:
+            core = min(
+                range(self.num_cores), key=lambda i: (self.load(i), self.num_in_flight[i], i)
+            )
+        if content_hash is not None:
+            self._affinity[content_hash] = core
+            self._affinity.move_to_end(content_hash)
+            if len(self._affinity) > self._affinity_capacity:
+                self._affinity.popitem(last=False)
+        self.owner[request.request_id] = core
+        self._sent_since_report[core] += 1
+        self.num_in_flight[core] += 1
+        return core
+
+    def on_stats(self, core: int, stats: SchedulerStats) -> None:
+        self._reported[core] = stats.num_waiting_reqs + stats.num_running_reqs
+        self._sent_since_report[core] = 0
+
+    def release(self, request_ids: Sequence[str]) -> dict[int, list[str]]:
+        """Forgets finished or aborted requests; the known ones grouped by their core."""
+        by_core: dict[int, list[str]] = {}
+        for req_id in request_ids:
+            core = self.owner.pop(req_id, None)
+            if core is not None:
+                self.num_in_flight[core] -= 1
+                by_core.setdefault(core, []).append(req_id)
+        return by_core
+
+
+class _CoreClient(MPClient):
+    """One data-parallel core: an MPClient that hands its outputs to the DP client."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        index: int,
+        sink: Callable[[int, EngineCoreOutputs | _Dead], None],
+        **kwargs: Any,
+    ) -> None:
+        self.index = index
+        self._sink = sink
+        super().__init__(config, **kwargs)
+
+    def _deliver(self, item: EngineCoreOutputs | _Dead) -> None:
+        self._sink(self.index, item)
+
+    def send_add(self, request: EngineCoreRequest) -> None:
+        self._send(EngineCoreRequestType.ADD, request)
+
+    def send_abort(self, request_ids: list[str]) -> None:
+        self._send(EngineCoreRequestType.ABORT, request_ids)
+
+    def start_utility(self, method: str, args: Sequence[Any]) -> Future:
+        return self._start_utility(method, args)
+
+
+def merge_stats(per_core: list[dict[str, Any]]) -> dict[str, Any]:
+    """The union of the cores' `get_stats`: counters summed, KV usage over all blocks, and each
+    core's own stats under `data_parallel`."""
+    merged: dict[str, Any] = {}
+    for stats in per_core:
+        for key, value in stats.items():
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                merged[key] = merged.get(key, 0) + value
+    total = merged.get("num_total_blocks", 0)
+    merged["kv_cache_usage"] = merged.get("num_used_blocks", 0) / total if total else 0.0
+    merged["data_parallel"] = per_core
+    return merged
+
+
+def _merge_utility(method: str, results: list[Any]) -> Any:
+    if method == "get_stats":
+        return merge_stats(results)
+    if method in ("is_healthy", "reset_prefix_cache"):
+        return all(results)
+    if method == "get_config_info":
+        info = dict(results[0])
+        info["num_kv_blocks"] = sum(r["num_kv_blocks"] for r in results)
+        info["data_parallel"] = results
+        return info
+    return results
+
+
+class DPClient(EngineCoreClient):
+    """Starts `data_parallel_size` cores and routes between them; subclasses deliver outputs."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        executor_factory: str | None = None,
+        ready_timeout_s: float | None = None,
+        input_address: str | None = None,
+        output_address: str | None = None,
+    ) -> None:
+        """`executor_factory`, `ready_timeout_s`: as MPClient's, for every core. Each core binds
+        its own private ipc:// sockets, so explicit addresses are refused."""
+        if input_address is not None or output_address is not None:
+            raise ValueError("a data-parallel engine binds one private ipc:// pair per core")
+        self.config = config
+        self._lock = threading.Lock()
+        self._dead_error: str | None = None
+        self._closing = False
+        num_cores = config.parallel_config.data_parallel_size
+        self.balancer = CoreLoadBalancer(num_cores)
+        envs = core_device_envs(config)
+        kwargs = {"executor_factory": executor_factory, "ready_timeout_s": ready_timeout_s}
+        self.cores: list[_CoreClient] = []
+        # Start the cores side by side: each spends its start-up loading the model.
+        with ThreadPoolExecutor(num_cores, thread_name_prefix="v1-dp-start") as pool:
+            futures = [
+                pool.submit(
+                    _CoreClient, config, i, self._on_core_output, core_env=envs[i], **kwargs
+                )
+                for i in range(num_cores)
+            ]
+            errors = []
+            for fut in futures:
+                try:
+                    self.cores.append(fut.result())
+                except BaseException as e:  # noqa: BLE001 - stop the others, then raise the first
+                    errors.append(e)
+        if errors:
+            self._closing = True
+            for core in self.cores:
+                core.shutdown()
+            raise errors[0]
+        if self._dead_error is not None:  # one core died while the others were starting
+            self.shutdown()
+            raise EngineCoreStartError(self._dead_error)
+        self.max_model_len = self.cores[0].max_model_len
+        self.num_kv_blocks = sum(core.num_kv_blocks for core in self.cores)
+        logger.info("data parallelism: %d EngineCores (pids %s)", num_cores, self.pids)
+
+    # ---- outputs from the cores' reader threads ----
+    def _on_core_output(self, index: int, item: EngineCoreOutputs | _Dead) -> None:
+        if isinstance(item, _Dead):
+            self._core_died(index)
+            return
+        finished = [o.request_id for o in item.outputs if o.finished]
+        with self._lock:
+            if item.scheduler_stats is not None:
+                self.balancer.on_stats(index, item.scheduler_stats)
+            if finished:
+                self.balancer.release(finished)
+        self._deliver(item)
+
+    def _core_died(self, index: int) -> None:
+        core = self.cores[index] if index < len(self.cores) else None
+        reason = core.dead_error if core is not None else None
+        with self._lock:
+            if self._dead_error is not None:
+                return  # already dead (or shut down): the other cores' ends are expected
+            self._dead_error = f"data-parallel EngineCore {index} is gone: {reason}"
+        logger.error("%s; failing every pending request and stopping the other cores", reason)
+        self._deliver(_DEAD)
+        # Not on this reader thread: stopping a core joins its reader.
+        threading.Thread(target=self._stop_cores, name="v1-dp-stop", daemon=True).start()
+
+    def _stop_cores(self) -> None:
+        for core in self.cores:
+            core.shutdown()
+
+    @abstractmethod
+    def _deliver(self, item: EngineCoreOutputs | _Dead) -> None:
+        """Queues a core's outputs (or the death marker) for the frontend."""
+
+    # ---- routing ----
+    def _check_alive(self) -> None:
+        if self._dead_error is not None:
+            raise EngineDeadError(self._dead_error)
+
+    def _send_add(self, request: EngineCoreRequest) -> None:
+        with self._lock:
+            self._check_alive()
+            core = self.balancer.assign(request)
+        try:
+            self.cores[core].send_add(request)
+        except BaseException:
+            with self._lock:
+                self.balancer.release([request.request_id])
+            raise
+
+    def _send_abort(self, request_ids: list[str]) -> None:
+        """The frontend gave these requests up: forget them and tell their cores (ids of
+        finished or unknown requests are dropped; no core holds them)."""
+        with self._lock:
+            by_core = self.balancer.release(request_ids)
+        for core, ids in by_core.items():
+            self.cores[core].send_abort(ids)
+
+    def _start_utilities(self, method: str, args: Sequence[Any]) -> list[Future]:
+        self._check_alive()
+        return [core.start_utility(method, args) for core in self.cores]
+
+    # ---- shared API ----
+    @property
+    def is_dead(self) -> bool:
+        return self._dead_error is not None
+
+    @property
+    def dead_error(self) -> str | None:
+        return self._dead_error
+
+    @property
+    def pids(self) -> list[int]:
+        return [core.pid for core in self.cores]
+
+    def core_of(self, request_id: str) -> int | None:
+        """The index of the core that holds `request_id` (None once it finished or aborted)."""
+        with self._lock:
+            return self.balancer.owner.get(request_id)
+
+    def shutdown(self) -> None:
+        """Stops every core; pending and later calls raise EngineDeadError. Idempotent."""
+        if self._closing:
+            return
+        self._closing = True
+        with self._lock:
+            if self._dead_error is None:
+                self._dead_error = "the EngineCore client was shut down"
+        self._deliver(_DEAD)
+        self._stop_cores()
+
+
+class SyncDPClient(DPClient):
+    """Blocking data-parallel client (LLM): the SyncMPClient interface."""
+
+    def __init__(self, config: EngineConfig, **kwargs: Any) -> None:
+        self._outputs: queue.Queue[EngineCoreOutputs | _Dead] = queue.Queue()
+        super().__init__(config, **kwargs)
+
+    def _deliver(self, item: EngineCoreOutputs | _Dead) -> None:
+        self._outputs.put(item)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._send_add(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self._send_abort(list(request_ids))
+
+    def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
+        self._check_alive()
+        try:
+            item = self._outputs.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"no EngineCore output within {timeout}s") from None
+        if isinstance(item, _Dead):
+            self._outputs.put(item)  # wake the next waiter too
+            raise EngineDeadError(self._dead_error)
+        return item
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        futures = self._start_utilities(method, args)
+        return _merge_utility(method, [fut.result() for fut in futures])
+
+
+class AsyncDPClient(DPClient):
+    """asyncio data-parallel client (AsyncLLM, the server): the AsyncMPClient interface, one
+    event loop at a time (it moves to a new loop once the previous one is closed)."""
+
+    def __init__(self, config: EngineConfig, **kwargs: Any) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._queue: asyncio.Queue[EngineCoreOutputs | _Dead] | None = None
+        self._early: deque[EngineCoreOutputs | _Dead] = deque()
+        self._loop_lock = threading.Lock()
+        super().__init__(config, **kwargs)
+
+    def _deliver(self, item: EngineCoreOutputs | _Dead) -> None:
+        with self._loop_lock:
+            if self._loop is None or self._queue is None:
+                self._early.append(item)
+                return
+            loop, q = self._loop, self._queue
+        try:
+            loop.call_soon_threadsafe(q.put_nowait, item)
+        except RuntimeError:  # the loop closed under us; the next loop starts afresh
+            with self._loop_lock:
+                self._early.append(item)
+
+    def _output_queue(self) -> asyncio.Queue[EngineCoreOutputs | _Dead]:
+        loop = asyncio.get_running_loop()
+        if self._loop is loop and self._queue is not None:
+            return self._queue
+        with self._loop_lock:
+            if self._loop is not None and self._loop is not loop and not self._loop.is_closed():
+                raise RuntimeError("this AsyncDPClient is in use by another running event loop")
+            self._queue = asyncio.Queue()
+            while self._early:
+                self._queue.put_nowait(self._early.popleft())
+            if self._dead_error is not None:
+                self._queue.put_nowait(_DEAD)
+            self._loop = loop
+            return self._queue
+
+    async def add_request_async(self, request: EngineCoreRequest) -> None:
+        self._send_add(request)
+
+    async def abort_requests_async(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self._send_abort(list(request_ids))
+
+    def abort_requests_nowait(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self._send_abort(list(request_ids))
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        self._check_alive()
+        q = self._output_queue()
+        item = await q.get()
+        if isinstance(item, _Dead):
+            q.put_nowait(item)
+            raise EngineDeadError(self._dead_error)
+        return item
+
+    async def call_utility_async(self, method: str, *args: Any) -> Any:
+        futures = self._start_utilities(method, args)
+        results = await asyncio.gather(*(asyncio.wrap_future(fut) for fut in futures))
+        return _merge_utility(method, list(results))
+
+
+__all__ = [
+    "AsyncDPClient",
+    "CoreLoadBalancer",
+    "DPClient",
+    "SyncDPClient",
+    "core_device_envs",
+    "merge_stats",
+]
