@@ -277,8 +277,8 @@ def test_absorbed_needs_an_encoder_decoder_model(tiny_llama_dir: str) -> None:
 
 
 def test_auto_rule_on_a_gpu_picks_absorbed_when_the_batch_does_not_fit(bart_dir: str) -> None:
-    """The rule itself (CPU-testable): per-layer K/V of max_num_seqs requests of the longest
-    decoder sequence and encoder input must fit the pool, else absorbed."""
+    """The rule itself (CPU-testable): per-layer K/V of min(max_num_seqs, 64) requests of the
+    longest decoder sequence and encoder input must fit the pool, else absorbed."""
     from v1.config import make_engine_config
     from v1.worker.cross_attention_mode import choose_cross_attention, per_layer_blocks_per_request
 
@@ -303,6 +303,10 @@ def test_auto_rule_on_a_gpu_picks_absorbed_when_the_batch_does_not_fit(bart_dir:
     bytes_per_block = 2 * page  # two layers share each block's tensors
     assert choose(None, 4, available=(1 + 4 * 16) * bytes_per_block) == "per_layer"
     assert choose(None, 4, available=(4 * 16) * bytes_per_block) == "absorbed"
+    # A per-layer batch of 64 is enough (the measured absorbed kernel costs more per request):
+    # 256 seqs that do not fit stay per_layer while 64 of them do.
+    assert choose(1 + 64 * 16, 256) == "per_layer"
+    assert choose(64 * 16, 256) == "absorbed"
     config = make_engine_config(bart_dir, device="cpu", num_kv_blocks=12, max_num_seqs=64)
     assert choose_cross_attention(config, specs, "cpu", None) == "per_layer"
 
