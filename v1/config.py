@@ -406,13 +406,30 @@ class ParallelConfig:
     """How the model is spread over devices."""
 
     tensor_parallel_size: int = 1
-    """Devices one model is sharded over (only 1 in this release)."""
+    """Devices one model is sharded over: one worker process per rank (rank 0 inside the
+    EngineCore process), linked by torch.distributed (gloo on CPU, NCCL on CUDA)."""
+    distributed_executor_backend: str | None = None
+    """How the ranks' workers are placed: "mp" (processes on this machine; the default when
+    tensor_parallel_size > 1) or "ray" (Ray actors in a placement group, across nodes; needs the
+    `ray` extra). None with tensor_parallel_size=1: the worker runs inside the EngineCore."""
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size != 1:
+        if self.tensor_parallel_size < 1:
             raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet; use 1"
+                f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}"
             )
+        if self.distributed_executor_backend not in (None, "mp", "ray"):
+            raise ValueError(
+                "distributed_executor_backend must be 'mp' or 'ray', got "
+                f"{self.distributed_executor_backend!r}"
+            )
+
+    @property
+    def executor_backend(self) -> str:
+        """uni (one worker in the core), mp or ray."""
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "mp" if self.tensor_parallel_size > 1 else "uni"
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Worker: owns the device, loads the model through its ModelRunner and sizes the KV cache."""
+"""Worker: owns the device, joins the tensor-parallel group, loads the model (its rank's shard)
+through its ModelRunner and sizes the KV cache."""
 
 from __future__ import annotations
 
@@ -6,6 +7,11 @@ import torch
 
 from v1.config import EngineConfig
 from v1.core.sched_output import DeferredRunnerOutput, ModelRunnerOutput, SchedulerOutput
+from v1.distributed.parallel_state import (
+    TensorParallelGroup,
+    destroy_tensor_parallel,
+    init_tensor_parallel,
+)
 from v1.kv_cache.spec import KVCacheConfig, KVCacheSpec
 from v1.logger import init_logger
 from v1.worker.model_runner import ModelRunner
@@ -14,15 +20,34 @@ logger = init_logger(__name__)
 
 
 class Worker:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        rank: int = 0,
+        local_rank: int | None = None,
+        distributed_init_method: str | None = None,
+    ) -> None:
+        """rank/local_rank: this worker's tensor-parallel rank and its GPU on this host
+        (default: the rank); distributed_init_method: the group's rendezvous URL (needed when
+        tensor_parallel_size > 1)."""
         self.config = config
+        self.rank = rank
+        tp_size = config.parallel_config.tensor_parallel_size
         self.device = torch.device(config.device_config.resolved)
         if self.device.type == "cuda":
-            if self.device.index is None:
+            if tp_size > 1:
+                self.device = torch.device("cuda", rank if local_rank is None else local_rank)
+            elif self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         torch.manual_seed(config.model_config.seed)
+        self.tp: TensorParallelGroup | None = None
+        if tp_size > 1:
+            if distributed_init_method is None:
+                raise ValueError("tensor_parallel_size > 1 needs a distributed_init_method")
+            self.tp = init_tensor_parallel(rank, tp_size, distributed_init_method, self.device)
         self.model_runner = ModelRunner(config, self.device)
+        self.model_runner.tp = self.tp
         self._available_kv_bytes: int | None = None
 
     def load_model(self) -> None:
@@ -69,3 +94,6 @@ class Worker:
 
     def shutdown(self) -> None:
         self.model_runner.shutdown()
+        if self.tp is not None:
+            destroy_tensor_parallel()
+            self.tp = None
