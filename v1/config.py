@@ -415,9 +415,7 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
-            raise ValueError(
-                f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}"
-            )
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.distributed_executor_backend not in (None, "mp", "ray"):
             raise ValueError(
                 "distributed_executor_backend must be 'mp' or 'ray', got "
@@ -485,6 +483,7 @@ class EngineConfig:
                 f"Whisper window ({mc.max_encoder_len} encoder positions)"
             )
 
+        _check_tensor_parallel_heads(mc.hf_config, self.parallel_config.tensor_parallel_size)
         if self.cache_config.cross_attention == "absorbed" and mc.kind != ModelKind.ENCODER_DECODER:
             raise ValueError(
                 f"cross_attention='absorbed' needs an encoder-decoder model, not {mc.architecture}"
@@ -540,6 +539,34 @@ class EngineConfig:
             parallel_config=ParallelConfig(**data["parallel_config"]),
             device_config=DeviceConfig(**data["device_config"]),
             enforce_eager=data["enforce_eager"],
+        )
+
+
+_HEAD_COUNTS = (
+    "num_attention_heads",
+    "encoder_attention_heads",
+    "decoder_attention_heads",
+    "num_heads",
+)
+
+
+def _check_tensor_parallel_heads(hf_config: Any, tp_size: int) -> None:
+    """Attention heads must split evenly over the ranks (kv heads may also be fewer than the
+    ranks and divide them: each rank then keeps a copy of one)."""
+    if tp_size == 1:
+        return
+    for name in _HEAD_COUNTS:
+        heads = getattr(hf_config, name, None)
+        if isinstance(heads, int) and heads % tp_size:
+            raise ValueError(
+                f"tensor_parallel_size={tp_size} does not divide the attention heads "
+                f"({name}={heads})"
+            )
+    kv_heads = getattr(hf_config, "num_key_value_heads", None)
+    if isinstance(kv_heads, int) and kv_heads % tp_size and tp_size % kv_heads:
+        raise ValueError(
+            f"tensor_parallel_size={tp_size} does not divide the attention heads "
+            f"(num_key_value_heads={kv_heads}) and is not a multiple of them"
         )
 
 

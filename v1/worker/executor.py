@@ -11,6 +11,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from v1.core.client import EngineDeadError
 from v1.core.sched_output import (
     DeferredRunnerOutput,
     ModelRunnerOutput,
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
     from v1.config import EngineConfig
 
 
-class WorkerDeadError(RuntimeError):
+class WorkerDeadError(EngineDeadError):
     """A worker process (a tensor-parallel rank) is gone: the engine cannot step any more and
     dies loudly, as when its core dies (every pending request fails with EngineDeadError)."""
 
