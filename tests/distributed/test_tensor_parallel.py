@@ -129,9 +129,9 @@ def test_llama_multiprocess_tp2_and_dead_worker(tmp_path: Path) -> None:
     and neither the core nor the worker survives."""
     path = make_tiny_llama_dir(tmp_path, initializer_range=0.2, max_position_embeddings=512)
     prompts = token_prompts()
-    with LLM(path, multiprocess=False, **ENGINE_ARGS) as llm:
+    args = {**ENGINE_ARGS, "max_model_len": 384, "num_kv_blocks": 200}
+    with LLM(path, multiprocess=False, **args) as llm:
         expected = generate_tokens(prompts)(llm)
-    args = {**ENGINE_ARGS, "max_model_len": 384}
     llm = LLM(path, multiprocess=True, tensor_parallel_size=2, **args)
     try:
         core_pid = llm.llm_engine.engine_core.pid
