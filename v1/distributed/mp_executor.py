@@ -91,20 +91,20 @@ class DistributedExecutor(Executor):
 
     # ---- start-up ----
     def _bind_sockets(self) -> list[WorkerAddresses]:
-        reply_address = self._endpoint("replies")
-        self.reply_socket.bind(reply_address)
+        reply_address = self._bind(self.reply_socket, "replies")
         addresses = []
         for rank in range(1, self.world_size):
             sock = self.ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.SNDHWM, 0)
-            address = self._endpoint(f"rank{rank}")
-            sock.bind(address)
             self.push_sockets.append(sock)
-            addresses.append(WorkerAddresses(address, reply_address))
-        return [self._connect_address(a) for a in addresses]
-
-    def _connect_address(self, addresses: WorkerAddresses) -> WorkerAddresses:
+            addresses.append(WorkerAddresses(self._bind(sock, f"rank{rank}"), reply_address))
         return addresses
+
+    def _bind(self, sock: Any, name: str) -> str:
+        """Binds `sock` to the endpoint for `name`; returns the address workers connect to."""
+        address = self._endpoint(name)
+        sock.bind(address)
+        return address
 
     def _start_local_worker(self) -> None:
         """Rank 0 joins the group while the others do (in a thread, so that a worker dying
