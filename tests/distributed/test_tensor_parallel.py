@@ -119,8 +119,20 @@ def test_decoder_only_tp2_matches_tp1(tmp_path: Path, family: str) -> None:
             n_positions=256,
             initializer_range=0.2,
         )
-    results = run_tp1_and_tp2(path, generate_tokens(token_prompts()), **ENGINE_ARGS)
-    assert_same_tokens(results)
+    generate = generate_tokens(token_prompts())
+
+    def run(llm: LLM) -> tuple[list[list[int]], int]:
+        return generate(llm), llm.llm_engine.engine_core.engine_core.kv_cache_config.num_blocks
+
+    # Sized by bytes, pipelined steps (the GPU's defaults).
+    args = {**ENGINE_ARGS, "num_kv_blocks": None, "kv_cache_memory_bytes": 96 * 4096}
+    (tokens1, blocks1), (tokens2, blocks2) = run_tp1_and_tp2(
+        path, run, async_scheduling=True, **args
+    )
+    assert_same_tokens([tokens1, tokens2])
+    # Each rank caches its own heads: half of GPT-2's 4 per rank, so twice the blocks in the
+    # same bytes; Qwen2's one kv head is copied on both ranks.
+    assert blocks2 == (2 * blocks1 if family == "gpt2" else blocks1)
 
 
 def test_llama_multiprocess_tp2_and_dead_worker(tmp_path: Path) -> None:
