@@ -5,7 +5,7 @@ Every call goes to the other ranks first (msgspec over ZMQ: one PUSH socket per 
 for their replies), then runs on rank 0 here, so collectives inside the step meet. A watcher
 thread notices a worker that exits; the executor then raises WorkerDeadError from the step (and
 tells the core through its failure callback if the core is idle), and every exit path of the
-core kills the workers (shutdown, a finalizer; the workers also die with their parent).
+core kills the workers (shutdown, a finalizer; the workers also exit when their parent is gone).
 """
 
 from __future__ import annotations

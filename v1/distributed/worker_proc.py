@@ -3,14 +3,12 @@
 It joins the process group, loads its shard, then applies what the core's executor sends over
 ZMQ ipc sockets, msgspec-encoded (no pickle): each step's SchedulerOutput, and the few set-up
 calls. It replies to set-up calls only; sampled tokens come back from rank 0 alone. It never
-outlives its core: the kernel kills it with the parent (PR_SET_PDEATHSIG), and its stdin, a pipe
-only the core writes, reaching end-of-file also ends it.
+outlives its core: its stdin, a pipe only the core writes, reaching end-of-file ends it.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import signal
 import sys
@@ -134,13 +132,11 @@ class WorkerProc:
 
 
 def _die_with_parent(parent_pid: int) -> None:
-    """The kernel kills us when the thread that started us exits (Linux); a thread also exits
-    when stdin (a pipe only the parent writes) closes or the parent pid changes."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    """A thread ends the process when stdin (a pipe only the parent writes, so it closes only
+    when the parent is gone, however it died) reaches end-of-file or the parent pid changes.
+    (Not PR_SET_PDEATHSIG: it fires when the parent's *thread* that started us exits.)"""
     if os.getppid() != parent_pid:
-        os._exit(1)  # the parent died before the signal was armed
+        os._exit(1)  # the parent died before we started watching
 
     def watch() -> None:
         from multiprocessing.connection import wait
