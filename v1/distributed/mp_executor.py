@@ -140,6 +140,7 @@ class DistributedExecutor(Executor):
         if "error" in result:
             raise result["error"]
         self.worker = result["worker"]
+        self.worker.limit_cpu_threads()  # for this thread, which runs the steps
 
     # ---- messaging ----
     def _broadcast(self, method: WorkerMethod, payload: Any = None) -> None:

@@ -3,6 +3,8 @@ through its ModelRunner and sizes the KV cache."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from v1.config import EngineConfig
@@ -41,6 +43,8 @@ class Worker:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         torch.manual_seed(config.model_config.seed)
+        self._prev_num_threads: int | None = None
+        self.limit_cpu_threads()
         self.tp: TensorParallelGroup | None = None
         if tp_size > 1:
             if distributed_init_method is None:
@@ -49,6 +53,18 @@ class Worker:
         self.model_runner = ModelRunner(config, self.device)
         self.model_runner.tp = self.tp
         self._available_kv_bytes: int | None = None
+
+    def limit_cpu_threads(self) -> None:
+        """On CPU under tensor parallelism, the calling thread's ops use the rank's share of
+        the host's cores (OpenMP's setting is per thread: called again from the thread that
+        will run the steps). With more, OpenMP threads spinning after each op starve the rank
+        a collective waits for (steps 50x slower on a busy host)."""
+        tp_size = self.config.parallel_config.tensor_parallel_size
+        if self.device.type != "cpu" or tp_size == 1:
+            return
+        if self._prev_num_threads is None:
+            self._prev_num_threads = torch.get_num_threads()
+        torch.set_num_threads(max(1, _num_cpus() // tp_size))
 
     def load_model(self) -> None:
         self.model_runner.load_model()
@@ -97,3 +113,12 @@ class Worker:
         if self.tp is not None:
             destroy_tensor_parallel()
             self.tp = None
+        if self._prev_num_threads is not None:  # rank 0 shares the EngineCore's process
+            torch.set_num_threads(self._prev_num_threads)
+            self._prev_num_threads = None
+
+
+def _num_cpus() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
