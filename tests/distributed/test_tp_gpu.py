@@ -88,3 +88,23 @@ def test_bert_tp2_gpu(tmp_path: Path) -> None:
 
     tp1, tp2 = tp1_and_tp2(path, run, device="cuda", dtype="float32", max_num_seqs=4)
     np.testing.assert_allclose(tp2, tp1, atol=1e-5, rtol=0)
+
+
+def test_ray_tp2_gpu(tmp_path: Path) -> None:
+    """Rank 1 as a Ray actor on the other GPU (rank 0's GPU held in the placement group)."""
+    ray = pytest.importorskip("ray")
+    path = make_tiny_llama_dir(tmp_path, initializer_range=0.2)
+    with LLM(path, multiprocess=False, **GPU_ARGS) as llm:
+        expected = generate_tokens(token_prompts(8))(llm)
+    ray.init(num_gpus=2, num_cpus=2, include_dashboard=False)
+    try:
+        with LLM(
+            path,
+            multiprocess=False,
+            tensor_parallel_size=2,
+            distributed_executor_backend="ray",
+            **GPU_ARGS,
+        ) as llm:
+            assert generate_tokens(token_prompts(8))(llm) == expected
+    finally:
+        ray.shutdown()

@@ -59,6 +59,8 @@ class DistributedExecutor(Executor):
         self.reply_socket = self.ctx.socket(zmq.PULL)
         self.push_sockets: list[Any] = []
         self.worker: Any = None
+        self.local_rank0: int | None = None
+        """Rank 0's GPU index in this process (None: the rank, 0)."""
         try:
             addresses = self._bind_sockets()
             self._start_workers(addresses)
@@ -115,7 +117,7 @@ class DistributedExecutor(Executor):
 
         def build() -> None:
             try:
-                worker = Worker(self.config, 0, None, self.distributed_init_method())
+                worker = Worker(self.config, 0, self.local_rank0, self.distributed_init_method())
                 worker.load_model()
                 result["worker"] = worker
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread

@@ -8,6 +8,7 @@ extra; connects to the cluster Ray finds (RAY_ADDRESS) or starts a local one.
 
 from __future__ import annotations
 
+import os
 import socket
 from typing import Any
 
@@ -54,9 +55,20 @@ class _RayWorker:
         return rank
 
 
+class _GpuHolder:
+    """Holds rank 0's GPU in the placement group (on this node), so Ray gives the other
+    ranks other GPUs; tells which one it is."""
+
+    def gpu_id(self) -> str:
+        import ray
+
+        return str(ray.get_gpu_ids()[0])
+
+
 class RayExecutor(DistributedExecutor):
     """Rank 0 in this process (the EngineCore's); one actor per other rank, one bundle each
-    (a GPU on CUDA, a CPU otherwise) in a PACK placement group."""
+    (a GPU on CUDA, a CPU otherwise) in a PACK placement group. On CUDA, bundle 0 is rank 0's
+    GPU, pinned to this node and held by a small actor."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.ray = _import_ray()
@@ -66,6 +78,7 @@ class RayExecutor(DistributedExecutor):
         self.actors: list[Any] = []
         self.run_refs: list[Any] = []
         self.placement_group: Any = None
+        self.gpu_holder: Any = None
         self._init_method = f"tcp://{_host(self.node_ip)}:{_free_port(self.node_ip)}"
         super().__init__(config)
 
@@ -81,19 +94,25 @@ class RayExecutor(DistributedExecutor):
 
     def _start_workers(self, addresses: list[WorkerAddresses]) -> None:
         from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         ray = self.ray
         on_gpu = self.config.device_config.device_type == "cuda"
-        bundle = {"GPU": 1} if on_gpu else {"CPU": 1}
-        self.placement_group = placement_group([bundle] * len(addresses), strategy="PACK")
+        bundles = [{"GPU": 1} if on_gpu else {"CPU": 1}] * len(addresses)
+        if on_gpu:  # rank 0's GPU first, on this node
+            bundles = [{"GPU": 1, f"node:{self.node_ip}": 0.001}, *bundles]
+        self.placement_group = placement_group(bundles, strategy="PACK")
         ray.get(self.placement_group.ready())
-        actor_cls = ray.remote(num_cpus=0 if on_gpu else 1, num_gpus=1 if on_gpu else 0)(_RayWorker)
+        first = 0
+        if on_gpu:
+            holder_cls = ray.remote(num_cpus=0, num_gpus=1)(_GpuHolder)
+            self.gpu_holder = holder_cls.options(scheduling_strategy=self._bundle(0)).remote()
+            self.local_rank0 = _visible_index(ray.get(self.gpu_holder.gpu_id.remote()))
+            first = 1
+        num_cpus, num_gpus = (0, 1) if on_gpu else (1, 0)
+        actor_cls = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(_RayWorker)
         config_json = self.config.to_json()
         for index, address in enumerate(addresses):
-            strategy = PlacementGroupSchedulingStrategy(
-                placement_group=self.placement_group, placement_group_bundle_index=index
-            )
+            strategy = self._bundle(first + index)
             actor = actor_cls.options(scheduling_strategy=strategy).remote()
             self.actors.append(actor)
             self.run_refs.append(
@@ -105,6 +124,13 @@ class RayExecutor(DistributedExecutor):
                     0 if on_gpu else None,  # Ray shows each actor its one GPU
                 )
             )
+
+    def _bundle(self, index: int) -> Any:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return PlacementGroupSchedulingStrategy(
+            placement_group=self.placement_group, placement_group_bundle_index=index
+        )
 
     def _exited_worker(self) -> str | None:
         if not self.run_refs:
@@ -127,11 +153,25 @@ class RayExecutor(DistributedExecutor):
         for actor in self.actors:
             ray.kill(actor)
         self.actors.clear()
+        if self.gpu_holder is not None:
+            ray.kill(self.gpu_holder)
+            self.gpu_holder = None
         if self.placement_group is not None:
             from ray.util.placement_group import remove_placement_group
 
             remove_placement_group(self.placement_group)
             self.placement_group = None
+
+
+def _visible_index(gpu_id: str) -> int:
+    """The torch device index of physical GPU `gpu_id` in this process."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if not visible:
+        return int(gpu_id)
+    ids = [v.strip() for v in visible.split(",")]
+    if gpu_id not in ids:
+        raise ValueError(f"Ray gave rank 0 GPU {gpu_id}, not visible here ({visible})")
+    return ids.index(gpu_id)
 
 
 def _host(ip: str) -> str:
