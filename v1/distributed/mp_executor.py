@@ -231,7 +231,7 @@ class DistributedExecutor(Executor):
         return self._local(self.worker.execute_model, scheduler_output)
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> DeferredRunnerOutput:
-        self._broadcast(WorkerMethod.EXECUTE, scheduler_output)
+        self._broadcast(WorkerMethod.EXECUTE_ASYNC, scheduler_output)
         deferred = self._local(self.worker.execute_model_async, scheduler_output)
         return _WatchedDeferred(deferred, self)
 
@@ -268,13 +268,16 @@ class DistributedExecutor(Executor):
 
 
 class _WatchedDeferred:
-    """A launched step whose failure is reported as a worker's death when one died."""
+    """A launched step: reading it back makes the other ranks read theirs back too (steps are
+    read back in launch order), and its failure is reported as a worker's death when one
+    died."""
 
     def __init__(self, inner: DeferredRunnerOutput, executor: DistributedExecutor) -> None:
         self.inner = inner
         self.executor = executor
 
     def get_output(self) -> ModelRunnerOutput:
+        self.executor._broadcast(WorkerMethod.READ_BACK)
         return self.executor._local(self.inner.get_output)
 
 

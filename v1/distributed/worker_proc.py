@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import threading
+from collections import deque
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -35,6 +36,10 @@ class WorkerMethod(Enum):
 
     EXECUTE = b"E"
     """SchedulerOutput: run the step (no reply)."""
+    EXECUTE_ASYNC = b"L"
+    """SchedulerOutput: launch the step (pipelined scheduling; no reply)."""
+    READ_BACK = b"R"
+    """Read back the oldest launched step, as rank 0 does now (the same order on every rank)."""
     KV_CACHE_SPECS = b"S"
     """Resolve the cross-attention mode (profiling with the other ranks); reply the mode."""
     SET_CROSS_ATTENTION = b"C"
@@ -100,12 +105,17 @@ class WorkerProc:
         str_decoder = MsgpackDecoder(str)
         int_decoder = MsgpackDecoder(int)
         worker = self.worker
+        launched: deque[Any] = deque()
         while True:
             frames = self.input.recv_multipart(copy=False)
             method = WorkerMethod(frames[0].bytes)
             payload = frames[1:]
             if method is WorkerMethod.EXECUTE:
                 worker.execute_model(step_decoder.decode(payload))
+            elif method is WorkerMethod.EXECUTE_ASYNC:
+                launched.append(worker.execute_model_async(step_decoder.decode(payload)))
+            elif method is WorkerMethod.READ_BACK:
+                launched.popleft().get_output()
             elif method is WorkerMethod.KV_CACHE_SPECS:
                 worker.get_kv_cache_specs()
                 self.reply(method.name, worker.model_runner.cross_attention)
