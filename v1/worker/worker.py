@@ -64,7 +64,8 @@ class Worker:
             return
         if self._prev_num_threads is None:
             self._prev_num_threads = torch.get_num_threads()
-        torch.set_num_threads(max(1, _num_cpus() // tp_size))
+        share = max(1, _num_cpus() // tp_size)
+        torch.set_num_threads(min(self._prev_num_threads, share))
 
     def load_model(self) -> None:
         self.model_runner.load_model()

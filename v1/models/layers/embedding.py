@@ -50,6 +50,9 @@ class VocabEmbedding(nn.Module):
 class LMHead(nn.Module):
     """hidden [N, hidden] -> logits [N, vocab] in float32. `tie_to` shares an embedding weight."""
 
+    tp: Any = None
+    """The TensorParallelGroup once sharded (rows of the vocabulary per rank)."""
+
     def __init__(
         self,
         vocab_size: int,
@@ -76,9 +79,6 @@ class LMHead(nn.Module):
             self.bias.weight_loader = default_weight_loader
         else:
             self.register_parameter("bias", None)
-
-    tp: Any = None
-    """The TensorParallelGroup once sharded (rows of the vocabulary per rank)."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden_states, self.weight, self.bias)  # [N, vocab rows held]
