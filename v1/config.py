@@ -424,10 +424,10 @@ class ParallelConfig:
 
     @property
     def executor_backend(self) -> str:
-        """uni (one worker in the core), mp or ray."""
-        if self.distributed_executor_backend is not None:
-            return self.distributed_executor_backend
-        return "mp" if self.tensor_parallel_size > 1 else "uni"
+        """uni (one worker in the core: always with tensor_parallel_size=1), mp or ray."""
+        if self.tensor_parallel_size == 1:
+            return "uni"
+        return self.distributed_executor_backend or "mp"
 
 
 @dataclass(frozen=True)
