@@ -90,3 +90,16 @@ def test_gpt2_fused_c_attn_splits_by_part(tmp_path: Path) -> None:
     for part in range(3):
         whole = torch.cat([s[part * 32 : (part + 1) * 32] for s in shards])
         assert torch.equal(whole, full[name][part * 64 : (part + 1) * 64])
+
+
+def test_parallel_config_backends() -> None:
+    from v1.config import ParallelConfig
+
+    assert ParallelConfig().executor_backend == "uni"
+    assert ParallelConfig(1, "ray").executor_backend == "uni"  # nothing to distribute
+    assert ParallelConfig(2).executor_backend == "mp"
+    assert ParallelConfig(4, "ray").executor_backend == "ray"
+    with pytest.raises(ValueError, match="'mp' or 'ray'"):
+        ParallelConfig(2, "slurm")
+    with pytest.raises(ValueError, match=">= 1"):
+        ParallelConfig(0)
