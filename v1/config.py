@@ -406,7 +406,12 @@ class ParallelConfig:
     """How the model is spread over devices."""
 
     tensor_parallel_size: int = 1
-    """Devices one model is sharded over (only 1 in this release)."""
+    """Devices one model is sharded over: one worker process per rank (rank 0 inside the
+    EngineCore process), linked by torch.distributed (gloo on CPU, NCCL on CUDA)."""
+    distributed_executor_backend: str | None = None
+    """How the ranks' workers are placed: "mp" (processes on this machine; the default when
+    tensor_parallel_size > 1) or "ray" (Ray actors in a placement group, across nodes; needs the
+    `ray` extra). None with tensor_parallel_size=1: the worker runs inside the EngineCore."""
     data_parallel_size: int = 1
     """EngineCore processes serving the model side by side, each on its own device set
     (tensor_parallel_size devices); the frontend sends each request to the least-loaded one."""
@@ -414,10 +419,20 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
-        if self.tensor_parallel_size != 1:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.distributed_executor_backend not in (None, "mp", "ray"):
             raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet; use 1"
+                "distributed_executor_backend must be 'mp' or 'ray', got "
+                f"{self.distributed_executor_backend!r}"
             )
+
+    @property
+    def executor_backend(self) -> str:
+        """uni (one worker in the core: always with tensor_parallel_size=1), mp or ray."""
+        if self.tensor_parallel_size == 1:
+            return "uni"
+        return self.distributed_executor_backend or "mp"
 
 
 @dataclass(frozen=True)
@@ -483,6 +498,7 @@ class EngineConfig:
                 f"Whisper window ({mc.max_encoder_len} encoder positions)"
             )
 
+        _check_tensor_parallel_heads(mc.hf_config, self.parallel_config.tensor_parallel_size)
         if self.cache_config.cross_attention == "absorbed" and mc.kind != ModelKind.ENCODER_DECODER:
             raise ValueError(
                 f"cross_attention='absorbed' needs an encoder-decoder model, not {mc.architecture}"
@@ -538,6 +554,34 @@ class EngineConfig:
             parallel_config=ParallelConfig(**data["parallel_config"]),
             device_config=DeviceConfig(**data["device_config"]),
             enforce_eager=data["enforce_eager"],
+        )
+
+
+_HEAD_COUNTS = (
+    "num_attention_heads",
+    "encoder_attention_heads",
+    "decoder_attention_heads",
+    "num_heads",
+)
+
+
+def _check_tensor_parallel_heads(hf_config: Any, tp_size: int) -> None:
+    """Attention heads must split evenly over the ranks (kv heads may also be fewer than the
+    ranks and divide them: each rank then keeps a copy of one)."""
+    if tp_size == 1:
+        return
+    for name in _HEAD_COUNTS:
+        heads = getattr(hf_config, name, None)
+        if isinstance(heads, int) and heads % tp_size:
+            raise ValueError(
+                f"tensor_parallel_size={tp_size} does not divide the attention heads "
+                f"({name}={heads})"
+            )
+    kv_heads = getattr(hf_config, "num_key_value_heads", None)
+    if isinstance(kv_heads, int) and kv_heads % tp_size and tp_size % kv_heads:
+        raise ValueError(
+            f"tensor_parallel_size={tp_size} does not divide the attention heads "
+            f"(num_key_value_heads={kv_heads}) and is not a multiple of them"
         )
 
 

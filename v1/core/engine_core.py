@@ -25,7 +25,7 @@ from v1.core.sched_output import SchedulerOutput
 from v1.core.scheduler import Scheduler
 from v1.kv_cache.sizing import get_kv_cache_config
 from v1.logger import init_logger
-from v1.worker.executor import Executor
+from v1.worker.executor import Executor, WorkerDeadError
 
 logger = init_logger(__name__)
 
@@ -42,23 +42,25 @@ class EngineCore:
         executor_factory: Callable[[EngineConfig], Executor] | None = None,
     ) -> None:
         if executor_factory is None:
-            from v1.worker.executor import UniProcExecutor
+            from v1.worker.executor import executor_class
 
-            executor_factory = UniProcExecutor
+            executor_factory = executor_class(config)
         self.config = config
         self.executor = executor_factory(config)
-        specs = self.executor.get_kv_cache_specs()
-        num_blocks = config.cache_config.num_kv_blocks
-        available = None if num_blocks is not None else self.executor.determine_available_kv_bytes()
-        self.kv_cache_config = get_kv_cache_config(
-            specs, available_bytes=available, num_blocks=num_blocks
-        )
         try:
+            specs = self.executor.get_kv_cache_specs()
+            num_blocks = config.cache_config.num_kv_blocks
+            available = (
+                None if num_blocks is not None else self.executor.determine_available_kv_bytes()
+            )
+            self.kv_cache_config = get_kv_cache_config(
+                specs, available_bytes=available, num_blocks=num_blocks
+            )
             check_engine_capacity(config, self.kv_cache_config)
-        except ValueError:
-            self.executor.shutdown()
+            self.executor.initialize_kv_cache(self.kv_cache_config)
+        except BaseException:
+            self.executor.shutdown()  # its worker processes too
             raise
-        self.executor.initialize_kv_cache(self.kv_cache_config)
         self.scheduler = Scheduler(config, self.kv_cache_config)
         self.max_model_len = config.model_config.effective_max_model_len
         self._pending_outputs: list[EngineCoreOutput] = []
@@ -161,6 +163,8 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         try:
             runner_output = self.executor.execute_model(scheduler_output)
+        except WorkerDeadError:
+            raise  # the engine is dead: every request fails with EngineDeadError
         except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the core
             logger.exception(
                 "model step failed; failing its %d requests",
@@ -192,6 +196,8 @@ class EngineCore:
                 try:
                     queue.append((so, self.executor.execute_model_async(so)))
                     launched = True
+                except WorkerDeadError:
+                    raise
                 except Exception as e:  # noqa: BLE001 - a failed step fails its requests
                     logger.exception("model step failed to launch")
                     return self._fail_step(
@@ -204,6 +210,8 @@ class EngineCore:
         so, deferred = queue.popleft()
         try:
             runner_output = deferred.get_output()
+        except WorkerDeadError:
+            raise  # the engine is dead: every request fails with EngineDeadError
         except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the core
             logger.exception(
                 "model step failed; failing its %d requests", len(so.num_scheduled_tokens)

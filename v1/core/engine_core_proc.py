@@ -45,6 +45,8 @@ logger = init_logger(__name__)
 
 PARENT_POLL_S = 1.0
 """How often the parent-death watch checks (the core exits within ~2x this of its frontend)."""
+STUCK_STEP_S = 5.0
+"""How long the busy loop may stay in a step after a worker died before the process exits."""
 _FACTORY_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
 
@@ -108,6 +110,7 @@ class EngineCoreProc:
             self._send_direct(ReadyMessage(status="FAILED", error=f"{type(e).__name__}: {e}"))
             self._close_sockets()
             raise
+        self.engine_core.executor.set_failure_callback(self._on_executor_failure)
         self._send_direct(
             ReadyMessage(
                 num_kv_blocks=self.engine_core.kv_cache_config.num_blocks,
@@ -143,6 +146,24 @@ class EngineCoreProc:
 
     def request_shutdown(self) -> None:
         self.input_queue.put(_SHUTDOWN)
+
+    def _on_executor_failure(self, reason: str) -> None:
+        """A worker died (executor's watcher thread): the busy loop dies loudly at its next
+        message; if it is stuck in a step (a collective that never returns), the dead sentinel
+        goes out from here and the process exits (its workers die with it)."""
+        self.input_queue.put(_Fatal(reason))
+        threading.Thread(
+            target=self._exit_if_stuck, args=(reason,), name="StuckStepWatch", daemon=True
+        ).start()
+
+    def _exit_if_stuck(self, reason: str) -> None:
+        if self.stopping.wait(STUCK_STEP_S):
+            return
+        logger.error("EngineCore stuck after a worker died (%s); exiting", reason)
+        self.output_queue.put(EngineCoreOutputs(engine_dead=True, error=f"RuntimeError: {reason}"))
+        self.output_queue.put(None)
+        self.output_thread.join(timeout=2)
+        os._exit(1)
 
     def _close_sockets(self) -> None:
         if self.input_thread.ident is None:

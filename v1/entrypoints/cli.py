@@ -79,13 +79,12 @@ _NO_KV_CACHE = frozenset(
 )
 IGNORED_ENGINE_ARGS: dict[str, frozenset[str]] = {
     "serve": frozenset(),
-    # Requests from the command line carry no priority; only one device per model for now.
-    "generate": frozenset({"policy", "tensor_parallel_size"}),
+    # Requests from the command line carry no priority.
+    "generate": frozenset({"policy"}),
     # Whisper: its own tokenizer and decoder length, short prompts, built-in architecture.
     "transcribe": frozenset(
         {
             "policy",
-            "tensor_parallel_size",
             "tokenizer",
             "max_model_len",
             "trust_remote_code",
@@ -93,7 +92,7 @@ IGNORED_ENGINE_ARGS: dict[str, frozenset[str]] = {
         }
     ),
     # Encoder-only models keep no KV cache and run each input whole.
-    "embed": _NO_KV_CACHE | {"policy", "tensor_parallel_size"},
+    "embed": _NO_KV_CACHE | {"policy"},
 }
 """Engine arguments a subcommand does not offer (they mean nothing to what it runs)."""
 

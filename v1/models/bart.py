@@ -95,7 +95,7 @@ class LearnedPositions(VocabEmbedding):
     """BART/mBART learned positions: position i reads row i + 2 (fairseq's padding offset)."""
 
     def __init__(self, num_positions: int, embedding_dim: int) -> None:
-        super().__init__(num_positions + _LEARNED_POS_OFFSET, embedding_dim)
+        super().__init__(num_positions + _LEARNED_POS_OFFSET, embedding_dim, shard_dim=None)
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         return super().forward(positions + _LEARNED_POS_OFFSET)

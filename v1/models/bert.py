@@ -40,8 +40,12 @@ class BertEmbeddings(nn.Module):
         if kind != "absolute":
             raise ValueError(f"position_embedding_type={kind!r} is not supported (absolute only)")
         self.word_embeddings = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.position_embeddings = VocabEmbedding(cfg.max_position_embeddings, cfg.hidden_size)
-        self.token_type_embeddings = VocabEmbedding(cfg.type_vocab_size, cfg.hidden_size)
+        self.position_embeddings = VocabEmbedding(
+            cfg.max_position_embeddings, cfg.hidden_size, shard_dim=None
+        )
+        self.token_type_embeddings = VocabEmbedding(
+            cfg.type_vocab_size, cfg.hidden_size, shard_dim=None
+        )
         self.LayerNorm = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps)
 
     def forward(

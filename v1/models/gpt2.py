@@ -15,7 +15,7 @@ from torch import nn
 from v1.attention.layer import Attention
 from v1.models.layers.activation import get_act_fn
 from v1.models.layers.embedding import LMHead, VocabEmbedding
-from v1.models.layers.linear import ColumnLinear, RowLinear
+from v1.models.layers.linear import ColumnLinear, MergedColumnLinear, RowLinear
 from v1.models.layers.norm import LayerNorm
 from v1.models.utils import load_weights_into
 
@@ -31,7 +31,8 @@ class GPT2Attention(nn.Module):
         scale = self.head_dim**-0.5 if cfg.scale_attn_weights else 1.0
         if cfg.scale_attn_by_inverse_layer_idx:
             scale /= float(layer_idx + 1)
-        self.c_attn = ColumnLinear(hidden, 3 * hidden, bias=True)  # rows [q | k | v]
+        # rows [q | k | v]: fused in the checkpoint, split by parts under tensor parallelism
+        self.c_attn = MergedColumnLinear(hidden, [hidden, hidden, hidden], bias=True)
         self.c_proj = RowLinear(hidden, hidden, bias=True)
         self.attn = Attention(self.num_heads, self.head_dim, scale, prefix=f"{prefix}.attn")
 
@@ -69,7 +70,7 @@ class GPT2Model(nn.Module):
     def __init__(self, cfg: Any, prefix: str = "transformer") -> None:
         super().__init__()
         self.wte = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.wpe = VocabEmbedding(cfg.max_position_embeddings, cfg.hidden_size)
+        self.wpe = VocabEmbedding(cfg.max_position_embeddings, cfg.hidden_size, shard_dim=None)
         self.h = nn.ModuleList(
             GPT2Block(cfg, i, prefix=f"{prefix}.h.{i}") for i in range(cfg.num_hidden_layers)
         )

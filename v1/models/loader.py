@@ -12,7 +12,7 @@ import json
 import os
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
@@ -20,8 +20,12 @@ from torch import nn
 
 from v1.config import ModelConfig
 from v1.logger import init_logger
+from v1.models.checkpoint_slice import CheckpointSlice
 from v1.models.registry import get_model_class
 from v1.models.utils import format_names
+
+if TYPE_CHECKING:
+    from v1.distributed.parallel_state import TensorParallelGroup
 
 logger = init_logger(__name__)
 
@@ -84,16 +88,22 @@ def weight_files(path: str) -> list[str]:
     )
 
 
-def iterate_weights(path: str | list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_weights(
+    path: str | list[str], lazy: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) on CPU from a checkpoint folder or a list of safetensors files,
-    one tensor at a time."""
+    one tensor at a time. lazy: CheckpointSlices instead, read when (and as far as) a
+    parameter's loader needs them (tensor-parallel ranks read only their slices)."""
     files = weight_files(path) if isinstance(path, str) else path
     for file in files:
         if not file.endswith(".safetensors"):
             raise ValueError(f"{file}: safetensors only")
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, f.get_tensor(name)
+                if lazy:
+                    yield name, CheckpointSlice.of(f.get_slice(name))  # type: ignore[misc]
+                else:
+                    yield name, f.get_tensor(name)
 
 
 @contextmanager
@@ -118,11 +128,19 @@ def construct_model(
     device: str | torch.device,
     dtype: torch.dtype,
     architecture: str | None = None,
+    tp: TensorParallelGroup | None = None,
 ) -> nn.Module:
-    """An unloaded model (parameter values undefined) built directly on `device` in `dtype`."""
+    """An unloaded model (parameter values undefined) built directly on `device` in `dtype`;
+    with `tp`, only this rank's part of each sharded parameter is allocated."""
     model_cls = get_model_class(architecture or architecture_of(hf_config))
-    with torch.device(device), _default_dtype(dtype):
-        return model_cls(hf_config)
+    if tp is None:
+        with torch.device(device), _default_dtype(dtype):
+            return model_cls(hf_config)
+    from v1.distributed.tensor_parallel import build_on_meta, shard_model
+
+    with torch.device(device), _default_dtype(dtype), build_on_meta():
+        model = model_cls(hf_config)
+    return shard_model(model, tp, torch.device(device))
 
 
 def check_all_loaded(model: nn.Module, loaded: set[str]) -> None:
@@ -142,14 +160,21 @@ def load_model_from_weights(
     dtype: torch.dtype,
     architecture: str | None = None,
     quantization: str | None = None,
+    tp: TensorParallelGroup | None = None,
 ) -> nn.Module:
     """Build the model for `hf_config` and load `weights` into it; every parameter must load.
     quantization="fp8" quantizes its Linear layers after loading; a checkpoint already in fp8
-    (its config's `quantization_config`) is read as such whatever `quantization` says."""
+    (its config's `quantization_config`) is read as such whatever `quantization` says.
+    `tp`: this rank's shard of the model (v1/distributed/tensor_parallel.py)."""
     from v1.quantization.fp8 import Fp8CheckpointConfig, Fp8CheckpointReader, quantize_model_fp8
 
-    model = construct_model(hf_config, device, dtype, architecture)
     checkpoint_fp8 = Fp8CheckpointConfig.from_hf_config(hf_config)
+    if checkpoint_fp8 is not None and tp is not None and tp.world_size > 1:
+        raise ValueError(
+            "fp8 checkpoints (quantization_config in config.json) cannot be sharded with "
+            "tensor_parallel_size > 1 yet; load the bf16/fp16 checkpoint with quantization='fp8'"
+        )
+    model = construct_model(hf_config, device, dtype, architecture, tp)
     reader = Fp8CheckpointReader(checkpoint_fp8) if checkpoint_fp8 is not None else None
     if reader is not None:
         reader.track(model)
@@ -166,9 +191,13 @@ def load_model_from_weights(
 
 
 def load_model(
-    model_config: ModelConfig, device: str | torch.device, dtype: torch.dtype
+    model_config: ModelConfig,
+    device: str | torch.device,
+    dtype: torch.dtype,
+    tp: TensorParallelGroup | None = None,
 ) -> nn.Module:
-    """The model `model_config` names, loaded from its safetensors (local folder or hub id)."""
+    """The model `model_config` names, loaded from its safetensors (local folder or hub id);
+    with `tp`, this rank's shard, reading only its slices of the checkpoint."""
     path = resolve_model_path(model_config.model, model_config.revision)
     files = weight_files(path)
     logger.info(
@@ -176,9 +205,10 @@ def load_model(
     )
     return load_model_from_weights(
         model_config.hf_config,
-        iterate_weights(files),
+        iterate_weights(files, lazy=tp is not None),
         device,
         dtype,
         architecture=model_config.architecture,
         quantization=model_config.quantization,
+        tp=tp,
     )

@@ -78,9 +78,10 @@ class T5SelfAttention(nn.Module):
         self.qkv_proj = QKVLinear(cfg.d_model, head_dim, num_heads, num_heads)
         self.o = RowLinear(num_heads * head_dim, cfg.d_model)
         if has_relative_bias:
-            # [num_buckets, num_heads]: the layout RelativePositionBias reads.
+            # [num_buckets, num_heads]: the layout RelativePositionBias reads; tensor
+            # parallelism splits it by heads, as the attention's heads.
             self.relative_attention_bias = VocabEmbedding(
-                cfg.relative_attention_num_buckets, num_heads
+                cfg.relative_attention_num_buckets, num_heads, shard_dim=1
             )
         # T5 folds the scaling into its initialization: no 1/sqrt(d) here.
         self.attn = Attention(
@@ -331,7 +332,9 @@ class T5ForConditionalGeneration(nn.Module):
             return set()
         self.lm_head.weight = nn.Parameter(torch.empty_like(shared), requires_grad=False)
         self.lm_head.tied = False
-        default_weight_loader(self.lm_head.weight, tensor)
+        # The embedding's loader: under tensor parallelism it reads this rank's vocab rows.
+        loader = getattr(shared, "weight_loader", default_weight_loader)
+        loader(self.lm_head.weight, tensor)
         return {"lm_head.weight"}
 
 

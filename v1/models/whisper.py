@@ -51,7 +51,7 @@ class WhisperEncoder(nn.Module):
         self.conv2 = nn.Conv1d(d_model, d_model, kernel_size=3, stride=2, padding=1)
         self.conv1.requires_grad_(False)
         self.conv2.requires_grad_(False)
-        self.embed_positions = VocabEmbedding(cfg.max_source_positions, d_model)
+        self.embed_positions = VocabEmbedding(cfg.max_source_positions, d_model, shard_dim=None)
         self.layers = nn.ModuleList(
             BartEncoderLayer(cfg, MBART, f"{prefix}.layers.{i}") for i in range(cfg.encoder_layers)
         )
@@ -77,7 +77,7 @@ class WhisperDecoder(nn.Module):
         super().__init__()
         d_model = cfg.d_model
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, d_model)
-        self.embed_positions = VocabEmbedding(cfg.max_target_positions, d_model)
+        self.embed_positions = VocabEmbedding(cfg.max_target_positions, d_model, shard_dim=None)
         self.layers = nn.ModuleList(
             BartDecoderLayer(cfg, MBART, f"{prefix}.layers.{i}") for i in range(cfg.decoder_layers)
         )

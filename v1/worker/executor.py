@@ -1,14 +1,17 @@
 """Executor: the EngineCore's handle on its worker(s).
 
 The interface is torch-free so the core and its tests never import device code; the
-single-process executor imports the worker lazily.
+single-process executor imports the worker lazily, and the tensor-parallel ones
+(v1/distributed) are chosen by `executor_class` from the parallel config.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from v1.core.client import EngineDeadError
 from v1.core.sched_output import (
     DeferredRunnerOutput,
     ModelRunnerOutput,
@@ -19,6 +22,11 @@ from v1.kv_cache.spec import KVCacheConfig, KVCacheSpec
 
 if TYPE_CHECKING:
     from v1.config import EngineConfig
+
+
+class WorkerDeadError(EngineDeadError):
+    """A worker process (a tensor-parallel rank) is gone: the engine cannot step any more and
+    dies loudly, as when its core dies (every pending request fails with EngineDeadError)."""
 
 
 class Executor(ABC):
@@ -44,8 +52,28 @@ class Executor(ABC):
     def collective_rpc(self, method: str, *args: Any) -> Any:
         raise ValueError(f"{type(self).__name__} has no worker method {method!r}")
 
+    def set_failure_callback(self, callback: Callable[[str], None]) -> None:
+        """`callback(reason)` runs (on another thread) when the executor breaks while the core
+        is not stepping, e.g. a worker process exits; executors without workers never call
+        it."""
+        return None
+
     def shutdown(self) -> None:
         return None
+
+
+def executor_class(config: EngineConfig) -> Callable[[EngineConfig], Executor]:
+    """The executor for `config.parallel_config` (uni, mp or ray)."""
+    backend = config.parallel_config.executor_backend
+    if backend == "mp":
+        from v1.distributed.mp_executor import MultiprocExecutor
+
+        return MultiprocExecutor
+    if backend == "ray":
+        from v1.distributed.ray_executor import RayExecutor
+
+        return RayExecutor
+    return UniProcExecutor
 
 
 class UniProcExecutor(Executor):

@@ -86,6 +86,8 @@ class ModelRunner:
         """KV cache spec dtype (fp8 caches keep float32 scales beside their rows)."""
         self.backend = load_backend(self.backend_name)
         self.model: Any = None
+        self.tp: Any = None
+        """This rank's TensorParallelGroup (set by the worker; None: the whole model here)."""
         self.attn_layers: dict[str, Attention] = {}
         self.kv_cache_config: KVCacheConfig | None = None
         self.input_batch: InputBatch | None = None
@@ -104,7 +106,7 @@ class ModelRunner:
         from v1.models.loader import load_model
 
         with use_backend(self.backend_name):
-            self.model = load_model(self.model_config, self.device, self.dtype)
+            self.model = load_model(self.model_config, self.device, self.dtype, tp=self.tp)
         self.model.eval()
         self.attn_layers = {
             m.layer_name: m for m in self.model.modules() if isinstance(m, Attention)

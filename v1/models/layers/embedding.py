@@ -1,6 +1,13 @@
-"""Token embedding and the LM head; the head can share the embedding's weight (tied)."""
+"""Token embedding and the LM head; the head can share the embedding's weight (tied).
+
+Under tensor parallelism (v1/distributed/tensor_parallel.py sets `tp`) a token embedding holds
+its rank's rows of the vocabulary (padded to equal parts): a lookup zeroes the ids outside them
+and sums over the ranks; the LM head computes its rows' logits and gathers the full vocabulary.
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -10,17 +17,31 @@ from v1.models.layers.linear import default_weight_loader
 
 
 class VocabEmbedding(nn.Module):
-    """weight [num_embeddings, embedding_dim]; vocab rows would be sharded under TP."""
+    """weight [num_embeddings, embedding_dim]. `shard_dim` says how tensor parallelism splits
+    it: 0 vocabulary rows (token embeddings), 1 columns (T5's relative-bias table, [buckets,
+    heads]: split by heads), None replicated (position and token-type tables)."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+    tp: Any = None
+    """The TensorParallelGroup once sharded."""
+    vocab_start: int = 0
+    """First vocabulary row this rank holds (sharded by rows)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, shard_dim: int | None = 0) -> None:
         super().__init__()
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
+        self.shard_dim = shard_dim
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
         self.weight.weight_loader = default_weight_loader
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        if self.tp is None or self.shard_dim != 0:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)  # [T, dim]
+        out.masked_fill_(outside[:, None], 0)
+        return self.tp.all_reduce(out)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}"
@@ -28,6 +49,9 @@ class VocabEmbedding(nn.Module):
 
 class LMHead(nn.Module):
     """hidden [N, hidden] -> logits [N, vocab] in float32. `tie_to` shares an embedding weight."""
+
+    tp: Any = None
+    """The TensorParallelGroup once sharded (rows of the vocabulary per rank)."""
 
     def __init__(
         self,
@@ -57,7 +81,10 @@ class LMHead(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden_states, self.weight, self.bias).float()
+        logits = F.linear(hidden_states, self.weight, self.bias)  # [N, vocab rows held]
+        if self.tp is not None:
+            logits = self.tp.all_gather(logits)[:, : self.vocab_size]  # drop the padding rows
+        return logits.float()
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size} -> {self.vocab_size}, tied={self.tied}"

@@ -4,7 +4,9 @@ A checkpoint tensor reaches a parameter through `param.weight_loader(param, tens
 Fused layers (`QKVLinear`, `MergedColumnLinear`) take the unfused checkpoint tensors (q/k/v,
 gate/up) by shard id. `shard_dim` on each class says how tensor parallelism would split it
 (0: output rows, column-parallel; 1: input columns, row-parallel; None: replicated), so a
-sharder can be applied from outside without touching model code.
+sharder (v1/distributed/tensor_parallel.py) is applied from outside without touching model code:
+it resizes the parameters, gives them loaders that read each rank's slice, and sets `tp`, after
+which a row-parallel layer sums its partial outputs over the ranks.
 """
 
 from __future__ import annotations
@@ -15,15 +17,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from v1.models.checkpoint_slice import as_tensor
 
-def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
-    """Copy a checkpoint tensor into a parameter of the same shape (casting dtype/device)."""
+
+def default_weight_loader(param: torch.Tensor, loaded: Any) -> None:
+    """Copy a checkpoint tensor (or a not yet read CheckpointSlice) into a parameter of the
+    same shape (casting dtype/device)."""
     if param.shape != loaded.shape:
         raise ValueError(
             f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}"
         )
     with torch.no_grad():
-        param.copy_(loaded)
+        param.copy_(as_tensor(loaded))
 
 
 class Linear(nn.Module):
@@ -32,6 +37,8 @@ class Linear(nn.Module):
 
     shard_dim: ClassVar[int | None] = None
     quant_method: Any = None
+    tp: Any = None
+    """The TensorParallelGroup once sharded (None: whole weights, no communication)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
@@ -65,9 +72,14 @@ class ColumnLinear(Linear):
 
 
 class RowLinear(Linear):
-    """Input features split across ranks under tensor parallelism (followed by an all-reduce)."""
+    """Input features split across ranks under tensor parallelism (followed by an all-reduce).
+    Sharded, only rank 0 holds the bias (the others zeros), so the sum adds it once."""
 
     shard_dim = 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)  # [T, out]: this rank's partial sum when sharded
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class MergedColumnLinear(ColumnLinear):

@@ -1,0 +1,337 @@
+"""Tensor parallelism on CPU over gloo: TP=2 gives the TP=1 greedy tokens (embeddings within
+1e-5) for every model family, through `LLM`; a dead worker fails the engine loudly and leaves
+no process behind.
+
+Each family builds one tiny random model and one TP=2 engine (rank 1 is a worker process).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from tests.utils import (
+    ASSETS,
+    make_tiny_llama_dir,
+    make_tiny_model_dir,
+    make_tiny_tokenizer,
+    make_tiny_wordpiece_tokenizer,
+)
+from v1 import LLM, SamplingParams
+from v1.core.client import EngineDeadError
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+ENGINE_ARGS = dict(num_kv_blocks=96, block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
+TEXTS = ["Hello world", "The quick brown fox jumps over the lazy dog.", "To be or not to be"]
+WORKER_MODULE = "v1.distributed.worker_proc"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Tiny models step faster on one thread (and the suite shares the cores)."""
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)
+
+
+def worker_pids(parent_pid: int | None = None) -> list[int]:
+    """Pids of running tensor-parallel workers (started by `parent_pid` if given)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state == "Z" or WORKER_MODULE.encode() not in cmdline:
+            continue
+        if parent_pid is None or f"--parent-pid={parent_pid}".encode() in cmdline:
+            pids.append(int(entry))
+    return pids
+
+
+def run_tp1_and_tp2(path: str, run: Callable[[LLM], Any], **engine_args: Any) -> list[Any]:
+    """run(llm) on a TP=1 and a TP=2 engine (in this process; rank 1 a worker process);
+    afterwards no worker of ours is left."""
+    results = []
+    for tp in (1, 2):
+        with LLM(path, multiprocess=False, tensor_parallel_size=tp, **engine_args) as llm:
+            if tp == 2:
+                assert len(worker_pids(os.getpid())) == 1
+            results.append(run(llm))
+    assert worker_pids(os.getpid()) == []
+    return results
+
+
+def generate_tokens(prompts: list[Any]) -> Callable[[LLM], list[list[int]]]:
+    def run(llm: LLM) -> list[list[int]]:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+    return run
+
+
+def token_prompts(n: int = 4) -> list[dict[str, list[int]]]:
+    return [
+        {"prompt_token_ids": [1] + [(7 * k + 3 * i) % 300 + 10 for i in range(5 + 6 * k)]}
+        for k in range(n)
+    ]
+
+
+def assert_same_tokens(results: list[list[list[int]]]) -> None:
+    tp1, tp2 = results
+    assert tp2 == tp1
+    assert all(len(t) == GREEDY.max_tokens for t in tp1)
+    assert len({tuple(t) for t in tp1}) > 1  # outputs depend on the input
+
+
+# ---- decoder-only: Llama (GQA), Qwen2 (one kv head: replicated), GPT-2 (fused c_attn) ----
+@pytest.mark.parametrize("family", ["qwen2", "gpt2"])
+def test_decoder_only_tp2_matches_tp1(tmp_path: Path, family: str) -> None:
+    if family == "qwen2":
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        path = make_tiny_model_dir(
+            Qwen2Config,
+            Qwen2ForCausalLM,
+            tmp_path,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,  # fewer kv heads than ranks: each rank keeps a copy
+            max_position_embeddings=256,
+            initializer_range=0.2,
+            tie_word_embeddings=False,
+        )
+    else:
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        path = make_tiny_model_dir(
+            GPT2Config,
+            GPT2LMHeadModel,
+            tmp_path,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_positions=256,
+            initializer_range=0.2,
+        )
+    generate = generate_tokens(token_prompts())
+
+    def run(llm: LLM) -> tuple[list[list[int]], int]:
+        return generate(llm), llm.llm_engine.engine_core.engine_core.kv_cache_config.num_blocks
+
+    # Sized by bytes, pipelined steps (the GPU's defaults).
+    args = {**ENGINE_ARGS, "num_kv_blocks": None, "kv_cache_memory_bytes": 96 * 4096}
+    (tokens1, blocks1), (tokens2, blocks2) = run_tp1_and_tp2(
+        path, run, async_scheduling=True, **args
+    )
+    assert_same_tokens([tokens1, tokens2])
+    # Each rank caches its own heads: half of GPT-2's 4 per rank, so twice the blocks in the
+    # same bytes; Qwen2's one kv head is copied on both ranks.
+    assert blocks2 == (2 * blocks1 if family == "gpt2" else blocks1)
+
+
+def test_llama_multiprocess_tp2_and_dead_worker(tmp_path: Path) -> None:
+    """The EngineCore in its own process with rank 1 beside it: same tokens as TP=1; then
+    killing rank 1 mid-generation fails the pending requests with EngineDeadError within 2 s,
+    and neither the core nor the worker survives."""
+    path = make_tiny_llama_dir(tmp_path, initializer_range=0.2, max_position_embeddings=512)
+    prompts = token_prompts()
+    args = {**ENGINE_ARGS, "max_model_len": 384, "num_kv_blocks": 200}
+    with LLM(path, multiprocess=False, **args) as llm:
+        expected = generate_tokens(prompts)(llm)
+    llm = LLM(path, multiprocess=True, tensor_parallel_size=2, **args)
+    try:
+        core_pid = llm.llm_engine.engine_core.pid
+        (worker,) = worker_pids(core_pid)
+        assert generate_tokens(prompts)(llm) == expected
+        killed_at: list[float] = []
+
+        def kill_soon() -> None:
+            time.sleep(0.5)
+            os.kill(worker, signal.SIGKILL)
+            killed_at.append(time.monotonic())
+
+        killer = threading.Thread(target=kill_soon)
+        killer.start()
+        long = SamplingParams(temperature=0, max_tokens=360, ignore_eos=True)
+        with pytest.raises(EngineDeadError, match="rank 1"):
+            llm.generate(prompts * 2, long, use_tqdm=False)
+        failed_at = time.monotonic()
+        killer.join()
+        assert killed_at and failed_at - killed_at[0] < 2.0
+        with pytest.raises(EngineDeadError):
+            llm.generate(prompts[:1], GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and (worker_pids(core_pid) or _alive(core_pid)):
+        time.sleep(0.05)
+    assert not _alive(core_pid) and worker_pids(core_pid) == []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+# ---- encoder-decoder: BART, Marian, T5, mT5 ----
+def _bart_family_dir(path: Path, family: str) -> str:
+    from transformers import (
+        BartConfig,
+        BartForConditionalGeneration,
+        MarianConfig,
+        MarianMTModel,
+        MBartConfig,
+        MBartForConditionalGeneration,
+    )
+
+    make_tiny_tokenizer(path, add_bos=True, add_eos=True)
+    config_cls, model_cls = {
+        "bart": (BartConfig, BartForConditionalGeneration),
+        "mbart": (MBartConfig, MBartForConditionalGeneration),
+        "marian": (MarianConfig, MarianMTModel),
+    }[family]
+    return make_tiny_model_dir(
+        config_cls,
+        model_cls,
+        path,
+        tokenizer_from=path,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=64,
+        init_std=0.5 if family == "mbart" else 0.2,  # mBART's pre-norm needs more spread
+        decoder_start_token_id=2,
+    )
+
+
+def _t5_family_dir(path: Path, family: str) -> str:
+    from transformers import (
+        MT5Config,
+        MT5ForConditionalGeneration,
+        T5Config,
+        T5ForConditionalGeneration,
+    )
+
+    make_tiny_tokenizer(path, add_eos=True)
+    config_cls, model_cls = (
+        (MT5Config, MT5ForConditionalGeneration)
+        if family == "mt5"
+        else (T5Config, T5ForConditionalGeneration)
+    )
+    return make_tiny_model_dir(
+        config_cls,
+        model_cls,
+        path,
+        tokenizer_from=path,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        n_positions=64,
+        feed_forward_proj="gated-gelu" if family == "mt5" else "relu",
+        tie_word_embeddings=family != "mt5",
+        initializer_factor=4.0,
+        decoder_start_token_id=0,
+    )
+
+
+@pytest.mark.parametrize("family", ["bart", "mbart", "marian", "t5", "mt5"])
+def test_encoder_decoder_tp2_matches_tp1(tmp_path: Path, family: str) -> None:
+    make = _t5_family_dir if family in ("t5", "mt5") else _bart_family_dir
+    path = make(tmp_path, family)
+    results = run_tp1_and_tp2(path, generate_tokens(TEXTS), max_model_len=64, **ENGINE_ARGS)
+    assert_same_tokens(results)
+
+
+def test_bart_absorbed_cross_attention_tp2_matches_tp1(tmp_path: Path) -> None:
+    """Absorbed cross-attention: each rank projects its heads' W_k/W_v; the encoder states
+    are replicated."""
+    path = _bart_family_dir(tmp_path, "bart")
+    results = run_tp1_and_tp2(
+        path, generate_tokens(TEXTS), cross_attention="absorbed", **ENGINE_ARGS
+    )
+    assert_same_tokens(results)
+
+
+# ---- Whisper: encoder and decoder ----
+@pytest.mark.skipif(not (ASSETS / "whisper-base").is_dir(), reason="needs whisper-base files")
+def test_whisper_tp2_matches_tp1(tmp_path: Path) -> None:
+    from tests.models.test_whisper import make_tiny_whisper_dir, make_waves
+
+    path = make_tiny_whisper_dir(tmp_path / "whisper")
+    waves = make_waves(3, seed=1)
+    prompts = [{"prompt": "", "multi_modal_data": {"audio": (w, 16_000)}} for w in waves]
+
+    def run(llm: LLM) -> list[list[int]]:
+        params = SamplingParams(temperature=0, max_tokens=10)
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    tp1, tp2 = run_tp1_and_tp2(
+        path, run, num_kv_blocks=320, block_size=16, max_num_seqs=3, max_model_len=64
+    )
+    assert tp2 == tp1 and all(tp1)
+
+
+# ---- encoder-only: BERT, XLM-R ----
+@pytest.mark.parametrize("family", ["bert", "xlm-roberta"])
+def test_encoder_only_tp2_embeddings_match_tp1(tmp_path: Path, family: str) -> None:
+    from transformers import BertConfig, BertModel, XLMRobertaConfig, XLMRobertaModel
+
+    make_tiny_wordpiece_tokenizer(tmp_path)
+    config_cls, model_cls = (
+        (BertConfig, BertModel) if family == "bert" else (XLMRobertaConfig, XLMRobertaModel)
+    )
+    extra = {"pad_token_id": 1} if family == "xlm-roberta" else {}
+    path = make_tiny_model_dir(
+        config_cls,
+        model_cls,
+        tmp_path,
+        tokenizer_from=tmp_path,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        **extra,
+    )
+
+    def run(llm: LLM) -> np.ndarray:
+        return np.array([o.outputs.embedding for o in llm.embed(TEXTS, use_tqdm=False)])
+
+    tp1, tp2 = run_tp1_and_tp2(path, run, max_num_batched_tokens=256, max_num_seqs=4)
+    assert tp1.shape == (len(TEXTS), 32)
+    np.testing.assert_allclose(tp2, tp1, atol=1e-5, rtol=0)
+
+
+def test_indivisible_heads_fail_clearly(tmp_path: Path) -> None:
+    path = make_tiny_llama_dir(tmp_path, num_attention_heads=4, num_key_value_heads=2)
+    config = json.loads((Path(path) / "config.json").read_text())
+    assert config["num_attention_heads"] == 4
+    with pytest.raises(ValueError, match="does not divide the attention heads"):
+        LLM(path, multiprocess=False, tensor_parallel_size=3, **ENGINE_ARGS)
+    assert worker_pids(os.getpid()) == []
