@@ -90,6 +90,11 @@ class WhisperInputBuilder:
         self.max_prompt_text_tokens = model_config.hf_config.max_target_positions // 2 - 1
         """Previous-text tokens kept (the last ones), as openai-whisper and transformers."""
 
+    @property
+    def has_alignment_heads(self) -> bool:
+        """The generation config names the cross-attention heads word timestamps read."""
+        return bool(getattr(self.generation_config, "alignment_heads", None))
+
     # ---- public ----
     def build(
         self,
@@ -110,6 +115,11 @@ class WhisperInputBuilder:
         if unknown:
             raise WhisperInputError(
                 f"unexpected Whisper prompt keys {sorted(unknown)}; allowed: {sorted(_PROMPT_KEYS)}"
+            )
+        if params.word_timestamps and not self.has_alignment_heads:
+            raise WhisperInputError(
+                f"word timestamps need the checkpoint's alignment_heads (generation_config.json "
+                f"of {self.model_config.model} has none)"
             )
         decoder_ids = self._decoder_prompt(prompt, params.whisper_timestamps)
         if len(decoder_ids) >= self.max_model_len:
