@@ -1,0 +1,182 @@
+"""Word timestamps with the real whisper-base: per-token times of `SamplingParams(word_timestamps=
+True)` and the words of `LLM.transcribe(word_timestamps=True)` against transformers'
+`return_token_timestamps` on the shared clips (within 0.1 s), openai-whisper's word splitting
+against transformers' on the real tokenizer, and long-form words on the file's clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from tests.engine.test_transcription import ENGINE_ARGS
+from tests.models.test_whisper import WHISPER_BASE
+from tests.utils import ASSETS, needs_assets
+from v1 import LLM, SamplingParams
+from v1.audio import load_audio
+from v1.engine.word_timestamps import split_words
+
+AUDIO = ASSETS / "audio"
+CLIPS = ["jfk.flac", "librispeech/test_audio_1.flac", "librispeech/test_audio_0.flac"]
+NUM_COMPARED = 2
+"""Clips compared with transformers (its generate with cross-attentions is the slow part):
+JFK (pauses, punctuation) and LibriSpeech 1 (words of several tokens)."""
+SR = 16_000
+TOLERANCE = 0.1 + 1e-6
+"""Seconds (times are multiples of 0.02 s: 0.1 s is five encoder positions)."""
+pytestmark = needs_assets(WHISPER_BASE, AUDIO)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread() -> Iterator[None]:
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)
+
+
+@pytest.fixture(scope="module")
+def clips() -> list[np.ndarray]:
+    return [load_audio(AUDIO / name) for name in CLIPS]
+
+
+@pytest.fixture(scope="module")
+def llm() -> Iterator[LLM]:
+    with LLM(str(WHISPER_BASE), **ENGINE_ARGS) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def reference(clips: list[np.ndarray]) -> list[tuple[list[int], list[float]]]:
+    """transformers' (generated token ids, token_timestamps) of each clip: fp32, greedy,
+    English, the attention mask giving the clip's frames (one clip per call, as DTW of a padded
+    batch would also see the rows after a shorter sequence's EOS)."""
+    from transformers import WhisperForConditionalGeneration, WhisperProcessor
+
+    processor = WhisperProcessor.from_pretrained(str(WHISPER_BASE))
+    model = WhisperForConditionalGeneration.from_pretrained(
+        str(WHISPER_BASE), dtype=torch.float32
+    ).eval()
+    out = []
+    for audio in clips[:NUM_COMPARED]:
+        inputs = processor(audio, sampling_rate=SR, return_tensors="pt", return_attention_mask=True)
+        with torch.no_grad():
+            gen = model.generate(
+                inputs.input_features,
+                attention_mask=inputs.attention_mask,
+                language="en",
+                task="transcribe",
+                return_token_timestamps=True,
+            )
+        out.append((gen["sequences"][0].tolist(), gen["token_timestamps"][0].tolist()))
+    return out
+
+
+def _text_ids(ids: list[int], eos: int) -> list[int]:
+    return [t for t in ids if t < eos]
+
+
+def test_token_times_match_transformers(
+    llm: LLM, clips: list[np.ndarray], reference: list[tuple[list[int], list[float]]]
+) -> None:
+    """transformers' token_timestamps[k] is where its DTW path leaves text token k: our end of
+    token k (the start of token k + 1). Its first entry is 0 (its DTW drops the row that
+    predicts the first token), so the comparison starts at the second token."""
+    eos = llm.get_tokenizer().eos_token_id
+    prompts = [{"prompt": "", "multi_modal_data": {"audio": (a, SR)}} for a in clips[:2]]
+    params = SamplingParams(temperature=0.0, max_tokens=None, word_timestamps=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for name, out, (ref_ids, ref_times) in zip(CLIPS, outputs, reference, strict=False):
+        text = _text_ids(out.outputs[0].token_ids, eos)
+        assert text == _text_ids(ref_ids, eos), name
+        times = out.extras["token_times"]
+        assert len(times) == len(text) + 1
+        assert times == sorted(times) and times[0] >= 0.0 and times[-1] <= len(clips[0]) / SR
+        ends = np.array(times[2:])
+        np.testing.assert_allclose(ends, ref_times[1 : len(text)], rtol=0, atol=TOLERANCE)
+
+
+@pytest.fixture(scope="module")
+def transcribed(llm: LLM, clips: list[np.ndarray]) -> list[Any]:
+    return llm.transcribe(
+        [(a, SR) for a in clips], language="en", word_timestamps=True, use_tqdm=False
+    )
+
+
+def test_transcribe_words_match_transformers(
+    llm: LLM,
+    clips: list[np.ndarray],
+    transcribed: list[Any],
+    reference: list[tuple[list[int], list[float]]],
+) -> None:
+    """Each word spans its first token's start to its last token's end; transformers' times
+    of those tokens (mapped through the same words) agree within 0.1 s."""
+    tokenizer = llm.get_tokenizer()
+    eos = tokenizer.eos_token_id
+    for name, audio, result, (ref_ids, ref_times) in zip(
+        CLIPS, clips, transcribed, reference, strict=False
+    ):
+        text = _text_ids(ref_ids, eos)
+        assert result.words is not None and result.segments[0].words == result.words
+        assert "".join(w.word for w in result.words) == result.text, name
+        groups = split_words(text, tokenizer.decode, "en", eos)
+        assert [w.word for w in result.words] == [word for word, _ in groups]
+        for word, (_, indices) in zip(result.words, groups, strict=True):
+            assert 0.0 <= word.start <= word.end <= len(audio) / SR
+            first, last = indices[0], indices[-1]
+            if last >= 1:
+                assert abs(word.end - ref_times[last]) <= TOLERANCE, (name, word)
+            if first >= 2:
+                assert abs(word.start - ref_times[first - 1]) <= TOLERANCE, (name, word)
+
+
+@pytest.mark.parametrize(
+    ("text", "language"),
+    [
+        (' He said: "Hello (world)," and left... Didn\'t he? ¿Qué? - yes!', "en"),
+        (" Mr. Quilter's manner, 2.5 times (roughly) better.", "en"),
+        ("我们今天去公园。你好吗？", "zh"),
+        ("こんにちは、世界！", "ja"),
+    ],
+)
+def test_word_splitting_matches_transformers(text: str, language: str) -> None:
+    from transformers import WhisperTokenizer
+    from transformers.models.whisper.tokenization_whisper import _combine_tokens_into_words
+
+    tokenizer = WhisperTokenizer.from_pretrained(str(WHISPER_BASE))
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    names = {"en": "english", "zh": "chinese", "ja": "japanese"}
+    words, _, indices = _combine_tokens_into_words(tokenizer, ids, names[language])
+    ours = split_words(ids, tokenizer.decode, language, tokenizer.eos_token_id)
+    assert ours == list(zip(words, indices, strict=True))
+
+
+def test_long_form_words_are_on_the_file_clock(
+    llm: LLM, clips: list[np.ndarray], transcribed: list[Any]
+) -> None:
+    """JFK, LibriSpeech 1, JFK, LibriSpeech 0 back to back (32 s): the first window ends
+    inside the last clip, so its words come from a second window that starts later; every
+    word is in time order, and the last clip's words sit where that clip was placed (its
+    short-form times plus its offset)."""
+    jfk, short1, short0 = clips
+    alone = transcribed[2]
+    audio = np.concatenate([jfk, short1, jfk, short0])
+    offset = (2 * len(jfk) + len(short1)) / SR
+    (result,) = llm.transcribe((audio, SR), language="en", word_timestamps=True, use_tqdm=False)
+    words = result.words
+    assert words and "".join(w.word for w in words) == result.text
+    times = [t for w in words for t in (w.start, w.end)]
+    assert times == sorted(times) and times[-1] <= len(audio) / SR
+    assert len({s.seek for s in result.segments}) >= 2  # more than one window
+    last_window = [s for s in result.segments if s.seek == result.segments[-1].seek]
+    assert last_window[0].seek > 0
+    for segment in result.segments:
+        assert "".join(w.word for w in segment.words or []) == segment.text
+    tail = words[-len(alone.words) :]
+    assert [w.word.lower() for w in tail] == [w.word.lower() for w in alone.words]
+    for ours, ref in zip(tail[1:], alone.words[1:], strict=True):
+        assert abs(ours.end - (ref.end + offset)) <= 0.3, (ours, ref)
