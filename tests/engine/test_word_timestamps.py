@@ -50,11 +50,10 @@ def llm() -> Iterator[LLM]:
         yield llm
 
 
-@pytest.fixture(scope="module")
-def reference(clips: list[np.ndarray]) -> list[tuple[list[int], list[float]]]:
-    """transformers' (generated token ids, token_timestamps) of each clip: fp32, greedy,
-    English, the attention mask giving the clip's frames (one clip per call, as DTW of a padded
-    batch would also see the rows after a shorter sequence's EOS)."""
+def transformers_token_times(clips: list[np.ndarray]) -> list[tuple[list[int], list[float]]]:
+    """transformers' (generated token ids, token_timestamps) of each clip: fp32 on the CPU,
+    greedy, English, the attention mask giving the clip's frames (one clip per call, as DTW
+    of a padded batch would also see the rows after a shorter sequence's EOS)."""
     from transformers import WhisperForConditionalGeneration, WhisperProcessor
 
     processor = WhisperProcessor.from_pretrained(str(WHISPER_BASE))
@@ -62,7 +61,7 @@ def reference(clips: list[np.ndarray]) -> list[tuple[list[int], list[float]]]:
         str(WHISPER_BASE), dtype=torch.float32
     ).eval()
     out = []
-    for audio in clips[:NUM_COMPARED]:
+    for audio in clips:
         inputs = processor(audio, sampling_rate=SR, return_tensors="pt", return_attention_mask=True)
         with torch.no_grad():
             gen = model.generate(
@@ -76,6 +75,26 @@ def reference(clips: list[np.ndarray]) -> list[tuple[list[int], list[float]]]:
     return out
 
 
+def assert_token_times_match(
+    outputs: list[Any], reference: list[tuple[list[int], list[float]]], eos: int
+) -> None:
+    """transformers' token_timestamps[k] is where its DTW path leaves text token k: our end of
+    token k (the start of token k + 1). Its first entry is 0 (its DTW drops the row that
+    predicts the first token), so the comparison starts at the second token."""
+    for i, (out, (ref_ids, ref_times)) in enumerate(zip(outputs, reference, strict=True)):
+        text = _text_ids(out.outputs[0].token_ids, eos)
+        assert text == _text_ids(ref_ids, eos), i
+        times = out.extras["token_times"]
+        assert len(times) == len(text) + 1
+        assert times == sorted(times) and times[0] >= 0.0
+        np.testing.assert_allclose(times[2:], ref_times[1 : len(text)], rtol=0, atol=TOLERANCE)
+
+
+@pytest.fixture(scope="module")
+def reference(clips: list[np.ndarray]) -> list[tuple[list[int], list[float]]]:
+    return transformers_token_times(clips[:NUM_COMPARED])
+
+
 def _text_ids(ids: list[int], eos: int) -> list[int]:
     return [t for t in ids if t < eos]
 
@@ -83,21 +102,12 @@ def _text_ids(ids: list[int], eos: int) -> list[int]:
 def test_token_times_match_transformers(
     llm: LLM, clips: list[np.ndarray], reference: list[tuple[list[int], list[float]]]
 ) -> None:
-    """transformers' token_timestamps[k] is where its DTW path leaves text token k: our end of
-    token k (the start of token k + 1). Its first entry is 0 (its DTW drops the row that
-    predicts the first token), so the comparison starts at the second token."""
-    eos = llm.get_tokenizer().eos_token_id
-    prompts = [{"prompt": "", "multi_modal_data": {"audio": (a, SR)}} for a in clips[:2]]
+    prompts = [{"prompt": "", "multi_modal_data": {"audio": (a, SR)}} for a in clips]
     params = SamplingParams(temperature=0.0, max_tokens=None, word_timestamps=True)
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    for name, out, (ref_ids, ref_times) in zip(CLIPS, outputs, reference, strict=False):
-        text = _text_ids(out.outputs[0].token_ids, eos)
-        assert text == _text_ids(ref_ids, eos), name
-        times = out.extras["token_times"]
-        assert len(times) == len(text) + 1
-        assert times == sorted(times) and times[0] >= 0.0 and times[-1] <= len(clips[0]) / SR
-        ends = np.array(times[2:])
-        np.testing.assert_allclose(ends, ref_times[1 : len(text)], rtol=0, atol=TOLERANCE)
+    outputs = llm.generate(prompts[:NUM_COMPARED], params, use_tqdm=False)
+    assert_token_times_match(outputs, reference, llm.get_tokenizer().eos_token_id)
+    for out, audio in zip(outputs, clips, strict=False):
+        assert out.extras["token_times"][-1] <= len(audio) / SR
 
 
 @pytest.fixture(scope="module")
