@@ -46,7 +46,9 @@ def clips() -> list[np.ndarray]:
 
 @pytest.fixture(scope="module")
 def llm() -> Iterator[LLM]:
-    with LLM(str(WHISPER_BASE), **ENGINE_ARGS) as llm:
+    """Pipelined steps (as on GPU): a request's alignment pass runs while a step launched after
+    its last token is in flight (the server and CLI tests run synchronous steps)."""
+    with LLM(str(WHISPER_BASE), async_scheduling=True, **ENGINE_ARGS) as llm:
         yield llm
 
 
@@ -108,6 +110,32 @@ def test_token_times_match_transformers(
     assert_token_times_match(outputs, reference, llm.get_tokenizer().eos_token_id)
     for out, audio in zip(outputs, clips, strict=False):
         assert out.extras["token_times"][-1] <= len(audio) / SR
+
+
+def test_times_come_with_the_last_output_whatever_ends_the_request(
+    llm: LLM, clips: list[np.ndarray]
+) -> None:
+    """max_tokens and a stop token end requests as EOS does: their final output carries the
+    times of every text token; a request without word_timestamps gets none."""
+    prompt = {"prompt": "", "multi_modal_data": {"audio": (clips[0], SR)}}
+    country = llm.get_tokenizer()(" country", add_special_tokens=False)["input_ids"]
+    assert len(country) == 1
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=5, word_timestamps=True),
+        SamplingParams(
+            temperature=0.0, max_tokens=None, stop_token_ids=country, word_timestamps=True
+        ),
+        SamplingParams(temperature=0.0, max_tokens=3),
+    ]
+    capped, stopped, plain = llm.generate([prompt] * 3, params, use_tqdm=False)
+    assert len(capped.outputs[0].token_ids) == 5 and capped.outputs[0].finish_reason == "length"
+    assert len(capped.extras["token_times"]) == 6
+    ids = stopped.outputs[0].token_ids
+    assert ids[-1] == country[0] and stopped.outputs[0].finish_reason == "stop"
+    assert len(stopped.extras["token_times"]) == len(ids) + 1
+    assert stopped.extras["token_times"] == sorted(stopped.extras["token_times"])
+    assert "token_times" not in (plain.extras or {})
+    assert llm.llm_engine.get_stats()["num_kv_requests"] == 0
 
 
 @pytest.fixture(scope="module")

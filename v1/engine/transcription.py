@@ -222,6 +222,7 @@ class TranscriptionPlanner:
             raise ValueError(f"word_timestamps must be a boolean, got {options.word_timestamps!r}")
         self.params = self._window_params(options.sampling_params)
         if options.word_timestamps:
+            builder.check_alignment_heads()
             self.params = self.params.clone(word_timestamps=True)
         self.fallback = options.fallback(self.params)
 
