@@ -62,20 +62,33 @@ def dtw(cost: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.array(rows[::-1]), np.array(cols[::-1])
 
 
-def token_boundaries(
+def alignment_matrix(
     weights: torch.Tensor, num_frames: int, first_row: int, filter_width: int = MEDIAN_FILTER_WIDTH
-) -> list[float]:
+) -> torch.Tensor:
     """Alignment-head attention [heads, T, S] of a teacher-forced pass over
-    `sot sequence, <|notimestamps|>, text tokens, <|endoftext|>` -> start times (seconds from
-    the window start) of each text token and of <|endoftext|> (len: number of text tokens + 1).
+    `sot sequence, <|notimestamps|>, text tokens, <|endoftext|>` -> the DTW score matrix
+    [text tokens + 1, frames] (on the weights' device): its rows predict each text token and
+    <|endoftext|>.
 
     `num_frames`: 10 ms mel frames of audio in the window (attention beyond them is padding);
     `first_row`: position of <|notimestamps|>, whose row predicts the first text token."""
     weights = weights[:, :, : max(num_frames // 2, 1)].float()
     std, mean = torch.std_mean(weights, dim=-2, keepdim=True, unbiased=False)
     weights = median_filter((weights - mean) / std, filter_width)
-    # Rows that predict each text token and <|endoftext|>.
-    matrix = weights.mean(dim=0)[first_row:-1]  # [num_text + 1, frames]
-    rows, cols = dtw(-matrix.double().cpu().numpy())  # sync: the times reach the host
+    return weights.mean(dim=0)[first_row:-1]
+
+
+def boundaries(matrix: np.ndarray) -> list[float]:
+    """DTW of an alignment matrix -> the start time (seconds from the window start) of each
+    text token and of <|endoftext|>: where the path reaches its row."""
+    rows, cols = dtw(-matrix.astype(np.float64))
     jumps = np.diff(rows, prepend=-1).astype(bool)
     return (cols[jumps] * SECONDS_PER_POSITION).tolist()
+
+
+def token_boundaries(
+    weights: torch.Tensor, num_frames: int, first_row: int, filter_width: int = MEDIAN_FILTER_WIDTH
+) -> list[float]:
+    """`boundaries` of `alignment_matrix` (len: number of text tokens + 1)."""
+    matrix = alignment_matrix(weights, num_frames, first_row, filter_width)
+    return boundaries(matrix.double().cpu().numpy())  # sync: the matrix reaches the host

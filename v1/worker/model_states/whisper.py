@@ -20,7 +20,7 @@ from v1.logger import init_logger
 from v1.worker.input_batch import CachedRequestState
 from v1.worker.model_states.encoder_decoder import EncoderDecoderState
 from v1.worker.sampled_output import PendingSampledStep
-from v1.worker.whisper_alignment import token_boundaries
+from v1.worker.whisper_alignment import alignment_matrix, boundaries
 
 if TYPE_CHECKING:
     from v1.sampling_params import SamplingParams
@@ -154,6 +154,7 @@ class WhisperState(EncoderDecoderState):
         this step ends it, and reports its token times with that (final) output."""
         batch = self.runner.input_batch
         held = batch.slot_generations[slots] == generations
+        matrices: dict[str, torch.Tensor | None] = {}
         for row, slot, position in zip(rows[held], slots[held], positions[held], strict=True):
             req_id = output.req_ids[row]
             timing = self.word_timing.get(req_id)
@@ -162,11 +163,14 @@ class WhisperState(EncoderDecoderState):
                 continue
             timing.timed = True
             try:
-                times = self._token_times(timing, token_ids)
+                matrices[req_id] = self._alignment_matrix(timing, token_ids)
             except (RuntimeError, ValueError) as e:
                 # The request ends without times (the frontend reports it): the step goes on.
                 logger.warning("word timestamps of %s failed: %s", req_id, e)
-                continue
+            timing.encoder_output = None
+        for req_id, matrix in matrices.items():
+            # sync: the first matrix reaches the host (every pass was launched before it).
+            times = boundaries(matrix.cpu().numpy()) if matrix is not None else []
             output.extras.setdefault(req_id, {})[TOKEN_TIMES] = times
 
     def _ends_request(self, timing: _WordTimingRequest, token_ids: np.ndarray) -> bool:
@@ -185,10 +189,13 @@ class WhisperState(EncoderDecoderState):
             return True
         return token in (params.stop_token_ids or ())
 
-    def _token_times(self, timing: _WordTimingRequest, token_ids: np.ndarray) -> list[float]:
+    def _alignment_matrix(
+        self, timing: _WordTimingRequest, token_ids: np.ndarray
+    ) -> torch.Tensor | None:
         """openai-whisper's alignment input: the prompt from <|startoftranscript|> (previous
         text dropped) with <|notimestamps|>, the generated text tokens (timestamps dropped),
-        <|endoftext|>; its alignment heads' cross-attention -> the text tokens' times."""
+        <|endoftext|>; its alignment heads' cross-attention -> the DTW matrix on the device
+        (None: no text token to time)."""
         if timing.encoder_output is None:
             raise RuntimeError("the window's encoder output was not kept")
         info = self.runner.model.token_info
@@ -199,10 +206,10 @@ class WhisperState(EncoderDecoderState):
         outputs = token_ids[timing.num_prompt_tokens :]
         text = outputs[outputs < info.eos_token_id].tolist()
         if not text:
-            return []
+            return None
         ids = self.runner._to_device(np.array([*prompt, *text, info.eos_token_id]))
         weights = self.runner.model.alignment_attention(ids, timing.encoder_output)
-        return token_boundaries(weights, timing.num_frames, first_row=len(prompt) - 1)
+        return alignment_matrix(weights, timing.num_frames, first_row=len(prompt) - 1)
 
     def _sot_rows(self, step: StepInputs) -> tuple[np.ndarray, np.ndarray]:
         """(packed token rows holding a <|startoftranscript|> this step, their request index)."""
