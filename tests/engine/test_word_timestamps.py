@@ -7,6 +7,7 @@ against transformers' on the real tokenizer, and long-form words on the file's c
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -218,3 +219,41 @@ def test_long_form_words_are_on_the_file_clock(
     assert [w.word.lower() for w in tail] == [w.word.lower() for w in alone.words]
     for ours, ref in zip(tail[1:], alone.words[1:], strict=True):
         assert abs(ours.end - (ref.end + offset)) <= 0.3, (ours, ref)
+
+
+def test_preempted_requests_keep_their_times(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A tiny random Whisper (alignment heads in its 2 decoder layers), pipelined steps, a KV
+    cache that cannot hold all three requests to the end: the preempted ones run their encoder
+    again on resume and still report the times an unpreempted run reports."""
+    import json
+
+    from tests.models.test_whisper import make_tiny_whisper_dir
+
+    path = make_tiny_whisper_dir(tmp_path_factory.mktemp("tiny_whisper_words"))
+    config_file = Path(path) / "generation_config.json"
+    config = json.loads(config_file.read_text())
+    config["alignment_heads"] = [[0, 1], [1, 0], [1, 3]]
+    config_file.write_text(json.dumps(config))
+    rng = np.random.default_rng(0)
+    prompts = [
+        {
+            "prompt": "",
+            "multi_modal_data": {"audio": (rng.uniform(-0.3, 0.3, n).astype(np.float32), SR)},
+        }
+        for n in (8_000, 16_000, 24_000)
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, word_timestamps=True)
+
+    def run(**kwargs: object) -> tuple[list[Any], dict[str, Any]]:
+        with LLM(path, device="cpu", multiprocess=False, async_scheduling=True, **kwargs) as llm:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            return outputs, llm.llm_engine.get_stats()
+
+    roomy, _ = run()
+    tight, stats = run(num_kv_blocks=3 * 94 + 4)
+    assert stats["num_preemptions"] > 0 and stats["num_used_blocks"] == 0
+    for a, b in zip(roomy, tight, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        times = a.extras["token_times"]
+        assert len(times) == sum(t < config["eos_token_id"] for t in a.outputs[0].token_ids) + 1
+        assert b.extras["token_times"] == times
