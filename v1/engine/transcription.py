@@ -34,7 +34,7 @@ from v1.engine.whisper_decoding import (
     seek_window,
 )
 from v1.engine.whisper_inputs import WINDOW_SECONDS, WhisperInputBuilder
-from v1.engine.word_timestamps import TranscriptionWord, timed_words
+from v1.engine.word_timestamps import TranscriptionWord, WordClock
 from v1.sampling_params import SamplingParams
 
 NO_SPEECH_PROB = "no_speech_prob"
@@ -386,13 +386,21 @@ class TranscriptionPlanner:
         segments: list[TranscriptionSegment] = []
         all_text_ids: list[int] = []
         last_end = 0.0
-        timing = _WordTiming(self, duration, language) if self.options.word_timestamps else None
+        clock = None
+        if self.options.word_timestamps:
+            clock = WordClock(decode, self.tokens.eos, language, duration)
         for window in windows:
             quality = window.attempt.quality
-            if timing is not None:
-                timing.start_window(window)
+            if clock is not None:
+                times = window.attempt.token_times
+                if times is None and window.segments:
+                    raise TranscriptionError(
+                        f"the window at {window.seek / FRAMES_PER_SECOND:.2f} s came back "
+                        "without word timings"
+                    )
+                clock.start_window(times or [], window.seek / FRAMES_PER_SECOND)
             for start, end, text_ids in window.segments:
-                words = timing.next_segment(text_ids) if timing is not None else None
+                words = clock.segment_words(text_ids) if clock is not None else None
                 if not text_ids:
                     continue
                 all_text_ids += text_ids
@@ -419,56 +427,8 @@ class TranscriptionPlanner:
             language=language,
             duration=duration,
             segments=segments,
-            words=[w for s in segments for w in s.words or []] if timing is not None else None,
+            words=[w for s in segments for w in s.words or []] if clock is not None else None,
         )
-
-
-class _WordTiming:
-    """Words of one file's segments, from each window's token times: a window's segments
-    take its text tokens in order; words are kept in time order and inside the audio."""
-
-    def __init__(self, planner: TranscriptionPlanner, duration: float, language: str) -> None:
-        self.planner = planner
-        self.duration = duration
-        self.language = language
-        self.last_end = 0.0
-        self.times: list[float] = []
-        self.offset = 0.0
-        self.cursor = 0
-
-    def start_window(self, window: _DecodedWindow) -> None:
-        times = window.attempt.token_times
-        if times is None and window.segments:
-            raise TranscriptionError(
-                f"the window at {window.seek / FRAMES_PER_SECOND:.2f} s came back without "
-                "word timings"
-            )
-        self.times = times or []
-        self.offset = window.seek / FRAMES_PER_SECOND
-        self.cursor = 0
-
-    def next_segment(self, text_ids: list[int]) -> list[TranscriptionWord]:
-        first, self.cursor = self.cursor, self.cursor + len(text_ids)
-        if not text_ids:
-            return []
-        if self.cursor >= len(self.times):
-            raise TranscriptionError(
-                f"{len(self.times)} token times for at least {self.cursor} text tokens"
-            )
-        builder = self.planner.builder
-        words = timed_words(
-            text_ids,
-            self.times[first : self.cursor + 1],
-            self.offset,
-            builder.tokenizer.decode,
-            self.language,
-            self.planner.tokens.eos,
-        )
-        for word in words:
-            word.start = min(max(word.start, self.last_end), self.duration)
-            word.end = min(max(word.end, word.start), self.duration)
-            self.last_end = word.end
-        return words
 
 
 def _audio(clip: AudioClip) -> dict[str, Any]:

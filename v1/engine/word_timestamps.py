@@ -66,6 +66,51 @@ def timed_words(
     ]
 
 
+class WordClock:
+    """Words of one file's segments on the file's clock: each window's token times (from its
+    start) are taken by its segments' text tokens in order; words are kept in time order and
+    inside the audio."""
+
+    def __init__(
+        self, decode: Callable[[list[int]], str], eos: int, language: str, duration: float
+    ) -> None:
+        self.decode = decode
+        self.eos = eos
+        self.language = language
+        self.duration = duration
+        self.last_end = 0.0
+        self.times: list[float] = []
+        self.offset = 0.0
+        self.cursor = 0
+
+    def start_window(self, token_times: list[float], offset: float) -> None:
+        """The next window: its text tokens' boundary times, and its start in seconds."""
+        self.times = token_times
+        self.offset = offset
+        self.cursor = 0
+
+    def segment_words(self, text_ids: list[int]) -> list[TranscriptionWord]:
+        """Words of the window's next segment (its text token ids)."""
+        first, self.cursor = self.cursor, self.cursor + len(text_ids)
+        if not text_ids:
+            return []
+        if self.cursor >= len(self.times):
+            raise ValueError(f"{len(self.times)} token times for at least {self.cursor} tokens")
+        words = timed_words(
+            text_ids,
+            self.times[first : self.cursor + 1],
+            self.offset,
+            self.decode,
+            self.language,
+            self.eos,
+        )
+        for word in words:
+            word.start = min(max(word.start, self.last_end), self.duration)
+            word.end = min(max(word.end, word.start), self.duration)
+            self.last_end = word.end
+        return words
+
+
 def _split_on_characters(
     token_ids: Sequence[int], decode: Callable[[list[int]], str]
 ) -> list[_Word]:

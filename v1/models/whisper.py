@@ -258,6 +258,7 @@ def _eager_decoder_layer(
     self-attention, cross-attention over [S, d]) -> (hidden states [T, d], cross-attention
     probabilities [heads, T, S] float32). Reads the layer's weights; its paged attention
     modules are not used."""
+    assert layer.pre_norm, "Whisper decoder layers are pre-norm"
     num_heads = layer.self_attn.attn.num_heads
     head_dim = layer.self_attn.attn.head_size
     if num_heads * head_dim != hidden_states.shape[-1]:
