@@ -71,8 +71,9 @@ class RequestOutput:
     """Decoder prompt tokens served from the prefix cache."""
     error: str | None = None
     """Why the engine failed this request (finish_reason "error"); None otherwise."""
-    extras: dict[str, float] | None = None
-    """Model-specific per-request results (Whisper: no_speech_prob)."""
+    extras: dict[str, float | list[float]] | None = None
+    """Model-specific per-request results (Whisper: no_speech_prob, and token_times for
+    `SamplingParams.word_timestamps`)."""
 
 
 # ---- pooling ----

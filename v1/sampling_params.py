@@ -59,6 +59,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """Only these token ids may be generated (e.g. Whisper language detection)."""
     whisper_timestamps: bool = False
     """Apply Whisper's timestamp rules (set by the Whisper input path)."""
+    word_timestamps: bool = False
+    """Whisper: once the request ends, time its generated text tokens from the cross-attention
+    alignment heads (DTW, as openai-whisper): `RequestOutput.extras["token_times"]` holds
+    len(text tokens) + 1 boundary times in seconds from the start of the audio window; text
+    token k spans [times[k], times[k + 1]]."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -147,6 +152,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             ids = getattr(self, name)
             if ids is not None and any(not _is_int(t) or not 0 <= t <= _INT_MAX for t in ids):
                 raise bad(name, "must be a list of token ids (integers in [0, 2**31))")
+        if not isinstance(self.word_timestamps, bool):
+            raise bad("word_timestamps", "must be a boolean")
         for pair in self.forced_token_ids or []:
             if (
                 not isinstance(pair, (list, tuple))

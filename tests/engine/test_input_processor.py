@@ -474,3 +474,10 @@ def test_cross_encoder_accepts_classify_and_score(tmp_path: Path, wordpiece) -> 
     two_labels = bert_processor(tmp_path / "two", wordpiece, arch="BertForSequenceClassification")
     with pytest.raises(ValueError, match="one label"):
         two_labels.process("r", "hello", PoolingParams(task="score"))
+
+
+def test_word_timestamps_need_a_whisper_model(llama: InputProcessor) -> None:
+    with pytest.raises(ValueError, match="word_timestamps needs a Whisper model"):
+        llama.process("r", "hello", SamplingParams(word_timestamps=True))
+    with pytest.raises(ValueError, match="word_timestamps must be a boolean"):
+        SamplingParams(word_timestamps=1)  # type: ignore[arg-type]

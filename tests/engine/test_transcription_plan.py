@@ -5,6 +5,7 @@ the text before them, fall back to hotter temperatures, skip silence, and files 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +17,7 @@ import pytest
 from tests.models.test_whisper import WHISPER_BASE, make_tiny_whisper_dir
 from v1.config import ModelConfig
 from v1.engine.tokenizer import get_tokenizer
-from v1.engine.transcription import Transcriber
+from v1.engine.transcription import Transcriber, TranscriptionError
 from v1.outputs import CompletionOutput, Logprob, RequestOutput
 from v1.sampling_params import SamplingParams
 
@@ -37,6 +38,8 @@ class Reply:
     logprob: float = -0.1
     """Of every token (EOS included)."""
     no_speech_prob: float = 0.01
+    token_times: list[float] | None = None
+    """Boundary times of the text tokens (word_timestamps requests)."""
 
 
 @dataclass
@@ -74,7 +77,9 @@ class ScriptedEngine:
             tokens = [*reply.tokens, EOS]
             logprobs = [{t: Logprob(reply.logprob)} for t in tokens]
             completion = CompletionOutput(0, "", tokens, None, logprobs, "stop")
-            extras = {"no_speech_prob": reply.no_speech_prob}
+            extras: dict[str, Any] = {"no_speech_prob": reply.no_speech_prob}
+            if reply.token_times is not None:
+                extras["token_times"] = reply.token_times
             outputs.append(
                 RequestOutput(call.request_id, None, [], [completion], True, extras=extras)
             )
@@ -271,3 +276,55 @@ def test_bad_options_fail_before_any_request(whisper_config, options, message) -
     with pytest.raises(ValueError, match=message):
         Transcriber(engine).transcribe((noise(2), SR), language="en", **options)
     assert engine.calls == []
+
+
+@pytest.fixture(scope="module")
+def aligned_config(tmp_path_factory: pytest.TempPathFactory) -> tuple[ModelConfig, Any]:
+    """The tiny model with alignment heads inside its 2-layer decoder (word timestamps)."""
+    path = make_tiny_whisper_dir(Path(tmp_path_factory.mktemp("tiny_aligned")))
+    config_file = Path(path) / "generation_config.json"
+    generation = json.loads(config_file.read_text())
+    generation["alignment_heads"] = [[1, 0], [1, 2]]
+    config_file.write_text(json.dumps(generation))
+    config = ModelConfig(path)
+    return config, get_tokenizer(config)
+
+
+def test_words_of_each_window_are_offset_by_its_seek(aligned_config) -> None:
+    """Each window's token times (from its own start) are taken by its segments in order: the
+    text cut by the window edge is timed again by the window that decodes it whole."""
+    tok = aligned_config[1]
+    a, b, c, d = (words(tok, f" Word {w}.") for w in ("one", "two", "three", "four"))
+
+    def timed(*texts: list[int], step: float) -> list[float]:
+        return [step * k for k in range(sum(len(t) for t in texts) + 1)]
+
+    replies = [
+        Reply(
+            [ts(0), *a, ts(11), ts(11), *b, ts(22), ts(22), *c],
+            token_times=timed(a, b, c, step=1.0),
+        ),
+        Reply([ts(0), *c, ts(5), ts(5), *d, ts(9)], token_times=timed(c, d, step=0.5)),
+    ]
+    engine = scripted(aligned_config, in_order(replies))
+    (result,) = Transcriber(engine).transcribe((noise(40), SR), language="en", word_timestamps=True)
+    assert all(call.params.word_timestamps for call in engine.calls)
+    assert [s.seek for s in result.segments] == [0, 0, 2200, 2200]
+    la, lb, lc, ld = (len(t) for t in (a, b, c, d))
+    spans = [(s.words[0].start, s.words[-1].end) for s in result.segments]
+    assert spans == [
+        (0.0, la),
+        (la, la + lb),
+        (22.0, 22.0 + 0.5 * lc),  # window 2 starts at 22 s; its tokens are 0.5 s long
+        (22.0 + 0.5 * lc, 22.0 + 0.5 * (lc + ld)),
+    ]
+    for segment in result.segments:
+        assert "".join(w.word for w in segment.words) == segment.text
+    assert result.words == [w for s in result.segments for w in s.words]
+
+
+def test_a_window_without_token_times_fails_the_transcription(aligned_config) -> None:
+    tok = aligned_config[1]
+    engine = scripted(aligned_config, lambda call: Reply([ts(0), *words(tok, " Hi."), ts(1)]))
+    with pytest.raises(TranscriptionError, match="without word timings"):
+        Transcriber(engine).transcribe((noise(2), SR), language="en", word_timestamps=True)

@@ -154,3 +154,18 @@ def test_transcribe_hashes_each_window_once_and_copies_nothing(
         assert request.encoder_input.content_hash == reference_hash(np.asarray(window))
     np.testing.assert_array_equal(windows[0].encoder_input.audio, audio[: 30 * SR])
     assert encoder_runs(tiny_llm) - before == len(windows)
+
+
+def test_word_timestamps_need_alignment_heads_inside_the_decoder(tiny_llm: LLM) -> None:
+    """The tiny model has whisper-base's generation config, whose alignment heads name decoder
+    layers 3-5 of a 2-layer decoder: refused at the edge, before any work."""
+    audio = {"audio": (waves([1.0])[0], 16_000)}
+    with pytest.raises(ValueError, match=r"alignment_heads \[\[3, 1\].*outside the decoder"):
+        tiny_llm.generate(
+            {"prompt": "", "multi_modal_data": audio},
+            SamplingParams(max_tokens=2, word_timestamps=True),
+            use_tqdm=False,
+        )
+    with pytest.raises(ValueError, match="alignment_heads"):
+        tiny_llm.transcribe((waves([1.0])[0], 16_000), word_timestamps=True, use_tqdm=False)
+    assert tiny_llm.llm_engine.get_stats()["num_requests"] == 0

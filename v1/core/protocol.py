@@ -77,8 +77,9 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True, array_like=True):
     stop_reason: int | str | None = None
     error: str | None = None
     num_cached_tokens: int = 0
-    extras: dict[str, float] | None = None
-    """Model-specific per-request results (Whisper: no_speech_prob)."""
+    extras: dict[str, float | list[float]] | None = None
+    """Model-specific per-request results (Whisper: no_speech_prob; token_times, on the final
+    output of a word_timestamps request)."""
 
     @property
     def finished(self) -> bool:

@@ -171,7 +171,7 @@ class AsyncLLM:
     ) -> Any:
         """Transcribes (or translates) audio with a Whisper model: one TranscriptionResult per
         input, long audio in 30 s windows. `options`: language, task ("transcribe" or
-        "translate"), timestamps, prompt, condition_on_previous_text (see
+        "translate"), timestamps, prompt, condition_on_previous_text, word_timestamps (see
         `v1.engine.transcription.AsyncTranscriber`)."""
         if not self.model_config.is_whisper:
             raise ValueError(

@@ -331,6 +331,11 @@ class InputProcessor:
         params.validate_for_model(self.vocab_size)
         if params.stop and not params.detokenize:
             raise ValueError("stop strings need detokenize=True")
+        if params.word_timestamps and not self.is_whisper:
+            raise ValueError(
+                f"word_timestamps needs a Whisper model; {self.model_config.model} is "
+                f"{self.model_config.architecture}"
+            )
 
     @property
     def has_classifier(self) -> bool:

@@ -82,7 +82,7 @@ class RequestState:
     num_cached_tokens: int = 0
     sent_tokens: int = 0
     """Tokens (and logprobs) already reported in DELTA mode."""
-    extras: dict[str, float] = field(default_factory=dict)
+    extras: dict[str, float | list[float]] = field(default_factory=dict)
     """Model-specific per-request results from the core (Whisper: no_speech_prob)."""
 
     @property

@@ -22,6 +22,7 @@ import numpy as np
 
 from v1.audio import SAMPLE_RATE, AudioClip, AudioError, load_audio
 from v1.engine.whisper_decoding import (
+    FRAMES_PER_SECOND,
     MAX_CONDITIONING_TEMPERATURE,
     SAMPLES_PER_FRAME,
     WINDOW_FRAMES,
@@ -33,9 +34,11 @@ from v1.engine.whisper_decoding import (
     seek_window,
 )
 from v1.engine.whisper_inputs import WINDOW_SECONDS, WhisperInputBuilder
+from v1.engine.word_timestamps import TranscriptionWord, WordClock
 from v1.sampling_params import SamplingParams
 
 NO_SPEECH_PROB = "no_speech_prob"
+TOKEN_TIMES = "token_times"
 WINDOW_SAMPLES = WINDOW_FRAMES * SAMPLES_PER_FRAME
 _T = TypeVar("_T")
 
@@ -66,6 +69,8 @@ class TranscriptionSegment:
     """Temperature of the decoding that was kept (above the first one after a fallback)."""
     seek: int = 0
     """Start of the window, in 10 ms frames (openai-whisper's `seek`)."""
+    words: list[TranscriptionWord] | None = None
+    """The segment's words with their times (word_timestamps only)."""
 
 
 @dataclass
@@ -76,6 +81,8 @@ class TranscriptionResult:
     duration: float
     """Seconds of audio."""
     segments: list[TranscriptionSegment] = field(default_factory=list)
+    words: list[TranscriptionWord] | None = None
+    """Every word with its times, in order (word_timestamps only)."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +102,9 @@ class WindowOutput:
     logprobs: list[float] | None
     """Raw logprob of each sampled token (requests ask for logprobs=0)."""
     no_speech_prob: float | None
+    token_times: list[float] | None = None
+    """Boundary times of the generated text tokens, seconds from the window start (requests
+    with word_timestamps): text token k spans [token_times[k], token_times[k + 1]]."""
 
 
 Plan = Generator[list[WindowRequest], list[WindowOutput], TranscriptionResult]
@@ -129,6 +139,9 @@ class TranscriptionOptions:
     no_speech_threshold: float | None = 0.6
     """With a mean logprob below logprob_threshold and P(<|nospeech|>) above this, the window
     is silence: skipped."""
+    word_timestamps: bool = False
+    """Time every word (cross-attention alignment heads and DTW, as openai-whisper): the
+    result and its segments get `words`."""
 
     @classmethod
     def from_kwargs(cls, options: dict[str, Any]) -> TranscriptionOptions:
@@ -177,6 +190,8 @@ class _Attempt:
     temperature: float
     verdict: Verdict
     """ACCEPT or SKIP."""
+    token_times: list[float] | None = None
+    """WindowOutput.token_times of this decoding."""
 
 
 @dataclass(frozen=True)
@@ -203,7 +218,12 @@ class TranscriptionPlanner:
         if options.prompt is not None and not isinstance(options.prompt, str):
             raise ValueError(f"prompt must be a string, got {type(options.prompt).__name__}")
         self.prompt_ids = builder.text_prompt_ids(options.prompt) if options.prompt else []
+        if not isinstance(options.word_timestamps, bool):
+            raise ValueError(f"word_timestamps must be a boolean, got {options.word_timestamps!r}")
         self.params = self._window_params(options.sampling_params)
+        if options.word_timestamps:
+            builder.check_alignment_heads()
+            self.params = self.params.clone(word_timestamps=True)
         self.fallback = options.fallback(self.params)
 
     @staticmethod
@@ -336,7 +356,8 @@ class TranscriptionPlanner:
             average_logprob(logprobs),
             out.no_speech_prob,
         )
-        return _Attempt(content, quality, temperature, self.fallback.verdict(quality))
+        verdict = self.fallback.verdict(quality)
+        return _Attempt(content, quality, temperature, verdict, out.token_times)
 
     def _detect_request(self, index: int, audio: AudioClip) -> WindowRequest:
         """One decoder step over the language tokens; it shares the first window's encoder
@@ -367,9 +388,21 @@ class TranscriptionPlanner:
         segments: list[TranscriptionSegment] = []
         all_text_ids: list[int] = []
         last_end = 0.0
+        clock = None
+        if self.options.word_timestamps:
+            clock = WordClock(decode, self.tokens.eos, language, duration)
         for window in windows:
             quality = window.attempt.quality
+            if clock is not None:
+                times = window.attempt.token_times
+                if times is None and window.segments:
+                    raise TranscriptionError(
+                        f"the window at {window.seek / FRAMES_PER_SECOND:.2f} s came back "
+                        "without word timings"
+                    )
+                clock.start_window(times or [], window.seek / FRAMES_PER_SECOND)
             for start, end, text_ids in window.segments:
+                words = clock.segment_words(text_ids) if clock is not None else None
                 if not text_ids:
                     continue
                 all_text_ids += text_ids
@@ -387,11 +420,16 @@ class TranscriptionPlanner:
                         no_speech_prob=quality.no_speech_prob,
                         temperature=window.attempt.temperature,
                         seek=window.seek,
+                        words=words,
                     )
                 )
                 last_end = end
         return TranscriptionResult(
-            text=decode(all_text_ids), language=language, duration=duration, segments=segments
+            text=decode(all_text_ids),
+            language=language,
+            duration=duration,
+            segments=segments,
+            words=[w for s in segments for w in s.words or []] if clock is not None else None,
         )
 
 
@@ -435,7 +473,13 @@ def window_output(output: Any, what: str) -> WindowOutput:
             for token, entry in zip(completion.token_ids, completion.logprobs, strict=True)
         ]
     extras = getattr(output, "extras", None) or {}
-    return WindowOutput(list(completion.token_ids), logprobs, extras.get(NO_SPEECH_PROB))
+    token_times = extras.get(TOKEN_TIMES)
+    return WindowOutput(
+        list(completion.token_ids),
+        logprobs,
+        extras.get(NO_SPEECH_PROB),
+        list(token_times) if token_times is not None else None,
+    )
 
 
 class ProgressBar:

@@ -90,6 +90,28 @@ class WhisperInputBuilder:
         self.max_prompt_text_tokens = model_config.hf_config.max_target_positions // 2 - 1
         """Previous-text tokens kept (the last ones), as openai-whisper and transformers."""
 
+    def check_alignment_heads(self) -> None:
+        """Word timestamps read the cross-attention heads the generation config names
+        (`alignment_heads`, [decoder layer, head] pairs): WhisperInputError without them."""
+        heads = getattr(self.generation_config, "alignment_heads", None)
+        if not heads:
+            raise WhisperInputError(
+                "word timestamps need the checkpoint's alignment_heads; the generation config "
+                f"of {self.model_config.model} has none"
+            )
+        cfg = self.model_config.hf_config
+        layers, num_heads = cfg.decoder_layers, cfg.decoder_attention_heads
+        outside = [
+            pair
+            for pair in heads
+            if len(pair) != 2 or not (0 <= pair[0] < layers and 0 <= pair[1] < num_heads)
+        ]
+        if outside:
+            raise WhisperInputError(
+                f"alignment_heads {outside} of the generation config are outside the decoder "
+                f"({layers} layers of {num_heads} heads): word timestamps cannot be computed"
+            )
+
     # ---- public ----
     def build(
         self,
@@ -111,6 +133,8 @@ class WhisperInputBuilder:
             raise WhisperInputError(
                 f"unexpected Whisper prompt keys {sorted(unknown)}; allowed: {sorted(_PROMPT_KEYS)}"
             )
+        if params.word_timestamps:
+            self.check_alignment_heads()
         decoder_ids = self._decoder_prompt(prompt, params.whisper_timestamps)
         if len(decoder_ids) >= self.max_model_len:
             raise WhisperInputError(

@@ -241,6 +241,11 @@ def _add_transcribe(sub: Any) -> None:
         help="segment times: '[start --> end] text' lines with --format text, segments in json",
     )
     p.add_argument(
+        "--word-timestamps",
+        action="store_true",
+        help="time every word (cross-attention alignment); json formats get 'words'",
+    )
+    p.add_argument(
         "--format",
         default="text",
         choices=list(FORMATS),
@@ -423,6 +428,7 @@ def _transcribe(args: argparse.Namespace) -> int:
             "compression_ratio_threshold": args.compression_ratio_threshold,
             "logprob_threshold": args.logprob_threshold,
             "no_speech_threshold": args.no_speech_threshold,
+            "word_timestamps": args.word_timestamps,
         }
         if args.temperature is not None:
             options["temperature"] = tuple(args.temperature)
@@ -444,7 +450,9 @@ def _print_transcript(args: argparse.Namespace, path: str, result: Any, many: bo
 
     if args.format in ("json", "verbose_json"):
         segments = args.format == "verbose_json" or args.timestamps
-        body = formats.to_verbose_json(result, args.task, with_segments=segments)
+        body = formats.to_verbose_json(
+            result, args.task, with_segments=segments, with_words=args.word_timestamps
+        )
         print(json.dumps({"file": path, **body.model_dump(exclude_none=True)}), flush=True)
         return
     if many:

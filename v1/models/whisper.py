@@ -162,6 +162,45 @@ class WhisperForConditionalGeneration(nn.Module):
         """hidden_states [N, d_model] -> logits [N, vocab] float32."""
         return self.proj_out(hidden_states)
 
+    # ---- word timestamps ----
+    @cached_property
+    def alignment_heads(self) -> list[tuple[int, int]]:
+        """The generation config's (decoder layer, head) pairs whose cross-attention follows
+        the speech (openai-whisper's `alignment_heads`); empty when the checkpoint has none."""
+        heads = getattr(self.generation_config, "alignment_heads", None) or []
+        cfg = self.config
+        pairs = [(int(layer), int(head)) for layer, head in heads]
+        for layer, head in pairs:
+            if not (0 <= layer < cfg.decoder_layers and 0 <= head < cfg.decoder_attention_heads):
+                raise ValueError(f"alignment head {(layer, head)} is outside the decoder")
+        return pairs
+
+    @torch.inference_mode()
+    def alignment_attention(
+        self, token_ids: torch.Tensor, encoder_hidden_states: torch.Tensor
+    ) -> torch.Tensor:
+        """A teacher-forced decoder pass over `token_ids` [T] (one request, no KV cache) with
+        the window's encoder output [S, d_model] -> the alignment heads' cross-attention
+        weights softmax(q k^T / sqrt(head_dim)) [num_heads, T, S] float32.
+
+        Plain torch, eager: it runs outside the step's attention backends and CUDA graphs, and
+        only through the last layer that holds an alignment head."""
+        heads = self.alignment_heads
+        if not heads:
+            raise ValueError("this Whisper checkpoint has no alignment_heads in its config")
+        decoder = self.model.decoder
+        positions = torch.arange(token_ids.shape[0], device=token_ids.device)
+        hidden_states = decoder.embed_tokens(token_ids) + decoder.embed_positions(positions)
+        weights: dict[tuple[int, int], torch.Tensor] = {}
+        for index in range(max(layer for layer, _ in heads) + 1):
+            hidden_states, probs = _eager_decoder_layer(
+                decoder.layers[index], hidden_states, encoder_hidden_states
+            )
+            for layer, head in heads:
+                if layer == index:
+                    weights[(layer, head)] = probs[head]
+        return torch.stack([weights[pair] for pair in heads])
+
     # ---- generation config ----
     @cached_property
     def generation_config(self) -> Any:
@@ -210,6 +249,44 @@ class WhisperForConditionalGeneration(nn.Module):
             self.packed_modules_mapping,
             self.ignore_unexpected_patterns,
         )
+
+
+def _eager_decoder_layer(
+    layer: BartDecoderLayer, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One pre-norm Whisper decoder layer over one sequence [T, d] in plain torch (causal
+    self-attention, cross-attention over [S, d]) -> (hidden states [T, d], cross-attention
+    probabilities [heads, T, S] float32). Reads the layer's weights; its paged attention
+    modules are not used."""
+    assert layer.pre_norm, "Whisper decoder layers are pre-norm"
+    num_heads = layer.self_attn.attn.num_heads
+    head_dim = layer.self_attn.attn.head_size
+    if num_heads * head_dim != hidden_states.shape[-1]:
+        raise ValueError(
+            "word timestamps need the whole decoder on one device (no tensor parallel)"
+        )
+    t, s = hidden_states.shape[0], encoder_hidden_states.shape[0]
+
+    def split(x: torch.Tensor, n: int) -> torch.Tensor:
+        return x.view(n, num_heads, head_dim).transpose(0, 1)  # [heads, n, head_dim]
+
+    def merge(x: torch.Tensor) -> torch.Tensor:
+        return x.transpose(0, 1).reshape(t, num_heads * head_dim)  # [T, d]
+
+    attn = layer.self_attn
+    q, k, v = attn.qkv_proj(layer.self_attn_layer_norm(hidden_states)).chunk(3, dim=-1)
+    out = F.scaled_dot_product_attention(split(q, t), split(k, t), split(v, t), is_causal=True)
+    hidden_states = hidden_states + attn.out_proj(merge(out))
+
+    cross = layer.encoder_attn
+    q = split(cross.q_proj(layer.encoder_attn_layer_norm(hidden_states)), t)
+    k, v = (split(x, s) for x in cross.kv_proj(encoder_hidden_states.to(q.dtype)).chunk(2, dim=-1))
+    scores = (q @ k.transpose(1, 2)).float() * head_dim**-0.5  # [heads, T, S]
+    probs = scores.softmax(dim=-1)
+    hidden_states = hidden_states + cross.out_proj(merge(probs.to(v.dtype) @ v))
+
+    hidden_states = hidden_states + layer.mlp(layer.final_layer_norm(hidden_states))
+    return hidden_states, probs
 
 
 def _make_log_mel(cfg: Any) -> LogMelSpectrogram:

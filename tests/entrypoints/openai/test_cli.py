@@ -148,7 +148,15 @@ def runs(llama_server: RemoteServer, tmp: Path) -> Iterator[dict[str, subprocess
             {},
         )
         commands["transcribe-verbose-json"] = (
-            ["transcribe", str(SHORT), *whisper, "--format", "verbose_json", "--quiet"],
+            [
+                "transcribe",
+                str(SHORT),
+                *whisper,
+                "--format",
+                "verbose_json",
+                "--word-timestamps",
+                "--quiet",
+            ],
             {},
         )
         commands["transcribe-missing"] = (["transcribe", str(tmp / "nope.wav"), *whisper], {})
@@ -256,6 +264,11 @@ def test_verbose_json_has_segments(runs: dict[str, subprocess.CompletedProcess])
     assert (segment["start"], segment["end"], segment["seek"]) == (0.0, 4.24, 0)
     assert segment["text"] == " A man said to the universe, Sir, I exist."
     assert segment["temperature"] == 0.0
+    # --word-timestamps: the segment's words, in order, inside the audio (4.6 s).
+    words = body["words"]
+    assert " ".join(w["word"] for w in words) == "A man said to the universe, Sir, I exist."
+    times = [t for w in words for t in (w["start"], w["end"])]
+    assert times == sorted(times) and times[0] >= 0.0 and times[-1] <= 4.7
 
 
 def test_transcribe_srt(runs: dict[str, subprocess.CompletedProcess]) -> None:

@@ -84,6 +84,20 @@ async def _run_all(server: RemoteServer) -> dict[str, Any]:
             timestamp_granularities=["segment"],
         ),
         "long_stream": stream(long),
+        "words": tr.create(
+            model=MODEL,
+            file=("short.flac", short),
+            language="en",
+            response_format="verbose_json",
+            timestamp_granularities=["word"],
+        ),
+        "long_words": tr.create(
+            model=MODEL,
+            file=long,
+            language="en",
+            response_format="verbose_json",
+            timestamp_granularities=["word", "segment"],
+        ),
     }
     results = await asyncio.gather(*jobs.values())
     await client.close()
@@ -161,6 +175,33 @@ def test_long_audio_goes_through_in_chunks(results: dict[str, Any]) -> None:
     done = results["long_stream"][-1]
     assert done.type == "transcript.text.done"
     assert _words(done.text).count(phrase) == 3
+
+
+def test_word_timestamps(results: dict[str, Any]) -> None:
+    """timestamp_granularities=["word"]: words as OpenAI returns them (no leading space, no
+    segments unless asked for), in order, inside the audio."""
+    verbose = results["words"]
+    assert verbose.segments is None
+    words = verbose.words
+    assert [w.word for w in words] == SHORT_TEXT.split()
+    times = [t for w in words for t in (w.start, w.end)]
+    assert times == sorted(times) and times[0] >= 0 and times[-1] <= verbose.duration
+    exist = words[-1]
+    assert 3.3 < exist.start < exist.end < 4.7, exist  # "exist." is spoken at about 3.5-4.2 s
+
+
+def test_word_timestamps_of_long_audio_are_on_the_file_clock(results: dict[str, Any]) -> None:
+    """Words of each 30 s server chunk shifted by the chunk's offset: each "man" sits where
+    its copy of the clip was placed, as it does in the clip alone."""
+    long, alone = results["long_words"], results["words"]
+    assert long.segments and long.words
+    times = [t for w in long.words for t in (w.start, w.end)]
+    assert times == sorted(times) and times[-1] <= 80.0
+    (man,) = [w for w in alone.words if w.word == "man"]
+    mans = [w for w in long.words if w.word == "man"]
+    assert len(mans) == 3
+    for start, word in zip(LONG_STARTS, mans, strict=True):
+        assert abs(word.start - (start + man.start)) < 0.3, (start, word)
 
 
 def test_stream_events(results: dict[str, Any]) -> None:

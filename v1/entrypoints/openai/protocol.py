@@ -370,10 +370,17 @@ class TranscriptionSegmentOut(BaseModel):
     no_speech_prob: float | None
 
 
+class TranscriptionWordOut(BaseModel):
+    word: str
+    start: float
+    end: float
+
+
 class TranscriptionVerboseResponse(BaseModel):
     task: Literal["transcribe", "translate"]
     language: str
     duration: float
     text: str
     segments: list[TranscriptionSegmentOut] | None = None
+    words: list[TranscriptionWordOut] | None = None
     usage: TranscriptionUsage | None = None

@@ -92,6 +92,7 @@ class ServingTranscriptions(ServingBase):
             "task": req.task,
             "timestamps": req.response_format in _TIMED_FORMATS,
             "prompt": req.prompt or None,
+            "word_timestamps": "word" in req.timestamp_granularities,
         }
         request_id = random_id("trsc")
         if req.stream:
@@ -150,12 +151,7 @@ class ServingTranscriptions(ServingBase):
         for granularity in req.timestamp_granularities:
             if granularity not in ("segment", "word"):
                 raise bad_request(
-                    f"timestamp_granularities must be 'segment' (or 'word'), got {granularity!r}",
-                    param="timestamp_granularities",
-                )
-            if granularity == "word":
-                raise bad_request(
-                    "word timestamps are not supported; use timestamp_granularities[]=segment",
+                    f"timestamp_granularities must be 'segment' or 'word', got {granularity!r}",
                     param="timestamp_granularities",
                 )
             if req.response_format != "verbose_json":
@@ -229,7 +225,16 @@ class ServingTranscriptions(ServingBase):
         if fmt == "vtt":
             return PlainTextResponse(formats.to_vtt(result.segments), media_type="text/vtt")
         if fmt == "verbose_json":
-            return json_response(formats.to_verbose_json(result, req.task))
+            # OpenAI: segments by default or when asked for; words only when asked for.
+            granularities = req.timestamp_granularities
+            body = formats.to_verbose_json(
+                result,
+                req.task,
+                with_segments=not granularities or "segment" in granularities,
+                with_words="word" in granularities,
+            )
+            omitted = {name for name in ("segments", "words") if getattr(body, name) is None}
+            return Response(body.model_dump_json(exclude=omitted), media_type="application/json")
         return json_response(formats.to_json(result))
 
     async def _stream(
@@ -374,6 +379,7 @@ class _MergedResult:
         self.language: str | None = None
         self.texts: list[str] = []
         self.segments: list[Any] = []
+        self.words: list[Any] | None = None
 
     def add(self, result: Any, num_samples: int) -> None:
         offset = self.num_samples / SAMPLE_RATE
@@ -382,6 +388,12 @@ class _MergedResult:
             seg.start = round(seg.start + offset, 3)
             seg.end = round(seg.end + offset, 3)
             self.segments.append(seg)
+        if result.words is not None:
+            self.words = self.words or []
+            for word in result.words:
+                word.start = round(word.start + offset, 3)
+                word.end = round(word.end + offset, 3)
+                self.words.append(word)
         self.texts.append(result.text)
         self.language = self.language or result.language
         self.num_chunks += 1
@@ -398,6 +410,7 @@ class _MergedResult:
             language=self.language or "en",
             duration=self.num_samples / SAMPLE_RATE,
             segments=self.segments,
+            words=self.words,
         )
 
 

@@ -13,6 +13,7 @@ from v1.entrypoints.openai.protocol import (
     TranscriptionSegmentOut,
     TranscriptionUsage,
     TranscriptionVerboseResponse,
+    TranscriptionWordOut,
 )
 
 
@@ -58,10 +59,11 @@ def to_json(result: Any) -> TranscriptionResponse:
 
 
 def to_verbose_json(
-    result: Any, task: str, with_segments: bool = True
+    result: Any, task: str, with_segments: bool = True, with_words: bool = False
 ) -> TranscriptionVerboseResponse:
     """OpenAI's verbose_json body; each segment reports the seek and temperature of the
-    window decoding it came from."""
+    window decoding it came from. Words (a result transcribed with word_timestamps) are
+    written as OpenAI does: without their leading space."""
     segments = None
     if with_segments:
         segments = [
@@ -85,5 +87,14 @@ def to_verbose_json(
         duration=round(result.duration, 3),
         text=result.text,
         segments=segments,
+        words=_words(result) if with_words else None,
         usage=usage(result.duration),
     )
+
+
+def _words(result: Any) -> list[TranscriptionWordOut]:
+    if result.words is None:
+        raise ValueError("the transcription was made without word_timestamps")
+    return [
+        TranscriptionWordOut(word=w.word.strip(), start=w.start, end=w.end) for w in result.words
+    ]

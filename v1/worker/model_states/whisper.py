@@ -1,11 +1,14 @@
 """Whisper at the runner level: the encoder-decoder strategy plus each request's no-speech
 probability (softmax of the raw logits at its <|startoftranscript|> position, probability of
 <|nospeech|>, as transformers and openai-whisper compute it), reported once per request in
-`ModelRunnerOutput.extras[req_id]["no_speech_prob"]`.
+`ModelRunnerOutput.extras[req_id]["no_speech_prob"]`; and, for word_timestamps requests, the
+times of their text tokens (`extras[req_id]["token_times"]`) with the output that ends them,
+from an eager alignment pass over the window's kept encoder output (v1/worker/whisper_alignment).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -13,14 +16,37 @@ import torch
 
 from v1.core.sched_output import ModelRunnerOutput, NewRequestData
 from v1.forward_context import ForwardContext, set_forward_context
+from v1.logger import init_logger
 from v1.worker.input_batch import CachedRequestState
 from v1.worker.model_states.encoder_decoder import EncoderDecoderState
 from v1.worker.sampled_output import PendingSampledStep
+from v1.worker.whisper_alignment import alignment_matrix, boundaries
 
 if TYPE_CHECKING:
+    from v1.sampling_params import SamplingParams
     from v1.worker.model_runner import StepInputs
 
+logger = init_logger(__name__)
+
 NO_SPEECH_PROB = "no_speech_prob"
+TOKEN_TIMES = "token_times"
+SAMPLES_PER_FRAME = 160
+"""Log-mel hop at 16 kHz."""
+
+
+@dataclass
+class _WordTimingRequest:
+    """What the alignment pass of one word_timestamps request needs."""
+
+    params: SamplingParams
+    eos_token_id: int | None
+    num_prompt_tokens: int
+    num_frames: int
+    """10 ms mel frames of audio in the window."""
+    encoder_output: torch.Tensor | None = None
+    """The window's encoder output [S, d], kept from the request's first step."""
+    timed: bool = False
+    """Its alignment pass ran (a launched step after the last one does not run it again)."""
 
 
 class WhisperState(EncoderDecoderState):
@@ -33,6 +59,9 @@ class WhisperState(EncoderDecoderState):
         """Per slot: index of <|startoftranscript|> in the request's prompt (-1: none)."""
         self.pending_no_speech: dict[str, float] = {}
         """Computed on a prompt chunk that did not sample yet: reported with the first token."""
+        self.word_timing: dict[str, _WordTimingRequest] = {}
+        """word_timestamps requests in the batch."""
+        self.word_timing_slots = np.zeros(self.runner.max_num_reqs, dtype=bool)
 
     def on_request_added(self, state: CachedRequestState, data: NewRequestData) -> None:
         super().on_request_added(state, data)
@@ -40,11 +69,36 @@ class WhisperState(EncoderDecoderState):
         self.sot_positions[state.slot] = (
             prompt.index(self.sot_token_id) if self.sot_token_id in prompt else -1
         )
+        params = data.sampling_params
+        if params is not None and params.word_timestamps and data.encoder_input is not None:
+            audio = data.encoder_input.audio
+            num_frames = (
+                audio.shape[0] // SAMPLES_PER_FRAME
+                if audio is not None
+                else 2 * data.encoder_input.num_encoder_tokens
+            )
+            self.word_timing[state.req_id] = _WordTimingRequest(
+                params, self.eos_token_id(data), len(prompt), num_frames
+            )
+            self.word_timing_slots[state.slot] = True
 
     def on_request_removed(self, state: CachedRequestState) -> None:
         super().on_request_removed(state)
         self.sot_positions[state.slot] = -1
         self.pending_no_speech.pop(state.req_id, None)
+        self.word_timing.pop(state.req_id, None)
+        self.word_timing_slots[state.slot] = False
+
+    def _write_cross_kv(self, step: StepInputs, encoder_reqs: list[str]) -> None:
+        """Also keeps the encoder output of word_timestamps requests for their alignment pass
+        (the encoder cache may drop it before they end)."""
+        requests = self.runner.input_batch.requests
+        for req_id in encoder_reqs:
+            timing = self.word_timing.get(req_id)
+            if timing is not None:
+                content_hash = requests[req_id].encoder_input.content_hash
+                timing.encoder_output = self.encoder_outputs[content_hash]
+        super()._write_cross_kv(step, encoder_reqs)
 
     def sample_async(self, hidden_states: torch.Tensor, step: StepInputs) -> PendingSampledStep:
         rows, row_reqs = self._sot_rows(step)
@@ -60,6 +114,16 @@ class WhisperState(EncoderDecoderState):
                 lambda output, data: self._record_no_speech(sot_req_ids, data[NO_SPEECH_PROB])
             )
         pending.finalize.append(lambda output, data: self._report_no_speech(output))
+        timed = np.flatnonzero(self.word_timing_slots[pending.slots])
+        if timed.size:
+            rows = pending.keep_rows[timed]
+            slots, positions = pending.slots[timed], pending.positions[timed]
+            generations = pending.generations[timed]
+            pending.finalize.append(
+                lambda output, data: self._time_finished_words(
+                    output, rows, slots, positions, generations
+                )
+            )
         return pending
 
     def _record_no_speech(self, req_ids: list[str], probs: np.ndarray) -> None:
@@ -76,6 +140,76 @@ class WhisperState(EncoderDecoderState):
             if sampled and req_id in self.pending_no_speech:
                 prob = self.pending_no_speech.pop(req_id)
                 output.extras.setdefault(req_id, {})[NO_SPEECH_PROB] = prob
+
+    # ---- word timestamps ----
+    def _time_finished_words(
+        self,
+        output: ModelRunnerOutput,
+        rows: np.ndarray,
+        slots: np.ndarray,
+        positions: np.ndarray,
+        generations: np.ndarray,
+    ) -> None:
+        """Runs the alignment pass of each word_timestamps request whose token sampled in
+        this step ends it, and reports its token times with that (final) output."""
+        batch = self.runner.input_batch
+        held = batch.slot_generations[slots] == generations
+        matrices: dict[str, torch.Tensor | None] = {}
+        for row, slot, position in zip(rows[held], slots[held], positions[held], strict=True):
+            req_id = output.req_ids[row]
+            timing = self.word_timing.get(req_id)
+            token_ids = batch.token_ids[slot, : position + 1]  # prompt + outputs, resolved
+            if timing is None or timing.timed or not self._ends_request(timing, token_ids):
+                continue
+            timing.timed = True
+            try:
+                matrices[req_id] = self._alignment_matrix(timing, token_ids)
+            except (RuntimeError, ValueError) as e:
+                # The request ends without times (the frontend reports it): the step goes on.
+                logger.warning("word timestamps of %s failed: %s", req_id, e)
+            timing.encoder_output = None
+        for req_id, matrix in matrices.items():
+            # sync: the first matrix reaches the host (every pass was launched before it).
+            times = boundaries(matrix.cpu().numpy()) if matrix is not None else []
+            output.extras.setdefault(req_id, {})[TOKEN_TIMES] = times
+
+    def _ends_request(self, timing: _WordTimingRequest, token_ids: np.ndarray) -> bool:
+        """The scheduler's stop rules (EOS, stop ids, max_tokens, max_model_len) on the last
+        sampled token."""
+        params = timing.params
+        num_output = len(token_ids) - timing.num_prompt_tokens
+        room = self.runner.max_model_len - timing.num_prompt_tokens
+        max_tokens = min(params.max_tokens or room, room)
+        if num_output >= max_tokens or len(token_ids) >= self.runner.max_model_len:
+            return True
+        if num_output < params.min_tokens:
+            return False
+        token = int(token_ids[-1])
+        if token == timing.eos_token_id and not params.ignore_eos:
+            return True
+        return token in (params.stop_token_ids or ())
+
+    def _alignment_matrix(
+        self, timing: _WordTimingRequest, token_ids: np.ndarray
+    ) -> torch.Tensor | None:
+        """openai-whisper's alignment input: the prompt from <|startoftranscript|> (previous
+        text dropped) with <|notimestamps|>, the generated text tokens (timestamps dropped),
+        <|endoftext|>; its alignment heads' cross-attention -> the DTW matrix on the device
+        (None: no text token to time)."""
+        if timing.encoder_output is None:
+            raise RuntimeError("the window's encoder output was not kept")
+        info = self.runner.model.token_info
+        prompt = token_ids[: timing.num_prompt_tokens].tolist()
+        prompt = prompt[prompt.index(self.sot_token_id) :] if self.sot_token_id in prompt else []
+        if not prompt or prompt[-1] != info.no_timestamps_token_id:
+            prompt.append(info.no_timestamps_token_id)
+        outputs = token_ids[timing.num_prompt_tokens :]
+        text = outputs[outputs < info.eos_token_id].tolist()
+        if not text:
+            return None
+        ids = self.runner._to_device(np.array([*prompt, *text, info.eos_token_id]))
+        weights = self.runner.model.alignment_attention(ids, timing.encoder_output)
+        return alignment_matrix(weights, timing.num_frames, first_row=len(prompt) - 1)
 
     def _sot_rows(self, step: StepInputs) -> tuple[np.ndarray, np.ndarray]:
         """(packed token rows holding a <|startoftranscript|> this step, their request index)."""
