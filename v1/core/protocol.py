@@ -95,6 +95,9 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     num_encoder_runs: int = 0
     num_encoder_lookups: int = 0
     """Requests with an encoder input admitted (num_encoder_runs of them ran the encoder)."""
+    num_cross_cache_hits: int = 0
+    """Of those, admissions that attached to cross-attention K/V already cached (shared by
+    encoder content hash): no encoder run and no cross-K/V projection."""
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
 
