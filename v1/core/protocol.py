@@ -56,6 +56,10 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
     arrival_time: float = 0.0
     priority: int = 0
     """Lower runs first under the priority policy."""
+    output_token_ids: list[int] | None = None
+    """Tokens this sequence already generated (they count as outputs: max_tokens, min_tokens,
+    forced tokens, penalties and Whisper rules see them). Beam search continues each beam as a
+    new request carrying its tokens so far; the prefix cache shares their KV blocks."""
     group_id: str | None = None
     """Requests of one client request (n > 1 samples, a batch of prompts, a transcription's
     windows) share a group; the fcfs waiting queue takes turns between groups, so one client's

@@ -11,6 +11,7 @@ from typing import Any
 
 from v1.config import EngineConfig
 from v1.core.client import EngineCoreClient
+from v1.core.protocol import EngineCoreOutput, EngineCoreRequest
 from v1.engine.input_processor import InputProcessor, Params
 from v1.engine.output_processor import AnyRequestOutput, OutputProcessor, ParentRequest
 from v1.engine.tokenizer import get_tokenizer
@@ -38,6 +39,8 @@ class LLMEngine:
         # The client last: it starts the core (and its process), which is the costly part.
         self.engine_core = EngineCoreClient.make_client(config, multiprocess=multiprocess)
         self._closed = False
+        self._core_outputs: dict[str, EngineCoreOutput | None] = {}
+        """Requests run by `run_core_requests` -> their final output (None until finished)."""
         # Start-up objects (model, tokenizer, config) never die: keep them out of the cyclic
         # GC's scans, which otherwise cost ~40% of per-request host time in large batches.
         gc.collect()
@@ -104,11 +107,44 @@ class LLMEngine:
         core_ids = self.output_processor.abort_requests(request_ids)
         self.engine_core.abort_requests(core_ids)
 
+    def run_core_requests(self, requests: list[EngineCoreRequest]) -> dict[str, EngineCoreOutput]:
+        """Runs prepared core requests (beam search steps) past the output processor and
+        returns each one's final output (tokens and logprobs of a one-token request). Other
+        requests keep running meanwhile, but their outputs of these steps are dropped."""
+        req_ids = [r.request_id for r in requests]
+        if len(set(req_ids)) != len(req_ids) or any(r in self._core_outputs for r in req_ids):
+            raise ValueError("core request ids must be unique")
+        try:
+            for request in requests:
+                self._core_outputs[request.request_id] = None
+                self.engine_core.add_request(request)
+            while any(self._core_outputs[r] is None for r in req_ids):
+                self.step()
+        except BaseException:
+            self.engine_core.abort_requests([r for r in req_ids if not self._core_outputs.get(r)])
+            raise
+        finally:
+            outputs = {r: self._core_outputs.pop(r, None) for r in req_ids}
+        return {r: out for r, out in outputs.items() if out is not None}
+
+    def _take_core_outputs(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        """Keeps the final outputs of `run_core_requests`' requests; returns the others."""
+        rest = []
+        for out in outputs:
+            if out.request_id not in self._core_outputs:
+                rest.append(out)
+            elif out.finished:
+                self._core_outputs[out.request_id] = out
+        return rest
+
     # ---- running ----
     def step(self) -> list[AnyRequestOutput]:
         """One core step: the outputs it produced (per each request's output kind)."""
         outputs = self.engine_core.get_output()
-        results, reqs_to_abort = self.output_processor.process_outputs(outputs.outputs)
+        core_outputs = outputs.outputs
+        if self._core_outputs:
+            core_outputs = self._take_core_outputs(core_outputs)
+        results, reqs_to_abort = self.output_processor.process_outputs(core_outputs)
         if reqs_to_abort:
             self.engine_core.abort_requests(reqs_to_abort)
         return results

@@ -1,0 +1,215 @@
+"""LLM.beam_search against transformers' generate(num_beams=...): the same sequences and
+`sequences_scores` for tiny random BART, T5, Marian, Llama and GPT-2, over beam widths, length
+penalties and the three early_stopping modes; beams share one cross cache and one encoder run."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSeq2SeqLM,
+    AutoTokenizer,
+    BartConfig,
+    BartForConditionalGeneration,
+    GPT2Config,
+    GPT2LMHeadModel,
+    MarianConfig,
+    MarianMTModel,
+    T5Config,
+    T5ForConditionalGeneration,
+)
+
+from tests.utils import make_tiny_llama_dir, make_tiny_model_dir, make_tiny_tokenizer
+from v1 import LLM, BeamSearchParams
+
+MAX_TOKENS = 10
+TEXTS = ["the quick brown fox", "hello world, who are you"]
+ENGINE_ARGS = dict(multiprocess=False, num_kv_blocks=256, block_size=4, max_model_len=64)
+
+
+def _bart(path: Path) -> str:
+    make_tiny_tokenizer(path, add_bos=True, add_eos=True)
+    make_tiny_model_dir(
+        BartConfig,
+        BartForConditionalGeneration,
+        path,
+        tokenizer_from=path,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=64,
+        init_std=0.2,
+    )
+    generation = {
+        "decoder_start_token_id": 2,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+        "forced_bos_token_id": 1,
+        "forced_eos_token_id": 2,
+        "no_repeat_ngram_size": 3,
+    }
+    (path / "generation_config.json").write_text(json.dumps(generation))
+    return str(path)
+
+
+def _marian(path: Path) -> str:
+    make_tiny_tokenizer(path, add_bos=False, add_eos=True)
+    return make_tiny_model_dir(
+        MarianConfig,
+        MarianMTModel,
+        path,
+        tokenizer_from=path,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=64,
+        decoder_start_token_id=0,
+        init_std=0.2,
+    )
+
+
+def _t5(path: Path) -> str:
+    make_tiny_tokenizer(path, add_bos=False, add_eos=True)
+    return make_tiny_model_dir(
+        T5Config,
+        T5ForConditionalGeneration,
+        path,
+        tokenizer_from=path,
+        d_model=32,
+        d_ff=64,
+        d_kv=8,
+        num_layers=2,
+        num_heads=4,
+        feed_forward_proj="gated-gelu",
+        tie_word_embeddings=False,
+        initializer_factor=5.0,
+        decoder_start_token_id=0,
+    )
+
+
+def _llama(path: Path) -> str:
+    return make_tiny_llama_dir(path, initializer_range=0.2)
+
+
+def _gpt2(path: Path) -> str:
+    make_tiny_tokenizer(path, add_bos=False)
+    return make_tiny_model_dir(
+        GPT2Config,
+        GPT2LMHeadModel,
+        path,
+        tokenizer_from=path,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=64,
+        initializer_range=0.2,
+    )
+
+
+MODELS: dict[str, tuple[Callable[[Path], str], bool]] = {
+    "bart": (_bart, True),
+    "t5": (_t5, True),
+    "marian": (_marian, True),
+    "llama": (_llama, False),
+    "gpt2": (_gpt2, False),
+}
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    make, is_encoder_decoder = MODELS[request.param]
+    path = make(tmp_path_factory.mktemp(request.param))
+    auto = AutoModelForSeq2SeqLM if is_encoder_decoder else AutoModelForCausalLM
+    hf = auto.from_pretrained(path).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    with LLM(path, **ENGINE_ARGS) as llm:
+        yield request.param, llm, hf, tokenizer, is_encoder_decoder
+
+
+def hf_beam_search(
+    hf: Any, tokenizer: Any, text: str, is_encoder_decoder: bool, **kwargs: Any
+) -> tuple[list[list[int]], list[float] | None]:
+    """transformers' (generated tokens without padding, sequences_scores) for one prompt."""
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = hf.generate(
+            ids,
+            do_sample=False,
+            max_new_tokens=MAX_TOKENS,
+            return_dict_in_generate=True,
+            output_scores=True,
+            **kwargs,
+        )
+    start = 1 if is_encoder_decoder else ids.shape[1]
+    eos = hf.generation_config.eos_token_id
+    pad = hf.generation_config.pad_token_id
+    sequences = []
+    for row in out.sequences.tolist():
+        generated = row[start:]
+        if eos in generated:
+            generated = generated[: generated.index(eos) + 1]
+        elif pad is not None and pad != eos:
+            while generated and generated[-1] == pad:
+                generated.pop()
+        sequences.append(generated)
+    scores = getattr(out, "sequences_scores", None)
+    return sequences, None if scores is None else scores.tolist()
+
+
+CASES = [
+    # (beam_width, num_return_sequences, length_penalty, early_stopping)
+    (2, 2, 1.0, False),
+    (4, 3, 0.6, True),
+    (4, 4, 2.0, "never"),
+    (2, 1, 0.6, "never"),
+    (4, 2, 2.0, False),
+]
+
+
+def test_beam_search_matches_transformers(model) -> None:
+    name, llm, hf, tokenizer, is_encoder_decoder = model
+    for width, num_return, length_penalty, early_stopping in CASES:
+        params = BeamSearchParams(
+            beam_width=width,
+            max_tokens=MAX_TOKENS,
+            length_penalty=length_penalty,
+            early_stopping=early_stopping,
+            num_return_sequences=num_return,
+        )
+        outputs = llm.beam_search(TEXTS, params)
+        for text, output in zip(TEXTS, outputs, strict=True):
+            expected, scores = hf_beam_search(
+                hf,
+                tokenizer,
+                text,
+                is_encoder_decoder,
+                num_beams=width,
+                num_return_sequences=num_return,
+                length_penalty=length_penalty,
+                early_stopping=early_stopping,
+            )
+            case = f"{name} width={width} lp={length_penalty} early_stopping={early_stopping}"
+            assert [s.token_ids for s in output.sequences] == expected, case
+            assert [s.score for s in output.sequences] == pytest.approx(scores, abs=2e-4), case
+
+
+def test_width_one_is_greedy(model) -> None:
+    name, llm, hf, tokenizer, is_encoder_decoder = model
+    (output,) = llm.beam_search(TEXTS[0], BeamSearchParams(beam_width=1, max_tokens=MAX_TOKENS))
+    expected, _ = hf_beam_search(hf, tokenizer, TEXTS[0], is_encoder_decoder, num_beams=1)
+    assert [s.token_ids for s in output.sequences] == expected, name
