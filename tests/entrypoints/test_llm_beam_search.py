@@ -144,7 +144,7 @@ def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 def hf_beam_search(
     hf: Any, tokenizer: Any, text: str, is_encoder_decoder: bool, **kwargs: Any
 ) -> tuple[list[list[int]], list[float] | None]:
-    """transformers' (generated tokens without padding, sequences_scores) for one prompt."""
+    """transformers' (generated tokens, padded as transformers pads them, sequences_scores)."""
     ids = tokenizer(text, return_tensors="pt").input_ids
     with torch.no_grad():
         out = hf.generate(
@@ -156,34 +156,32 @@ def hf_beam_search(
             **kwargs,
         )
     start = 1 if is_encoder_decoder else ids.shape[1]
-    eos = hf.generation_config.eos_token_id
-    pad = hf.generation_config.pad_token_id
-    sequences = []
-    for row in out.sequences.tolist():
-        generated = row[start:]
-        if eos in generated:
-            generated = generated[: generated.index(eos) + 1]
-        elif pad is not None and pad != eos:
-            while generated and generated[-1] == pad:
-                generated.pop()
-        sequences.append(generated)
     scores = getattr(out, "sequences_scores", None)
-    return sequences, None if scores is None else scores.tolist()
+    return [row[start:] for row in out.sequences.tolist()], (
+        None if scores is None else scores.tolist()
+    )
 
 
-CASES = [
-    # (beam_width, num_return_sequences, length_penalty, early_stopping)
-    (2, 2, 1.0, False),
-    (4, 3, 0.6, True),
-    (4, 4, 2.0, "never"),
-    (2, 1, 0.6, "never"),
-    (4, 2, 2.0, False),
-]
+def padded(sequences: list[list[int]], like: list[list[int]], pad: int) -> list[list[int]]:
+    width = max(len(row) for row in like)
+    return [s + [pad] * (width - len(s)) for s in sequences]
+
+
+CASES = {
+    # model: [(beam_width, num_return_sequences, length_penalty, early_stopping), ...]; over
+    # the models every width, length penalty and early_stopping mode meets the others.
+    "bart": [(2, 2, 1.0, False), (4, 3, 0.6, True)],
+    "t5": [(4, 4, 2.0, "never"), (2, 1, 0.6, False)],
+    "marian": [(4, 2, 2.0, False), (2, 2, 1.0, "never")],
+    "llama": [(4, 2, 0.6, "never"), (2, 2, 2.0, True)],
+    "gpt2": [(4, 4, 1.0, False), (2, 1, 2.0, "never")],
+}
 
 
 def test_beam_search_matches_transformers(model) -> None:
     name, llm, hf, tokenizer, is_encoder_decoder = model
-    for width, num_return, length_penalty, early_stopping in CASES:
+    pad = hf.generation_config.pad_token_id
+    for width, num_return, length_penalty, early_stopping in CASES[name]:
         params = BeamSearchParams(
             beam_width=width,
             max_tokens=MAX_TOKENS,
@@ -204,7 +202,8 @@ def test_beam_search_matches_transformers(model) -> None:
                 early_stopping=early_stopping,
             )
             case = f"{name} width={width} lp={length_penalty} early_stopping={early_stopping}"
-            assert [s.token_ids for s in output.sequences] == expected, case
+            got = padded([s.token_ids for s in output.sequences], expected, pad)
+            assert got == expected, case
             assert [s.score for s in output.sequences] == pytest.approx(scores, abs=2e-4), case
 
 
@@ -212,4 +211,7 @@ def test_width_one_is_greedy(model) -> None:
     name, llm, hf, tokenizer, is_encoder_decoder = model
     (output,) = llm.beam_search(TEXTS[0], BeamSearchParams(beam_width=1, max_tokens=MAX_TOKENS))
     expected, _ = hf_beam_search(hf, tokenizer, TEXTS[0], is_encoder_decoder, num_beams=1)
-    assert [s.token_ids for s in output.sequences] == expected, name
+    got = padded(
+        [s.token_ids for s in output.sequences], expected, hf.generation_config.pad_token_id
+    )
+    assert got == expected, name
