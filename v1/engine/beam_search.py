@@ -90,6 +90,8 @@ class BeamSearchSequence:
     """One finished beam: its generated tokens (EOS included when it ended on one)."""
 
     token_ids: list[int]
+    logprobs: list[float]
+    """Processed logprob of each token (what the score sums)."""
     score: float
     """sum(logprobs) / len(token_ids) ** length_penalty: transformers' `sequences_scores`."""
     cumulative_logprob: float
@@ -112,6 +114,7 @@ class _Beam:
     tokens: tuple[int, ...]
     score: float
     """Running sum of logprobs (float32 arithmetic, as transformers)."""
+    logprobs: tuple[float, ...] = ()
 
 
 def _f32(x: float) -> float:
@@ -150,8 +153,10 @@ class BeamSearch:
         # when beam 0 has fewer finite continuations than beams_to_keep.
         self.running = [_Beam((), 0.0)] + [_Beam((), _NEG) for _ in range(self.num_beams - 1)]
         self.num_kept = params.num_finished_kept
-        self.finished: list[tuple[float, tuple[int, ...], float]] = []
-        """(length-normalized score, tokens, cumulative logprob), best first."""
+        self.finished: list[tuple[float, tuple[int, ...], float, tuple[float, ...]]] = []
+        """(length-normalized score, tokens, cumulative logprob, logprobs), best first."""
+        self.first_extras: dict[str, float] = {}
+        """Model-specific results of the first step (Whisper: no_speech_prob)."""
         self.improvement_possible = True
         self.done = False
         self.cur_len = 0
@@ -188,14 +193,14 @@ class BeamSearch:
         new_len = self.cur_len + 1
         hits = [
             tokens[-1] in self.eos_token_ids or new_len >= self.params.max_tokens
-            for _, tokens in top
+            for _, tokens, _ in top
         ]
         # Running beams: the best num_beams continuations that did not just finish (finished
         # ones sink by 1e9, as in transformers, so they refill only when too few are left).
         running = sorted(
             (
                 (score + (_NEG if hit else 0.0), i)
-                for i, ((score, _), hit) in enumerate(zip(top, hits, strict=True))
+                for i, ((score, _, _), hit) in enumerate(zip(top, hits, strict=True))
             ),
             key=lambda x: -x[0],
         )[: self.num_beams]
@@ -205,21 +210,21 @@ class BeamSearch:
         if can_add:
             denom = _f32(float(new_len) ** self.params.length_penalty)
             new = [
-                (_f32(score / denom), tokens, score)
-                for i, ((score, tokens), hit) in enumerate(zip(top, hits, strict=True))
+                (_f32(score / denom), tokens, score, lps)
+                for i, ((score, tokens, lps), hit) in enumerate(zip(top, hits, strict=True))
                 if hit and i < self.num_beams
             ]
             merged = self.finished + new
             merged.sort(key=lambda x: -x[0])  # stable: earlier entries win ties
             self.finished = merged[: self.num_kept]
-        self.running = [_Beam(top[i][1], _f32(s)) for s, i in running]
+        self.running = [_Beam(top[i][1], _f32(s), top[i][2]) for s, i in running]
         self.cur_len = new_len
         self.num_steps += 1
         self._update_stop(all(hits))
 
     def _candidates(
         self, logprobs: dict[tuple[int, ...], list[tuple[int, float]]]
-    ) -> list[tuple[float, tuple[int, ...]]]:
+    ) -> list[tuple[float, tuple[int, ...], tuple[float, ...]]]:
         """All continuations (accumulated score, tokens), best first; ties keep beam order,
         then the engine's top-k order (torch.topk over the flattened beams x vocab)."""
         out: list[tuple[float, int, int, tuple[int, ...]]] = []
@@ -231,9 +236,10 @@ class BeamSearch:
             for rank, (token, lp) in enumerate(pairs):
                 if lp == -math.inf:
                     continue
-                out.append((_f32(beam.score + lp), b, rank, (*beam.tokens, token)))
+                lps = (*beam.logprobs, lp)
+                out.append((_f32(beam.score + lp), b, rank, (*beam.tokens, token), lps))
         out.sort(key=lambda x: (-x[0], x[1], x[2]))
-        return [(score, tokens) for score, _, _, tokens in out]
+        return [(score, tokens, lps) for score, _, _, tokens, lps in out]
 
     def _update_stop(self, all_hit: bool) -> None:
         """transformers' `_check_early_stop_heuristic` and `_beam_search_has_unfinished_sequences`
@@ -259,11 +265,12 @@ class BeamSearch:
     def result(self) -> list[BeamSearchSequence]:
         n = self.params.num_return_sequences or self.num_beams
         out = []
-        for score, tokens, cumulative in self.finished[:n]:
+        for score, tokens, cumulative, logprobs in self.finished[:n]:
             ends_on_eos = bool(tokens) and tokens[-1] in self.eos_token_ids
             out.append(
                 BeamSearchSequence(
                     token_ids=list(tokens),
+                    logprobs=list(logprobs),
                     score=score,
                     cumulative_logprob=cumulative,
                     finish_reason="stop" if ends_on_eos else "length",
@@ -286,7 +293,7 @@ RunRequests = Callable[[list[EngineCoreRequest]], dict[str, EngineCoreOutput]]
 RunRequestsAsync = Callable[[list[EngineCoreRequest]], Awaitable[dict[str, EngineCoreOutput]]]
 
 
-def _step_requests(
+def beam_step_requests(
     searches: list[BeamSearch],
 ) -> tuple[list[EngineCoreRequest], list[tuple[int, tuple[int, ...], str]]]:
     requests, keys = [], []
@@ -298,14 +305,17 @@ def _step_requests(
     return requests, keys
 
 
-def _advance_all(
+def advance_beam_searches(
     searches: list[BeamSearch],
     keys: list[tuple[int, tuple[int, ...], str]],
     outputs: dict[str, EngineCoreOutput],
 ) -> None:
     per_search: list[dict[tuple[int, ...], list[tuple[int, float]]]] = [{} for _ in searches]
     for i, tokens, req_id in keys:
-        per_search[i][tokens] = _top_logprobs(outputs[req_id])
+        output = outputs[req_id]
+        per_search[i][tokens] = _top_logprobs(output)
+        if searches[i].num_steps == 0 and output.extras:
+            searches[i].first_extras.update(output.extras)
     for search, logprobs in zip(searches, per_search, strict=True):
         if not search.done:
             search.advance(logprobs)
@@ -314,16 +324,16 @@ def _advance_all(
 def run_beam_search(searches: list[BeamSearch], run: RunRequests) -> None:
     """Steps every search to the end; `run` executes one round of core requests."""
     while not all(s.done for s in searches):
-        requests, keys = _step_requests(searches)
+        requests, keys = beam_step_requests(searches)
         outputs = run(requests) if requests else {}
-        _advance_all(searches, keys, outputs)
+        advance_beam_searches(searches, keys, outputs)
 
 
 async def run_beam_search_async(searches: list[BeamSearch], run: RunRequestsAsync) -> None:
     while not all(s.done for s in searches):
-        requests, keys = _step_requests(searches)
+        requests, keys = beam_step_requests(searches)
         outputs = await run(requests) if requests else {}
-        _advance_all(searches, keys, outputs)
+        advance_beam_searches(searches, keys, outputs)
 
 
 def make_beam_search(

@@ -107,25 +107,50 @@ class LLMEngine:
         core_ids = self.output_processor.abort_requests(request_ids)
         self.engine_core.abort_requests(core_ids)
 
-    def run_core_requests(self, requests: list[EngineCoreRequest]) -> dict[str, EngineCoreOutput]:
-        """Runs prepared core requests (beam search steps) past the output processor and
-        returns each one's final output (tokens and logprobs of a one-token request). Other
-        requests keep running meanwhile, but their outputs of these steps are dropped."""
+    def add_core_requests(self, requests: list[EngineCoreRequest]) -> None:
+        """Queues prepared core requests (beam search steps) past the output processor: their
+        final outputs are kept for `take_core_output` instead of becoming user outputs."""
         req_ids = [r.request_id for r in requests]
         if len(set(req_ids)) != len(req_ids) or any(r in self._core_outputs for r in req_ids):
             raise ValueError("core request ids must be unique")
+        for request in requests:
+            self._core_outputs[request.request_id] = None
+            self.engine_core.add_request(request)
+
+    def take_core_output(self, request_id: str) -> EngineCoreOutput | None:
+        """The final output of a request from `add_core_requests` (forgotten once taken);
+        None while it runs."""
+        output = self._core_outputs.get(request_id)
+        if output is not None:
+            del self._core_outputs[request_id]
+        return output
+
+    def core_outputs_ready(self, request_ids: list[str]) -> bool:
+        """Whether every one of these `add_core_requests` requests has finished."""
+        return all(self._core_outputs.get(r) is not None for r in request_ids)
+
+    def abort_core_requests(self, request_ids: list[str]) -> None:
+        for req_id in request_ids:
+            self._core_outputs.pop(req_id, None)
+        self.engine_core.abort_requests(request_ids)
+
+    def run_core_requests(self, requests: list[EngineCoreRequest]) -> dict[str, EngineCoreOutput]:
+        """Runs prepared core requests to the end and returns each one's final output. Other
+        requests keep running meanwhile, but their outputs of these steps are dropped."""
+        req_ids = [r.request_id for r in requests]
+        self.add_core_requests(requests)
+        outputs: dict[str, EngineCoreOutput] = {}
         try:
-            for request in requests:
-                self._core_outputs[request.request_id] = None
-                self.engine_core.add_request(request)
-            while any(self._core_outputs[r] is None for r in req_ids):
+            while len(outputs) < len(req_ids):
                 self.step()
+                for req_id in req_ids:
+                    output = None if req_id in outputs else self.take_core_output(req_id)
+                    if output is not None:
+                        outputs[req_id] = output
         except BaseException:
-            self.engine_core.abort_requests([r for r in req_ids if not self._core_outputs.get(r)])
+            self.abort_core_requests([r for r in req_ids if r not in outputs])
             raise
-        finally:
-            outputs = {r: self._core_outputs.pop(r, None) for r in req_ids}
-        return {r: out for r, out in outputs.items() if out is not None}
+        return outputs
 
     def _take_core_outputs(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
         """Keeps the final outputs of `run_core_requests`' requests; returns the others."""
