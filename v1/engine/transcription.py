@@ -708,8 +708,13 @@ class AsyncTranscriber:
 
     async def _run_request(self, index: int, request: WindowRequest) -> WindowOutput:
         if request.beam is not None:
-            search = make_beam_search(
-                self.llm, request.request_id, request.prompt, request.beam, request.params
+            search = await self.llm.run_input_work(
+                make_beam_search,
+                self.llm,
+                request.request_id,
+                request.prompt,
+                request.beam,
+                request.params,
             )
             await run_beam_search_async([search], self.llm.run_core_requests_async)
             return beam_window_output(search)
