@@ -10,7 +10,7 @@ import torch
 
 from tests.models.test_whisper import WHISPER_BASE
 from tests.utils import ASSETS, needs_assets
-from v1 import LLM
+from v1 import LLM, SamplingParams
 from v1.audio import load_audio
 
 AUDIO = ASSETS / "audio"
@@ -60,8 +60,25 @@ def test_beam_size_5_matches_transformers_num_beams_5() -> None:
             assert segment.tokens == want
             assert -1.0 < segment.avg_logprob < 0.0
 
-        # best_of at a temperature above 0: five samples, the most likely one kept.
+        # best_of at a temperature above 0: five seeded samples, the most likely one kept
+        # (openai-whisper's ranking: sum of logprobs / length).
+        params = SamplingParams(temperature=0.6, seed=7, max_tokens=40)
         (hot,) = llm.transcribe(
-            (waves[0], SR), language="en", best_of=5, temperature=0.4, sampling_params=None
+            (waves[1], SR), sampling_params=params, language="en", best_of=5, temperature=0.6
         )
-        assert hot.text.strip()
+        tokenizer = llm.get_tokenizer()
+        forced = ["<|startoftranscript|>", "<|en|>", "<|transcribe|>", "<|notimestamps|>"]
+        prompt = {
+            "prompt_token_ids": tokenizer.convert_tokens_to_ids(forced),
+            "multi_modal_data": {"audio": (waves[1], SR)},
+        }
+        (samples,) = llm.generate(prompt, params.clone(n=5, logprobs=0), use_tqdm=False)
+
+        def rank(c) -> float:
+            lps = [entry[t].logprob for t, entry in zip(c.token_ids, c.logprobs, strict=True)]
+            return sum(lps) / len(lps)
+
+        assert len({tuple(c.token_ids) for c in samples.outputs}) > 1  # they differ
+        best = max(samples.outputs, key=rank)
+        eos = tokenizer.eos_token_id
+        assert hot.segments[0].tokens == [t for t in best.token_ids if t < eos]

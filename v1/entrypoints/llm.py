@@ -258,7 +258,9 @@ class LLM:
         detect), task ("transcribe" or "translate"), timestamps, prompt,
         condition_on_previous_text (True), temperature (fallback schedule; one number turns
         fallback off), compression_ratio_threshold (2.4), logprob_threshold (-1.0),
-        no_speech_threshold (0.6). A progress bar (audio seconds, real-time factor) shows for
+        no_speech_threshold (0.6), beam_size (beam search at temperature 0, as transformers'
+        num_beams), best_of (samples per window above temperature 0, the most likely kept),
+        patience, length_penalty. A progress bar (audio seconds, real-time factor) shows for
         batches and long audio unless `use_tqdm=False`."""
         mc = self.config.model_config
         if not mc.is_whisper:
