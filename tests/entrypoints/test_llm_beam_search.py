@@ -215,3 +215,34 @@ def test_width_one_is_greedy(model) -> None:
         [s.token_ids for s in output.sequences], expected, hf.generation_config.pad_token_id
     )
     assert got == expected, name
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(beam_width=0, max_tokens=4),
+        dict(beam_width=11, max_tokens=4),
+        dict(beam_width=2, max_tokens=0),
+        dict(beam_width=2, max_tokens=4, early_stopping="sometimes"),
+        dict(beam_width=2, max_tokens=4, num_return_sequences=3),
+        dict(beam_width=2, max_tokens=4, length_penalty=float("nan")),
+        dict(beam_width=2, max_tokens=4, patience=0.0),
+    ],
+)
+def test_bad_beam_search_params_raise(kwargs: dict) -> None:
+    with pytest.raises(ValueError):
+        BeamSearchParams(**kwargs)
+
+
+def test_bad_beam_search_calls_raise_and_leak_nothing(model) -> None:
+    name, llm, *_ = model
+    from v1 import SamplingParams
+
+    with pytest.raises(ValueError, match="BeamSearchParams"):
+        llm.beam_search(TEXTS[0], SamplingParams())
+    with pytest.raises(ValueError, match="prompt 1"):
+        llm.beam_search(
+            [TEXTS[0], {"prompt_token_ids": [10**7]}], BeamSearchParams(beam_width=2, max_tokens=4)
+        )
+    stats = llm.llm_engine.get_stats()
+    assert stats["num_kv_requests"] == 0 and stats["num_requests"] == 0, name
