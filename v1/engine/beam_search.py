@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from v1.core.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
+from v1.core.protocol import EncoderInput, EngineCoreOutput, EngineCoreRequest, FinishReason
 from v1.sampling_params import SamplingParams
 
 _NEG = -1.0e9
@@ -172,12 +172,20 @@ class BeamSearch:
 
     def make_request(self, tokens: tuple[int, ...], request_id: str) -> EngineCoreRequest:
         params = self.step_params.clone(max_tokens=len(tokens) + 1)
+        changes: dict[str, Any] = {}
+        enc = self.base.encoder_input
+        if enc is not None and self.num_steps > 0:
+            # The first step sent the data; later ones name it (the core keeps it by hash).
+            changes["encoder_input"] = EncoderInput(
+                num_encoder_tokens=enc.num_encoder_tokens, content_hash=enc.content_hash
+            )
         return msgspec.structs.replace(
             self.base,
             request_id=request_id,
             sampling_params=params,
             output_token_ids=list(tokens) or None,
             group_id=self.base.group_id or self.base.request_id,
+            **changes,
         )
 
     def _forced_eos_now(self) -> bool:
