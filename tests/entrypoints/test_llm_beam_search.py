@@ -246,3 +246,26 @@ def test_bad_beam_search_calls_raise_and_leak_nothing(model) -> None:
         )
     stats = llm.llm_engine.get_stats()
     assert stats["num_kv_requests"] == 0 and stats["num_requests"] == 0, name
+
+
+def test_min_tokens_masks_eos_like_min_new_tokens(model) -> None:
+    name, llm, hf, tokenizer, is_encoder_decoder = model
+    if name not in ("bart", "gpt2"):
+        pytest.skip("one model of each kind is enough")
+    from v1 import SamplingParams
+
+    params = BeamSearchParams(beam_width=3, max_tokens=MAX_TOKENS, num_return_sequences=2)
+    (output,) = llm.beam_search(TEXTS[1], params, sampling_params=SamplingParams(min_tokens=8))
+    expected, scores = hf_beam_search(
+        hf,
+        tokenizer,
+        TEXTS[1],
+        is_encoder_decoder,
+        num_beams=3,
+        num_return_sequences=2,
+        min_new_tokens=8,
+    )
+    pad = hf.generation_config.pad_token_id
+    assert padded([s.token_ids for s in output.sequences], expected, pad) == expected
+    assert [s.score for s in output.sequences] == pytest.approx(scores, abs=2e-4)
+    assert all(len(s.token_ids) >= 8 for s in output.sequences)

@@ -171,7 +171,11 @@ class BeamSearch:
         return list(dict.fromkeys(b.tokens for b in self.running if b.score > _NEG / 2))
 
     def make_request(self, tokens: tuple[int, ...], request_id: str) -> EngineCoreRequest:
-        params = self.step_params.clone(max_tokens=len(tokens) + 1)
+        # min_tokens keeps its meaning (EOS masked while fewer outputs) within this step's cap.
+        params = self.step_params.clone(
+            max_tokens=len(tokens) + 1,
+            min_tokens=min(self.step_params.min_tokens, len(tokens) + 1),
+        )
         changes: dict[str, Any] = {}
         enc = self.base.encoder_input
         if enc is not None and self.num_steps > 0:

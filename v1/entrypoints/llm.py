@@ -124,13 +124,15 @@ class LLM:
         prompts: Any,
         params: BeamSearchParams,
         use_tqdm: bool = False,
+        sampling_params: SamplingParams | None = None,
     ) -> list[BeamSearchOutput]:
         """Beam search for one prompt or a list (the prompt forms of `generate`), in input
         order: each output holds the best `params.num_return_sequences` finished beams, best
         first, scored and finished as transformers' `generate(num_beams=...)` does (the
         model's generation-config rules apply as in `generate`). Beams share decoder blocks
         through the prefix cache and, for encoder-decoder models, one cross-attention cache;
-        the encoder runs once per distinct input."""
+        the encoder runs once per distinct input. `sampling_params` adds rules to the greedy
+        defaults (min_tokens, stop_token_ids, penalties, ...); its sampling knobs are unused."""
         if self.config.model_config.kind == ModelKind.ENCODER_ONLY:
             raise ValueError(
                 f"{self.config.model_config.architecture} is an encoder-only model: beam search "
@@ -143,7 +145,11 @@ class LLM:
         searches = []
         for i, prompt in enumerate(prompts):
             try:
-                searches.append(make_beam_search(engine, str(next(self._counter)), prompt, params))
+                searches.append(
+                    make_beam_search(
+                        engine, str(next(self._counter)), prompt, params, sampling_params
+                    )
+                )
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}" if len(prompts) > 1 else str(e)) from e
         bar = tqdm(total=len(searches), desc="Beam search", disable=not use_tqdm)
