@@ -269,3 +269,21 @@ def test_min_tokens_masks_eos_like_min_new_tokens(model) -> None:
     assert padded([s.token_ids for s in output.sequences], expected, pad) == expected
     assert [s.score for s in output.sequences] == pytest.approx(scores, abs=2e-4)
     assert all(len(s.token_ids) >= 8 for s in output.sequences)
+
+
+def test_multiprocess_engine_gives_the_same_beams(model) -> None:
+    """Over ZMQ: beam steps carry output_token_ids, name their encoder input by hash after
+    the first step, and bring back -inf logprobs of masked tokens."""
+    name, llm, *_ = model
+    if name != "bart":
+        pytest.skip("one encoder-decoder model is enough")
+    params = BeamSearchParams(beam_width=3, max_tokens=MAX_TOKENS, num_return_sequences=3)
+    expected = llm.beam_search(TEXTS, params)
+    path = llm.config.model_config.model
+    with LLM(path, **{**ENGINE_ARGS, "multiprocess": True}) as mp_llm:
+        got = mp_llm.beam_search(TEXTS, params)
+        stats = mp_llm.llm_engine.get_stats()
+    for a, b in zip(expected, got, strict=True):
+        assert [s.token_ids for s in a.sequences] == [s.token_ids for s in b.sequences]
+        assert [s.score for s in a.sequences] == pytest.approx([s.score for s in b.sequences])
+    assert stats["num_encoder_runs"] == len(TEXTS) and stats["num_kv_requests"] == 0
