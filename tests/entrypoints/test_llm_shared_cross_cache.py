@@ -23,12 +23,23 @@ BLOCK_SIZE = 16
 ENCODER_LEN = 1500
 
 
-@pytest.fixture
-def llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LLM]:
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread() -> Iterator[None]:
     num_threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)
+
+
+@pytest.fixture(scope="module")
+def whisper_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_whisper_dir(tmp_path_factory.mktemp("tiny_whisper"))
+
+
+@pytest.fixture
+def llm(whisper_dir: str) -> Iterator[LLM]:
     llm = LLM(
-        make_tiny_whisper_dir(tmp_path_factory.mktemp("tiny_whisper")),
+        whisper_dir,
         device="cpu",
         multiprocess=False,
         block_size=BLOCK_SIZE,
@@ -36,7 +47,6 @@ def llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LLM]:
     )
     yield llm
     llm.shutdown()
-    torch.set_num_threads(num_threads)
 
 
 def audio_prompt(seed: int = 0) -> dict:
@@ -107,10 +117,10 @@ def test_children_beams_and_repeats_share_one_cross_cache(llm: LLM) -> None:
     probe.assert_all_free()
 
 
-def test_preempted_and_aborted_readers_keep_counts_exact(tmp_path_factory) -> None:
+def test_preempted_and_aborted_readers_keep_counts_exact(whisper_dir: str) -> None:
     """A cache too small for every reader's self-attention: readers get preempted and resumed
     (attaching again), and an abort mid-run; nothing leaks and the encoder runs once."""
-    path = make_tiny_whisper_dir(tmp_path_factory.mktemp("tiny_whisper_small"))
+    path = whisper_dir
     one_entry = cdiv(ENCODER_LEN, BLOCK_SIZE)
     with LLM(
         path,
