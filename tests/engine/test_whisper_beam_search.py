@@ -44,6 +44,7 @@ def hf_beam_tokens(waves: list) -> list[list[int]]:
     return out
 
 
+@pytest.mark.slow
 def test_beam_size_5_matches_transformers_num_beams_5() -> None:
     waves = [load_audio(AUDIO / name) for name in CLIPS]
     expected = hf_beam_tokens(waves)
