@@ -171,9 +171,14 @@ def hf_beam_search(
     )
 
 
-def padded(sequences: list[list[int]], like: list[list[int]], pad: int) -> list[list[int]]:
+def padded(sequences: list[list[int]], like: list[list[int]], hf: Any) -> list[list[int]]:
+    """`sequences` padded to the width of transformers' rows, with what its beam search fills
+    them (`pad_token_id or eos_token_id[0]`: a pad id of 0 gives EOS)."""
+    g = hf.generation_config
+    eos = g.eos_token_id[0] if isinstance(g.eos_token_id, list) else g.eos_token_id
+    fill = g.pad_token_id or eos
     width = max(len(row) for row in like)
-    return [s + [pad] * (width - len(s)) for s in sequences]
+    return [s + [fill] * (width - len(s)) for s in sequences]
 
 
 LENGTH_PENALTIES = (0.6, 1.0, 2.0)
@@ -191,7 +196,6 @@ CASES = [
 
 def test_beam_search_matches_transformers(model) -> None:
     name, llm, hf, tokenizer, is_encoder_decoder = model
-    pad = hf.generation_config.pad_token_id
     for width, num_return, length_penalty, early_stopping in CASES:
         params = BeamSearchParams(
             beam_width=width,
@@ -213,7 +217,7 @@ def test_beam_search_matches_transformers(model) -> None:
                 early_stopping=early_stopping,
             )
             case = f"{name} width={width} lp={length_penalty} early_stopping={early_stopping}"
-            got = padded([s.token_ids for s in output.sequences], expected, pad)
+            got = padded([s.token_ids for s in output.sequences], expected, hf)
             assert got == expected, case
             assert [s.score for s in output.sequences] == pytest.approx(scores, abs=2e-4), case
 
@@ -222,9 +226,7 @@ def test_width_one_is_greedy(model) -> None:
     name, llm, hf, tokenizer, is_encoder_decoder = model
     (output,) = llm.beam_search(TEXTS[0], BeamSearchParams(beam_width=1, max_tokens=MAX_TOKENS))
     expected, _ = hf_beam_search(hf, tokenizer, TEXTS[0], is_encoder_decoder, num_beams=1)
-    got = padded(
-        [s.token_ids for s in output.sequences], expected, hf.generation_config.pad_token_id
-    )
+    got = padded([s.token_ids for s in output.sequences], expected, hf)
     assert got == expected, name
 
 
@@ -259,27 +261,38 @@ def test_bad_beam_search_calls_raise_and_leak_nothing(model) -> None:
     assert stats["num_kv_requests"] == 0 and stats["num_requests"] == 0, name
 
 
-def test_min_tokens_masks_eos_like_min_new_tokens(model) -> None:
+def test_extra_eos_and_min_tokens_like_transformers(model) -> None:
+    """stop_token_ids end beams as further EOS ids (transformers: an eos_token_id list, which
+    keeps more candidates per step); min_tokens masks them all like min_new_tokens."""
     name, llm, hf, tokenizer, is_encoder_decoder = model
     if name not in ("bart", "gpt2"):
         pytest.skip("one model of each kind is enough")
     from v1 import SamplingParams
 
     params = BeamSearchParams(beam_width=3, max_tokens=MAX_TOKENS, num_return_sequences=2)
-    (output,) = llm.beam_search(TEXTS[1], params, sampling_params=SamplingParams(min_tokens=8))
-    expected, scores = hf_beam_search(
-        hf,
-        tokenizer,
-        TEXTS[1],
-        is_encoder_decoder,
-        num_beams=3,
-        num_return_sequences=2,
-        min_new_tokens=8,
-    )
-    pad = hf.generation_config.pad_token_id
-    assert padded([s.token_ids for s in output.sequences], expected, pad) == expected
-    assert [s.score for s in output.sequences] == pytest.approx(scores, abs=2e-4)
-    assert all(len(s.token_ids) >= 8 for s in output.sequences)
+    (free,) = llm.beam_search(TEXTS[1], params)
+    stop = free.sequences[0].token_ids[2]  # the best beam's third token now ends beams
+    eos = hf.generation_config.eos_token_id
+    for min_tokens in (0, 8):
+        sampling = SamplingParams(stop_token_ids=[stop], min_tokens=min_tokens)
+        (output,) = llm.beam_search(TEXTS[1], params, sampling_params=sampling)
+        expected, scores = hf_beam_search(
+            hf,
+            tokenizer,
+            TEXTS[1],
+            is_encoder_decoder,
+            num_beams=3,
+            num_return_sequences=2,
+            eos_token_id=[eos, stop],
+            min_new_tokens=min_tokens,
+        )
+        lengths = [len(s.token_ids) for s in output.sequences]
+        assert padded([s.token_ids for s in output.sequences], expected, hf) == expected
+        assert [s.score for s in output.sequences] == pytest.approx(scores, abs=2e-4)
+        if min_tokens:
+            assert min(lengths) >= min_tokens
+        else:
+            assert min(lengths) < MAX_TOKENS  # the stop token ended a beam early
 
 
 def test_multiprocess_engine_gives_the_same_beams(model) -> None:

@@ -146,8 +146,7 @@ class BeamSearch:
             logprobs_mode="processed",
             forced_eos_token_id=None,  # forced here, on the last step (see _candidates)
             detokenize=False,
-            stop=None,
-            ignore_eos=True,  # each step is one token; EOS ends beams here, not in the core
+            stop=None,  # stop strings need text: not applied to beams
         )
         # Beams 1.. start at -1e9 (transformers): they are copies of beam 0 that only matter
         # when beam 0 has fewer finite continuations than beams_to_keep.
