@@ -353,7 +353,8 @@ class AsyncLLM:
         """Requests of a closed loop have no consumer left: abort them."""
         stale = list(self._queues)
         self._queues.clear()
-        core_ids = self.output_processor.abort_requests(stale)
+        core_ids = self.output_processor.abort_requests(stale) + list(self._core_futures)
+        self._core_futures.clear()  # beam steps of the old loop: their awaiters are gone
         if core_ids and not self.engine_core.is_dead:
             self.engine_core.abort_requests_nowait(core_ids)
         self._output_handler = None
