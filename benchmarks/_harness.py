@@ -318,6 +318,18 @@ class EngineProbe:
     def __enter__(self) -> EngineProbe:
         engine, client = self.engine, self.client
         add, step, get_output = engine.add_processed_request, engine.step, client.get_output
+        add_core = engine.add_core_requests
+
+        def add_core_requests(requests: list[Any]) -> None:
+            # Beam search steps (ids "<window>-beam<step>.<j>"): a window's output size is the
+            # longest sequence any of its steps extended (its tokens so far plus one).
+            for request in requests:
+                window = request.request_id.rsplit("-beam", 1)[0]
+                if window not in self.sizes:
+                    self.order.append(window)
+                size = len(request.output_token_ids or ()) + 1
+                self.sizes[window] = max(self.sizes.get(window, 0), size)
+            add_core(requests)
 
         def add_processed_request(request_id: str, *args: Any, **kwargs: Any) -> None:
             self.order.append(request_id)
@@ -343,6 +355,7 @@ class EngineProbe:
             return outputs
 
         engine.add_processed_request = add_processed_request
+        engine.add_core_requests = add_core_requests
         engine.step = step_and_count
         client.get_output = get_output_and_stats
         return self
@@ -350,6 +363,7 @@ class EngineProbe:
     def __exit__(self, *exc: object) -> None:
         for obj, name in (
             (self.engine, "add_processed_request"),
+            (self.engine, "add_core_requests"),
             (self.engine, "step"),
             (self.client, "get_output"),
         ):

@@ -349,3 +349,133 @@ def bench_turbo_step(ctx: Context) -> list[Row]:
         f"{mean_position}; the target (issue 20) is <= 4 ms",
     )
     return ours_rows(ctx, spec, None, runs)
+
+
+# ---------------------------------------------------------------- beam search (RTFx)
+BEAM_WIDTH = 5
+BEAM_ENGINE_KWARGS = dict(
+    max_num_seqs=384, max_num_batched_tokens=8192, max_num_encoder_input_tokens=1500 * 32
+)
+"""64 clips x 5 beams step as 320 requests at once."""
+
+
+def beam_transcribe_run(num_tokens: int) -> Callable[[Any, np.ndarray], Any]:
+    from v1 import SamplingParams
+
+    # min_tokens = max_tokens: EOS is masked, every beam runs the forced length (as
+    # transformers' min_new_tokens = max_new_tokens).
+    params = SamplingParams(temperature=0, max_tokens=num_tokens, min_tokens=num_tokens)
+
+    def run(llm: Any, clips: np.ndarray) -> Any:
+        audio = [(clip, SAMPLE_RATE) for clip in clips]
+        return llm.transcribe(
+            audio,
+            language="en",
+            sampling_params=params,
+            temperature=0.0,
+            beam_size=BEAM_WIDTH,
+            use_tqdm=False,
+        )
+
+    return run
+
+
+def bench_whisper_beam(ctx: Context) -> list[Row]:
+    """Whisper large-v3 shapes, beam search of width 5: our `LLM.transcribe(beam_size=5)`
+    against transformers' `model.generate(features, num_beams=5)` (batch size swept)."""
+    name = "whisper-large-v3"
+    num_clips = ctx.num_inputs(ctx.sizes(64, 4))
+    num_tokens = ctx.sizes(100, 5)
+    cfg = whisper_config(ctx, 32)
+    model, path = whisper_model(ctx, name, cfg)
+    clip_sets: dict[int, np.ndarray] = {}
+
+    def clips(input_set: int) -> np.ndarray:
+        if input_set not in clip_sets:
+            clip_sets[input_set] = make_clips(num_clips, seed=3000 + input_set)
+        return clip_sets[input_set]
+
+    baseline = None
+    if not ctx.args.no_transformers:
+        baseline = hf_whisper_beam(ctx, model, clips, num_tokens)
+    model = None
+    ctx.device.free()
+
+    engine_kwargs = ctx.engine_kwargs(BEAM_ENGINE_KWARGS, TINY_ENGINE_KWARGS)
+    run = beam_transcribe_run(num_tokens)
+    runs = [run_ours(ctx, path, engine_kwargs, v, clips, run) for v in variants_for(ctx, True)]
+    clip_sets.clear()
+    spec = RowSpec(
+        f"{name} beam {BEAM_WIDTH}",
+        "RTFx",
+        CLIP_SECONDS * num_clips,
+        None,
+        expected=num_tokens,
+        intro=f"{num_clips} clips of 30 s, beam search of width {BEAM_WIDTH}, {num_tokens} "
+        f"forced tokens (EOS masked); v1-engine: `LLM.transcribe(beam_size={BEAM_WIDTH})` "
+        f"(beams as prefix-cached requests, one cross cache and one encoder run per clip), "
+        f"log-mel on the device inside the timed region; engine {engine_kwargs}; no roofline "
+        f"floor (beams make the work depend on the search)",
+    )
+    return ours_rows(ctx, spec, baseline, runs)
+
+
+def hf_whisper_beam(
+    ctx: Context, model: Any, clips: Callable[[int], np.ndarray], num_tokens: int
+) -> Baseline:
+    """transformers' `model.generate(features, language=, task=, num_beams=5)` swept over
+    batch sizes, on precomputed features (their extraction is not timed)."""
+    from transformers import WhisperFeatureExtractor
+
+    device, g = ctx.device, model.generation_config
+    extractor = WhisperFeatureExtractor(feature_size=model.config.num_mel_bins)
+    feats = {
+        input_set: extractor(
+            list(clips(input_set)),
+            sampling_rate=SAMPLE_RATE,
+            return_tensors="pt",
+            device=device.name,
+        ).input_features.to(device.name, ctx.dtype)
+        for input_set in range(ctx.repeats + 1)
+    }
+    prompt = torch.tensor([prompt_ids(g)], device=device.name)
+
+    def run(batch: int, input_set: int, limit: int | None = None) -> list[int]:
+        x = feats[input_set][:limit]
+        counts: list[int] = []
+        for i in range(0, len(x), batch):
+            out = model.generate(
+                x[i : i + batch],
+                language="en",
+                task="transcribe",
+                num_beams=BEAM_WIDTH,
+                min_new_tokens=num_tokens,
+                max_new_tokens=num_tokens,
+                do_sample=False,
+                use_cache=True,
+            )
+            counts += generated_counts(out, _prompt_columns(out, prompt), g.eos_token_id)
+        return counts
+
+    plan = SweepPlan(
+        batches=ctx.hf_batches(len(feats[0]), (64, 32, 16), (4, 2)),
+        repeats=ctx.repeats,
+        budget_s=ctx.args.hf_sweep_budget,
+        exhaustive=bool(ctx.args.hf_batches),
+    )
+    sweep = sweep_batches(device, plan, lambda b: run(b, 0, limit=b), run)
+    work = CLIP_SECONDS * len(feats[0])
+    notes = [
+        f"transformers `model.generate(num_beams={BEAM_WIDTH})` sweep: "
+        f"{sweep.describe(work, 'RTFx')}"
+    ]
+    feats.clear()
+    best = sweep.best
+    if best is None:
+        return Baseline(None, None, None, notes)
+    if best.peak_memory_bytes:
+        notes.append(
+            f"transformers peak memory at batch {best.batch}: "
+            f"{best.peak_memory_bytes / 2**30:,.1f} GiB"
+        )
+    return Baseline(best.samples, best.batch, best.counts, notes)

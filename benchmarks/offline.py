@@ -41,6 +41,7 @@ start-up (~20-60 s, CUDA graph capture included), warm-up and 3 runs:
 - whisper-turbo       256 clips x 100 tokens; HF batches 256/128/64/32   ~2.5 min
 - whisper-turbo-step  ours at batch 256: 1+3 runs of 1 and of 101 tokens  ~1.5 min
 - whisper-large-v3    256 clips x 100 tokens; HF batches 256/128/64/32   ~4-6 min (HF ~8 s a run)
+- whisper-beam        large-v3, 64 clips x beam 5 x 100 tokens; HF 64/32/16   (not yet timed)
 - bart-large          256 x (512 in / 128 out); HF 256/128/64/32        ~1.5 min
 - bert-base           4096 inputs of 16-512 tokens; HF 256/128/64/32    ~1 min
 - llama-1b            64 x (128 in / 256 out); HF batches 64/32           ~1.5 min
@@ -73,12 +74,13 @@ from _context import Context, ModelStore
 from _harness import Device, Machine, measure_machine
 from _report import Row, markdown_table, notes_markdown
 from _text import bench_bart, bench_bert, bench_host_overhead, bench_llama
-from _whisper import bench_turbo_step, bench_whisper
+from _whisper import bench_turbo_step, bench_whisper, bench_whisper_beam
 
 WORKLOADS: dict[str, Callable[[Context], list[Row]]] = {
     "whisper-turbo": lambda ctx: bench_whisper(ctx, "whisper-large-v3-turbo", 4),
     "whisper-turbo-step": bench_turbo_step,
     "whisper-large-v3": lambda ctx: bench_whisper(ctx, "whisper-large-v3", 32),
+    "whisper-beam": bench_whisper_beam,
     "bart-large": bench_bart,
     "bert-base": bench_bert,
     "llama-1b": bench_llama,

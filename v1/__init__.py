@@ -14,6 +14,9 @@ _LAZY = {
     "LLMEngine": "v1.engine.llm_engine",
     "SamplingParams": "v1.sampling_params",
     "PoolingParams": "v1.pooling_params",
+    "BeamSearchParams": "v1.engine.beam_search",
+    "BeamSearchOutput": "v1.engine.beam_search",
+    "BeamSearchSequence": "v1.engine.beam_search",
     "EngineConfig": "v1.config",
     "RequestOutput": "v1.outputs",
     "CompletionOutput": "v1.outputs",
@@ -40,6 +43,9 @@ __all__ = [
     "LLMEngine",
     "SamplingParams",
     "PoolingParams",
+    "BeamSearchParams",
+    "BeamSearchOutput",
+    "BeamSearchSequence",
     "EngineConfig",
     "RequestOutput",
     "CompletionOutput",
@@ -62,6 +68,7 @@ __all__ = [
 if TYPE_CHECKING:
     from v1.config import EngineConfig
     from v1.engine.async_llm import AsyncLLM
+    from v1.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
     from v1.engine.llm_engine import LLMEngine
     from v1.entrypoints.llm import LLM
     from v1.inputs import ExplicitEncoderDecoderPrompt, PromptType, TextPrompt, TokensPrompt

@@ -40,6 +40,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     ignore_eos: bool = False
     logprobs: int | None = None
     """Top-N logprobs per generated token (the sampled token's logprob is always included)."""
+    logprobs_mode: str = "raw"
+    """"raw": log_softmax of the model's logits (vLLM's default). "processed": the logits rules
+    (penalties, masks, forced and Whisper timestamp tokens) applied to log_softmax of the logits,
+    without renormalizing: the scores transformers' beam search adds up."""
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
@@ -130,6 +134,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise bad("logprobs", "must be in [0, 20]")
+        if self.logprobs_mode not in ("raw", "processed"):
+            raise bad("logprobs_mode", 'must be "raw" or "processed"')
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise bad("seed", "must fit in 64 bits")
         if (

@@ -126,6 +126,28 @@ def test_out_of_vocab_prompt_and_encoder_ids_fail_alone():
     assert {o.request_id for o in outs if o.finish_reason == FinishReason.ERROR} == {"enc", "dec"}
 
 
+def test_output_token_ids_continue_a_sequence_or_fail_alone():
+    """A request carrying earlier outputs (a beam step) continues after them: they count
+    toward max_tokens; out-of-vocab ids or outputs already at max_tokens fail it alone."""
+    core = make_engine_core("decoder_only", num_kv_blocks=129, block_size=4)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for req_id, outputs in (("ok", [5, 6, 7]), ("vocab", [10**6]), ("full", [1, 2, 3, 4])):
+        core.add_request(
+            EngineCoreRequest(
+                request_id=req_id,
+                prompt_token_ids=[2, 3],
+                sampling_params=params,
+                output_token_ids=outputs,
+            )
+        )
+    outs = drain(core)
+    errors = {o.request_id for o in outs if o.finish_reason == FinishReason.ERROR}
+    assert errors == {"vocab", "full"}
+    (ok,) = [o for o in outs if o.request_id == "ok" and o.new_token_ids]
+    assert len(ok.new_token_ids) == 1 and ok.finish_reason == FinishReason.LENGTH
+    assert core.get_stats()["num_kv_requests"] == 0
+
+
 def test_sampling_params_edge_ranges():
     for kwargs in (
         {"top_k": 2**31},

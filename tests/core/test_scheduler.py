@@ -249,15 +249,21 @@ def test_same_encoder_input_runs_once():
     runner = FakeRunner()
     so, _ = run_scheduler_step(sched, runner)
     assert so.encoder_hashes_to_run == {"same": "r0"}
-    assert sorted(so.encoder_reqs) == ["r0", "r1", "r2"]  # each writes its own cross blocks
+    # One cross entry: r0 projects it, r1 and r2 attach to its blocks and only read.
+    assert so.encoder_reqs == ["r0"]
+    cross = {tuple(r.block_ids[1]) for r in so.scheduled_new_reqs}
+    assert len(cross) == 1
     run_to_completion(sched, runner)
-    # A later request with the same content reuses the cached output.
+    # A later request with the same content attaches to the cached cross blocks.
     sched.add_request(
         make_request("late", prompt_len=1, max_tokens=1, encoder_len=8, encoder_hash="same")
     )
     so, _ = run_scheduler_step(sched, runner)
-    assert so.encoder_hashes_to_run == {} and so.encoder_reqs == ["late"]
-    assert runner.num_encoder_runs == 1
+    assert so.encoder_hashes_to_run == {} and so.encoder_reqs == []
+    assert so.scheduled_new_reqs[0].block_ids[1] == list(cross.pop())
+    assert runner.num_encoder_runs == 1 and sched.num_cross_cache_hits == 3
+    run_to_completion(sched, runner)
+    assert_all_free(sched)
 
 
 def test_encoder_decoder_preemption_frees_cross_blocks_and_rewrites_them():

@@ -1,5 +1,6 @@
 """Encoder-decoder and encoder-only configs: cross-attention blocks allocated once per
-admission, never cached, never leaked; encoder-only groups hold nothing."""
+admission, shared and cached by encoder content hash, never leaked; encoder-only groups hold
+nothing."""
 
 from __future__ import annotations
 
@@ -76,20 +77,44 @@ def test_preempt_then_readmit_then_finish_leaks_nothing(chunk: int | None) -> No
     assert_pool_consistent(manager.block_pool)
 
 
-def test_cross_blocks_are_never_prefix_cached() -> None:
+def test_freed_cross_blocks_are_cached_by_encoder_content() -> None:
     manager = make_manager(num_blocks=16, block_size=4, cross=True)
     a = make_request("a", prompt_len=9, num_encoder_tokens=8, encoder_hash="x")
     a_self, a_cross = admit(manager, a).get_block_ids()
     manager.free(a)
     pool = manager.block_pool
-    assert {group_id for group_id, _ in pool.cached_block_hash_to_block} == {0}
-    assert all(pool.blocks[i].block_hash is None for i in a_cross)
+    assert {group_id for group_id, _ in pool.cached_block_hash_to_block} == {0, 1}
+    assert all(pool.blocks[i].block_hash is not None for i in a_cross)
 
     b = make_request("b", prompt_len=9, num_encoder_tokens=8, encoder_hash="x")
+    assert manager.has_encoder_entry(b)
     computed, num_computed = manager.get_computed_blocks(b)
     assert num_computed == 8 and computed.get_block_ids() == (a_self[:2], [])
     b_self, b_cross = manager.allocate_slots(b, 1, num_computed, computed, 8).get_block_ids()
-    assert b_self[:2] == a_self[:2] and len(b_cross) == 2
+    assert b_self[:2] == a_self[:2] and b_cross == a_cross  # attached, nothing projected again
+    other = make_request("c", prompt_len=9, num_encoder_tokens=8, encoder_hash="y")
+    assert not manager.has_encoder_entry(other)
+    manager.free(b)
+    assert manager.num_free_blocks == 15
+    assert_pool_consistent(pool)
+
+
+@pytest.mark.parametrize("enable_caching", [True, False])
+def test_same_encoder_hash_shares_one_cross_entry(enable_caching: bool) -> None:
+    manager = make_manager(num_blocks=32, block_size=4, cross=True, enable_caching=enable_caching)
+    a = admitted(manager, make_request("a", 3, num_encoder_tokens=12, encoder_hash="clip"))
+    b = admitted(manager, make_request("b", 5, num_encoder_tokens=12, encoder_hash="clip"))
+    a_ids, b_ids = (manager.get_block_ids(r.request_id)[1] for r in (a, b))
+    assert a_ids == b_ids and len(a_ids) == 3
+    assert all(manager.block_pool.blocks[i].ref_cnt == 2 for i in a_ids)
+    manager.free(a)  # b still reads the entry: a preempted or aborted a keeps it alive
+    late = make_request("d", 3, num_encoder_tokens=12, encoder_hash="clip")
+    assert manager.has_encoder_entry(late)
+    manager.free(b)
+    # Freed by its last reader: found again only through the prefix cache.
+    assert manager.has_encoder_entry(late) == enable_caching
+    assert manager.num_free_blocks == 31 and manager.num_requests == 0
+    assert_pool_consistent(manager.block_pool)
 
 
 def test_same_decoder_prompt_over_other_audio_does_not_hit() -> None:

@@ -1,5 +1,6 @@
 """Property test: random admit / chunked prefill / decode / preempt / finish sequences on an
-encoder-decoder config never leak, double-free or mis-size a block table."""
+encoder-decoder config never leak, double-free or mis-size a block table, and readers of one
+encoder input share one cross entry."""
 
 from __future__ import annotations
 
@@ -36,7 +37,10 @@ def _check(manager: KVCacheManager, running: list[Request], block_size: int) -> 
         assert len({b.block_id for b in self_blocks + cross_blocks}) == len(
             self_blocks + cross_blocks
         )
-        assert all(b.ref_cnt == 1 and b.block_hash is None for b in cross_blocks)
+        # One cross entry per encoder input: every reader of a content hash holds its blocks.
+        same_input = [r for r in running if r.encoder_hash == request.encoder_hash]
+        assert all(tables[r.request_id][1] == cross_blocks for r in same_input)
+        assert all(b.ref_cnt == len(same_input) for b in cross_blocks)
         assert all(not b.is_null for b in self_blocks + cross_blocks)
     assert manager.num_requests == sum(1 for r in running if any(tables[r.request_id]))
 
@@ -74,7 +78,8 @@ def test_random_schedules_keep_the_cache_consistent(
                     f"r{i}",
                     prompt_token_ids=list(PROMPTS[arg % len(PROMPTS)]),
                     num_encoder_tokens=ENCODER_TOKENS[arg % len(ENCODER_TOKENS)],
-                    encoder_hash=f"audio-{arg % 2}",
+                    # A content hash stands for one input, so one length.
+                    encoder_hash=f"audio-{arg % 2}-{ENCODER_TOKENS[arg % len(ENCODER_TOKENS)]}",
                 )
             chunk = None if arg < 6 else max(1, request.num_tokens // 2)
             before = snapshot(manager, [request.request_id])

@@ -213,6 +213,46 @@ def test_logprobs_are_raw_log_softmax_with_ranks() -> None:
     assert int(out.ranks[2]) == 1  # greedy
 
 
+def test_processed_logprobs_are_the_rules_on_log_softmax() -> None:
+    """logprobs_mode="processed" (beam search): the rules applied to log_softmax of the logits,
+    not renormalized (transformers' beam scores); the other rows keep raw logprobs, and every
+    row samples as it would otherwise."""
+    forced = [[0, 7]]
+    reqs = [
+        Req(
+            params=SamplingParams(
+                temperature=0.0, logprobs=4, logprobs_mode="processed", suppress_tokens=[0, 1]
+            )
+        ),
+        Req(params=SamplingParams(logprobs=4, suppress_tokens=[0, 1])),
+        Req(params=SamplingParams(logprobs=2, logprobs_mode="processed", forced_token_ids=forced)),
+        Req(params=SamplingParams(temperature=0.0, suppress_tokens=[0, 1])),
+    ]
+    _, metadata = make_state(reqs)
+    logits = random_logits(len(reqs), seed=3)
+    logits[:, :2] += 50.0  # the suppressed tokens would win
+    out = Sampler()(logits, metadata)
+    raw = torch.log_softmax(logits, dim=-1)
+    masked = raw.clone()
+    masked[:, :2] = float("-inf")
+    top = masked[0].topk(4)
+    assert out.logprob_token_ids[0, 1:].tolist() == top.indices.tolist()
+    torch.testing.assert_close(out.logprobs[0, 1:], top.values, atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.logprobs[1, 1:], raw[1].topk(4).values, atol=1e-5, rtol=0)
+    assert out.logprob_token_ids[2, 1].item() == 7 and out.logprobs[2, 1].item() == 0.0
+    assert out.logprobs[2, 2].item() == float("-inf")
+    assert [int(t) for t in out.sampled_token_ids[[0, 3]]] == [
+        int(masked[0].argmax()),
+        int(masked[3].argmax()),
+    ]
+    assert int(out.sampled_token_ids[2]) == 7
+
+
+def test_logprobs_mode_is_validated() -> None:
+    with pytest.raises(ValueError, match="logprobs_mode"):
+        SamplingParams(logprobs_mode="normalized")
+
+
 @pytest.mark.parametrize("logprobs", [None, 0])
 def test_logprob_outputs_only_when_asked(logprobs: int | None) -> None:
     _, metadata = make_state([Req(params=SamplingParams(logprobs=logprobs))])

@@ -1,7 +1,8 @@
 """The cross-attention layer of encoder-decoder decoders, in one of two modes.
 
 per_layer: the layer projects the encoder output through its K/V projection on a request's first
-step, writes K/V to its own cross blocks and reads them on every step (an `Attention` of type
+step, writes K/V to its cross blocks (one entry per encoder input, shared by every request that
+reads it) and reads them on every step (an `Attention` of type
 ENCODER_DECODER). absorbed: the runner caches the encoder output E once per request in the
 encoder-states group (named ENCODER_STATES_LAYER) and every layer attends over it through its
 query projected by W_k (`ops/absorbed_cross_attention.py`); the K/V never exist.

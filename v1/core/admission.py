@@ -77,8 +77,14 @@ def check_request(request: EngineCoreRequest, config: EngineConfig, max_model_le
                 "word_timestamps is not supported with tensor_parallel_size > 1 (the alignment "
                 "heads are split across ranks)"
             )
-    num_tokens = len(request.prompt_token_ids)
+    num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids or ())
     mc, sc = config.model_config, config.scheduler_config
+    if request.output_token_ids:
+        if request.pooling_params is not None:
+            raise ValueError("output_token_ids belong to generation requests")
+        max_tokens = request.sampling_params.max_tokens if request.sampling_params else None
+        if max_tokens is not None and len(request.output_token_ids) >= max_tokens:
+            raise ValueError("output_token_ids already reach max_tokens")
     if request.pooling_params is None and num_tokens >= max_model_len:
         raise ValueError(
             f"prompt of {num_tokens} tokens leaves no room to generate "
@@ -118,6 +124,8 @@ def _check_numbers(request: EngineCoreRequest, config: EngineConfig) -> None:
             _check_ids(request.token_type_ids, limit, "token_type_ids")
     else:
         _check_ids(request.prompt_token_ids, mc.vocab_size, "prompt_token_ids")
+        if request.output_token_ids:
+            _check_ids(request.output_token_ids, mc.vocab_size, "output_token_ids")
     enc = request.encoder_input
     if enc is not None:
         if not 0 < enc.num_encoder_tokens <= _INT32_MAX:

@@ -13,6 +13,7 @@ from typing import Any
 
 from v1.config import EngineConfig, ModelKind
 from v1.core.admission import check_engine_capacity, check_request
+from v1.core.encoder_inputs import EncoderInputStore
 from v1.core.protocol import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -64,6 +65,8 @@ class EngineCore:
         self.scheduler = Scheduler(config, self.kv_cache_config)
         self.max_model_len = config.model_config.effective_max_model_len
         self._pending_outputs: list[EngineCoreOutput] = []
+        self.encoder_inputs = EncoderInputStore()
+        """Encoder payloads by content hash, for requests that send only the hash (beams)."""
         self._batch_queue: deque[tuple[SchedulerOutput, Any]] | None = (
             deque() if config.use_async_scheduling else None
         )
@@ -95,6 +98,8 @@ class EngineCore:
             self._blocked_adds.append(request)
             return
         try:
+            if request.encoder_input is not None:
+                request.encoder_input = self.encoder_inputs.resolve(request.encoder_input)
             self._check_request(request)
             self.scheduler.add_request(
                 Request.from_engine_core_request(request, self.max_model_len)

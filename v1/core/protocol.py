@@ -56,6 +56,10 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
     arrival_time: float = 0.0
     priority: int = 0
     """Lower runs first under the priority policy."""
+    output_token_ids: list[int] | None = None
+    """Tokens this sequence already generated (they count as outputs: max_tokens, min_tokens,
+    forced tokens, penalties and Whisper rules see them). Beam search continues each beam as a
+    new request carrying its tokens so far; the prefix cache shares their KV blocks."""
     group_id: str | None = None
     """Requests of one client request (n > 1 samples, a batch of prompts, a transcription's
     windows) share a group; the fcfs waiting queue takes turns between groups, so one client's
@@ -96,6 +100,9 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     num_encoder_runs: int = 0
     num_encoder_lookups: int = 0
     """Requests with an encoder input admitted (num_encoder_runs of them ran the encoder)."""
+    num_cross_cache_hits: int = 0
+    """Of those, admissions that attached to cross-attention K/V already cached (shared by
+    encoder content hash): no encoder run and no cross-K/V projection."""
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
 

@@ -91,7 +91,7 @@ class Request:
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, max_model_len: int) -> Request:
-        return cls(
+        request = cls(
             req.request_id,
             list(req.prompt_token_ids),
             req.sampling_params,
@@ -104,6 +104,10 @@ class Request:
             max_model_len=max_model_len,
             group_id=req.group_id,
         )
+        if req.output_token_ids:
+            # A continued sequence: it runs like a request resumed after preemption.
+            request.append_output_token_ids(list(req.output_token_ids))
+        return request
 
     # ---- derived ----
     @property

@@ -52,8 +52,10 @@ class SchedulerOutput:
     """req_id -> decoder (or encoder-only input) tokens this step."""
     total_num_scheduled_tokens: int
     encoder_reqs: list[str] = field(default_factory=list)
-    """Encoder-decoder requests on their first step since admission or resume: their encoder
-    output (looked up by content hash) is projected into their cross-attention blocks now."""
+    """Encoder-decoder requests on their first step since admission or resume whose cross
+    blocks are new: their encoder output (looked up by content hash) is projected into them now.
+    Requests that attached to cross blocks another reader filled (same content hash) are not
+    listed: they only read."""
     encoder_hashes_to_run: dict[str, str] = field(default_factory=dict)
     """content hash -> req_id whose input to encode: hashes the encoder cache does not hold."""
     free_encoder_hashes: list[str] = field(default_factory=list)

@@ -128,6 +128,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_encoder_runs = 0
         self.num_encoder_lookups = 0
+        self.num_cross_cache_hits = 0
+        """Admissions that attached to cross K/V already in the cache (no encoder, no write)."""
 
     # ---- request lifecycle ----
     def add_request(self, request: Request) -> None:
@@ -245,7 +247,10 @@ class Scheduler:
             return False  # pooling inputs run whole; without chunking a prompt waits for room
         num_new = min(num_new, budget.tokens)
         run_encoder = False
-        if request.encoder_input is not None:
+        # Cross K/V of this encoder input already in the cache (another reader holds them, or
+        # they are cached from an earlier one): attach, neither encode nor project again.
+        cross_cached = self.kv_cache_manager.has_encoder_entry(request)
+        if request.encoder_input is not None and not cross_cached:
             run_encoder = not self.encoder_cache.has(request.encoder_hash)
             if run_encoder and (
                 request.num_encoder_tokens > budget.encoder_tokens
@@ -263,14 +268,17 @@ class Scheduler:
             return False
         if request.encoder_input is not None:
             self.num_encoder_lookups += 1
-            if run_encoder:
+            if cross_cached:
+                self.num_cross_cache_hits += 1
+            elif run_encoder:
                 self.encoder_cache.allocate(request)
                 budget.encoder_tokens -= request.num_encoder_tokens
                 budget.encoder_hashes_to_run[request.encoder_hash] = request.request_id
                 self.num_encoder_runs += 1
             else:
                 self.encoder_cache.add_ref(request)
-            budget.encoder_reqs.append(request.request_id)
+            if not cross_cached:
+                budget.encoder_reqs.append(request.request_id)
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_cached
         request.num_times_passed = 0
@@ -448,6 +456,7 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             num_encoder_runs=self.num_encoder_runs,
             num_encoder_lookups=self.num_encoder_lookups,
+            num_cross_cache_hits=self.num_cross_cache_hits,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
         )

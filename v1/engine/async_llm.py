@@ -20,6 +20,14 @@ from v1.config import EngineConfig, ModelKind, make_engine_config
 from v1.core.client import EngineDeadError
 from v1.core.dp_client import AsyncDPClient
 from v1.core.mp_client import AsyncMPClient
+from v1.core.protocol import EngineCoreOutput, EngineCoreRequest
+from v1.engine.beam_search import (
+    BeamSearchOutput,
+    BeamSearchParams,
+    beam_search_output,
+    make_beam_search,
+    run_beam_search_async,
+)
 from v1.engine.input_processor import InputProcessor, Params
 from v1.engine.output_processor import AnyRequestOutput, OutputProcessor, ParentRequest
 from v1.engine.tokenizer import get_tokenizer
@@ -73,6 +81,8 @@ class AsyncLLM:
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._queues: dict[str, asyncio.Queue[_Item | None]] = {}
+        self._core_futures: dict[str, asyncio.Future[EngineCoreOutput]] = {}
+        """Requests of `run_core_requests_async` (beam search steps) -> their final output."""
         self._output_handler: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._error: str | None = None
@@ -181,6 +191,55 @@ class AsyncLLM:
         from v1.engine.whisper_inputs import transcribe_async
 
         return await transcribe_async(self, audio, sampling_params, request_id, **options)
+
+    async def beam_search(
+        self,
+        prompt: Any,
+        params: BeamSearchParams,
+        request_id: str,
+        sampling_params: SamplingParams | None = None,
+    ) -> BeamSearchOutput:
+        """Beam search for one prompt (see `LLM.beam_search`); `sampling_params` adds rules
+        (stop_token_ids, min_tokens, penalties...) to the greedy defaults. Cancelling it aborts
+        the step in flight."""
+        if self.model_config.kind == ModelKind.ENCODER_ONLY:
+            raise ValueError(f"{self.model_config.model} is an encoder-only model")
+        self._check_running()
+        search = await self.run_input_work(
+            make_beam_search, self, request_id, prompt, params, sampling_params
+        )
+        await run_beam_search_async([search], self.run_core_requests_async)
+        return beam_search_output(search, self.tokenizer)
+
+    async def run_core_requests_async(
+        self, requests: list[EngineCoreRequest]
+    ) -> dict[str, EngineCoreOutput]:
+        """Runs prepared core requests (beam search steps) past the output processor and
+        returns each one's final output."""
+        self._check_running()
+        self._ensure_output_handler()
+        loop = asyncio.get_running_loop()
+        futures: dict[str, asyncio.Future[EngineCoreOutput]] = {}
+        for request in requests:
+            req_id = request.request_id
+            if req_id in self._core_futures or req_id in futures or req_id in self._queues:
+                raise ValueError(f"request id {req_id!r} is already in use")
+            futures[req_id] = loop.create_future()
+        self._core_futures.update(futures)
+        try:
+            for request in requests:
+                await self.engine_core.add_request_async(request)
+            await asyncio.gather(*futures.values())
+        except BaseException:
+            unfinished = [r for r, f in futures.items() if not f.done()]
+            if unfinished and not self.engine_core.is_dead:
+                with contextlib.suppress(EngineDeadError):
+                    self.engine_core.abort_requests_nowait(unfinished)
+            raise
+        finally:
+            for req_id in futures:
+                self._core_futures.pop(req_id, None)
+        return {r: f.result() for r, f in futures.items()}
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
         """Stops requests; their iterators end without a final output. Unknown ids are ignored."""
@@ -298,7 +357,8 @@ class AsyncLLM:
         """Requests of a closed loop have no consumer left: abort them."""
         stale = list(self._queues)
         self._queues.clear()
-        core_ids = self.output_processor.abort_requests(stale)
+        core_ids = self.output_processor.abort_requests(stale) + list(self._core_futures)
+        self._core_futures.clear()  # beam steps of the old loop: their awaiters are gone
         if core_ids and not self.engine_core.is_dead:
             self.engine_core.abort_requests_nowait(core_ids)
         self._output_handler = None
@@ -308,7 +368,10 @@ class AsyncLLM:
         try:
             while True:
                 outputs = await self.engine_core.get_output_async()
-                results, reqs_to_abort = self.output_processor.process_outputs(outputs.outputs)
+                core_outputs = outputs.outputs
+                if self._core_futures:
+                    core_outputs = self._take_core_outputs(core_outputs)
+                results, reqs_to_abort = self.output_processor.process_outputs(core_outputs)
                 for result in results:
                     q = self._queues.get(result.request_id)
                     if q is not None:
@@ -323,10 +386,27 @@ class AsyncLLM:
             logger.exception("AsyncLLM output handler failed")
             self._fail_all(f"the output handler failed: {type(e).__name__}: {e}")
 
+    def _take_core_outputs(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        """Resolves `run_core_requests_async` futures; returns the other outputs."""
+        rest = []
+        for out in outputs:
+            future = self._core_futures.get(out.request_id)
+            if future is None:
+                rest.append(out)
+            elif out.finished and not future.done():
+                future.set_result(out)
+        return rest
+
+    def _fail_core_requests(self, reason: str) -> None:
+        for future in self._core_futures.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(reason))
+
     def _fail_all(self, reason: str) -> None:
         if self._closed:
             return
         self._error = reason
+        self._fail_core_requests(reason)
         for q in self._queues.values():
             q.put_nowait(EngineDeadError(reason))
 
@@ -336,6 +416,7 @@ class AsyncLLM:
         if self._closed:
             return
         self._closed = True
+        self._fail_core_requests("the engine is shut down")
         for q in self._queues.values():
             q.put_nowait(EngineDeadError("the engine is shut down"))
         handler, self._output_handler = self._output_handler, None

@@ -11,6 +11,7 @@ from typing import Any
 
 from v1.config import EngineConfig
 from v1.core.client import EngineCoreClient
+from v1.core.protocol import EngineCoreOutput, EngineCoreRequest
 from v1.engine.input_processor import InputProcessor, Params
 from v1.engine.output_processor import AnyRequestOutput, OutputProcessor, ParentRequest
 from v1.engine.tokenizer import get_tokenizer
@@ -38,6 +39,8 @@ class LLMEngine:
         # The client last: it starts the core (and its process), which is the costly part.
         self.engine_core = EngineCoreClient.make_client(config, multiprocess=multiprocess)
         self._closed = False
+        self._core_outputs: dict[str, EngineCoreOutput | None] = {}
+        """Requests run by `run_core_requests` -> their final output (None until finished)."""
         # Start-up objects (model, tokenizer, config) never die: keep them out of the cyclic
         # GC's scans, which otherwise cost ~40% of per-request host time in large batches.
         gc.collect()
@@ -104,11 +107,69 @@ class LLMEngine:
         core_ids = self.output_processor.abort_requests(request_ids)
         self.engine_core.abort_requests(core_ids)
 
+    def add_core_requests(self, requests: list[EngineCoreRequest]) -> None:
+        """Queues prepared core requests (beam search steps) past the output processor: their
+        final outputs are kept for `take_core_output` instead of becoming user outputs."""
+        req_ids = [r.request_id for r in requests]
+        if len(set(req_ids)) != len(req_ids) or any(r in self._core_outputs for r in req_ids):
+            raise ValueError("core request ids must be unique")
+        for request in requests:
+            self._core_outputs[request.request_id] = None
+            self.engine_core.add_request(request)
+
+    def take_core_output(self, request_id: str) -> EngineCoreOutput | None:
+        """The final output of a request from `add_core_requests` (forgotten once taken);
+        None while it runs."""
+        output = self._core_outputs.get(request_id)
+        if output is not None:
+            del self._core_outputs[request_id]
+        return output
+
+    def core_outputs_ready(self, request_ids: list[str]) -> bool:
+        """Whether every one of these `add_core_requests` requests has finished."""
+        return all(self._core_outputs.get(r) is not None for r in request_ids)
+
+    def abort_core_requests(self, request_ids: list[str]) -> None:
+        for req_id in request_ids:
+            self._core_outputs.pop(req_id, None)
+        self.engine_core.abort_requests(request_ids)
+
+    def run_core_requests(self, requests: list[EngineCoreRequest]) -> dict[str, EngineCoreOutput]:
+        """Runs prepared core requests to the end and returns each one's final output. Other
+        requests keep running meanwhile, but their outputs of these steps are dropped."""
+        req_ids = [r.request_id for r in requests]
+        self.add_core_requests(requests)
+        outputs: dict[str, EngineCoreOutput] = {}
+        try:
+            while len(outputs) < len(req_ids):
+                self.step()
+                for req_id in req_ids:
+                    output = None if req_id in outputs else self.take_core_output(req_id)
+                    if output is not None:
+                        outputs[req_id] = output
+        except BaseException:
+            self.abort_core_requests([r for r in req_ids if r not in outputs])
+            raise
+        return outputs
+
+    def _take_core_outputs(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        """Keeps the final outputs of `run_core_requests`' requests; returns the others."""
+        rest = []
+        for out in outputs:
+            if out.request_id not in self._core_outputs:
+                rest.append(out)
+            elif out.finished:
+                self._core_outputs[out.request_id] = out
+        return rest
+
     # ---- running ----
     def step(self) -> list[AnyRequestOutput]:
         """One core step: the outputs it produced (per each request's output kind)."""
         outputs = self.engine_core.get_output()
-        results, reqs_to_abort = self.output_processor.process_outputs(outputs.outputs)
+        core_outputs = outputs.outputs
+        if self._core_outputs:
+            core_outputs = self._take_core_outputs(core_outputs)
+        results, reqs_to_abort = self.output_processor.process_outputs(core_outputs)
         if reqs_to_abort:
             self.engine_core.abort_requests(reqs_to_abort)
         return results

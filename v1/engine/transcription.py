@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import time
 import uuid
 from collections import deque
@@ -21,6 +22,14 @@ from typing import Any, TypeVar
 import numpy as np
 
 from v1.audio import SAMPLE_RATE, AudioClip, AudioError, load_audio
+from v1.engine.beam_search import (
+    BeamSearch,
+    BeamSearchParams,
+    advance_beam_searches,
+    beam_step_requests,
+    make_beam_search,
+    run_beam_search_async,
+)
 from v1.engine.whisper_decoding import (
     FRAMES_PER_SECOND,
     MAX_CONDITIONING_TEMPERATURE,
@@ -92,6 +101,10 @@ class WindowRequest:
     request_id: str
     prompt: dict[str, Any]
     params: SamplingParams
+    beam: BeamSearchParams | None = None
+    """Run as a beam search (temperature 0 with beam_size): the best beam is the output."""
+    length_penalty: float | None = None
+    """Ranks the n > 1 samples of a best_of request (openai-whisper's ranker)."""
 
 
 @dataclass(frozen=True)
@@ -142,6 +155,41 @@ class TranscriptionOptions:
     word_timestamps: bool = False
     """Time every word (cross-attention alignment heads and DTW, as openai-whisper): the
     result and its segments get `words`."""
+    beam_size: int | None = None
+    """Decode at temperature 0 with beam search of this width (openai-whisper's beam_size;
+    scored and finished as transformers' generate(num_beams=...)). None: greedy."""
+    best_of: int | None = None
+    """At temperatures above 0, sample this many candidates and keep the most likely."""
+    patience: float | None = None
+    """Beam search keeps and waits for round(beam_size * patience) finished beams."""
+    length_penalty: float | None = None
+    """Beam search: scores are sum(logprobs) / length ** length_penalty (None: 1.0).
+    best_of: openai-whisper's ranking, sum / length (None) or sum / ((5 + length) / 6) ** it."""
+
+    def __post_init__(self) -> None:
+        for name in ("beam_size", "best_of"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 10
+            ):
+                raise ValueError(f"{name} must be an integer in [1, 10], got {value!r}")
+        if self.patience is not None and self.beam_size is None:
+            raise ValueError("patience needs beam_size")
+        for name in ("patience", "length_penalty"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+            ):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+        if self.patience is not None and not 0 < self.patience <= 100:
+            raise ValueError(f"patience must be in (0, 100], got {self.patience!r}")
+        if self.word_timestamps and (self.beam_size or (self.best_of or 1) > 1):
+            raise ValueError(
+                "word_timestamps cannot be combined with beam_size or best_of > 1 yet (the "
+                "alignment pass runs on a request's own tokens, not on a chosen beam or sample)"
+            )
 
     @classmethod
     def from_kwargs(cls, options: dict[str, Any]) -> TranscriptionOptions:
@@ -335,11 +383,26 @@ class TranscriptionPlanner:
             timestamps=timestamps,
             previous_text_ids=previous,
         )
+        options = self.options
         for k, temperature in enumerate(fallback.temperatures):
             params = self.params.clone(temperature=temperature, whisper_timestamps=timestamps)
             request_id = f"{self.prefix}-{index}-{label}" + (f"-t{k}" if k else "")
             prompt = {"prompt_token_ids": ids, "multi_modal_data": _audio(audio)}
-            (out,) = yield [WindowRequest(request_id, prompt, params)]
+            beam = None
+            if temperature == 0.0 and options.beam_size is not None:
+                beam = BeamSearchParams(
+                    beam_width=options.beam_size,
+                    max_tokens=params.max_tokens
+                    or self.builder.model_config.effective_max_model_len,
+                    length_penalty=1.0
+                    if options.length_penalty is None
+                    else options.length_penalty,
+                    patience=options.patience,
+                )
+            elif temperature > 0.0 and options.best_of is not None and options.best_of > 1:
+                params = params.clone(n=options.best_of)
+            request = WindowRequest(request_id, prompt, params, beam, options.length_penalty)
+            (out,) = yield [request]
             attempt = self._judge(out, temperature)
             if attempt.verdict is not Verdict.RETRY or fallback.is_last(k):
                 if attempt.verdict is Verdict.RETRY:
@@ -459,27 +522,46 @@ def load_audio_inputs(audio: Any) -> list[np.ndarray]:
     return waveforms
 
 
-def window_output(output: Any, what: str) -> WindowOutput:
-    """A finished RequestOutput -> WindowOutput; TranscriptionError when the engine failed it."""
+def window_output(output: Any, what: str, length_penalty: float | None = None) -> WindowOutput:
+    """A finished RequestOutput -> WindowOutput (of n > 1 samples, the best ranked, as
+    openai-whisper's best_of); TranscriptionError when the engine failed it."""
     if output is None:
         raise TranscriptionError(f"{what}: the request ended without an output")
     if getattr(output, "error", None) is not None:
         raise TranscriptionError(f"{what}: {output.error}")
-    completion = output.outputs[0]
-    logprobs = None
-    if completion.logprobs is not None:
-        logprobs = [
-            entry[token].logprob
-            for token, entry in zip(completion.token_ids, completion.logprobs, strict=True)
-        ]
+    candidates = []
+    for completion in output.outputs:
+        logprobs = None
+        if completion.logprobs is not None:
+            logprobs = [
+                entry[token].logprob
+                for token, entry in zip(completion.token_ids, completion.logprobs, strict=True)
+            ]
+        candidates.append((list(completion.token_ids), logprobs))
     extras = getattr(output, "extras", None) or {}
-    token_times = extras.get(TOKEN_TIMES)
+    token_ids, logprobs = max(candidates, key=lambda c: _rank(c[1], length_penalty))
+    token_times = extras.get(TOKEN_TIMES) if len(candidates) == 1 else None
     return WindowOutput(
-        list(completion.token_ids),
+        token_ids,
         logprobs,
         extras.get(NO_SPEECH_PROB),
         list(token_times) if token_times is not None else None,
     )
+
+
+def _rank(logprobs: list[float] | None, length_penalty: float | None) -> float:
+    """openai-whisper's MaximumLikelihoodRanker score of one sample."""
+    if not logprobs:
+        return float("-inf")
+    length = len(logprobs)
+    penalty = length if length_penalty is None else ((5 + length) / 6) ** length_penalty
+    return math.fsum(logprobs) / penalty
+
+
+def beam_window_output(search: BeamSearch) -> WindowOutput:
+    """The best beam of a finished window beam search."""
+    best = search.result()[0]
+    return WindowOutput(best.token_ids, best.logprobs, search.first_extras.get(NO_SPEECH_PROB))
 
 
 class ProgressBar:
@@ -561,8 +643,10 @@ class Transcriber:
 
     def _run(self, plans: list[Plan], on_progress: Callable[[], None]) -> list[TranscriptionResult]:
         engine = self.engine
-        pending: dict[str, tuple[int, int]] = {}
-        """req_id -> (plan index, position in the plan's current batch)."""
+        pending: dict[str, tuple[int, int, float | None]] = {}
+        """req_id -> (plan index, position in the plan's current batch, best_of ranking)."""
+        beams: dict[str, tuple[BeamSearch, int, int, list]] = {}
+        """Window beam searches: req_id -> (search, plan index, position, step keys)."""
         batches: list[list[WindowOutput | None]] = [[] for _ in plans]
         results: list[TranscriptionResult | None] = [None] * len(plans)
         waiting = deque(range(len(plans)))
@@ -577,8 +661,42 @@ class Transcriber:
                 return
             batches[i] = [None] * len(batch)
             for j, request in enumerate(batch):
+                if request.beam is not None:
+                    search = make_beam_search(
+                        engine, request.request_id, request.prompt, request.beam, request.params
+                    )
+                    beams[request.request_id] = (search, i, j, [])
+                    step_beam(request.request_id)
+                    continue
                 engine.add_request(request.request_id, request.prompt, request.params)
-                pending[request.request_id] = (i, j)
+                pending[request.request_id] = (i, j, request.length_penalty)
+
+        def deliver(i: int, j: int, output: WindowOutput) -> None:
+            batches[i][j] = output
+            if all(out is not None for out in batches[i]):
+                advance(i, batches[i])  # type: ignore[arg-type]
+
+        def step_beam(req_id: str) -> None:
+            """Feeds a window's beam search its last step's outputs once all are in, then
+            queues its next step (or delivers its best beam)."""
+            if req_id not in beams:
+                return
+            search, i, j, keys = beams[req_id]
+            if keys:
+                step_ids = [key[2] for key in keys]
+                if not engine.core_outputs_ready(step_ids):
+                    return
+                outputs = {r: engine.take_core_output(r) for r in step_ids}
+                advance_beam_searches([search], keys, outputs)
+            while not search.done:
+                requests, keys = beam_step_requests([search])
+                if requests:
+                    beams[req_id] = (search, i, j, keys)
+                    engine.add_core_requests(requests)
+                    return
+                advance_beam_searches([search], keys, {})  # a forced step: no engine work
+            del beams[req_id]
+            deliver(i, j, beam_window_output(search))
 
         def start_waiting() -> None:
             while waiting and len(active) < self.max_active_files:
@@ -588,21 +706,24 @@ class Transcriber:
 
         try:
             start_waiting()
-            while pending:
+            while pending or beams:
                 for output in engine.step():
                     key = pending.get(output.request_id)
                     if key is None or not output.finished:
                         continue
                     del pending[output.request_id]
-                    i, j = key
-                    batches[i][j] = window_output(output, f"audio input {i}")
-                    if all(out is not None for out in batches[i]):
-                        advance(i, batches[i])  # type: ignore[arg-type]
+                    i, j, length_penalty = key
+                    deliver(i, j, window_output(output, f"audio input {i}", length_penalty))
+                for req_id in list(beams):
+                    step_beam(req_id)
                 start_waiting()
                 on_progress()
         except BaseException:
             if pending:
                 engine.abort_request(list(pending))
+            in_flight = [key[2] for _, _, _, keys in beams.values() for key in keys]
+            if in_flight:
+                engine.abort_core_requests(in_flight)
             raise
         assert all(r is not None for r in results)
         return results  # type: ignore[return-value]
@@ -637,10 +758,21 @@ class AsyncTranscriber:
             sent = await _gather_or_cancel([self._run_request(index, r) for r in batch])
 
     async def _run_request(self, index: int, request: WindowRequest) -> WindowOutput:
+        if request.beam is not None:
+            search = await self.llm.run_input_work(
+                make_beam_search,
+                self.llm,
+                request.request_id,
+                request.prompt,
+                request.beam,
+                request.params,
+            )
+            await run_beam_search_async([search], self.llm.run_core_requests_async)
+            return beam_window_output(search)
         final = None
         async for output in self.llm.generate(request.prompt, request.params, request.request_id):
             final = output
-        return window_output(final, f"audio input {index}")
+        return window_output(final, f"audio input {index}", request.length_penalty)
 
 
 async def _gather_or_cancel(coros: list[Awaitable[_T]]) -> list[_T]:

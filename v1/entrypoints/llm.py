@@ -16,6 +16,13 @@ from tqdm.auto import tqdm
 
 from v1 import envs
 from v1.config import EngineConfig, ModelKind, make_engine_config
+from v1.engine.beam_search import (
+    BeamSearchOutput,
+    BeamSearchParams,
+    beam_search_output,
+    make_beam_search,
+    run_beam_search,
+)
 from v1.engine.llm_engine import LLMEngine
 from v1.outputs import (
     ClassificationRequestOutput,
@@ -111,6 +118,47 @@ class LLM:
             sampling_params, len(prompts), SamplingParams, SamplingParams, "sampling_params"
         )
         return self._run(prompts, params, use_tqdm, priority)
+
+    def beam_search(
+        self,
+        prompts: Any,
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+        sampling_params: SamplingParams | None = None,
+    ) -> list[BeamSearchOutput]:
+        """Beam search for one prompt or a list (the prompt forms of `generate`), in input
+        order: each output holds the best `params.num_return_sequences` finished beams, best
+        first, scored and finished as transformers' `generate(num_beams=...)` does (the
+        model's generation-config rules apply as in `generate`). Beams share decoder blocks
+        through the prefix cache and, for encoder-decoder models, one cross-attention cache;
+        the encoder runs once per distinct input. `sampling_params` adds rules to the greedy
+        defaults (min_tokens, stop_token_ids, penalties, ...); its sampling knobs are unused."""
+        if self.config.model_config.kind == ModelKind.ENCODER_ONLY:
+            raise ValueError(
+                f"{self.config.model_config.architecture} is an encoder-only model: beam search "
+                f"needs a generating model"
+            )
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        prompts = _as_list(prompts)
+        engine = self.llm_engine
+        searches = []
+        for i, prompt in enumerate(prompts):
+            try:
+                searches.append(
+                    make_beam_search(
+                        engine, str(next(self._counter)), prompt, params, sampling_params
+                    )
+                )
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}" if len(prompts) > 1 else str(e)) from e
+        bar = tqdm(total=len(searches), desc="Beam search", disable=not use_tqdm)
+        try:
+            run_beam_search(searches, engine.run_core_requests)
+        finally:
+            bar.update(len(searches))
+            bar.close()
+        return [beam_search_output(search, engine.tokenizer) for search in searches]
 
     # ---- pooling ----
     def embed(
@@ -217,7 +265,9 @@ class LLM:
         condition_on_previous_text (True), temperature (fallback schedule; one number turns
         fallback off), compression_ratio_threshold (2.4), logprob_threshold (-1.0),
         no_speech_threshold (0.6), word_timestamps (False: True times every word from the
-        cross-attention alignment heads, in `result.words` and each segment's `words`). A
+        cross-attention alignment heads, in `result.words` and each segment's `words`),
+        beam_size (beam search at temperature 0, as transformers' num_beams), best_of (samples
+        per window above temperature 0, the most likely kept), patience, length_penalty. A
         progress bar (audio seconds, real-time factor) shows for
         batches and long audio unless `use_tqdm=False`."""
         mc = self.config.model_config

@@ -6,6 +6,7 @@ prefixes. The encoding is canonical bytes (struct-packed, type-tagged), never pi
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from collections.abc import Sequence
@@ -85,9 +86,11 @@ def request_block_hashes(request: Request, block_size: int) -> list[bytes]:
     return hashes[start:]
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def encoder_states_block_hash(content_hash: str, block_index: int) -> bytes:
-    """Prefix-cache key of block `block_index` of the encoder states of one encoder input (its
-    content hash): equal keys mean equal encoder output rows."""
+    """Prefix-cache key of block `block_index` of the cross-attention K/V or encoder states of
+    one encoder input (its content hash): equal keys mean equal rows. Memoized: every admission
+    of a request with encoder input looks its entry up (beam steps, n>1 children)."""
     parts: list[bytes] = [b"encoder-states"]
     _encode_key((content_hash, block_index), parts)
     return hashlib.sha256(b"".join(parts)).digest()

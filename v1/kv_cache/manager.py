@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from v1.kv_cache.block_hash import request_block_hashes
 from v1.kv_cache.block_pool import BlockPool, KVCacheBlock
 from v1.kv_cache.single_type import (
-    EncoderStatesManager,
+    CrossAttentionManager,
     FullAttentionManager,
     get_manager_for_spec,
 )
@@ -62,9 +62,10 @@ class KVCacheManager:
             for group_id, group in enumerate(kv_cache_config.groups)
         )
         self._full_managers = [m for m in self.managers if isinstance(m, FullAttentionManager)]
-        self._encoder_states_managers = [
-            m for m in self.managers if isinstance(m, EncoderStatesManager)
+        self._encoder_entry_managers = [
+            m for m in self.managers if isinstance(m, CrossAttentionManager)
         ]
+        """Cross-attention and encoder-states groups: entries shared by encoder content hash."""
         full_block_sizes = {m.block_size for m in self._full_managers}
         if len(full_block_sizes) > 1:
             raise ValueError(
@@ -157,10 +158,9 @@ class KVCacheManager:
         """Make room for `num_new_tokens` more tokens of `request`, all groups or none.
 
         Full-attention groups grow to cover num_computed_tokens + num_new_computed_tokens +
-        num_new_tokens (capped at max_model_len); cross-attention groups get
-        ceil(num_encoder_tokens / block_size) blocks if the request holds none yet;
-        encoder-states groups attach to the entry of the request's encoder content hash when
-        one exists, else allocate it like cross-attention.
+        num_new_tokens (capped at max_model_len); cross-attention and encoder-states groups
+        attach to the entry of the request's encoder content hash when one exists, else get
+        ceil(num_encoder_tokens / block_size) blocks if the request holds none yet.
         `new_computed_blocks` / `num_new_computed_tokens` come from `get_computed_blocks`.
 
         Returns the blocks added to the request's block tables by this call, per group and in
@@ -181,8 +181,8 @@ class KVCacheManager:
         if new_computed_blocks is None:
             new_computed_blocks = self._empty()
         assert len(new_computed_blocks.blocks) == len(self.managers), "blocks of another config"
-        if self._encoder_states_managers and num_encoder_tokens > 0:
-            new_computed_blocks = self._attach_encoder_states(
+        if self._encoder_entry_managers and num_encoder_tokens > 0:
+            new_computed_blocks = self._attach_encoder_entries(
                 request, new_computed_blocks, num_encoder_tokens
             )
         if self._full_managers:
@@ -214,7 +214,7 @@ class KVCacheManager:
             )
             added.append(list(hit_blocks) + new_blocks)
 
-        for manager in self._encoder_states_managers:
+        for manager in self._encoder_entry_managers:
             if request.encoder_hash is not None:
                 manager.register(req_id, request.encoder_hash)
         if self.enable_caching and not request.is_pooling and self._full_managers:
@@ -225,16 +225,31 @@ class KVCacheManager:
                 manager.cache_blocks(request, num_tokens_to_cache)
         return KVCacheBlocks(tuple(added))
 
-    def _attach_encoder_states(
+    def has_encoder_entry(self, request: Request) -> bool:
+        """Whether every cross-attention / encoder-states group already has an entry for the
+        request's encoder input (held by another request, or freed and still cached), so that
+        admitting it attaches to filled blocks: its encoder output need not be projected (or
+        even computed) again. False for a request without encoder input or that holds blocks."""
+        content_hash = request.encoder_hash
+        if content_hash is None or not self._encoder_entry_managers:
+            return False
+        return all(
+            not manager.get_blocks(request.request_id)
+            and manager.find_entry(content_hash, request.num_encoder_tokens)
+            for manager in self._encoder_entry_managers
+        )
+
+    def _attach_encoder_entries(
         self, request: Request, computed: KVCacheBlocks, num_encoder_tokens: int
     ) -> KVCacheBlocks:
-        """`computed` plus, per encoder-states group the request holds nothing of yet, the
-        blocks of an existing entry for its encoder content hash (taken like prefix hits)."""
+        """`computed` plus, per cross-attention / encoder-states group the request holds nothing
+        of yet, the blocks of an existing entry for its encoder content hash (taken like prefix
+        hits)."""
         content_hash = request.encoder_hash
         if content_hash is None:
             return computed
         blocks = list(computed.blocks)
-        for manager in self._encoder_states_managers:
+        for manager in self._encoder_entry_managers:
             if manager.get_blocks(request.request_id):
                 continue
             blocks[manager.group_id] = manager.find_entry(content_hash, num_encoder_tokens)

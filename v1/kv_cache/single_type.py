@@ -1,8 +1,8 @@
 """Per-KV-cache-group block managers: one block table per request for one attention type.
 
 `FullAttentionManager` grows with the tokens and uses the prefix cache; `CrossAttentionManager`
-holds the encoder's K/V, allocated once at admission; `EncoderStatesManager` holds the encoder
-output once per distinct encoder input (absorbed cross-attention), shared by content hash;
+holds the encoder's K/V and `EncoderStatesManager` the encoder output (absorbed cross-attention),
+both allocated once at admission, once per distinct encoder input, shared by content hash;
 `EncoderOnlyAttentionManager` holds nothing. All draw from one shared BlockPool; free is
 idempotent per request.
 """
@@ -148,23 +148,12 @@ class FullAttentionManager(SingleTypeKVCacheManager):
 
 class CrossAttentionManager(SingleTypeKVCacheManager):
     """Cross-attention: ceil(num_encoder_tokens / block_size) blocks, allocated once when the
-    request is admitted (or re-admitted after preemption); never grows, never prefix-cached.
-    A request without encoder input holds none."""
-
-    def num_required_blocks(self, req_id: str, num_tokens: int, num_encoder_tokens: int) -> int:
-        held = self.req_to_blocks.get(req_id)
-        if held:
-            # Allocated once: later calls (whatever num_encoder_tokens they pass) add nothing.
-            return len(held)
-        return cdiv(num_encoder_tokens, self.block_size)
-
-
-class EncoderStatesManager(CrossAttentionManager):
-    """Absorbed cross-attention's encoder states: like cross-attention, ceil(num_encoder_tokens /
-    block_size) blocks allocated once at admission and never grown, but one entry per distinct
-    encoder input: requests with the same content hash hold the same blocks (ref-counted by the
-    pool), so n>1 children, beams and repeated audio store E once. With prefix caching on, a
-    freed entry stays findable until its blocks are evicted."""
+    request is admitted (or re-admitted after preemption), never grown. One entry per distinct
+    encoder input: requests with the same content hash (n>1 children, beams, repeated audio or
+    documents) hold the same blocks, ref-counted by the pool, so the encoder output is projected
+    and stored once. With prefix caching on, a freed entry stays findable (the prefix cache of
+    encoder-decoder models, keyed by encoder content) until its blocks are evicted. A request
+    without encoder input holds none."""
 
     def __init__(self, spec: KVCacheSpec, block_pool: BlockPool, group_id: int) -> None:
         super().__init__(spec, block_pool, group_id)
@@ -173,9 +162,16 @@ class EncoderStatesManager(CrossAttentionManager):
         self.num_holders: dict[str, int] = {}
         self.req_to_hash: dict[str, str] = {}
 
+    def num_required_blocks(self, req_id: str, num_tokens: int, num_encoder_tokens: int) -> int:
+        held = self.req_to_blocks.get(req_id)
+        if held:
+            # Allocated once: later calls (whatever num_encoder_tokens they pass) add nothing.
+            return len(held)
+        return cdiv(num_encoder_tokens, self.block_size)
+
     def find_entry(self, content_hash: str, num_encoder_tokens: int) -> list[KVCacheBlock]:
-        """Blocks already holding this encoder input's states (a held entry, or a freed one not
-        yet evicted), taking no reference; [] when there is none or a block was evicted."""
+        """Blocks already holding this encoder input (a held entry, or a freed one not yet
+        evicted), taking no reference; [] when there is none or a block was evicted."""
         blocks = self.live.get(content_hash)
         if blocks:
             return list(blocks)
@@ -213,6 +209,11 @@ class EncoderStatesManager(CrossAttentionManager):
                 del self.num_holders[content_hash]
                 del self.live[content_hash]
         super().free(req_id)
+
+
+class EncoderStatesManager(CrossAttentionManager):
+    """Absorbed cross-attention's encoder states: the encoder output E itself, one entry per
+    distinct encoder input, shared and cached exactly like per-layer cross-attention K/V."""
 
 
 class EncoderOnlyAttentionManager(SingleTypeKVCacheManager):

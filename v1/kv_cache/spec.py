@@ -50,7 +50,8 @@ class FullAttentionSpec(KVCacheSpec):
 @dataclass(frozen=True)
 class CrossAttentionSpec(KVCacheSpec):
     """Cross-attention: ceil(num_encoder_tokens / block_size) blocks allocated once at admission,
-    written on the first step, then read-only; never grows, never prefix-cached."""
+    written on the first step, then read-only; never grows; one entry per encoder content hash,
+    shared by its readers and cached (by that hash) once freed."""
 
 
 @dataclass(frozen=True)

@@ -103,3 +103,7 @@ class SamplingMetadata:
     """[n] int64: the only token allowed at this step, -1 for none (forced_token_ids and
     forced_eos_token_id merged; EOS wins when both apply, as in transformers)."""
     whisper: WhisperTimestampMetadata | None = None
+    processed_logprob_rows: torch.Tensor | None = None
+    """[k] int64 rows whose logprobs are "processed" (beam search): the rules run on their
+    log_softmax(logits) and the logprobs are what the rules leave, as transformers' beam search
+    scores them; None when no row asks for it."""

@@ -25,7 +25,8 @@ class SamplerOutput:
     logprob_token_ids: torch.Tensor | None = None
     """[n, 1 + max_num_logprobs] int64: the sampled token, then the top-N tokens."""
     logprobs: torch.Tensor | None = None
-    """[n, 1 + max_num_logprobs] float32, log_softmax of the raw model logits."""
+    """[n, 1 + max_num_logprobs] float32, log_softmax of the raw model logits (processed rows:
+    the rules' output on log_softmax of the logits)."""
     ranks: torch.Tensor | None = None
     """[n] int64: 1-based rank of the sampled token among the raw logprobs."""
 
@@ -43,7 +44,15 @@ class Sampler(torch.nn.Module):
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
+        processed_rows = metadata.processed_logprob_rows
+        if processed_rows is not None:
+            # The rules run on log-probabilities for these rows (transformers' beam search
+            # order); sampling is unchanged: every rule but the repetition penalty is invariant
+            # to a per-row shift, and so are the temperature softmax and the argmax.
+            logits[processed_rows] = torch.log_softmax(logits[processed_rows], dim=-1)
         logits = apply_logits_processors(logits, metadata)
+        if processed_rows is not None and raw_logprobs is not None:
+            raw_logprobs[processed_rows] = logits[processed_rows]  # before sampling scales them
         sampled = self.sample(logits, metadata)
         if raw_logprobs is None:
             return SamplerOutput(sampled_token_ids=sampled)

@@ -151,6 +151,8 @@ class SamplingState:
         self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)
         """-1: no logprobs."""
         self.whisper_timestamps = np.zeros(max_num_reqs, dtype=bool)
+        self.processed_logprobs = np.zeros(max_num_reqs, dtype=bool)
+        """logprobs_mode "processed": logprobs are the rules' output on log_softmax(logits)."""
         self.seeds: dict[int, int] = {}
         self.generators: dict[int, torch.Generator] = {}
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
@@ -226,6 +228,7 @@ class SamplingState:
         self.forced_eos_token_id[slot] = _or_minus_one(params.forced_eos_token_id)
         self.num_logprobs[slot] = _or_minus_one(params.logprobs)
         self.whisper_timestamps[slot] = params.whisper_timestamps
+        self.processed_logprobs[slot] = params.logprobs_mode == "processed"
         if params.seed is not None:
             self.seeds[slot] = params.seed
             generator = torch.Generator(device=self.device)
@@ -280,6 +283,7 @@ class SamplingState:
         self.forced_eos_token_id[slot] = -1
         self.num_logprobs[slot] = -1
         self.whisper_timestamps[slot] = False
+        self.processed_logprobs[slot] = False
         self.seeds.pop(slot, None)
         self.generators.pop(slot, None)
         self.num_prompt_tokens[slot] = 0
@@ -376,6 +380,8 @@ class SamplingState:
         if use_whisper:
             i_ts = packer.add(ts_rows)
             i_first = packer.add(num_output[ts_rows] == 0)
+        processed_rows = np.flatnonzero(self.processed_logprobs[slots])
+        i_processed = packer.add(processed_rows) if len(processed_rows) else None
         shipped = packer.ship(self.device)
         idx = shipped[i_idx]
         fparams_dev = self.fparams_dev[idx]  # [n, NUM_F]
@@ -424,6 +430,8 @@ class SamplingState:
                 setattr(metadata, name, RowTokenIds(rows=rows, token_ids=token_ids))
         if i_forced is not None:
             metadata.forced_token_ids = shipped[i_forced]
+        if i_processed is not None:
+            metadata.processed_logprob_rows = shipped[i_processed]
         if use_whisper:
             assert self.whisper is not None and ts_rows is not None
             metadata.whisper = self._whisper_metadata(

@@ -274,3 +274,44 @@ def _x(extra: dict[str, object]) -> dict[str, object]:
     standard = {k: v for k, v in extra.items() if k in ("temperature",)}
     rest = {k: v for k, v in extra.items() if k not in standard}
     return {**standard, "extra_body": rest} if rest else standard
+
+
+def test_beam_search_and_best_of(llama_server: RemoteServer, server_pool) -> None:
+    """use_beam_search returns transformers' num_beams sequences (best_of beams, the n best);
+    best_of > n samples best_of and keeps the n most likely; neither streams."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    client = llama_server.openai()
+    model_dir = str(server_pool.root / "llama")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    ids = tokenizer("hello world", return_tensors="pt").input_ids
+    with torch.no_grad():
+        rows = hf.generate(
+            ids, do_sample=False, num_beams=3, num_return_sequences=2, max_new_tokens=6
+        ).tolist()
+    expected = [tokenizer.decode(r[ids.shape[1] :], skip_special_tokens=True) for r in rows]
+
+    out = client.completions.create(
+        model=MODEL,
+        prompt="hello world",
+        max_tokens=6,
+        n=2,
+        best_of=3,
+        extra_body={"use_beam_search": True},
+    )
+    assert [c.text for c in out.choices] == expected
+    assert [c.index for c in out.choices] == [0, 1]
+
+    sampled = client.completions.create(
+        model=MODEL, prompt="hello world", max_tokens=4, n=2, best_of=4, temperature=1.0, seed=3
+    )
+    assert [c.index for c in sampled.choices] == [0, 1]
+    assert all(c.logprobs is None for c in sampled.choices)  # not asked for
+
+    with llama_server.http() as http:
+        body = {"model": MODEL, "prompt": "hi", "n": 1, "best_of": 2, "stream": True}
+        assert_error_body(http.post("/v1/completions", json=body), 400)
+        body = {"model": MODEL, "prompt": "hi", "n": 3, "best_of": 2}
+        assert_error_body(http.post("/v1/completions", json=body), 400)

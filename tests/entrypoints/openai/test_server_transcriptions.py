@@ -98,6 +98,12 @@ async def _run_all(server: RemoteServer) -> dict[str, Any]:
             response_format="verbose_json",
             timestamp_granularities=["word", "segment"],
         ),
+        "beam": tr.create(
+            model=MODEL,
+            file=("short.flac", short),
+            language="en",
+            extra_body={"beam_size": 5, "best_of": 3, "patience": 1.0},
+        ),
     }
     results = await asyncio.gather(*jobs.values())
     await client.close()
@@ -294,3 +300,15 @@ def test_decompression_bomb_is_400_quickly(whisper_server: RemoteServer) -> None
     error = response.json()["error"]
     assert error["param"] == "file" and "too long" in error["message"]
     assert time.monotonic() - start < 5
+
+
+def test_beam_size_form_fields(results: dict[str, Any], whisper_server: RemoteServer) -> None:
+    assert _words(results["beam"].text) == "a man said to the universe sir i exist"
+    with whisper_server.http() as http:
+        files = {"file": ("short.flac", SHORT.read_bytes())}
+        for fields in ({"beam_size": "0"}, {"beam_size": "5", "stream": "true"}):
+            response = http.post(
+                "/v1/audio/transcriptions", files=files, data={"model": MODEL, **fields}
+            )
+            assert response.status_code == 400, response.text
+            assert "beam_size" in response.json()["error"]["message"]

@@ -45,7 +45,11 @@ from v1.entrypoints.openai.serving_completions import ServingCompletions
 from v1.entrypoints.openai.serving_embeddings import ServingEmbeddings
 from v1.entrypoints.openai.serving_engine import ServerSettings, json_response
 from v1.entrypoints.openai.serving_score import ServingScore
-from v1.entrypoints.openai.serving_transcriptions import AudioRequest, ServingTranscriptions
+from v1.entrypoints.openai.serving_transcriptions import (
+    AudioRequest,
+    ServingTranscriptions,
+    decoding_options,
+)
 from v1.logger import init_logger
 
 logger = init_logger(__name__)
@@ -384,6 +388,10 @@ def _add_inference_routes(
         stream: Annotated[bool, Form()] = False,
         include: Annotated[list[str] | None, Form(alias="include[]")] = None,
         chunking_strategy: Annotated[str | None, Form()] = None,
+        beam_size: Annotated[int | None, Form()] = None,
+        best_of: Annotated[int | None, Form()] = None,
+        patience: Annotated[float | None, Form()] = None,
+        length_penalty: Annotated[float | None, Form()] = None,
     ) -> Response:
         _reject_unsupported_audio(include, chunking_strategy)
         req = AudioRequest(
@@ -396,6 +404,7 @@ def _add_inference_routes(
             response_format,
             timestamp_granularities or [],
             stream,
+            decoding_options(beam_size, best_of, patience, length_penalty),
         )
         return await audio.create(req, request)
 
@@ -409,9 +418,22 @@ def _add_inference_routes(
         temperature: Annotated[float, Form()] = 0.0,
         response_format: Annotated[str, Form()] = "json",
         stream: Annotated[bool, Form()] = False,
+        beam_size: Annotated[int | None, Form()] = None,
+        best_of: Annotated[int | None, Form()] = None,
+        patience: Annotated[float | None, Form()] = None,
+        length_penalty: Annotated[float | None, Form()] = None,
     ) -> Response:
         req = AudioRequest(
-            "translate", file, model, language, prompt, temperature, response_format, [], stream
+            "translate",
+            file,
+            model,
+            language,
+            prompt,
+            temperature,
+            response_format,
+            [],
+            stream,
+            decoding_options(beam_size, best_of, patience, length_penalty),
         )
         return await audio.create(req, request)
 

@@ -140,6 +140,10 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = None
+    # vLLM extensions: beam search (best_of beams, default n; the n best are returned)
+    use_beam_search: bool = False
+    length_penalty: float = Field(1.0, ge=-FLOAT32_MAX, le=FLOAT32_MAX)
+    early_stopping: bool | Literal["never"] = False
 
 
 class TextContentPart(OpenAIModel):

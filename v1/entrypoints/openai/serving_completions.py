@@ -7,6 +7,7 @@ one JSON body, or server-sent `data:` chunks ending with `data: [DONE]` when `st
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from functools import partial
@@ -17,6 +18,7 @@ from fastapi.responses import Response
 
 from v1.config import ModelKind
 from v1.core.client import EngineDeadError
+from v1.engine.beam_search import MAX_BEAM_WIDTH, BeamSearchParams
 from v1.entrypoints.openai.chat_template import ChatTemplate
 from v1.entrypoints.openai.errors import APIError, bad_request, engine_dead_error
 from v1.entrypoints.openai.logprobs import LogprobFormatter
@@ -89,6 +91,8 @@ class _Job:
     echo: bool = False
     include_usage: bool = False
     top_logprobs: int = 0
+    keep_logprobs: bool = True
+    """False: logprobs were asked for only to rank best_of samples, not to return."""
 
 
 @dataclass
@@ -130,8 +134,13 @@ class ServingCompletions(ServingBase):
         _reject_unsupported(body)
         if body.suffix:
             raise bad_request("suffix is not supported", param="suffix")
-        if body.best_of is not None and body.best_of != body.n:
-            raise bad_request("best_of must equal n (beam search is not supported)", "best_of")
+        if body.best_of is not None and body.best_of < body.n:
+            raise bad_request("best_of must be >= n", param="best_of")
+        best_of = body.best_of or body.n
+        if (body.use_beam_search or best_of > body.n) and body.stream:
+            raise bad_request("best_of > n and use_beam_search cannot stream", param="stream")
+        if body.use_beam_search and best_of > MAX_BEAM_WIDTH:
+            raise bad_request(f"beam search keeps at most {MAX_BEAM_WIDTH} beams", "best_of")
         if body.echo and body.logprobs is not None:
             raise bad_request("echo with logprobs (prompt logprobs) is not supported", "echo")
         prompts = await self.offload(
@@ -149,6 +158,12 @@ class ServingCompletions(ServingBase):
             self._sampling_params(body, p, body.max_tokens, explicit, body.logprobs, "prompt")
             for p in prompts
         ]
+        if body.use_beam_search:
+            return await self._beam_search(body, model, prompts, params, request)
+        if best_of > body.n:
+            # Sample best_of, return the n most likely (highest cumulative logprob).
+            logprobs = 0 if body.logprobs is None else body.logprobs
+            params = [p.clone(n=best_of, logprobs=logprobs) for p in params]
         job = _Job(
             random_id("cmpl"),
             model,
@@ -159,8 +174,63 @@ class ServingCompletions(ServingBase):
             chat=False,
             echo=body.echo,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
+            keep_logprobs=body.logprobs is not None,
         )
         return await self._run(job, body.stream, request)
+
+    async def _beam_search(
+        self,
+        body: CompletionRequest,
+        model: str,
+        prompts: list[_Prompt],
+        params: list[SamplingParams],
+        request: Request,
+    ) -> Response:
+        """use_beam_search: best_of (default n) beams per prompt, the n best returned."""
+        if body.logprobs is not None:
+            raise bad_request("logprobs are not supported with use_beam_search", "logprobs")
+        request_id = random_id("cmpl")
+        try:
+            beam_params = [
+                BeamSearchParams(
+                    beam_width=body.best_of or body.n,
+                    max_tokens=p.max_tokens or 1,
+                    length_penalty=body.length_penalty,
+                    early_stopping=body.early_stopping,
+                    num_return_sequences=body.n,
+                    ignore_eos=body.ignore_eos,
+                )
+                for p in params
+            ]
+        except ValueError as e:
+            raise bad_request(str(e), param="best_of") from e
+        timer = RequestTimer(self.metrics, "/v1/completions")
+        searches = [
+            self.engine.beam_search(
+                prompt.engine_prompt, bp, f"{request_id}-{i}", p.clone(n=1, stop=None)
+            )
+            for i, (prompt, bp, p) in enumerate(zip(prompts, beam_params, params, strict=True))
+        ]
+        results = await map_input_errors(run_until_disconnected(request, _gather(searches)))
+        choices = []
+        usage = UsageInfo()
+        for i, (prompt, result) in enumerate(zip(prompts, results, strict=True)):
+            usage.prompt_tokens += len(result.prompt_token_ids)
+            for k, seq in enumerate(result.sequences):
+                text = (prompt.text or "") + seq.text if body.echo else seq.text
+                usage.completion_tokens = (usage.completion_tokens or 0) + len(seq.token_ids)
+                timer.tokens(len(seq.token_ids))
+                choices.append(
+                    CompletionChoice(
+                        index=i * body.n + k, text=text, finish_reason=seq.finish_reason
+                    )
+                )
+                self.metrics.observe_finish(timer.endpoint, seq.finish_reason)
+        usage.total_tokens = usage.prompt_tokens + (usage.completion_tokens or 0)
+        timer.finish(usage.prompt_tokens)
+        return json_response(
+            CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
+        )
 
     async def create_chat_completion(
         self, body: ChatCompletionRequest, request: Request
@@ -368,12 +438,17 @@ class ServingCompletions(ServingBase):
     ) -> CompletionResponse:
         choices = []
         for i, out in enumerate(finals):
-            for c in sorted(out.outputs, key=lambda c: c.index):
+            outputs = sorted(out.outputs, key=lambda c: c.index)
+            if len(outputs) > job.n:  # best_of > n: the n most likely samples
+                outputs = sorted(outputs, key=lambda c: -(c.cumulative_logprob or 0.0))[: job.n]
+            for k, c in enumerate(outputs):
                 text = (job.prompts[i].text or "") + c.text if job.echo else c.text
-                logprobs = self.logprobs.completion(c, {}, 0) if c.logprobs is not None else None
+                logprobs = None
+                if c.logprobs is not None and job.keep_logprobs:
+                    logprobs = self.logprobs.completion(c, {}, 0)
                 choices.append(
                     CompletionChoice(
-                        index=i * job.n + c.index,
+                        index=i * job.n + k,
                         text=text,
                         logprobs=logprobs,
                         finish_reason=c.finish_reason,
@@ -601,3 +676,15 @@ def _content_chars(content: Any) -> int:
 
 def _engine_failed(error: str) -> APIError:
     return APIError(500, f"the engine failed the request: {error}", code="engine_error")
+
+
+async def _gather(coros: list[Any]) -> list[Any]:
+    """asyncio.gather that cancels the others (aborting their engine requests) if one fails."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise

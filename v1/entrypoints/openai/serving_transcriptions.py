@@ -65,6 +65,24 @@ class AudioRequest:
     response_format: str = "json"
     timestamp_granularities: list[str] = field(default_factory=list)
     stream: bool = False
+    decoding: dict[str, Any] = field(default_factory=dict)
+    """Extra form fields beam_size, best_of, patience, length_penalty (those sent)."""
+
+
+def decoding_options(
+    beam_size: int | None,
+    best_of: int | None,
+    patience: float | None,
+    length_penalty: float | None,
+) -> dict[str, Any]:
+    """The decoding form fields a client sent (openai-whisper's names), as transcribe options."""
+    values = {
+        "beam_size": beam_size,
+        "best_of": best_of,
+        "patience": patience,
+        "length_penalty": length_penalty,
+    }
+    return {name: value for name, value in values.items() if value is not None}
 
 
 class ServingTranscriptions(ServingBase):
@@ -93,6 +111,7 @@ class ServingTranscriptions(ServingBase):
             "timestamps": req.response_format in _TIMED_FORMATS,
             "prompt": req.prompt or None,
             "word_timestamps": "word" in req.timestamp_granularities,
+            **req.decoding,
         }
         request_id = random_id("trsc")
         if req.stream:
@@ -163,6 +182,15 @@ class ServingTranscriptions(ServingBase):
             raise bad_request(
                 f"temperature must be in [0, 1], got {req.temperature}", param="temperature"
             )
+        if req.decoding:
+            from v1.engine.transcription import TranscriptionOptions
+
+            try:
+                TranscriptionOptions(**req.decoding)
+            except ValueError as e:
+                raise bad_request(str(e), param=str(e).split(" ", 1)[0]) from e
+            if req.stream and ("beam_size" in req.decoding or "best_of" in req.decoding):
+                raise bad_request("beam_size and best_of cannot stream", param="stream")
         if req.stream and req.response_format not in ("json", "text"):
             raise bad_request(
                 "stream=true is available with response_format json or text only",

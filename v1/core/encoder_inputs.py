@@ -1,0 +1,59 @@
+"""Encoder inputs the core keeps by content hash, so a request may name one instead of sending it.
+
+Beam search continues every beam as a new request each step; with many beams over 30 s of audio,
+re-sending the samples each time would copy megabytes per beam per step across the process
+boundary. The first step sends the input; later ones send only its hash and length
+(`EncoderInput` without `token_ids` or `audio`), resolved here from the most recent payloads
+(least recently used dropped first, within a byte budget).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from v1.core.protocol import EncoderInput
+
+MAX_HELD_BYTES = 1 << 30
+"""Payload bytes kept (1 GiB: ~550 Whisper windows of float32 audio)."""
+
+
+def _payload_bytes(enc: EncoderInput) -> int:
+    if enc.audio is not None:
+        return int(getattr(enc.audio, "nbytes", 0))
+    return 8 * len(enc.token_ids or ())
+
+
+class EncoderInputStore:
+    def __init__(self, max_bytes: int = MAX_HELD_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self.num_bytes = 0
+        self._inputs: OrderedDict[str, EncoderInput] = OrderedDict()
+
+    def resolve(self, enc: EncoderInput) -> EncoderInput:
+        """`enc` with its payload: a full input is remembered and returned as is; a reference
+        (no token_ids, no audio) gets the payload last sent under its hash. Raises ValueError
+        for a reference to an input not held (never sent, or dropped since)."""
+        if enc.token_ids is not None or enc.audio is not None:
+            self._remember(enc)
+            return enc
+        held = self._inputs.get(enc.content_hash)
+        if held is None or held.num_encoder_tokens != enc.num_encoder_tokens:
+            raise ValueError(
+                f"encoder input {enc.content_hash!r} was sent without its data and the core "
+                f"does not hold it (send token_ids or audio again)"
+            )
+        self._inputs.move_to_end(enc.content_hash)
+        return held
+
+    def _remember(self, enc: EncoderInput) -> None:
+        old = self._inputs.pop(enc.content_hash, None)
+        if old is not None:
+            self.num_bytes -= _payload_bytes(old)
+        size = _payload_bytes(enc)
+        if size > self.max_bytes:
+            return
+        self._inputs[enc.content_hash] = enc
+        self.num_bytes += size
+        while self.num_bytes > self.max_bytes:
+            _, dropped = self._inputs.popitem(last=False)
+            self.num_bytes -= _payload_bytes(dropped)
