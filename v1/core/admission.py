@@ -70,13 +70,13 @@ def check_request(request: EngineCoreRequest, config: EngineConfig, max_model_le
         raise ValueError("the prompt is empty")
     _check_numbers(request, config)
     params = request.sampling_params
-    if params is not None and params.word_timestamps:
-        if config.parallel_config.tensor_parallel_size > 1:
-            # The alignment pass reads whole heads; under tensor parallelism each rank has some.
-            raise ValueError(
-                "word_timestamps is not supported with tensor_parallel_size > 1 (the alignment "
-                "heads are split across ranks)"
-            )
+    # The alignment pass reads whole heads; under tensor parallelism each rank has some.
+    tp = config.parallel_config.tensor_parallel_size
+    if params is not None and params.word_timestamps and tp > 1:
+        raise ValueError(
+            "word_timestamps is not supported with tensor_parallel_size > 1 (the alignment "
+            "heads are split across ranks)"
+        )
     num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids or ())
     mc, sc = config.model_config, config.scheduler_config
     if request.output_token_ids:
