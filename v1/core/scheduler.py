@@ -248,8 +248,12 @@ class Scheduler:
         num_new = min(num_new, budget.tokens)
         run_encoder = False
         # Cross K/V of this encoder input already in the cache (another reader holds them, or
-        # they are cached from an earlier one): attach, neither encode nor project again.
-        cross_cached = self.kv_cache_manager.has_encoder_entry(request)
+        # they are cached from an earlier one): attach, neither encode nor project again. A
+        # word_timestamps request still takes the encoder path: its alignment pass needs the
+        # encoder output itself, which the runner keeps from the first step.
+        params = request.sampling_params
+        wants_encoder_output = params is not None and params.word_timestamps
+        cross_cached = self.kv_cache_manager.has_encoder_entry(request) and not wants_encoder_output
         if request.encoder_input is not None and not cross_cached:
             run_encoder = not self.encoder_cache.has(request.encoder_hash)
             if run_encoder and (
