@@ -10,6 +10,8 @@ import math
 
 import msgspec
 
+from v1.structured_output.params import StructuredOutputsParams
+
 _INT_MAX = 2**31 - 1
 """Largest count or id accepted: every integer field fits the int32/int64 tensors it is written to."""
 FLOAT32_MAX = 3.4028234663852886e38
@@ -59,6 +61,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """Only these token ids may be generated (e.g. Whisper language detection)."""
     whisper_timestamps: bool = False
     """Apply Whisper's timestamp rules (set by the Whisper input path)."""
+    logit_bias: dict[int, float] | None = None
+    """token id -> bias in [-100, 100] added to its logit before sampling (OpenAI semantics)."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to JSON (a schema or any object): a grammar mask at every step."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -155,6 +161,32 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             ):
                 raise bad("forced_token_ids", "must be a list of [output_index, token_id] pairs")
 
+        self._validate_logit_bias_and_structure()
+
+    def _validate_logit_bias_and_structure(self) -> None:
+        for token, bias in (self.logit_bias or {}).items():
+            if not _is_int(token) or not 0 <= token <= _INT_MAX:
+                raise ValueError(f"logit_bias keys must be token ids, got {token!r}")
+            if (
+                isinstance(bias, bool)
+                or not isinstance(bias, (int, float))
+                or not -100.0 <= bias <= 100.0
+            ):
+                raise ValueError(
+                    f"logit_bias values must be numbers in [-100, 100], got {bias!r} for {token}"
+                )
+        if self.structured_outputs is not None:
+            if self.ignore_eos:
+                raise ValueError(
+                    "structured_outputs cannot be combined with ignore_eos (the document ends "
+                    "with EOS)"
+                )
+            if self.min_tokens:
+                raise ValueError(
+                    "structured_outputs cannot be combined with min_tokens (EOS must stay "
+                    "possible once the document is complete)"
+                )
+
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
@@ -180,6 +212,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             for t in ids:
                 if t >= vocab_size:
                     raise ValueError(f"{name} contains {t}, outside the vocabulary of {vocab_size}")
+        for t in self.logit_bias or {}:
+            if t >= vocab_size:
+                raise ValueError(f"logit_bias contains {t}, outside the vocabulary of {vocab_size}")
         for pair in self.forced_token_ids or []:
             if len(pair) != 2 or pair[0] < 0 or not 0 <= pair[1] < vocab_size:
                 raise ValueError(f"forced_token_ids entry {pair} is not [index, token_id]")

@@ -25,6 +25,7 @@ from v1.core.sched_output import SchedulerOutput
 from v1.core.scheduler import Scheduler
 from v1.kv_cache.sizing import get_kv_cache_config
 from v1.logger import init_logger
+from v1.structured_output.manager import StructuredOutputManager
 from v1.worker.executor import Executor
 
 logger = init_logger(__name__)
@@ -69,6 +70,7 @@ class EngineCore:
         self._blocked_adds: list[EngineCoreRequest] = []
         """Requests whose id is in a launched step (see add_request)."""
         self._pooling_config = self._load_pooling_config()
+        self.structured_outputs = StructuredOutputManager(config.model_config)
         gc.collect()
         gc.freeze()  # start-up objects live forever: keep them out of cyclic GC scans
         if not self.kv_cache_config.groups:
@@ -94,9 +96,12 @@ class EngineCore:
             return
         try:
             self._check_request(request)
+            matcher = self._compile_grammar(request)
             self.scheduler.add_request(
                 Request.from_engine_core_request(request, self.max_model_len)
             )
+            if matcher is not None:
+                self.structured_outputs.add(request.request_id, matcher)
         except ValueError as e:
             self._pending_outputs.append(
                 EngineCoreOutput(
@@ -110,6 +115,36 @@ class EngineCore:
         check_request(request, self.config, self.max_model_len)
         if request.pooling_params is not None:
             self._check_pooling_request(request)
+
+    def _compile_grammar(self, request: EngineCoreRequest) -> Any:
+        params = request.sampling_params
+        if params is None or params.structured_outputs is None:
+            return None
+        return self.structured_outputs.compile(params.structured_outputs, request.eos_token_id)
+
+    def _schedule(self) -> SchedulerOutput:
+        """The scheduler's next step, with the grammar bitmask of its structured requests."""
+        so = self.scheduler.schedule()
+        if len(self.structured_outputs):
+            so.structured_output_req_ids, so.grammar_bitmask = self.structured_outputs.bitmask(
+                list(so.num_scheduled_tokens)
+            )
+        return so
+
+    def _update_from_output(self, so: SchedulerOutput, runner_output: Any) -> EngineCoreOutputs:
+        """The scheduler's update, then the grammar matchers advance on the accepted tokens; a
+        token that breaks its grammar (it cannot, under the mask) fails that request alone."""
+        outputs = self.scheduler.update_from_output(so, runner_output)
+        grammars = self.structured_outputs
+        if len(grammars):
+            for out in outputs.outputs:
+                if out.request_id not in grammars or out.finished:
+                    continue
+                error = grammars.accept(out.request_id, out.new_token_ids)
+                if error is not None:
+                    self._fail_step([out.request_id], error, self._pending_outputs)
+            grammars.retain(self.scheduler.requests)
+        return outputs
 
     def _check_pooling_request(self, request: EngineCoreRequest) -> None:
         if self._pooling_config is None:
@@ -139,6 +174,8 @@ class EngineCore:
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        if len(self.structured_outputs):
+            self.structured_outputs.retain(self.scheduler.requests)
 
     def has_work(self) -> bool:
         return (
@@ -158,7 +195,7 @@ class EngineCore:
                 # Let the runner drop finished requests even when nothing else runs.
                 self.executor.execute_model(self.scheduler.schedule())
             return EngineCoreOutputs(outputs=pending, timestamp=now())
-        scheduler_output = self.scheduler.schedule()
+        scheduler_output = self._schedule()
         try:
             runner_output = self.executor.execute_model(scheduler_output)
         except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the core
@@ -169,7 +206,7 @@ class EngineCore:
             return self._fail_step(
                 scheduler_output.num_scheduled_tokens, f"{type(e).__name__}: {e}", pending
             )
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self._update_from_output(scheduler_output, runner_output)
         outputs.outputs = pending + outputs.outputs
         return outputs
 
@@ -185,7 +222,7 @@ class EngineCore:
         if len(queue) < MAX_STEPS_IN_FLIGHT and (
             scheduler.has_unscheduled_requests() or scheduler.has_finished_requests
         ):
-            so = scheduler.schedule()
+            so = self._schedule()
             if so.total_num_scheduled_tokens == 0:
                 self.executor.execute_model(so)  # only lets the runner drop finished requests
             else:
@@ -210,7 +247,7 @@ class EngineCore:
             )
             outputs = self._fail_step(so.num_scheduled_tokens, f"{type(e).__name__}: {e}", pending)
         else:
-            outputs = scheduler.update_from_output(so, runner_output)
+            outputs = self._update_from_output(so, runner_output)
             outputs.outputs = pending + outputs.outputs
         if self._blocked_adds:
             blocked, self._blocked_adds = self._blocked_adds, []

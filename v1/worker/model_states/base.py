@@ -126,7 +126,15 @@ class GenerationState(ModelState):
         runner = self.runner
         logits = runner.model.compute_logits(hidden_states[step.logits_indices])
         logits = logits[:, : runner.model_config.vocab_size]
-        out = self.sampler(logits, self.sampling_state.make_metadata(step.slots))
+        metadata = self.sampling_state.make_metadata(step.slots)
+        if step.grammar_rows is not None:
+            from v1.sample.metadata import RowBitmask
+
+            metadata.grammar_bitmask = RowBitmask(
+                rows=runner._to_device(step.grammar_rows),
+                bitmask=runner._to_device(step.grammar_bitmask),
+            )
+        out = self.sampler(logits, metadata)
         sampled = out.sampled_token_ids  # [R] int64, on the device
         keep_rows = np.flatnonzero(step.reached_end)
         kept_slots = step.slots[keep_rows]
