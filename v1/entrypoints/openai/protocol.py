@@ -121,6 +121,9 @@ class SamplingFields(OpenAIModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
+    """token id (as a string) -> bias in [-100, 100]."""
+    response_format: dict[str, Any] | None = None
+    """{"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": ...}}."""
     # vLLM extensions
     top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
@@ -168,7 +171,6 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
     modalities: list[str] | None = None
     audio: Any = None
     prediction: Any = None

@@ -54,6 +54,7 @@ from v1.entrypoints.openai.serving_engine import (
 )
 from v1.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from v1.sampling_params import SamplingParams
+from v1.structured_output import StructuredOutputsParams
 
 _OPTIONAL_SAMPLING_FIELDS = (
     "temperature",
@@ -127,7 +128,6 @@ class ServingCompletions(ServingBase):
     async def create_completion(self, body: CompletionRequest, request: Request) -> Response:
         model = self.check_model(body.model)
         self._check_generator("/v1/completions")
-        _reject_unsupported(body)
         if body.suffix:
             raise bad_request("suffix is not supported", param="suffix")
         if body.best_of is not None and body.best_of != body.n:
@@ -167,7 +167,6 @@ class ServingCompletions(ServingBase):
     ) -> Response:
         model = self.check_model(body.model)
         self._check_generator("/v1/chat/completions")
-        _reject_unsupported(body)
         _reject_unsupported_chat(body)
         if body.top_logprobs and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
@@ -295,6 +294,12 @@ class ServingCompletions(ServingBase):
             if getattr(body, name) is not None
         }
         stop = [body.stop] if isinstance(body.stop, str) else body.stop
+        structured = _structured_outputs(body)
+        if structured is not None:
+            if body.ignore_eos:
+                raise bad_request("response_format cannot be used with ignore_eos", "ignore_eos")
+            if body.min_tokens:
+                raise bad_request("response_format cannot be used with min_tokens", "min_tokens")
         try:
             return SamplingParams(
                 n=body.n,
@@ -308,6 +313,8 @@ class ServingCompletions(ServingBase):
                 include_stop_str_in_output=body.include_stop_str_in_output,
                 truncate_prompt_tokens=body.truncate_prompt_tokens,
                 logprobs=logprobs,
+                logit_bias=_logit_bias(body, self.vocab_size),
+                structured_outputs=structured,
                 **kwargs,
             )
         except ValueError as e:
@@ -553,15 +560,62 @@ class _Ends:
         self.remaining = 0
 
 
-def _reject_unsupported(body: SamplingFields) -> None:
-    if body.logit_bias:
-        raise bad_request("logit_bias is not supported", param="logit_bias")
+def _logit_bias(body: SamplingFields, vocab_size: int) -> dict[int, float] | None:
+    """OpenAI's logit_bias (string token ids) as ids -> biases, checked (400 naming it)."""
+    if not body.logit_bias:
+        return None
+    bias = {}
+    for key, value in body.logit_bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            token = -1
+        if not 0 <= token < vocab_size:
+            raise bad_request(
+                f"logit_bias key {key!r} is not a token id in [0, {vocab_size})",
+                param="logit_bias",
+            )
+        if not -100.0 <= value <= 100.0:
+            raise bad_request(
+                f"logit_bias value {value} for token {key} is outside [-100, 100]",
+                param="logit_bias",
+            )
+        bias[token] = float(value)
+    return bias
 
 
-_STRUCTURED_OUTPUT_WHY = (
-    "structured output (JSON mode / JSON schema) is not supported by this server yet: it needs "
-    "a grammar-constrained logits mask in the sampler"
-)
+def _structured_outputs(body: SamplingFields) -> StructuredOutputsParams | None:
+    """response_format as StructuredOutputsParams (None for text); 400 naming response_format
+    for an unknown type or a schema llguidance cannot compile."""
+    fmt = body.response_format
+    if fmt is None:
+        return None
+    kind = fmt.get("type", "text")
+    try:
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            params = StructuredOutputsParams(json_object=True)
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError(
+                    "response_format json_schema needs {'json_schema': {'name': ..., "
+                    "'schema': {...}}} with the schema as a JSON object"
+                )
+            params = StructuredOutputsParams(json=schema if isinstance(schema, dict) else {})
+        else:
+            raise ValueError(
+                f"response_format type {kind!r} is not one of 'text', 'json_object', 'json_schema'"
+            )
+        params.validate()
+    except ValueError as e:
+        raise bad_request(
+            str(e).replace("structured_outputs.json", "response_format json_schema"),
+            param="response_format",
+        ) from e
+    return params
 
 
 def _reject_unsupported_chat(body: ChatCompletionRequest) -> None:
@@ -577,12 +631,6 @@ def _reject_unsupported_chat(body: ChatCompletionRequest) -> None:
     if body.parallel_tool_calls:
         raise bad_request(
             "parallel_tool_calls needs tools, which are not supported", "parallel_tool_calls"
-        )
-    fmt = body.response_format
-    if fmt is not None and fmt.get("type", "text") != "text":
-        raise bad_request(
-            f"response_format type {fmt.get('type')!r}: {_STRUCTURED_OUTPUT_WHY}",
-            param="response_format",
         )
     if body.modalities is not None and any(m != "text" for m in body.modalities):
         raise bad_request("only the 'text' output modality is supported", param="modalities")
