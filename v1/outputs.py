@@ -35,6 +35,8 @@ class Logprob:
 
 SampleLogprobs = list[dict[int, Logprob]]
 """Per generated token: {token id: Logprob} of the sampled token and the top-N tokens."""
+PromptLogprobs = list[dict[int, Logprob] | None]
+"""Per prompt token: {token id: Logprob} of that token and the top-N tokens; None for the first."""
 
 
 @dataclass
@@ -73,6 +75,8 @@ class RequestOutput:
     """Why the engine failed this request (finish_reason "error"); None otherwise."""
     extras: dict[str, float] | None = None
     """Model-specific per-request results (Whisper: no_speech_prob)."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """With SamplingParams.prompt_logprobs, once the first token is out."""
 
 
 # ---- pooling ----

@@ -42,6 +42,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     ignore_eos: bool = False
     logprobs: int | None = None
     """Top-N logprobs per generated token (the sampled token's logprob is always included)."""
+    prompt_logprobs: int | None = None
+    """Top-N logprobs per prompt token after the first (decoder-only models; the prompt is
+    computed in full, without prefix-cache hits)."""
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
@@ -131,6 +134,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise bad("logprobs", "must be in [0, 20]")
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= 20
+        ):
+            raise bad("prompt_logprobs", "must be an integer in [0, 20]")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise bad("seed", "must fit in 64 bits")
         if (

@@ -71,6 +71,8 @@ class EngineCore:
         """Requests whose id is in a launched step (see add_request)."""
         self._pooling_config = self._load_pooling_config()
         self.structured_outputs = StructuredOutputManager(config.model_config)
+        self._prompt_logprobs: dict[str, tuple[list[list[int]], list[list[float]]]] = {}
+        """Prompt logprobs of requests whose first token is not out yet, by prompt position."""
         gc.collect()
         gc.freeze()  # start-up objects live forever: keep them out of cyclic GC scans
         if not self.kv_cache_config.groups:
@@ -135,6 +137,8 @@ class EngineCore:
         """The scheduler's update, then the grammar matchers advance on the accepted tokens; a
         token that breaks its grammar (it cannot, under the mask) fails that request alone."""
         outputs = self.scheduler.update_from_output(so, runner_output)
+        if runner_output.prompt_logprobs or self._prompt_logprobs:
+            self._attach_prompt_logprobs(runner_output, outputs.outputs)
         grammars = self.structured_outputs
         if len(grammars):
             for out in outputs.outputs:
@@ -145,6 +149,28 @@ class EngineCore:
                     self._fail_step([out.request_id], error, self._pending_outputs)
             grammars.retain(self.scheduler.requests)
         return outputs
+
+    def _attach_prompt_logprobs(self, runner_output: Any, outputs: list[EngineCoreOutput]) -> None:
+        """Collects each chunk's prompt logprobs (by prompt position: a chunk computed again
+        after a preemption overwrites its own rows) and sends them whole with the request's
+        first token."""
+        requests = self.scheduler.requests
+        for req_id, (start, ids, values) in runner_output.prompt_logprobs.items():
+            request = requests.get(req_id)
+            if request is None:
+                continue
+            rows = self._prompt_logprobs.setdefault(
+                req_id,
+                ([[]] * (request.num_prompt_tokens - 1), [[]] * (request.num_prompt_tokens - 1)),
+            )
+            rows[0][start - 1 : start - 1 + len(ids)] = ids
+            rows[1][start - 1 : start - 1 + len(values)] = values
+        for out in outputs:
+            if out.new_token_ids and out.request_id in self._prompt_logprobs:
+                ids, values = self._prompt_logprobs.pop(out.request_id)
+                out.prompt_logprob_token_ids, out.prompt_logprobs = ids, values
+        for req_id in [r for r in self._prompt_logprobs if r not in requests]:
+            del self._prompt_logprobs[req_id]
 
     def _check_pooling_request(self, request: EngineCoreRequest) -> None:
         if self._pooling_config is None:

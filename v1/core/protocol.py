@@ -79,6 +79,11 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True, array_like=True):
     num_cached_tokens: int = 0
     extras: dict[str, float] | None = None
     """Model-specific per-request results (Whisper: no_speech_prob)."""
+    prompt_logprob_token_ids: list[list[int]] | None = None
+    """With the first new token of a request with prompt_logprobs: per prompt token after the
+    first, [that token, top-1 id, ..., top-N id]."""
+    prompt_logprobs: list[list[float]] | None = None
+    """Logprobs matching prompt_logprob_token_ids."""
 
     @property
     def finished(self) -> bool:

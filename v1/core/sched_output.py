@@ -87,6 +87,11 @@ class ModelRunnerOutput:
     """Encoder inputs run this step (for stats and tests)."""
     extras: dict[str, dict[str, Any]] = field(default_factory=dict)
     """req_id -> model-specific per-request results (e.g. Whisper no_speech_prob)."""
+    prompt_logprobs: dict[str, tuple[int, list[list[int]], list[list[float]]]] = field(
+        default_factory=dict
+    )
+    """req_id -> (index of the first prompt token covered, per token [token, top ids...], their
+    logprobs): the prompt logprobs this step's chunk of the prompt yields."""
 
 
 class DeferredRunnerOutput(Protocol):

@@ -18,6 +18,7 @@ from v1.outputs import (
     Logprob,
     PoolingOutput,
     PoolingRequestOutput,
+    PromptLogprobs,
     RequestOutput,
     RequestOutputKind,
     SampleLogprobs,
@@ -78,6 +79,8 @@ class RequestState:
     encoder_prompt_token_ids: list[int] | None = None
     num_logprobs: int | None = None
     logprobs: SampleLogprobs = field(default_factory=list)
+    prompt_logprobs: PromptLogprobs | None = None
+    """Set with the first token of a request with prompt_logprobs."""
     cumulative_logprob: float = 0.0
     num_cached_tokens: int = 0
     sent_tokens: int = 0
@@ -189,6 +192,8 @@ class OutputProcessor:
                     reqs_to_abort.append(out.request_id)
                 finish_reason, stop_reason = FinishReason.STOP, stop_str
             self._update_logprobs(state, out)
+            if out.prompt_logprobs is not None:
+                state.prompt_logprobs = self._prompt_logprobs(out)
             finished = finish_reason is not None
             completion = self._completion(state, finish_reason, stop_reason, finished)
             if finished:
@@ -222,6 +227,20 @@ class OutputProcessor:
                     entry[tid] = Logprob(lp, k, self._decoded_token(tid))
             state.logprobs.append(entry)
             state.cumulative_logprob += lps[0]
+
+    def _prompt_logprobs(self, out: EngineCoreOutput) -> PromptLogprobs:
+        """None for the first prompt token (nothing predicts it), then {token id: Logprob} of
+        the prompt token and the top-N tokens (ranked 1..N) for each later one."""
+        assert out.prompt_logprob_token_ids is not None and out.prompt_logprobs is not None
+        entries: PromptLogprobs = [None]
+        for ids, lps in zip(out.prompt_logprob_token_ids, out.prompt_logprobs, strict=True):
+            top = {
+                tid: Logprob(lp, k, self._decoded_token(tid))
+                for k, (tid, lp) in enumerate(zip(ids[1:], lps[1:], strict=True), start=1)
+            }
+            entry = {ids[0]: top.get(ids[0]) or Logprob(lps[0], None, self._decoded_token(ids[0]))}
+            entries.append(entry | {t: lp for t, lp in top.items() if t != ids[0]})
+        return entries
 
     def _decoded_token(self, token_id: int) -> str | None:
         if self.tokenizer is None:
@@ -311,4 +330,5 @@ class OutputProcessor:
             num_cached_tokens=state.num_cached_tokens,
             error=error,
             extras=state.extras or None,
+            prompt_logprobs=state.prompt_logprobs,
         )

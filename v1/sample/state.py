@@ -155,6 +155,8 @@ class SamplingState:
         self.forced_eos_token_id = np.full(max_num_reqs, -1, dtype=np.int64)
         self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)
         """-1: no logprobs."""
+        self.num_prompt_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)
+        """-1: no prompt logprobs (the runner computes them; the sampler does not)."""
         self.whisper_timestamps = np.zeros(max_num_reqs, dtype=bool)
         self.seeds: dict[int, int] = {}
         self.generators: dict[int, torch.Generator] = {}
@@ -235,6 +237,7 @@ class SamplingState:
         self.max_output_tokens[slot] = room if limit is None else min(limit, room)
         self.forced_eos_token_id[slot] = _or_minus_one(params.forced_eos_token_id)
         self.num_logprobs[slot] = _or_minus_one(params.logprobs)
+        self.num_prompt_logprobs[slot] = _or_minus_one(params.prompt_logprobs)
         self.whisper_timestamps[slot] = params.whisper_timestamps
         if params.seed is not None:
             self.seeds[slot] = params.seed
@@ -292,6 +295,7 @@ class SamplingState:
         self.max_output_tokens[slot] = -1
         self.forced_eos_token_id[slot] = -1
         self.num_logprobs[slot] = -1
+        self.num_prompt_logprobs[slot] = -1
         self.whisper_timestamps[slot] = False
         self.seeds.pop(slot, None)
         self.generators.pop(slot, None)

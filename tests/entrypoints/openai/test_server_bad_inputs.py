@@ -151,7 +151,6 @@ CASES = [
     ),
     Case("min-over-max-tokens", LLAMA, CMPL, js(prompt="hi", min_tokens=9, max_tokens=2), 400),
     Case("stop-id-out-of-vocab", LLAMA, CMPL, js(prompt="hi", stop_token_ids=[10**7]), 400),
-    Case("echo-with-logprobs", LLAMA, CMPL, js(prompt="hi", echo=True, logprobs=1), 400, "echo"),
     Case(
         "unknown-model",
         LLAMA,

@@ -19,7 +19,7 @@ from v1.config import ModelKind
 from v1.core.client import EngineDeadError
 from v1.entrypoints.openai.chat_template import ChatTemplate
 from v1.entrypoints.openai.errors import APIError, bad_request, engine_dead_error
-from v1.entrypoints.openai.logprobs import LogprobFormatter
+from v1.entrypoints.openai.logprobs import LogprobFormatter, join
 from v1.entrypoints.openai.metrics import RequestTimer, ServerMetrics
 from v1.entrypoints.openai.protocol import (
     MAX_BATCH_INPUTS,
@@ -31,6 +31,7 @@ from v1.entrypoints.openai.protocol import (
     ChatResponseMessage,
     ChatStreamChoice,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
@@ -132,8 +133,11 @@ class ServingCompletions(ServingBase):
             raise bad_request("suffix is not supported", param="suffix")
         if body.best_of is not None and body.best_of != body.n:
             raise bad_request("best_of must equal n (beam search is not supported)", "best_of")
-        if body.echo and body.logprobs is not None:
-            raise bad_request("echo with logprobs (prompt logprobs) is not supported", "echo")
+        if body.echo and body.logprobs is not None and not self.decoder_only:
+            raise bad_request(
+                "echo with logprobs needs a decoder-only model (the prompt here is the encoder's)",
+                "echo",
+            )
         prompts = await self.offload(
             self._completion_prompts, body.prompt, body.truncate_prompt_tokens
         )
@@ -149,6 +153,8 @@ class ServingCompletions(ServingBase):
             self._sampling_params(body, p, body.max_tokens, explicit, body.logprobs, "prompt")
             for p in prompts
         ]
+        if body.echo and body.logprobs is not None:
+            params = [p.clone(prompt_logprobs=body.logprobs) for p in params]
         job = _Job(
             random_id("cmpl"),
             model,
@@ -377,7 +383,13 @@ class ServingCompletions(ServingBase):
         for i, out in enumerate(finals):
             for c in sorted(out.outputs, key=lambda c: c.index):
                 text = (job.prompts[i].text or "") + c.text if job.echo else c.text
-                logprobs = self.logprobs.completion(c, {}, 0) if c.logprobs is not None else None
+                offsets: dict[int, int] = {}
+                prompt_lp = self._echo_logprobs(job, out, offsets, 0)
+                logprobs = (
+                    self.logprobs.completion(c, offsets, 0) if c.logprobs is not None else None
+                )
+                if prompt_lp is not None:
+                    logprobs = join(prompt_lp, logprobs)
                 choices.append(
                     CompletionChoice(
                         index=i * job.n + c.index,
@@ -390,6 +402,14 @@ class ServingCompletions(ServingBase):
         return CompletionResponse(
             id=job.request_id, model=job.model, choices=choices, usage=usage.info()
         )
+
+    def _echo_logprobs(
+        self, job: _Job, out: RequestOutput, offsets: dict[int, int], index: int
+    ) -> CompletionLogprobs | None:
+        """The echoed prompt's logprobs (echo with logprobs), else None."""
+        if not job.echo or job.params[0].prompt_logprobs is None:
+            return None
+        return self.logprobs.prompt(out.prompt_token_ids or [], out.prompt_logprobs, offsets, index)
 
     def _chat_response(
         self, job: _Job, finals: list[RequestOutput], usage: _Usage
@@ -430,14 +450,18 @@ class ServingCompletions(ServingBase):
                 for c in out.outputs:
                     index = i * job.n + c.index
                     text = c.text
+                    prompt_lp = None
                     if job.echo and index not in echoed:
                         echoed.add(index)
                         text = (job.prompts[i].text or "") + text
+                        prompt_lp = self._echo_logprobs(job, out, offsets, index)
                     if not text and c.finish_reason is None:
                         continue
                     logprobs = None
                     if c.logprobs is not None:
                         logprobs = self.logprobs.completion(c, offsets, index)
+                    if prompt_lp is not None:
+                        logprobs = join(prompt_lp, logprobs)
                     choices.append(
                         CompletionChoice(
                             index=index,
