@@ -193,6 +193,15 @@ CASES = [
     Case("get-on-post-route", LLAMA, CMPL, {}, 405, method="GET"),
     # ---- audio (whisper-base) ----
     Case("missing-file", WHISPER, TRANSCRIBE, form(None), 400, param="file"),
+    Case(
+        "file-part-without-filename",
+        WHISPER,
+        TRANSCRIBE,
+        {"files": {"file": (None, FLAC)}, "data": {"model": "whisper-1"}},
+        400,
+        param="file",
+        message_has="filename",
+    ),
     Case("file-as-text-field", WHISPER, TRANSCRIBE, {"data": {"file": "abc"}}, 400, "file"),
     Case(
         "not-audio",

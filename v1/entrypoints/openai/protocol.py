@@ -267,6 +267,39 @@ class ChatCompletionStreamResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
+# ---- tokenize, detokenize ----
+
+
+class TokenizeRequest(OpenAIModel):
+    """vLLM's /tokenize: a prompt, or chat messages rendered by the chat template."""
+
+    model: str | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=MAX_BATCH_INPUTS)
+    add_special_tokens: bool = True
+    """For a prompt: add the tokenizer's special tokens (BOS...)."""
+    add_generation_prompt: bool = True
+    """For messages: end with the assistant turn's header, as chat completions do."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: str | None = None
+    tokens: list[TokenId] = Field(max_length=1 << 20)
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
 # ---- embeddings, score, rerank ----
 
 
