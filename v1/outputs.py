@@ -77,6 +77,8 @@ class RequestOutput:
     """Model-specific per-request results (Whisper: no_speech_prob)."""
     prompt_logprobs: PromptLogprobs | None = None
     """With SamplingParams.prompt_logprobs, once the first token is out."""
+    queue_time: float | None = None
+    """Seconds the request waited in the engine before its first step (once known)."""
 
 
 # ---- pooling ----
@@ -147,6 +149,8 @@ class PoolingRequestOutput(Generic[T]):
     prompt_token_ids: list[int]
     finished: bool
     error: str | None = None
+    queue_time: float | None = None
+    """Seconds the request waited in the engine before its step."""
 
     @property
     def finish_reason(self) -> str:

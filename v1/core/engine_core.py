@@ -71,6 +71,8 @@ class EngineCore:
         """Requests whose id is in a launched step (see add_request)."""
         self._pooling_config = self._load_pooling_config()
         self.structured_outputs = StructuredOutputManager(config.model_config)
+        self._queue_times: dict[str, float] = {}
+        """Seconds from arrival to the first scheduled step, until the first output carries it."""
         self._prompt_logprobs: dict[str, tuple[list[list[int]], list[list[float]]]] = {}
         """Prompt logprobs of requests whose first token is not out yet, by prompt position."""
         gc.collect()
@@ -127,16 +129,31 @@ class EngineCore:
     def _schedule(self) -> SchedulerOutput:
         """The scheduler's next step, with the grammar bitmask of its structured requests."""
         so = self.scheduler.schedule()
+        if so.scheduled_new_reqs:
+            self._record_queue_times(so)
         if len(self.structured_outputs):
             so.structured_output_req_ids, so.grammar_bitmask = self.structured_outputs.bitmask(
                 list(so.num_scheduled_tokens)
             )
         return so
 
+    def _record_queue_times(self, so: SchedulerOutput) -> None:
+        t = now()
+        for data in so.scheduled_new_reqs:
+            request = self.scheduler.requests[data.req_id]
+            if request.num_preemptions == 0 and request.arrival_time > 0:
+                self._queue_times[data.req_id] = max(t - request.arrival_time, 0.0)
+
     def _update_from_output(self, so: SchedulerOutput, runner_output: Any) -> EngineCoreOutputs:
         """The scheduler's update, then the grammar matchers advance on the accepted tokens; a
         token that breaks its grammar (it cannot, under the mask) fails that request alone."""
         outputs = self.scheduler.update_from_output(so, runner_output)
+        if self._queue_times:
+            for out in outputs.outputs:
+                out.queue_time = self._queue_times.pop(out.request_id, None)
+            live = self.scheduler.requests
+            for req_id in [r for r in self._queue_times if r not in live]:
+                del self._queue_times[req_id]
         if runner_output.prompt_logprobs or self._prompt_logprobs:
             self._attach_prompt_logprobs(runner_output, outputs.outputs)
         grammars = self.structured_outputs
@@ -299,6 +316,8 @@ class EngineCore:
         return {f: getattr(stats, f) for f in stats.__struct_fields__} | {
             "num_requests": len(self.scheduler.requests),
             "num_kv_requests": self.scheduler.kv_cache_manager.num_requests,
+            "cross_cache_lookups": self.scheduler.kv_cache_manager.cross_cache_lookups,
+            "cross_cache_hits": self.scheduler.kv_cache_manager.cross_cache_hits,
         }
 
     def reset_prefix_cache(self) -> bool:

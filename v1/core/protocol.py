@@ -84,6 +84,8 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True, array_like=True):
     first, [that token, top-1 id, ..., top-N id]."""
     prompt_logprobs: list[list[float]] | None = None
     """Logprobs matching prompt_logprob_token_ids."""
+    queue_time: float | None = None
+    """With a request's first output: seconds from its arrival to its first scheduled step."""
 
     @property
     def finished(self) -> bool:

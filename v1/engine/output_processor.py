@@ -81,6 +81,8 @@ class RequestState:
     logprobs: SampleLogprobs = field(default_factory=list)
     prompt_logprobs: PromptLogprobs | None = None
     """Set with the first token of a request with prompt_logprobs."""
+    queue_time: float | None = None
+    """From the core's first output of the request."""
     cumulative_logprob: float = 0.0
     num_cached_tokens: int = 0
     sent_tokens: int = 0
@@ -177,6 +179,8 @@ class OutputProcessor:
             if state is None:
                 continue  # aborted, or finished by a stop string while the core ran on
             state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+            if out.queue_time is not None:
+                state.queue_time = out.queue_time
             if out.extras:
                 state.extras.update(out.extras)
             if state.detokenizer is None:
@@ -211,6 +215,7 @@ class OutputProcessor:
             prompt_token_ids=state.prompt_token_ids,
             finished=True,
             error=out.error,
+            queue_time=state.queue_time,
         )
 
     def _update_logprobs(self, state: RequestState, out: EngineCoreOutput) -> None:
@@ -331,4 +336,5 @@ class OutputProcessor:
             error=error,
             extras=state.extras or None,
             prompt_logprobs=state.prompt_logprobs,
+            queue_time=state.queue_time,
         )

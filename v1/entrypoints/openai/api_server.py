@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import v1
-from v1.engine.async_llm import request_group
+from v1.engine.async_llm import request_group, request_observer
 from v1.entrypoints.openai.errors import (
     APIError,
     ClientDisconnected,
@@ -31,7 +31,7 @@ from v1.entrypoints.openai.errors import (
 )
 from v1.entrypoints.openai.http_limits import HttpLimits, limited_protocol
 from v1.entrypoints.openai.lifecycle import DrainingServer, ServerLifecycle
-from v1.entrypoints.openai.metrics import ServerMetrics
+from v1.entrypoints.openai.metrics import RequestObserver, ServerMetrics
 from v1.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -131,12 +131,14 @@ class ServerMiddleware:
             arrival = time.perf_counter()
             # Every sequence this HTTP request makes shares one fair-share group in the core.
             group = request_group.set(f"http-{uuid.uuid4().hex}")
+            observer = request_observer.set(RequestObserver(self.metrics, endpoint))
             try:
                 await self.app(scope, receive, send_and_record)
             except Exception:
                 status.setdefault("code", 500)
                 raise
             finally:
+                request_observer.reset(observer)
                 request_group.reset(group)
                 self.in_flight -= 1
                 self.metrics.in_flight.set(self.in_flight)
