@@ -67,3 +67,25 @@ def test_prompt_logprobs_match_transformers(
             top = [t for t, lp in entry.items() if lp.rank is not None]
             assert len(top) == num_top
             assert top == expected.topk(num_top).indices.tolist() if num_top else top == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_prompt_logprobs_on_gpu(llama_dir: str, reference: tuple[list[int], torch.Tensor]) -> None:
+    ids, logprobs = reference
+    with LLM(
+        llama_dir,
+        device="cuda",
+        dtype="float32",
+        num_kv_blocks=256,
+        block_size=16,
+        max_model_len=128,
+    ) as llm:
+        (out,) = llm.generate([PROMPT], SamplingParams(max_tokens=2, prompt_logprobs=1))
+    entries = out.prompt_logprobs
+    assert entries is not None and len(entries) == len(ids)
+    for position in range(1, len(ids)):
+        assert entries[position][ids[position]].logprob == pytest.approx(
+            logprobs[position - 1][ids[position]].item(),
+            abs=2e-2,  # bf16/fp16 weights on GPU
+        )

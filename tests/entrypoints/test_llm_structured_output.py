@@ -11,6 +11,7 @@ import json
 
 import jsonschema
 import pytest
+import torch
 
 from tests.utils import make_tiny_llama_dir
 from v1 import LLM, SamplingParams
@@ -128,3 +129,24 @@ def test_bad_structured_and_bias_params(llama_dir: str) -> None:
             llm.generate(["Hello"], SamplingParams(logit_bias={10**6: 1.0}))
         # The engine is fine afterwards.
         assert llm.generate(["Hello"], SamplingParams(max_tokens=3, ignore_eos=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_structured_outputs_and_bias_on_gpu(llama_dir: str) -> None:
+    """The masks on the device, with pipelined steps and CUDA graphs (the GPU defaults):
+    structured rows sit out one launch while the unconstrained neighbour keeps the pipeline."""
+    with LLM(llama_dir, device="cuda", num_kv_blocks=256, block_size=16, max_model_len=128) as llm:
+        prompts = ["Hello world", "The quick brown", "Plain text beside", "Biased"]
+        params = [
+            _schema_params(temperature=0),
+            _schema_params(temperature=1.0, seed=3),
+            SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
+            SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, logit_bias={7: 100.0}),
+        ]
+        outs = llm.generate(prompts, params)
+        for out in outs[:2]:
+            assert out.outputs[0].finish_reason == "stop"
+            jsonschema.validate(json.loads(out.outputs[0].text), SCHEMA)
+        assert len(outs[2].outputs[0].token_ids) == 32
+        assert outs[3].outputs[0].token_ids == [7] * 8
