@@ -155,6 +155,7 @@ class ServingCompletions(ServingBase):
         ]
         if body.echo and body.logprobs is not None:
             params = [p.clone(prompt_logprobs=body.logprobs) for p in params]
+        params = await self._with_structured_outputs(body, params)
         job = _Job(
             random_id("cmpl"),
             model,
@@ -185,6 +186,7 @@ class ServingCompletions(ServingBase):
         params = self._sampling_params(
             body, prompt, max_tokens, max_tokens is not None, logprobs, "messages"
         )
+        (params,) = await self._with_structured_outputs(body, [params])
         job = _Job(
             random_id("chatcmpl"),
             model,
@@ -300,12 +302,6 @@ class ServingCompletions(ServingBase):
             if getattr(body, name) is not None
         }
         stop = [body.stop] if isinstance(body.stop, str) else body.stop
-        structured = _structured_outputs(body)
-        if structured is not None:
-            if body.ignore_eos:
-                raise bad_request("response_format cannot be used with ignore_eos", "ignore_eos")
-            if body.min_tokens:
-                raise bad_request("response_format cannot be used with min_tokens", "min_tokens")
         try:
             return SamplingParams(
                 n=body.n,
@@ -320,12 +316,27 @@ class ServingCompletions(ServingBase):
                 truncate_prompt_tokens=body.truncate_prompt_tokens,
                 logprobs=logprobs,
                 logit_bias=_logit_bias(body, self.vocab_size),
-                structured_outputs=structured,
                 **kwargs,
             )
         except ValueError as e:
             field_name = str(e).split(" ", 1)[0]
             raise bad_request(str(e), param=field_name) from e
+
+    async def _with_structured_outputs(
+        self, body: SamplingFields, params: list[SamplingParams]
+    ) -> list[SamplingParams]:
+        """`params` constrained by response_format (its schema compiled once, off the event
+        loop), or unchanged for text."""
+        if body.response_format is None:
+            return params
+        structured = await self.offload(_structured_outputs, body)
+        if structured is None:
+            return params
+        if body.ignore_eos:
+            raise bad_request("response_format cannot be used with ignore_eos", "ignore_eos")
+        if body.min_tokens:
+            raise bad_request("response_format cannot be used with min_tokens", "min_tokens")
+        return [p.clone(structured_outputs=structured) for p in params]
 
     # ---- running ----
     async def _run(self, job: _Job, stream: bool, request: Request) -> Response:
