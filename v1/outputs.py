@@ -35,6 +35,8 @@ class Logprob:
 
 SampleLogprobs = list[dict[int, Logprob]]
 """Per generated token: {token id: Logprob} of the sampled token and the top-N tokens."""
+PromptLogprobs = list[dict[int, Logprob] | None]
+"""Per prompt token: {token id: Logprob} of that token and the top-N tokens; None for the first."""
 
 
 @dataclass
@@ -74,6 +76,10 @@ class RequestOutput:
     extras: dict[str, float | list[float]] | None = None
     """Model-specific per-request results (Whisper: no_speech_prob, and token_times for
     `SamplingParams.word_timestamps`)."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """With SamplingParams.prompt_logprobs, once the first token is out."""
+    queue_time: float | None = None
+    """Seconds the request waited in the engine before its first step (once known)."""
 
 
 # ---- pooling ----
@@ -144,6 +150,8 @@ class PoolingRequestOutput(Generic[T]):
     prompt_token_ids: list[int]
     finished: bool
     error: str | None = None
+    queue_time: float | None = None
+    """Seconds the request waited in the engine before its step."""
 
     @property
     def finish_reason(self) -> str:

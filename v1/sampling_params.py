@@ -10,6 +10,8 @@ import math
 
 import msgspec
 
+from v1.structured_output.params import StructuredOutputsParams
+
 _INT_MAX = 2**31 - 1
 """Largest count or id accepted: every integer field fits the int32/int64 tensors it is written to."""
 FLOAT32_MAX = 3.4028234663852886e38
@@ -44,6 +46,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """"raw": log_softmax of the model's logits (vLLM's default). "processed": the logits rules
     (penalties, masks, forced and Whisper timestamp tokens) applied to log_softmax of the logits,
     without renormalizing: the scores transformers' beam search adds up."""
+    prompt_logprobs: int | None = None
+    """Top-N logprobs per prompt token after the first (decoder-only models; the prompt is
+    computed in full, without prefix-cache hits)."""
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
@@ -68,6 +73,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     alignment heads (DTW, as openai-whisper): `RequestOutput.extras["token_times"]` holds
     len(text tokens) + 1 boundary times in seconds from the start of the audio window; text
     token k spans [times[k], times[k + 1]]."""
+    logit_bias: dict[int, float] | None = None
+    """token id -> bias in [-100, 100] added to its logit before sampling (OpenAI semantics)."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to JSON (a schema or any object): a grammar mask at every step."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -136,6 +145,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             raise bad("logprobs", "must be in [0, 20]")
         if self.logprobs_mode not in ("raw", "processed"):
             raise bad("logprobs_mode", 'must be "raw" or "processed"')
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= 20
+        ):
+            raise bad("prompt_logprobs", "must be an integer in [0, 20]")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise bad("seed", "must fit in 64 bits")
         if (
@@ -168,6 +181,32 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             ):
                 raise bad("forced_token_ids", "must be a list of [output_index, token_id] pairs")
 
+        self._validate_logit_bias_and_structure()
+
+    def _validate_logit_bias_and_structure(self) -> None:
+        for token, bias in (self.logit_bias or {}).items():
+            if not _is_int(token) or not 0 <= token <= _INT_MAX:
+                raise ValueError(f"logit_bias keys must be token ids, got {token!r}")
+            if (
+                isinstance(bias, bool)
+                or not isinstance(bias, (int, float))
+                or not -100.0 <= bias <= 100.0
+            ):
+                raise ValueError(
+                    f"logit_bias values must be numbers in [-100, 100], got {bias!r} for {token}"
+                )
+        if self.structured_outputs is not None:
+            if self.ignore_eos:
+                raise ValueError(
+                    "structured_outputs cannot be combined with ignore_eos (the document ends "
+                    "with EOS)"
+                )
+            if self.min_tokens:
+                raise ValueError(
+                    "structured_outputs cannot be combined with min_tokens (EOS must stay "
+                    "possible once the document is complete)"
+                )
+
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
@@ -193,6 +232,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             for t in ids:
                 if t >= vocab_size:
                     raise ValueError(f"{name} contains {t}, outside the vocabulary of {vocab_size}")
+        for t in self.logit_bias or {}:
+            if t >= vocab_size:
+                raise ValueError(f"logit_bias contains {t}, outside the vocabulary of {vocab_size}")
         for pair in self.forced_token_ids or []:
             if len(pair) != 2 or pair[0] < 0 or not 0 <= pair[1] < vocab_size:
                 raise ValueError(f"forced_token_ids entry {pair} is not [index, token_id]")

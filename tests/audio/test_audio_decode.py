@@ -461,3 +461,15 @@ def test_streaming_holds_only_the_chunks_in_flight(long_silent_flac: bytes) -> N
 
     assert peak_memory(run) < 16 << 20
     assert counted["n"] == 1200 * 16_000
+
+
+def test_audio_errors_carry_no_heap_addresses() -> None:
+    """PyAV and the io module name their objects with addresses; the message keeps the names."""
+    error = AudioError(
+        "corrupt flac audio: [Errno 1094995529] Invalid data: "
+        "<av.container.InputContainer '<none>' at 0x7f3a12b4c5d0> read from "
+        "<_io.BytesIO object at 0x7f3a12b4c5d8>"
+    )
+    assert "0x" not in str(error)
+    assert "<av.container.InputContainer '<none>'>" in str(error)
+    assert "<_io.BytesIO>" in str(error)

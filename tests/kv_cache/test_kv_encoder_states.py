@@ -134,6 +134,8 @@ def test_same_encoder_hash_shares_one_entry(enable_caching: bool) -> None:
     assert all(pool.blocks[i].ref_cnt == 1 for i in a_ids)
     late = admitted(manager, make_request("d", 3, num_encoder_tokens=20, encoder_hash="clip"))
     assert manager.get_block_ids(late.request_id)[1] == a_ids
+    # The cross-cache hit counters (the server's v1_cross_cache_hit_rate): b and d hit.
+    assert (manager.cross_cache_lookups, manager.cross_cache_hits) == (4, 2)
     for request in (b, other, late):
         manager.free(request)
     assert manager.num_free_blocks == 31 and manager.num_requests == 0

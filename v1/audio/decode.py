@@ -60,7 +60,19 @@ AudioSource: TypeAlias = (
 
 
 class AudioError(ValueError):
-    """Audio input that cannot be used; the message says why, in terms a caller can act on."""
+    """Audio input that cannot be used; the message says why, in terms a caller can act on.
+
+    Library errors name their in-memory objects (`<av.InputContainer '<none>' at 0x7f...>`):
+    the heap addresses are cut from the message (they help nobody and leak the server's
+    memory layout)."""
+
+    def __init__(self, message: str) -> None:
+        message = _OBJECT_AT.sub(lambda m: f"<{m.group(1)}>", message)
+        super().__init__(_AT_ADDRESS.sub("", message))
+
+
+_OBJECT_AT = re.compile(r"<([^<>]*?)\s+(?:object\s+)?at\s+0x[0-9a-fA-F]+>")
+_AT_ADDRESS = re.compile(r"\s+at\s+0x[0-9a-fA-F]+|0x[0-9a-fA-F]{6,}")
 
 
 class ChunkSink(Protocol):

@@ -26,6 +26,7 @@ from v1.core.sched_output import SchedulerOutput
 from v1.core.scheduler import Scheduler
 from v1.kv_cache.sizing import get_kv_cache_config
 from v1.logger import init_logger
+from v1.structured_output.manager import StructuredOutputManager
 from v1.worker.executor import Executor, WorkerDeadError
 
 logger = init_logger(__name__)
@@ -74,6 +75,11 @@ class EngineCore:
         self._blocked_adds: list[EngineCoreRequest] = []
         """Requests whose id is in a launched step (see add_request)."""
         self._pooling_config = self._load_pooling_config()
+        self.structured_outputs = StructuredOutputManager(config.model_config)
+        self._queue_times: dict[str, float] = {}
+        """Seconds from arrival to the first scheduled step, until the first output carries it."""
+        self._prompt_logprobs: dict[str, tuple[list[list[int]], list[list[float]]]] = {}
+        """Prompt logprobs of requests whose first token is not out yet, by prompt position."""
         gc.collect()
         gc.freeze()  # start-up objects live forever: keep them out of cyclic GC scans
         if not self.kv_cache_config.groups:
@@ -101,9 +107,12 @@ class EngineCore:
             if request.encoder_input is not None:
                 request.encoder_input = self.encoder_inputs.resolve(request.encoder_input)
             self._check_request(request)
+            matcher = self._compile_grammar(request)
             self.scheduler.add_request(
                 Request.from_engine_core_request(request, self.max_model_len)
             )
+            if matcher is not None:
+                self.structured_outputs.add(request.request_id, matcher)
         except ValueError as e:
             self._pending_outputs.append(
                 EngineCoreOutput(
@@ -117,6 +126,75 @@ class EngineCore:
         check_request(request, self.config, self.max_model_len)
         if request.pooling_params is not None:
             self._check_pooling_request(request)
+
+    def _compile_grammar(self, request: EngineCoreRequest) -> Any:
+        params = request.sampling_params
+        if params is None or params.structured_outputs is None:
+            return None
+        return self.structured_outputs.compile(params.structured_outputs, request.eos_token_id)
+
+    def _schedule(self) -> SchedulerOutput:
+        """The scheduler's next step, with the grammar bitmask of its structured requests."""
+        so = self.scheduler.schedule()
+        if so.scheduled_new_reqs:
+            self._record_queue_times(so)
+        if len(self.structured_outputs):
+            so.structured_output_req_ids, so.grammar_bitmask = self.structured_outputs.bitmask(
+                list(so.num_scheduled_tokens)
+            )
+        return so
+
+    def _record_queue_times(self, so: SchedulerOutput) -> None:
+        t = now()
+        for data in so.scheduled_new_reqs:
+            request = self.scheduler.requests[data.req_id]
+            if request.num_preemptions == 0 and request.arrival_time > 0:
+                self._queue_times[data.req_id] = max(t - request.arrival_time, 0.0)
+
+    def _update_from_output(self, so: SchedulerOutput, runner_output: Any) -> EngineCoreOutputs:
+        """The scheduler's update, then the grammar matchers advance on the accepted tokens; a
+        token that breaks its grammar (it cannot, under the mask) fails that request alone."""
+        outputs = self.scheduler.update_from_output(so, runner_output)
+        if self._queue_times:
+            for out in outputs.outputs:
+                out.queue_time = self._queue_times.pop(out.request_id, None)
+            live = self.scheduler.requests
+            for req_id in [r for r in self._queue_times if r not in live]:
+                del self._queue_times[req_id]
+        if runner_output.prompt_logprobs or self._prompt_logprobs:
+            self._attach_prompt_logprobs(runner_output, outputs.outputs)
+        grammars = self.structured_outputs
+        if len(grammars):
+            for out in outputs.outputs:
+                if out.request_id not in grammars or out.finished:
+                    continue
+                error = grammars.accept(out.request_id, out.new_token_ids)
+                if error is not None:
+                    self._fail_step([out.request_id], error, self._pending_outputs)
+            grammars.retain(self.scheduler.requests)
+        return outputs
+
+    def _attach_prompt_logprobs(self, runner_output: Any, outputs: list[EngineCoreOutput]) -> None:
+        """Collects each chunk's prompt logprobs (by prompt position: a chunk computed again
+        after a preemption overwrites its own rows) and sends them whole with the request's
+        first token."""
+        requests = self.scheduler.requests
+        for req_id, (start, ids, values) in runner_output.prompt_logprobs.items():
+            request = requests.get(req_id)
+            if request is None:
+                continue
+            rows = self._prompt_logprobs.setdefault(
+                req_id,
+                ([[]] * (request.num_prompt_tokens - 1), [[]] * (request.num_prompt_tokens - 1)),
+            )
+            rows[0][start - 1 : start - 1 + len(ids)] = ids
+            rows[1][start - 1 : start - 1 + len(values)] = values
+        for out in outputs:
+            if out.new_token_ids and out.request_id in self._prompt_logprobs:
+                ids, values = self._prompt_logprobs.pop(out.request_id)
+                out.prompt_logprob_token_ids, out.prompt_logprobs = ids, values
+        for req_id in [r for r in self._prompt_logprobs if r not in requests]:
+            del self._prompt_logprobs[req_id]
 
     def _check_pooling_request(self, request: EngineCoreRequest) -> None:
         if self._pooling_config is None:
@@ -146,6 +224,8 @@ class EngineCore:
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        if len(self.structured_outputs):
+            self.structured_outputs.retain(self.scheduler.requests)
 
     def has_work(self) -> bool:
         return (
@@ -165,7 +245,7 @@ class EngineCore:
                 # Let the runner drop finished requests even when nothing else runs.
                 self.executor.execute_model(self.scheduler.schedule())
             return EngineCoreOutputs(outputs=pending, timestamp=now())
-        scheduler_output = self.scheduler.schedule()
+        scheduler_output = self._schedule()
         try:
             runner_output = self.executor.execute_model(scheduler_output)
         except WorkerDeadError:
@@ -178,7 +258,7 @@ class EngineCore:
             return self._fail_step(
                 scheduler_output.num_scheduled_tokens, f"{type(e).__name__}: {e}", pending
             )
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self._update_from_output(scheduler_output, runner_output)
         outputs.outputs = pending + outputs.outputs
         return outputs
 
@@ -194,7 +274,7 @@ class EngineCore:
         if len(queue) < MAX_STEPS_IN_FLIGHT and (
             scheduler.has_unscheduled_requests() or scheduler.has_finished_requests
         ):
-            so = scheduler.schedule()
+            so = self._schedule()
             if so.total_num_scheduled_tokens == 0:
                 self.executor.execute_model(so)  # only lets the runner drop finished requests
             else:
@@ -223,7 +303,7 @@ class EngineCore:
             )
             outputs = self._fail_step(so.num_scheduled_tokens, f"{type(e).__name__}: {e}", pending)
         else:
-            outputs = scheduler.update_from_output(so, runner_output)
+            outputs = self._update_from_output(so, runner_output)
             outputs.outputs = pending + outputs.outputs
         if self._blocked_adds:
             blocked, self._blocked_adds = self._blocked_adds, []
@@ -249,6 +329,8 @@ class EngineCore:
         return {f: getattr(stats, f) for f in stats.__struct_fields__} | {
             "num_requests": len(self.scheduler.requests),
             "num_kv_requests": self.scheduler.kv_cache_manager.num_requests,
+            "cross_cache_lookups": self.scheduler.kv_cache_manager.cross_cache_lookups,
+            "cross_cache_hits": self.scheduler.kv_cache_manager.cross_cache_hits,
         }
 
     def reset_prefix_cache(self) -> bool:

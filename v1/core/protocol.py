@@ -84,6 +84,13 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True, array_like=True):
     extras: dict[str, float | list[float]] | None = None
     """Model-specific per-request results (Whisper: no_speech_prob; token_times, on the final
     output of a word_timestamps request)."""
+    prompt_logprob_token_ids: list[list[int]] | None = None
+    """With the first new token of a request with prompt_logprobs: per prompt token after the
+    first, [that token, top-1 id, ..., top-N id]."""
+    prompt_logprobs: list[list[float]] | None = None
+    """Logprobs matching prompt_logprob_token_ids."""
+    queue_time: float | None = None
+    """With a request's first output: seconds from its arrival to its first scheduled step."""
 
     @property
     def finished(self) -> bool:

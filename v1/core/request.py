@@ -136,9 +136,18 @@ class Request:
     def num_schedulable_tokens(self) -> int:
         """Tokens a step may feed now: known or in-flight ones not computed yet (none while the
         tokens in flight already reach the request's limits)."""
-        if self.num_output_placeholders and not self.wants_more_tokens:
+        if self.num_output_placeholders and (
+            not self.wants_more_tokens or self.needs_accepted_tokens
+        ):
             return 0
         return self.num_tokens_with_placeholders - self.num_computed_tokens
+
+    @property
+    def needs_accepted_tokens(self) -> bool:
+        """A structured-output request's next mask depends on its last token: it never runs
+        with one still in flight (pipelined scheduling skips it for one step instead)."""
+        params = self.sampling_params
+        return params is not None and params.structured_outputs is not None
 
     @property
     def num_output_tokens(self) -> int:

@@ -63,6 +63,11 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     """Requests finished or aborted since the last step (including preempted ones, which come
     back later as new requests)."""
+    structured_output_req_ids: list[str] = field(default_factory=list)
+    """Requests of this step whose next token is constrained by a grammar (structured outputs)."""
+    grammar_bitmask: Any = None
+    """np.ndarray [len(structured_output_req_ids), ceil(vocab / 32)] int32: row i allows token t
+    when bit t % 32 of word t // 32 is set (filled by the EngineCore after scheduling)."""
 
     @property
     def is_empty(self) -> bool:
@@ -84,6 +89,11 @@ class ModelRunnerOutput:
     """Encoder inputs run this step (for stats and tests)."""
     extras: dict[str, dict[str, Any]] = field(default_factory=dict)
     """req_id -> model-specific per-request results (e.g. Whisper no_speech_prob)."""
+    prompt_logprobs: dict[str, tuple[int, list[list[int]], list[list[float]]]] = field(
+        default_factory=dict
+    )
+    """req_id -> (index of the first prompt token covered, per token [token, top ids...], their
+    logprobs): the prompt logprobs this step's chunk of the prompt yields."""
 
 
 class DeferredRunnerOutput(Protocol):

@@ -240,7 +240,11 @@ class Scheduler:
         """Moves `request` (already taken off the queue) to running with its first chunk in
         this step; False, changing nothing, when it cannot run now."""
         computed_blocks, num_cached = None, 0
-        if request.num_computed_tokens == 0 and not request.is_pooling:
+        if (
+            request.num_computed_tokens == 0
+            and not request.is_pooling
+            and request.sampling_params.prompt_logprobs is None  # those need every prompt token
+        ):
             computed_blocks, num_cached = self.kv_cache_manager.get_computed_blocks(request)
         num_new = request.num_tokens - num_cached
         if num_new > budget.tokens and (request.is_pooling or not self.enable_chunked_prefill):

@@ -14,7 +14,7 @@ import gc
 from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from v1.config import EngineConfig, ModelKind, make_engine_config
 from v1.core.client import EngineDeadError
@@ -48,6 +48,19 @@ request_group: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 server sets it to the HTTP request's id, so every sequence one client request makes (prompts,
 inputs, n samples, transcription windows) takes turns with other clients in the core's queue.
 Unset: the group of each `generate` / `encode` call is its own request id."""
+
+
+class OutputObserver(Protocol):
+    """Sees every output a request of its context yields (the server's latency metrics)."""
+
+    def on_output(self, output: Any, output_kind: RequestOutputKind) -> None: ...
+
+
+request_observer: contextvars.ContextVar[OutputObserver | None] = contextvars.ContextVar(
+    "v1_request_observer", default=None
+)
+"""Set by the server per HTTP request: `generate` / `encode` calls from this context report each
+output they yield to it (time to first token, inter-token gaps, queue time per endpoint)."""
 
 
 class AsyncLLM:
@@ -261,6 +274,7 @@ class AsyncLLM:
         output_kind: RequestOutputKind,
     ) -> AsyncIterator[Any]:
         q = await self._add_request(request_id, prompt, params, priority, output_kind)
+        observer = request_observer.get()
         finished = False
         try:
             while not finished:
@@ -272,6 +286,8 @@ class AsyncLLM:
                     finished = True  # nothing left to abort
                     raise item
                 finished = item.finished
+                if observer is not None:
+                    observer.on_output(item, output_kind)
                 yield item
         finally:
             # Reached on normal end, cancellation (CancelledError) and aclose (GeneratorExit);

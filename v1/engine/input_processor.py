@@ -329,6 +329,8 @@ class InputProcessor:
                 f"not {type(params).__name__} (embed/classify/score need an encoder-only model)"
             )
         params.validate_for_model(self.vocab_size)
+        if params.structured_outputs is not None:
+            params.structured_outputs.validate()
         if params.stop and not params.detokenize:
             raise ValueError("stop strings need detokenize=True")
         if params.word_timestamps and not self.is_whisper:

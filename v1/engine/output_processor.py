@@ -18,6 +18,7 @@ from v1.outputs import (
     Logprob,
     PoolingOutput,
     PoolingRequestOutput,
+    PromptLogprobs,
     RequestOutput,
     RequestOutputKind,
     SampleLogprobs,
@@ -78,6 +79,10 @@ class RequestState:
     encoder_prompt_token_ids: list[int] | None = None
     num_logprobs: int | None = None
     logprobs: SampleLogprobs = field(default_factory=list)
+    prompt_logprobs: PromptLogprobs | None = None
+    """Set with the first token of a request with prompt_logprobs."""
+    queue_time: float | None = None
+    """From the core's first output of the request."""
     cumulative_logprob: float = 0.0
     num_cached_tokens: int = 0
     sent_tokens: int = 0
@@ -179,6 +184,8 @@ class OutputProcessor:
             if state is None:
                 continue  # aborted, or finished by a stop string while the core ran on
             state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+            if out.queue_time is not None:
+                state.queue_time = out.queue_time
             if out.extras:
                 state.extras.update(out.extras)
             if state.detokenizer is None:
@@ -194,6 +201,8 @@ class OutputProcessor:
                     reqs_to_abort.append(out.request_id)
                 finish_reason, stop_reason = FinishReason.STOP, stop_str
             self._update_logprobs(state, out)
+            if out.prompt_logprobs is not None:
+                state.prompt_logprobs = self._prompt_logprobs(out)
             finished = finish_reason is not None
             completion = self._completion(state, finish_reason, stop_reason, finished)
             if finished:
@@ -211,6 +220,7 @@ class OutputProcessor:
             prompt_token_ids=state.prompt_token_ids,
             finished=True,
             error=out.error,
+            queue_time=state.queue_time,
         )
 
     def _update_logprobs(self, state: RequestState, out: EngineCoreOutput) -> None:
@@ -227,6 +237,20 @@ class OutputProcessor:
                     entry[tid] = Logprob(lp, k, self._decoded_token(tid))
             state.logprobs.append(entry)
             state.cumulative_logprob += lps[0]
+
+    def _prompt_logprobs(self, out: EngineCoreOutput) -> PromptLogprobs:
+        """None for the first prompt token (nothing predicts it), then {token id: Logprob} of
+        the prompt token and the top-N tokens (ranked 1..N) for each later one."""
+        assert out.prompt_logprob_token_ids is not None and out.prompt_logprobs is not None
+        entries: PromptLogprobs = [None]
+        for ids, lps in zip(out.prompt_logprob_token_ids, out.prompt_logprobs, strict=True):
+            top = {
+                tid: Logprob(lp, k, self._decoded_token(tid))
+                for k, (tid, lp) in enumerate(zip(ids[1:], lps[1:], strict=True), start=1)
+            }
+            entry = {ids[0]: top.get(ids[0]) or Logprob(lps[0], None, self._decoded_token(ids[0]))}
+            entries.append(entry | {t: lp for t, lp in top.items() if t != ids[0]})
+        return entries
 
     def _decoded_token(self, token_id: int) -> str | None:
         if self.tokenizer is None:
@@ -316,4 +340,6 @@ class OutputProcessor:
             num_cached_tokens=state.num_cached_tokens,
             error=error,
             extras=state.extras or None,
+            prompt_logprobs=state.prompt_logprobs,
+            queue_time=state.queue_time,
         )

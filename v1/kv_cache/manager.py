@@ -79,6 +79,10 @@ class KVCacheManager:
         """Prompt tokens looked up in the prefix cache."""
         self.prefix_cache_hits = 0
         """Of those, tokens found cached."""
+        self.cross_cache_lookups = 0
+        """Encoder-states (absorbed cross-attention) entries looked up by content hash."""
+        self.cross_cache_hits = 0
+        """Of those, entries found cached (no new cross blocks, no projection written)."""
 
     # ---- stats ----
     @property
@@ -252,7 +256,10 @@ class KVCacheManager:
         for manager in self._encoder_entry_managers:
             if manager.get_blocks(request.request_id):
                 continue
-            blocks[manager.group_id] = manager.find_entry(content_hash, num_encoder_tokens)
+            found = manager.find_entry(content_hash, num_encoder_tokens)
+            self.cross_cache_lookups += 1
+            self.cross_cache_hits += bool(found)
+            blocks[manager.group_id] = found
         return KVCacheBlocks(tuple(blocks))
 
     def free(self, request: Request) -> None:

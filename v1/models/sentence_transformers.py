@@ -196,10 +196,13 @@ def validate_pooling_params(config: ModelPoolingConfig, params: PoolingParams) -
         return
     if params.task != "embed":
         raise ValueError(f"dimensions applies to task 'embed' only, not {params.task!r}")
+    if params.dimensions == config.embedding_size:
+        return  # the native size: nothing to truncate, any model gives it
     if not config.is_matryoshka:
         raise ValueError(
-            "this model does not support Matryoshka embeddings, so `dimensions` cannot be set "
-            "(a config with matryoshka_dimensions or is_matryoshka=True enables it)"
+            "this model does not support Matryoshka embeddings, so `dimensions` can only be its "
+            f"native size {config.embedding_size} (a config with matryoshka_dimensions or "
+            "is_matryoshka=True enables others)"
         )
     if config.matryoshka_dimensions and params.dimensions not in config.matryoshka_dimensions:
         raise ValueError(

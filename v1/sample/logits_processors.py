@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from v1.sample.metadata import RowTokenIds, SamplingMetadata, WhisperTimestampMetadata
+from v1.sample.metadata import (
+    RowBitmask,
+    RowLogitBias,
+    RowTokenIds,
+    SamplingMetadata,
+    WhisperTimestampMetadata,
+)
 
 _NEG_INF = float("-inf")
 
@@ -17,16 +23,21 @@ _NEG_INF = float("-inf")
 def apply_logits_processors(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """Applies every rule in place to float32 logits [n, vocab] and returns them.
 
-    Order: 1. repetition/frequency/presence penalties (they only move values, so every later
-    mask is final); 2. allowed_token_ids; 3. suppress_tokens; 4. begin_suppress_tokens;
-    5. min_tokens; 6. no_repeat_ngram_size; 7. Whisper timestamp rules (last among the masks:
-    their timestamp-vs-text probability test must see every other mask, as in transformers);
-    8. forced tokens (forced_token_ids, forced_eos_token_id) override all of the above.
+    Order: 1. repetition/frequency/presence penalties, then logit_bias (they only move values,
+    so every later mask is final); 2. allowed_token_ids and the structured-output grammar mask;
+    3. suppress_tokens; 4. begin_suppress_tokens; 5. min_tokens; 6. no_repeat_ngram_size;
+    7. Whisper timestamp rules (last among the masks: their timestamp-vs-text probability test
+    must see every other mask, as in transformers); 8. forced tokens (forced_token_ids,
+    forced_eos_token_id) override all of the above.
     """
     if not metadata.no_penalties:
         apply_penalties(logits, metadata)
+    if metadata.logit_bias is not None:
+        apply_logit_bias(logits, metadata.logit_bias)
     if metadata.allowed_token_ids is not None:
         apply_allowed_token_ids(logits, metadata.allowed_token_ids)
+    if metadata.grammar_bitmask is not None:
+        apply_token_bitmask(logits, metadata.grammar_bitmask)
     for banned in (
         metadata.suppress_token_ids,
         metadata.begin_suppress_token_ids,
@@ -57,6 +68,30 @@ def apply_allowed_token_ids(logits: torch.Tensor, allowed: RowTokenIds) -> None:
     """Only the listed tokens stay possible on the listed rows."""
     disallowed = ~_token_mask(allowed.token_ids, logits.shape[1])
     logits[allowed.rows] = logits[allowed.rows].masked_fill(disallowed, _NEG_INF)
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: RowLogitBias) -> None:
+    """Adds each listed row's sparse bias to its logits (padding ids -1 go to a spare column)."""
+    vocab_size = logits.shape[1]
+    ids = torch.where(
+        (bias.token_ids < 0) | (bias.token_ids >= vocab_size), vocab_size, bias.token_ids
+    )
+    dense = torch.zeros(ids.shape[0], vocab_size + 1, dtype=logits.dtype, device=logits.device)
+    dense.scatter_add_(1, ids, bias.biases.to(logits.dtype))
+    logits[bias.rows] += dense[:, :vocab_size]
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[k, words] int32 packed masks -> [k, vocab_size] bool (bit t % 32 of word t // 32)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [k, words, 32]
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def apply_token_bitmask(logits: torch.Tensor, grammar: RowBitmask) -> None:
+    """Tokens outside each listed row's (grammar) mask become impossible."""
+    allowed = unpack_bitmask(grammar.bitmask, logits.shape[1])
+    logits[grammar.rows] = logits[grammar.rows].masked_fill(~allowed, _NEG_INF)
 
 
 def apply_banned_token_ids(logits: torch.Tensor, banned: RowTokenIds) -> None:

@@ -36,6 +36,28 @@ class RowTokenIds:
 
 
 @dataclass
+class RowLogitBias:
+    """A sparse additive bias per row, for the rows of the batch that have one."""
+
+    rows: torch.Tensor
+    """[k] int64 batch row indices."""
+    token_ids: torch.Tensor
+    """[k, width] int64, padded with -1."""
+    biases: torch.Tensor
+    """[k, width] float32, the bias of each token id (0 in padding)."""
+
+
+@dataclass
+class RowBitmask:
+    """A packed allowed-token mask per row (structured outputs), for the rows that have one."""
+
+    rows: torch.Tensor
+    """[k] int64 batch row indices."""
+    bitmask: torch.Tensor
+    """[k, ceil(vocab / 32)] int32: token t allowed when bit t % 32 of word t // 32 is set."""
+
+
+@dataclass
 class WhisperTimestampMetadata:
     """Per-row state of Whisper's timestamp rules, derived on the host from the outputs so far."""
 
@@ -99,6 +121,11 @@ class SamplingMetadata:
     """Only rows about to sample their first output token."""
     min_tokens_stop_ids: RowTokenIds | None = None
     """EOS (unless ignore_eos) and stop_token_ids, only for rows still under min_tokens."""
+    logit_bias: RowLogitBias | None = None
+    """Added to the logits after the penalties (OpenAI's logit_bias)."""
+    grammar_bitmask: RowBitmask | None = None
+    """Structured outputs: tokens outside each row's grammar mask get -inf (set by the runner
+    from the SchedulerOutput, not by SamplingState)."""
     forced_token_ids: torch.Tensor | None = None
     """[n] int64: the only token allowed at this step, -1 for none (forced_token_ids and
     forced_eos_token_id merged; EOS wins when both apply, as in transformers)."""

@@ -18,6 +18,7 @@ import torch
 
 from v1.host_copy import to_device
 from v1.sample.metadata import (
+    RowLogitBias,
     RowTokenIds,
     SamplingMetadata,
     WhisperTimestampMetadata,
@@ -54,29 +55,33 @@ def step_seed(seed: int, step: int) -> int:
 class _TokenIdTable:
     """A token id list per slot: a host copy [num_slots, width] (-1 padded) with its lengths,
     and a device copy refreshed from the host for dirty slots. The width grows to the longest
-    list seen, so short lists (the usual case) stay cheap."""
+    list seen, so short lists (the usual case) stay cheap. (With another dtype and fill it
+    holds values beside such a list: the logit-bias values.)"""
 
-    def __init__(self, num_slots: int, device: torch.device) -> None:
+    def __init__(
+        self, num_slots: int, device: torch.device, dtype: type = np.int64, fill: float = -1
+    ) -> None:
         self.device = device
-        self.ids = np.full((num_slots, 0), -1, dtype=np.int64)
+        self.fill = fill
+        self.ids = np.full((num_slots, 0), fill, dtype=dtype)
         self.lengths = np.zeros(num_slots, dtype=np.int64)
-        self.dev = torch.full((num_slots, 0), -1, dtype=torch.int64, device=device)
+        self.dev = to_device(self.ids, device)
         self._dirty: set[int] = set()
 
-    def set(self, slot: int, token_ids: Sequence[int]) -> None:
+    def set(self, slot: int, token_ids: Sequence[float]) -> None:
         num_ids = len(token_ids)
         if num_ids > self.ids.shape[1]:
-            grown = np.full((self.ids.shape[0], num_ids), -1, dtype=np.int64)
+            grown = np.full((self.ids.shape[0], num_ids), self.fill, dtype=self.ids.dtype)
             grown[:, : self.ids.shape[1]] = self.ids
             self.ids = grown
-        self.ids[slot] = -1
+        self.ids[slot] = self.fill
         self.ids[slot, :num_ids] = token_ids
         self.lengths[slot] = num_ids
         self._dirty.add(slot)
 
     def clear(self, slot: int) -> None:
         if self.lengths[slot]:
-            self.ids[slot] = -1
+            self.ids[slot] = self.fill
             self.lengths[slot] = 0
             self._dirty.add(slot)
 
@@ -150,6 +155,8 @@ class SamplingState:
         self.forced_eos_token_id = np.full(max_num_reqs, -1, dtype=np.int64)
         self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)
         """-1: no logprobs."""
+        self.num_prompt_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)
+        """-1: no prompt logprobs (the runner computes them; the sampler does not)."""
         self.whisper_timestamps = np.zeros(max_num_reqs, dtype=bool)
         self.processed_logprobs = np.zeros(max_num_reqs, dtype=bool)
         """logprobs_mode "processed": logprobs are the rules' output on log_softmax(logits)."""
@@ -175,7 +182,12 @@ class SamplingState:
         self.min_tokens_stop_ids = _TokenIdTable(max_num_reqs, self.device)
         self.forced_positions = _TokenIdTable(max_num_reqs, self.device)
         self.forced_tokens = _TokenIdTable(max_num_reqs, self.device)
+        self.logit_bias_ids = _TokenIdTable(max_num_reqs, self.device)
+        self.logit_bias_values = _TokenIdTable(max_num_reqs, self.device, np.float32, 0.0)
+        """A sparse bias per slot: token ids and, in the same columns, their biases."""
         self._tables = (
+            self.logit_bias_ids,
+            self.logit_bias_values,
             self.allowed_token_ids,
             self.suppress_token_ids,
             self.begin_suppress_token_ids,
@@ -227,6 +239,7 @@ class SamplingState:
         self.max_output_tokens[slot] = room if limit is None else min(limit, room)
         self.forced_eos_token_id[slot] = _or_minus_one(params.forced_eos_token_id)
         self.num_logprobs[slot] = _or_minus_one(params.logprobs)
+        self.num_prompt_logprobs[slot] = _or_minus_one(params.prompt_logprobs)
         self.whisper_timestamps[slot] = params.whisper_timestamps
         self.processed_logprobs[slot] = params.logprobs_mode == "processed"
         if params.seed is not None:
@@ -248,6 +261,9 @@ class SamplingState:
         for table, token_ids in tables:
             if token_ids:
                 table.set(slot, token_ids)
+        if params.logit_bias:
+            self.logit_bias_ids.set(slot, list(params.logit_bias))
+            self.logit_bias_values.set(slot, list(params.logit_bias.values()))
         stop_ids = list(params.all_stop_token_ids)
         if eos_token_id is not None and not params.ignore_eos:
             stop_ids.append(eos_token_id)
@@ -282,6 +298,7 @@ class SamplingState:
         self.max_output_tokens[slot] = -1
         self.forced_eos_token_id[slot] = -1
         self.num_logprobs[slot] = -1
+        self.num_prompt_logprobs[slot] = -1
         self.whisper_timestamps[slot] = False
         self.processed_logprobs[slot] = False
         self.seeds.pop(slot, None)
@@ -428,6 +445,14 @@ class SamplingState:
                 rows = shipped[i_rules[name]]
                 token_ids = table.rows(idx[rows], slots[rules[name]])
                 setattr(metadata, name, RowTokenIds(rows=rows, token_ids=token_ids))
+        if "logit_bias" in i_rules:
+            rows = shipped[i_rules["logit_bias"]]
+            width = int(self.logit_bias_ids.lengths[slots[rules["logit_bias"]]].max())
+            metadata.logit_bias = RowLogitBias(
+                rows=rows,
+                token_ids=self.logit_bias_ids.dev[idx[rows], :width],
+                biases=self.logit_bias_values.dev[idx[rows], :width],
+            )
         if i_forced is not None:
             metadata.forced_token_ids = shipped[i_forced]
         if i_processed is not None:
@@ -447,6 +472,7 @@ class SamplingState:
             "suppress_token_ids": (self.suppress_token_ids, always),
             "begin_suppress_token_ids": (self.begin_suppress_token_ids, num_output == 0),
             "min_tokens_stop_ids": (self.min_tokens_stop_ids, num_output < self.min_tokens[slots]),
+            "logit_bias": (self.logit_bias_ids, always),
         }
         out = {}
         for name, (table, when) in active.items():

@@ -60,6 +60,10 @@ class StepInputs:
     """[R] index of each request's last scheduled token."""
     reached_end: np.ndarray
     """[R] bool: the step reaches the end of the request's known tokens (a token is sampled)."""
+    grammar_rows: np.ndarray | None = None
+    """[k] batch rows whose next token a grammar constrains (structured outputs)."""
+    grammar_bitmask: np.ndarray | None = None
+    """[k, ceil(vocab / 32)] int32 packed masks of those rows (SchedulerOutput.grammar_bitmask)."""
 
     @property
     def num_tokens(self) -> int:
@@ -256,7 +260,13 @@ class ModelRunner:
             # Tokens sampled by the step still running: read where they are, on the device.
             assert self.prev_sampled_token_ids is not None
             input_ids[dst_dev] = self.prev_sampled_token_ids[src_dev]
+        grammar_rows = None
+        if so.structured_output_req_ids:
+            row_of = {req_id: i for i, req_id in enumerate(req_ids)}
+            grammar_rows = np.array([row_of[r] for r in so.structured_output_req_ids], np.int64)
         return StepInputs(
+            grammar_rows=grammar_rows,
+            grammar_bitmask=so.grammar_bitmask if grammar_rows is not None else None,
             req_ids=req_ids,
             slots=slots,
             num_scheduled=num_scheduled,

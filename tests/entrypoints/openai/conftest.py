@@ -13,6 +13,7 @@ import atexit
 import ctypes
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -421,4 +422,5 @@ def assert_error_body(response: httpx.Response, status: int) -> dict[str, Any]:
     assert set(error) == {"message", "type", "param", "code"}, error
     assert isinstance(error["message"], str) and 0 < len(error["message"]) <= 1000
     assert isinstance(error["type"], str) and error["type"]
+    assert not re.search(r"0x[0-9a-fA-F]{6,}", error["message"]), error  # no heap addresses
     return error

@@ -137,10 +137,20 @@ CASES = [
         code="context_length_exceeded",
     ),
     Case("empty-stop-string", LLAMA, CMPL, js(prompt="hi", stop=[""]), 400, param="stop"),
-    Case("logit-bias", LLAMA, CMPL, js(prompt="hi", logit_bias={"5": 1}), 400, "logit_bias"),
+    Case(
+        "logit-bias-range", LLAMA, CMPL, js(prompt="hi", logit_bias={"5": 101}), 400, "logit_bias"
+    ),
+    Case("logit-bias-key", LLAMA, CHAT, js(messages=MSG, logit_bias={"x": 1}), 400, "logit_bias"),
+    Case(
+        "logit-bias-out-of-vocab",
+        LLAMA,
+        CMPL,
+        js(prompt="hi", logit_bias={"1000000": 1}),
+        400,
+        "logit_bias",
+    ),
     Case("min-over-max-tokens", LLAMA, CMPL, js(prompt="hi", min_tokens=9, max_tokens=2), 400),
     Case("stop-id-out-of-vocab", LLAMA, CMPL, js(prompt="hi", stop_token_ids=[10**7]), 400),
-    Case("echo-with-logprobs", LLAMA, CMPL, js(prompt="hi", echo=True, logprobs=1), 400, "echo"),
     Case(
         "unknown-model",
         LLAMA,
@@ -183,6 +193,15 @@ CASES = [
     Case("get-on-post-route", LLAMA, CMPL, {}, 405, method="GET"),
     # ---- audio (whisper-base) ----
     Case("missing-file", WHISPER, TRANSCRIBE, form(None), 400, param="file"),
+    Case(
+        "file-part-without-filename",
+        WHISPER,
+        TRANSCRIBE,
+        {"files": {"file": (None, FLAC)}, "data": {"model": "whisper-1"}},
+        400,
+        param="file",
+        message_has="filename",
+    ),
     Case("file-as-text-field", WHISPER, TRANSCRIBE, {"data": {"file": "abc"}}, 400, "file"),
     Case(
         "not-audio",
@@ -381,13 +400,43 @@ CASES = [
     ),
     # ---- options that would otherwise be silently ignored (item 7) ----
     Case(
-        "json-object-mode",
+        "json-schema-unknown-type",
         LLAMA,
         CHAT,
-        js(messages=MSG, response_format={"type": "json_object"}),
+        js(
+            messages=MSG,
+            response_format={"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}},
+        ),
         400,
         param="response_format",
-        message_has="structured output",
+        message_has="nope",
+    ),
+    Case(
+        "json-schema-bad-ref",
+        LLAMA,
+        CMPL,
+        js(
+            prompt="hi",
+            response_format={"type": "json_schema", "json_schema": {"schema": {"$ref": "#/x"}}},
+        ),
+        400,
+        param="response_format",
+    ),
+    Case(
+        "response-format-xml",
+        LLAMA,
+        CHAT,
+        js(messages=MSG, response_format={"type": "xml"}),
+        400,
+        param="response_format",
+    ),
+    Case(
+        "json-mode-ignore-eos",
+        LLAMA,
+        CMPL,
+        js(prompt="hi", ignore_eos=True, response_format={"type": "json_object"}),
+        400,
+        param="ignore_eos",
     ),
     Case(
         "json-schema-mode",

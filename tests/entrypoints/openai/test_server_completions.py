@@ -1,6 +1,6 @@
 """`v1 serve` with a tiny random Llama through the official openai client: models, health, API
-key, completions and chat (plain and streamed), logprobs, stop strings, n > 1, echo, and client
-disconnects aborting the engine's work."""
+key, completions and chat (plain and streamed), logprobs, stop strings, n > 1, echo (with prompt
+logprobs), and client disconnects aborting the engine's work."""
 
 from __future__ import annotations
 
@@ -118,6 +118,33 @@ def test_n_echo_and_logprobs(client: openai.OpenAI) -> None:
         model=MODEL, prompt="hello there", max_tokens=3, echo=True, **_x(greedy())
     )
     assert echoed.choices[0].text.startswith("hello there")
+
+
+def test_echo_with_logprobs(client: openai.OpenAI, llama_server: RemoteServer) -> None:
+    """echo + logprobs: the prompt's tokens come first, the first with no logprob, each later
+    one with its logprob and top tokens; then the completion's; offsets run through both."""
+    tokenizer = AutoTokenizer.from_pretrained(llama_server.model)
+    prompt = "hello there world"
+    num_prompt = len(tokenizer(prompt)["input_ids"])
+    args = dict(model=MODEL, prompt=prompt, max_tokens=3, echo=True, logprobs=2, **_x(greedy()))
+    out = client.completions.create(**args)
+    choice = out.choices[0]
+    lp = choice.logprobs
+    assert choice.text.startswith(prompt)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == num_prompt + 3
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:])
+    assert all(1 <= len(top) <= 3 for top in lp.top_logprobs[1:])  # keyed by text: may merge
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    plain = client.completions.create(**(args | {"echo": False}))
+    assert lp.token_logprobs[num_prompt:] == plain.choices[0].logprobs.token_logprobs
+    streamed = {"tokens": [], "token_logprobs": []}
+    for chunk in client.completions.create(**args, stream=True):
+        for c in chunk.choices:
+            if c.logprobs is not None:
+                streamed["tokens"] += c.logprobs.tokens
+                streamed["token_logprobs"] += c.logprobs.token_logprobs
+    assert streamed == {"tokens": lp.tokens, "token_logprobs": lp.token_logprobs}
 
 
 def test_stop_string_ends_the_completion(client: openai.OpenAI) -> None:

@@ -1,5 +1,5 @@
 """/v1/embeddings with the real all-MiniLM-L6-v2 (float and base64 through the openai client,
-token-id inputs, `dimensions` refused on a non-Matryoshka model, bi-encoder /v1/score), and
+token-id inputs, `dimensions` refused on a non-Matryoshka model unless native, bi-encoder /v1/score), and
 /v1/rerank + /v1/score with a tiny random BertForSequenceClassification checked against HF."""
 
 from __future__ import annotations
@@ -74,6 +74,16 @@ def test_dimensions_refused_on_minilm(minilm: openai.OpenAI) -> None:
         minilm.embeddings.create(model="minilm", input="hi", dimensions=128)
     error = info.value.body
     assert error["param"] == "dimensions" and "Matryoshka" in error["message"]
+    assert "384" in error["message"]  # names the one size it takes
+
+
+def test_native_dimensions_accepted(minilm: openai.OpenAI) -> None:
+    native = minilm.embeddings.create(
+        model="minilm", input=MOVIE[0], dimensions=384, encoding_format="float"
+    )
+    plain = minilm.embeddings.create(model="minilm", input=MOVIE[0], encoding_format="float")
+    assert len(native.data[0].embedding) == 384
+    np.testing.assert_allclose(native.data[0].embedding, plain.data[0].embedding, atol=1e-6)
 
 
 def test_bi_encoder_score(minilm_server: RemoteServer) -> None:

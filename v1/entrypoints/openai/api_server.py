@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import v1
-from v1.engine.async_llm import request_group
+from v1.engine.async_llm import request_group, request_observer
 from v1.entrypoints.openai.errors import (
     APIError,
     ClientDisconnected,
@@ -31,20 +31,23 @@ from v1.entrypoints.openai.errors import (
 )
 from v1.entrypoints.openai.http_limits import HttpLimits, limited_protocol
 from v1.entrypoints.openai.lifecycle import DrainingServer, ServerLifecycle
-from v1.entrypoints.openai.metrics import ServerMetrics
+from v1.entrypoints.openai.metrics import RequestObserver, ServerMetrics
 from v1.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     EmbeddingRequest,
     ModelCard,
     ModelList,
     RerankRequest,
     ScoreRequest,
+    TokenizeRequest,
 )
 from v1.entrypoints.openai.serving_completions import ServingCompletions
 from v1.entrypoints.openai.serving_embeddings import ServingEmbeddings
 from v1.entrypoints.openai.serving_engine import ServerSettings, json_response
 from v1.entrypoints.openai.serving_score import ServingScore
+from v1.entrypoints.openai.serving_tokenization import ServingTokenization
 from v1.entrypoints.openai.serving_transcriptions import (
     AudioRequest,
     ServingTranscriptions,
@@ -63,11 +66,15 @@ INFERENCE_PATHS = frozenset(
         "/v1/audio/translations",
         "/v1/rerank",
         "/v2/rerank",
+        "/rerank",
         "/v1/score",
+        "/score",
     }
 )
 """Routes that hold engine work; they count against --max-pending."""
-_OTHER_PATHS = frozenset({"/health", "/metrics", "/version", "/v1/models"})
+_OTHER_PATHS = frozenset(
+    {"/health", "/metrics", "/version", "/v1/models", "/tokenize", "/detokenize"}
+)
 _PUBLIC_PATHS = frozenset({"/health"})
 _AUDIO_PATHS = frozenset({"/v1/audio/transcriptions", "/v1/audio/translations"})
 _FORM_OVERHEAD_BYTES = 1 << 20
@@ -128,12 +135,14 @@ class ServerMiddleware:
             arrival = time.perf_counter()
             # Every sequence this HTTP request makes shares one fair-share group in the core.
             group = request_group.set(f"http-{uuid.uuid4().hex}")
+            observer = request_observer.set(RequestObserver(self.metrics, endpoint))
             try:
                 await self.app(scope, receive, send_and_record)
             except Exception:
                 status.setdefault("code", 500)
                 raise
             finally:
+                request_observer.reset(observer)
                 request_group.reset(group)
                 self.in_flight -= 1
                 self.metrics.in_flight.set(self.in_flight)
@@ -228,7 +237,13 @@ def _bearer_token(scope: Scope) -> bytes | None:
     return None
 
 
+_ALIASES = {"/v2/rerank": "/v1/rerank", "/rerank": "/v1/rerank", "/score": "/v1/score"}
+"""Routes counted in the metrics under the name of the route they alias."""
+
+
 def _endpoint_label(path: str) -> str:
+    if path in _ALIASES:
+        return _ALIASES[path]
     if path in INFERENCE_PATHS or path in _OTHER_PATHS:
         return path
     if path.startswith("/v1/models/"):
@@ -346,6 +361,7 @@ def _add_inference_routes(
     embeddings = ServingEmbeddings(engine, settings, metrics)
     scores = ServingScore(engine, settings, metrics)
     audio = ServingTranscriptions(engine, settings, metrics)
+    tokenization = ServingTokenization(engine, settings, metrics)
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
@@ -359,15 +375,24 @@ def _add_inference_routes(
     async def create_embedding(body: EmbeddingRequest, request: Request) -> Response:
         return await embeddings.create_embedding(body, request)
 
-    @app.post("/v1/score")
     async def create_score(body: ScoreRequest, request: Request) -> Response:
         return await scores.create_score(body, request)
 
     async def create_rerank(body: RerankRequest, request: Request) -> Response:
         return await scores.create_rerank(body, request)
 
-    for path in ("/v1/rerank", "/v2/rerank"):
+    for path in ("/v1/score", "/score"):
+        app.add_api_route(path, create_score, methods=["POST"])
+    for path in ("/v1/rerank", "/v2/rerank", "/rerank"):
         app.add_api_route(path, create_rerank, methods=["POST"])
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> Response:
+        return await tokenization.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> Response:
+        return await tokenization.detokenize(body)
 
     upload_limits: dict[str, Any] = {
         "form_limits": {"max_files": 1, "max_fields": 32, "max_part_size": 64 << 10}

@@ -126,6 +126,8 @@ def install_error_handlers(app: FastAPI) -> None:
             message = "the request body is larger than this server accepts"
             return error_response(APIError(413, message, code="payload_too_large"))
         detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        if exc.status_code == 400 and detail.startswith(_FORM_PART_TOO_LARGE):
+            return error_response(_oversized_form_field(detail))
         return error_response(APIError(exc.status_code, detail, headers=exc.headers))
 
     @app.exception_handler(EngineDeadError)
@@ -137,6 +139,24 @@ def install_error_handlers(app: FastAPI) -> None:
         logger.exception("unhandled error on %s %s", request.method, request.url.path)
         message = f"internal server error: {type(exc).__name__}: {exc}"
         return error_response(APIError(500, message))
+
+
+_FORM_PART_TOO_LARGE = ("Part exceeded maximum size", "Field exceeded maximum size")
+"""Starlette's words for a multipart part without a filename (kept in memory) past its cap."""
+
+
+def _oversized_form_field(detail: str) -> APIError:
+    """A large form part that is not a file: almost always a file sent without a filename,
+    which multipart parsers take for a text field."""
+    size = detail.rsplit(" ", 1)[-1].rstrip(".")
+    return APIError(
+        400,
+        f"a form field is larger than {size}: only the file may be large, and it must be sent "
+        'as a file part with a filename (Content-Disposition: form-data; name="file"; '
+        'filename="audio.flac"); a part without a filename is taken for a text field',
+        param="file",
+        code="invalid_form",
+    )
 
 
 def _json_safe(errors: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

@@ -8,7 +8,7 @@ import math
 from typing import Any
 
 from v1.entrypoints.openai.protocol import ChatLogprobEntry, ChatLogprobs, CompletionLogprobs
-from v1.outputs import CompletionOutput
+from v1.outputs import CompletionOutput, PromptLogprobs
 
 MIN_LOGPROB = -9999.0
 """Stands for -inf where the API wants a number (JSON has no infinity)."""
@@ -44,6 +44,35 @@ class LogprobFormatter:
         offsets[index] = pos
         return out
 
+    def prompt(
+        self,
+        prompt_token_ids: list[int],
+        prompt_logprobs: PromptLogprobs | None,
+        offsets: dict[int, int],
+        index: int,
+    ) -> CompletionLogprobs:
+        """Legacy completions logprobs of an echoed prompt (the first token has none)."""
+        out = CompletionLogprobs()
+        pos = offsets.get(index, 0)
+        entries = prompt_logprobs or [None] * len(prompt_token_ids)
+        for token_id, entry in zip(prompt_token_ids, entries, strict=False):
+            own = entry.get(token_id) if entry else None
+            text = self.token_text(token_id, own.decoded_token if own else None)
+            out.tokens.append(text)
+            out.token_logprobs.append(_finite(own.logprob) if own else None)
+            out.top_logprobs.append(
+                {
+                    self.token_text(t, lp.decoded_token): _logprob(lp.logprob)
+                    for t, lp in entry.items()
+                }
+                if entry
+                else None
+            )
+            out.text_offset.append(pos)
+            pos += len(text)
+        offsets[index] = pos
+        return out
+
     def chat(self, c: CompletionOutput, top_n: int) -> ChatLogprobs | None:
         if c.logprobs is None:
             return None
@@ -70,6 +99,18 @@ class LogprobFormatter:
                 )
             )
         return ChatLogprobs(content=content)
+
+
+def join(first: CompletionLogprobs, then: CompletionLogprobs | None) -> CompletionLogprobs:
+    """An echoed prompt's logprobs followed by its completion's."""
+    if then is None:
+        return first
+    return CompletionLogprobs(
+        tokens=first.tokens + then.tokens,
+        token_logprobs=first.token_logprobs + then.token_logprobs,
+        top_logprobs=first.top_logprobs + then.top_logprobs,
+        text_offset=first.text_offset + then.text_offset,
+    )
 
 
 def _finite(value: float) -> float | None:

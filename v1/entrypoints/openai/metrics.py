@@ -20,6 +20,7 @@ from prometheus_client import (
 
 from v1.core.client import EngineDeadError
 from v1.logger import init_logger
+from v1.outputs import RequestOutput, RequestOutputKind
 
 logger = init_logger(__name__)
 
@@ -114,6 +115,33 @@ class ServerMetrics:
             buckets=_TOKEN_BUCKETS,
             registry=r,
         )
+        self.queue_time = Histogram(
+            "v1_request_queue_time_seconds",
+            "Time from a request's arrival in the engine to the first step of its first "
+            "sequence, per endpoint.",
+            ["model_name", "endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prefix_hit_rate = gauge(
+            "v1_prefix_cache_hit_rate", "Prefix-cache hits / queried prompt tokens since start."
+        )
+        self.encoder_hit_rate = gauge(
+            "v1_encoder_cache_hit_rate",
+            "Encoder inputs served from the encoder cache (no encoder run) / encoder inputs "
+            "admitted, since start.",
+        )
+        self.cross_lookups = gauge(
+            "v1_cross_cache_lookups",
+            "Cross-attention cache lookups by encoder content hash since start (absorbed "
+            "cross-attention keeps one entry per encoder input).",
+        )
+        self.cross_hits = gauge(
+            "v1_cross_cache_hits", "Of those, lookups that found the entry already cached."
+        )
+        self.cross_hit_rate = gauge(
+            "v1_cross_cache_hit_rate", "Cross-cache hits / lookups since start (0 without any)."
+        )
 
     def _labelled(self, kind: type) -> Any:
         """A factory of `kind` metrics bound to this server's model_name label."""
@@ -159,34 +187,74 @@ class ServerMetrics:
         self.preemptions.set(stats.get("num_preemptions", 0))
         self.prefix_queries.set(stats.get("prefix_cache_queries", 0))
         self.prefix_hits.set(stats.get("prefix_cache_hits", 0))
-        self.encoder_lookups.set(stats.get("num_encoder_lookups", 0))
-        self.encoder_runs.set(stats.get("num_encoder_runs", 0))
+        lookups, runs = stats.get("num_encoder_lookups", 0), stats.get("num_encoder_runs", 0)
+        self.encoder_lookups.set(lookups)
+        self.encoder_runs.set(runs)
+        queries, hits = stats.get("prefix_cache_queries", 0), stats.get("prefix_cache_hits", 0)
+        self.prefix_hit_rate.set(hits / queries if queries else 0.0)
+        self.encoder_hit_rate.set(1.0 - runs / lookups if lookups else 0.0)
+        cross_lookups = stats.get("cross_cache_lookups", 0)
+        cross_hits = stats.get("cross_cache_hits", 0)
+        self.cross_lookups.set(cross_lookups)
+        self.cross_hits.set(cross_hits)
+        self.cross_hit_rate.set(cross_hits / cross_lookups if cross_lookups else 0.0)
+
+
+class RequestObserver:
+    """Latency of one HTTP request, for every endpoint, from the outputs AsyncLLM yields to it
+    (`v1.engine.async_llm.request_observer`): time to its first output token, the gaps between
+    its tokens (all its sequences together), and its queue time (arrival in the engine to the
+    first step of its first sequence). End-to-end latency is observed by the middleware."""
+
+    def __init__(self, metrics: ServerMetrics, endpoint: str) -> None:
+        self.metrics = metrics
+        self.labels = (metrics.model_name, endpoint)
+        self.arrival = time.perf_counter()
+        self._last: float | None = None
+        self._queued = False
+        self._seen: dict[tuple[str, int], int] = {}
+        """(request id, choice index) -> tokens seen (cumulative outputs)."""
+
+    def on_output(self, output: Any, output_kind: RequestOutputKind) -> None:
+        if not self._queued and getattr(output, "queue_time", None) is not None:
+            self._queued = True
+            self.metrics.queue_time.labels(*self.labels).observe(output.queue_time)
+        if not isinstance(output, RequestOutput):
+            return  # pooling: one result, no tokens
+        num_new = 0
+        for c in output.outputs:
+            if output_kind == RequestOutputKind.DELTA:
+                num_new += len(c.token_ids)
+            else:
+                key = (output.request_id, c.index)
+                num_new += len(c.token_ids) - self._seen.get(key, 0)
+                self._seen[key] = len(c.token_ids)
+        if num_new > 0:
+            self.tokens(num_new)
+
+    def tokens(self, num_new_tokens: int) -> None:
+        t = time.perf_counter()
+        if self._last is None:
+            self.metrics.ttft.labels(*self.labels).observe(t - self.arrival)
+        else:
+            gap = (t - self._last) / num_new_tokens
+            itl = self.metrics.itl.labels(*self.labels)
+            for _ in range(min(num_new_tokens, 64)):
+                itl.observe(gap)
+        self._last = t
 
 
 class RequestTimer:
-    """Latency of one generation request: time to first token, gaps between tokens, total."""
+    """Token counters of one completions or chat request (its latencies: RequestObserver)."""
 
     def __init__(self, metrics: ServerMetrics, endpoint: str) -> None:
         self.metrics = metrics
         self.endpoint = endpoint
-        self.arrival = time.perf_counter()
-        self._last: float | None = None
 
     def tokens(self, num_new_tokens: int) -> None:
         """Called per engine output carrying `num_new_tokens` new tokens (summed over choices)."""
-        if num_new_tokens <= 0:
-            return
-        t = time.perf_counter()
-        labels = (self.metrics.model_name, self.endpoint)
-        if self._last is None:
-            self.metrics.ttft.labels(*labels).observe(t - self.arrival)
-        else:
-            gap = (t - self._last) / num_new_tokens
-            itl = self.metrics.itl.labels(*labels)
-            for _ in range(min(num_new_tokens, 64)):
-                itl.observe(gap)
-        self.metrics.generation_tokens.inc(num_new_tokens)
-        self._last = t
+        if num_new_tokens > 0:
+            self.metrics.generation_tokens.inc(num_new_tokens)
 
     def finish(self, num_prompt_tokens: int) -> None:
         """(End-to-end latency is observed by the server middleware for every endpoint.)"""

@@ -121,6 +121,9 @@ class SamplingFields(OpenAIModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
+    """token id (as a string) -> bias in [-100, 100]."""
+    response_format: dict[str, Any] | None = None
+    """{"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": ...}}."""
     # vLLM extensions
     top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
@@ -172,7 +175,6 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
     modalities: list[str] | None = None
     audio: Any = None
     prediction: Any = None
@@ -267,6 +269,39 @@ class ChatCompletionStreamResponse(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+
+
+# ---- tokenize, detokenize ----
+
+
+class TokenizeRequest(OpenAIModel):
+    """vLLM's /tokenize: a prompt, or chat messages rendered by the chat template."""
+
+    model: str | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=MAX_BATCH_INPUTS)
+    add_special_tokens: bool = True
+    """For a prompt: add the tokenizer's special tokens (BOS...)."""
+    add_generation_prompt: bool = True
+    """For messages: end with the assistant turn's header, as chat completions do."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: str | None = None
+    tokens: list[TokenId] = Field(max_length=1 << 20)
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 # ---- embeddings, score, rerank ----

@@ -21,7 +21,7 @@ from v1.core.client import EngineDeadError
 from v1.engine.beam_search import MAX_BEAM_WIDTH, BeamSearchParams
 from v1.entrypoints.openai.chat_template import ChatTemplate
 from v1.entrypoints.openai.errors import APIError, bad_request, engine_dead_error
-from v1.entrypoints.openai.logprobs import LogprobFormatter
+from v1.entrypoints.openai.logprobs import LogprobFormatter, join
 from v1.entrypoints.openai.metrics import RequestTimer, ServerMetrics
 from v1.entrypoints.openai.protocol import (
     MAX_BATCH_INPUTS,
@@ -33,6 +33,7 @@ from v1.entrypoints.openai.protocol import (
     ChatResponseMessage,
     ChatStreamChoice,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
@@ -56,6 +57,7 @@ from v1.entrypoints.openai.serving_engine import (
 )
 from v1.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from v1.sampling_params import SamplingParams
+from v1.structured_output import StructuredOutputsParams
 
 _OPTIONAL_SAMPLING_FIELDS = (
     "temperature",
@@ -131,7 +133,6 @@ class ServingCompletions(ServingBase):
     async def create_completion(self, body: CompletionRequest, request: Request) -> Response:
         model = self.check_model(body.model)
         self._check_generator("/v1/completions")
-        _reject_unsupported(body)
         if body.suffix:
             raise bad_request("suffix is not supported", param="suffix")
         if body.best_of is not None and body.best_of < body.n:
@@ -141,8 +142,15 @@ class ServingCompletions(ServingBase):
             raise bad_request("best_of > n and use_beam_search cannot stream", param="stream")
         if body.use_beam_search and best_of > MAX_BEAM_WIDTH:
             raise bad_request(f"beam search keeps at most {MAX_BEAM_WIDTH} beams", "best_of")
-        if body.echo and body.logprobs is not None:
-            raise bad_request("echo with logprobs (prompt logprobs) is not supported", "echo")
+        if body.use_beam_search and body.response_format is not None:
+            raise bad_request(
+                "response_format cannot be combined with use_beam_search", "response_format"
+            )
+        if body.echo and body.logprobs is not None and not self.decoder_only:
+            raise bad_request(
+                "echo with logprobs needs a decoder-only model (the prompt here is the encoder's)",
+                "echo",
+            )
         prompts = await self.offload(
             self._completion_prompts, body.prompt, body.truncate_prompt_tokens
         )
@@ -160,6 +168,9 @@ class ServingCompletions(ServingBase):
         ]
         if body.use_beam_search:
             return await self._beam_search(body, model, prompts, params, request)
+        if body.echo and body.logprobs is not None:
+            params = [p.clone(prompt_logprobs=body.logprobs) for p in params]
+        params = await self._with_structured_outputs(body, params)
         if best_of > body.n:
             # Sample best_of, return the n most likely (highest cumulative logprob).
             logprobs = 0 if body.logprobs is None else body.logprobs
@@ -237,7 +248,6 @@ class ServingCompletions(ServingBase):
     ) -> Response:
         model = self.check_model(body.model)
         self._check_generator("/v1/chat/completions")
-        _reject_unsupported(body)
         _reject_unsupported_chat(body)
         if body.top_logprobs and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
@@ -250,6 +260,7 @@ class ServingCompletions(ServingBase):
         params = self._sampling_params(
             body, prompt, max_tokens, max_tokens is not None, logprobs, "messages"
         )
+        (params,) = await self._with_structured_outputs(body, [params])
         job = _Job(
             random_id("chatcmpl"),
             model,
@@ -378,11 +389,28 @@ class ServingCompletions(ServingBase):
                 include_stop_str_in_output=body.include_stop_str_in_output,
                 truncate_prompt_tokens=body.truncate_prompt_tokens,
                 logprobs=logprobs,
+                logit_bias=_logit_bias(body, self.vocab_size),
                 **kwargs,
             )
         except ValueError as e:
             field_name = str(e).split(" ", 1)[0]
             raise bad_request(str(e), param=field_name) from e
+
+    async def _with_structured_outputs(
+        self, body: SamplingFields, params: list[SamplingParams]
+    ) -> list[SamplingParams]:
+        """`params` constrained by response_format (its schema compiled once, off the event
+        loop), or unchanged for text."""
+        if body.response_format is None:
+            return params
+        structured = await self.offload(_structured_outputs, body)
+        if structured is None:
+            return params
+        if body.ignore_eos:
+            raise bad_request("response_format cannot be used with ignore_eos", "ignore_eos")
+        if body.min_tokens:
+            raise bad_request("response_format cannot be used with min_tokens", "min_tokens")
+        return [p.clone(structured_outputs=structured) for p in params]
 
     # ---- running ----
     async def _run(self, job: _Job, stream: bool, request: Request) -> Response:
@@ -443,9 +471,13 @@ class ServingCompletions(ServingBase):
                 outputs = sorted(outputs, key=lambda c: -(c.cumulative_logprob or 0.0))[: job.n]
             for k, c in enumerate(outputs):
                 text = (job.prompts[i].text or "") + c.text if job.echo else c.text
+                offsets: dict[int, int] = {}
+                prompt_lp = self._echo_logprobs(job, out, offsets, 0)
                 logprobs = None
                 if c.logprobs is not None and job.keep_logprobs:
-                    logprobs = self.logprobs.completion(c, {}, 0)
+                    logprobs = self.logprobs.completion(c, offsets, 0)
+                if prompt_lp is not None:
+                    logprobs = join(prompt_lp, logprobs)
                 choices.append(
                     CompletionChoice(
                         index=i * job.n + k,
@@ -458,6 +490,14 @@ class ServingCompletions(ServingBase):
         return CompletionResponse(
             id=job.request_id, model=job.model, choices=choices, usage=usage.info()
         )
+
+    def _echo_logprobs(
+        self, job: _Job, out: RequestOutput, offsets: dict[int, int], index: int
+    ) -> CompletionLogprobs | None:
+        """The echoed prompt's logprobs (echo with logprobs), else None."""
+        if not job.echo or job.params[0].prompt_logprobs is None:
+            return None
+        return self.logprobs.prompt(out.prompt_token_ids or [], out.prompt_logprobs, offsets, index)
 
     def _chat_response(
         self, job: _Job, finals: list[RequestOutput], usage: _Usage
@@ -498,14 +538,18 @@ class ServingCompletions(ServingBase):
                 for c in out.outputs:
                     index = i * job.n + c.index
                     text = c.text
+                    prompt_lp = None
                     if job.echo and index not in echoed:
                         echoed.add(index)
                         text = (job.prompts[i].text or "") + text
+                        prompt_lp = self._echo_logprobs(job, out, offsets, index)
                     if not text and c.finish_reason is None:
                         continue
                     logprobs = None
                     if c.logprobs is not None:
                         logprobs = self.logprobs.completion(c, offsets, index)
+                    if prompt_lp is not None:
+                        logprobs = join(prompt_lp, logprobs)
                     choices.append(
                         CompletionChoice(
                             index=index,
@@ -628,15 +672,62 @@ class _Ends:
         self.remaining = 0
 
 
-def _reject_unsupported(body: SamplingFields) -> None:
-    if body.logit_bias:
-        raise bad_request("logit_bias is not supported", param="logit_bias")
+def _logit_bias(body: SamplingFields, vocab_size: int) -> dict[int, float] | None:
+    """OpenAI's logit_bias (string token ids) as ids -> biases, checked (400 naming it)."""
+    if not body.logit_bias:
+        return None
+    bias = {}
+    for key, value in body.logit_bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            token = -1
+        if not 0 <= token < vocab_size:
+            raise bad_request(
+                f"logit_bias key {key!r} is not a token id in [0, {vocab_size})",
+                param="logit_bias",
+            )
+        if not -100.0 <= value <= 100.0:
+            raise bad_request(
+                f"logit_bias value {value} for token {key} is outside [-100, 100]",
+                param="logit_bias",
+            )
+        bias[token] = float(value)
+    return bias
 
 
-_STRUCTURED_OUTPUT_WHY = (
-    "structured output (JSON mode / JSON schema) is not supported by this server yet: it needs "
-    "a grammar-constrained logits mask in the sampler"
-)
+def _structured_outputs(body: SamplingFields) -> StructuredOutputsParams | None:
+    """response_format as StructuredOutputsParams (None for text); 400 naming response_format
+    for an unknown type or a schema llguidance cannot compile."""
+    fmt = body.response_format
+    if fmt is None:
+        return None
+    kind = fmt.get("type", "text")
+    try:
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            params = StructuredOutputsParams(json_object=True)
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError(
+                    "response_format json_schema needs {'json_schema': {'name': ..., "
+                    "'schema': {...}}} with the schema as a JSON object"
+                )
+            params = StructuredOutputsParams(json=schema if isinstance(schema, dict) else {})
+        else:
+            raise ValueError(
+                f"response_format type {kind!r} is not one of 'text', 'json_object', 'json_schema'"
+            )
+        params.validate()
+    except ValueError as e:
+        raise bad_request(
+            str(e).replace("structured_outputs.json", "response_format json_schema"),
+            param="response_format",
+        ) from e
+    return params
 
 
 def _reject_unsupported_chat(body: ChatCompletionRequest) -> None:
@@ -652,12 +743,6 @@ def _reject_unsupported_chat(body: ChatCompletionRequest) -> None:
     if body.parallel_tool_calls:
         raise bad_request(
             "parallel_tool_calls needs tools, which are not supported", "parallel_tool_calls"
-        )
-    fmt = body.response_format
-    if fmt is not None and fmt.get("type", "text") != "text":
-        raise bad_request(
-            f"response_format type {fmt.get('type')!r}: {_STRUCTURED_OUTPUT_WHY}",
-            param="response_format",
         )
     if body.modalities is not None and any(m != "text" for m in body.modalities):
         raise bad_request("only the 'text' output modality is supported", param="modalities")

@@ -16,6 +16,7 @@ from v1.core.sched_output import (
 )
 from v1.forward_context import ForwardContext, set_forward_context
 from v1.worker.input_batch import CachedRequestState
+from v1.worker.prompt_logprobs import prompt_logprobs_job
 from v1.worker.sampled_output import HostCopy, PendingSampledStep
 
 if TYPE_CHECKING:
@@ -124,9 +125,26 @@ class GenerationState(ModelState):
         extra_to_host: dict[str, torch.Tensor] | None = None,
     ) -> PendingSampledStep:
         runner = self.runner
+        state = self.sampling_state
+        prompt_job = prompt_logprobs_job(  # before this step's tokens count as outputs
+            runner,
+            step,
+            state.num_prompt_logprobs,
+            state.num_prompt_tokens,
+            state.num_output_tokens,
+            hidden_states,
+        )
         logits = runner.model.compute_logits(hidden_states[step.logits_indices])
         logits = logits[:, : runner.model_config.vocab_size]
-        out = self.sampler(logits, self.sampling_state.make_metadata(step.slots))
+        metadata = self.sampling_state.make_metadata(step.slots)
+        if step.grammar_rows is not None:
+            from v1.sample.metadata import RowBitmask
+
+            metadata.grammar_bitmask = RowBitmask(
+                rows=runner._to_device(step.grammar_rows),
+                bitmask=runner._to_device(step.grammar_bitmask),
+            )
+        out = self.sampler(logits, metadata)
         sampled = out.sampled_token_ids  # [R] int64, on the device
         keep_rows = np.flatnonzero(step.reached_end)
         kept_slots = step.slots[keep_rows]
@@ -145,7 +163,9 @@ class GenerationState(ModelState):
             to_host |= {"lp_ids": out.logprob_token_ids, "lp": out.logprobs, "ranks": out.ranks}
             num_logprobs = self.sampling_state.num_logprobs[step.slots]
         to_host |= extra_to_host or {}
-        return PendingSampledStep(
+        if prompt_job is not None:
+            to_host |= prompt_job[1]
+        pending = PendingSampledStep(
             batch=batch,
             req_ids=step.req_ids,
             keep_rows=keep_rows,
@@ -155,3 +175,6 @@ class GenerationState(ModelState):
             host=HostCopy(to_host),
             num_logprobs=num_logprobs,
         )
+        if prompt_job is not None:
+            pending.finalize.append(prompt_job[0].finalize)
+        return pending
