@@ -252,8 +252,13 @@ def test_killing_one_core_fails_every_pending_request_and_stops_the_other(llm: A
 
     other = llm.engine_core.cores[1]
     results = asyncio.run(main())
-    assert all(isinstance(r, EngineDeadError) for r in results), results
-    assert "data-parallel EngineCore 0" in str(results[0])
+    # Every request still pending at the kill fails loudly; on a fast machine one may have
+    # finished all its tokens before the kill landed.
+    dead = [r for r in results if isinstance(r, EngineDeadError)]
+    assert dead and all(
+        isinstance(r, EngineDeadError) or (isinstance(r, list) and len(r) == 250) for r in results
+    ), results
+    assert "data-parallel EngineCore 0" in str(dead[0])
     assert llm.errored
     with pytest.raises(EngineDeadError):
         asyncio.run(collect(llm, PROMPTS[0], greedy(2), "after"))
