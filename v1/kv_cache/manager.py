@@ -80,7 +80,8 @@ class KVCacheManager:
         self.prefix_cache_hits = 0
         """Of those, tokens found cached."""
         self.cross_cache_lookups = 0
-        """Encoder-states (absorbed cross-attention) entries looked up by content hash."""
+        """Cross-attention entries (per-layer K/V or absorbed encoder states) looked up by
+        encoder content hash."""
         self.cross_cache_hits = 0
         """Of those, entries found cached (no new cross blocks, no projection written)."""
 

@@ -133,8 +133,8 @@ class ServerMetrics:
         )
         self.cross_lookups = gauge(
             "v1_cross_cache_lookups",
-            "Cross-attention cache lookups by encoder content hash since start (absorbed "
-            "cross-attention keeps one entry per encoder input).",
+            "Cross-attention cache lookups by encoder content hash since start (one entry per "
+            "encoder input, per-layer K/V or absorbed encoder states).",
         )
         self.cross_hits = gauge(
             "v1_cross_cache_hits", "Of those, lookups that found the entry already cached."
