@@ -456,8 +456,15 @@ class _WindowStream:
         self.current = 0
 
     async def run(self, engine: Any, batch: list[Any]) -> AsyncIterator[str]:
+        # Streamed windows need the engine's text deltas (the plan itself reads token ids and
+        # leaves the engine's detokenizer off).
         gens = [
-            engine.generate(r.prompt, r.params, r.request_id, output_kind=RequestOutputKind.DELTA)
+            engine.generate(
+                r.prompt,
+                r.params if r.params.detokenize else r.params.clone(detokenize=True),
+                r.request_id,
+                output_kind=RequestOutputKind.DELTA,
+            )
             for r in batch
         ]
         async for k, out in merge_streams(gens):
