@@ -14,14 +14,14 @@ import asyncio
 import queue
 import threading
 from abc import abstractmethod
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from v1.config import EngineConfig
 from v1.core.client import EngineCoreClient, EngineDeadError
-from v1.core.mp_client import _DEAD, EngineCoreStartError, MPClient, _Dead
+from v1.core.mp_client import _DEAD, EngineCoreStartError, LoopOutputQueue, MPClient, _Dead
 from v1.core.protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -345,43 +345,13 @@ class SyncDPClient(DPClient):
         return _merge_utility(method, [fut.result() for fut in futures])
 
 
-class AsyncDPClient(DPClient):
-    """asyncio data-parallel client (AsyncLLM, the server): the AsyncMPClient interface, one
-    event loop at a time (it moves to a new loop once the previous one is closed)."""
+class AsyncDPClient(LoopOutputQueue, DPClient):
+    """asyncio data-parallel client (AsyncLLM, the server): the AsyncMPClient interface,
+    outputs through a `LoopOutputQueue`."""
 
     def __init__(self, config: EngineConfig, **kwargs: Any) -> None:
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._queue: asyncio.Queue[EngineCoreOutputs | _Dead] | None = None
-        self._early: deque[EngineCoreOutputs | _Dead] = deque()
-        self._loop_lock = threading.Lock()
+        self._init_loop_queue()
         super().__init__(config, **kwargs)
-
-    def _deliver(self, item: EngineCoreOutputs | _Dead) -> None:
-        with self._loop_lock:
-            if self._loop is None or self._queue is None:
-                self._early.append(item)
-                return
-            loop, q = self._loop, self._queue
-        try:
-            loop.call_soon_threadsafe(q.put_nowait, item)
-        except RuntimeError:  # the loop closed under us; the next loop starts afresh
-            with self._loop_lock:
-                self._early.append(item)
-
-    def _output_queue(self) -> asyncio.Queue[EngineCoreOutputs | _Dead]:
-        loop = asyncio.get_running_loop()
-        if self._loop is loop and self._queue is not None:
-            return self._queue
-        with self._loop_lock:
-            if self._loop is not None and self._loop is not loop and not self._loop.is_closed():
-                raise RuntimeError("this AsyncDPClient is in use by another running event loop")
-            self._queue = asyncio.Queue()
-            while self._early:
-                self._queue.put_nowait(self._early.popleft())
-            if self._dead_error is not None:
-                self._queue.put_nowait(_DEAD)
-            self._loop = loop
-            return self._queue
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
         self._send_add(request)
@@ -395,13 +365,7 @@ class AsyncDPClient(DPClient):
             self._send_abort(list(request_ids))
 
     async def get_output_async(self) -> EngineCoreOutputs:
-        self._check_alive()
-        q = self._output_queue()
-        item = await q.get()
-        if isinstance(item, _Dead):
-            q.put_nowait(item)
-            raise EngineDeadError(self._dead_error)
-        return item
+        return await self._next_output()
 
     async def call_utility_async(self, method: str, *args: Any) -> Any:
         futures = self._start_utilities(method, args)

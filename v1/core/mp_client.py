@@ -463,16 +463,19 @@ class SyncMPClient(MPClient):
         return self._start_utility(method, args).result()
 
 
-class AsyncMPClient(MPClient):
-    """asyncio client: the `*_async` methods. It serves one event loop at a time (it moves to
-    a new loop once the previous one is closed, e.g. across `asyncio.run` calls)."""
+class LoopOutputQueue:
+    """Outputs handed from a client's reader threads to the asyncio loop that awaits them. It
+    serves one event loop at a time (it moves to a new loop once the previous one is closed,
+    e.g. across `asyncio.run` calls); outputs that arrive before a loop awaits are kept.
+    The host class sets `_dead_error` (str or None)."""
 
-    def __init__(self, config: EngineConfig, **kwargs: Any) -> None:
+    _dead_error: str | None
+
+    def _init_loop_queue(self) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queue: asyncio.Queue[EngineCoreOutputs | _Dead] | None = None
         self._early: deque[EngineCoreOutputs | _Dead] = deque()
         self._loop_lock = threading.Lock()
-        super().__init__(config, **kwargs)
 
     def _deliver(self, item: EngineCoreOutputs | _Dead) -> None:
         with self._loop_lock:
@@ -492,7 +495,9 @@ class AsyncMPClient(MPClient):
             return self._queue
         with self._loop_lock:
             if self._loop is not None and self._loop is not loop and not self._loop.is_closed():
-                raise RuntimeError("this AsyncMPClient is in use by another running event loop")
+                raise RuntimeError(
+                    f"this {type(self).__name__} is in use by another running event loop"
+                )
             self._queue = asyncio.Queue()
             while self._early:
                 self._queue.put_nowait(self._early.popleft())
@@ -500,6 +505,25 @@ class AsyncMPClient(MPClient):
                 self._queue.put_nowait(_DEAD)
             self._loop = loop
             return self._queue
+
+    async def _next_output(self) -> EngineCoreOutputs:
+        """The next outputs; EngineDeadError (for every waiter) once the death marker came."""
+        if self._dead_error is not None:
+            raise EngineDeadError(self._dead_error)
+        q = self._output_queue()
+        item = await q.get()
+        if isinstance(item, _Dead):
+            q.put_nowait(item)  # wake the next waiter too
+            raise EngineDeadError(self._dead_error)
+        return item
+
+
+class AsyncMPClient(LoopOutputQueue, MPClient):
+    """asyncio client: the `*_async` methods, outputs through a `LoopOutputQueue`."""
+
+    def __init__(self, config: EngineConfig, **kwargs: Any) -> None:
+        self._init_loop_queue()
+        super().__init__(config, **kwargs)
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
         self._send(EngineCoreRequestType.ADD, request)
@@ -515,13 +539,7 @@ class AsyncMPClient(MPClient):
             self._send(EngineCoreRequestType.ABORT, list(request_ids))
 
     async def get_output_async(self) -> EngineCoreOutputs:
-        self._check_alive()
-        q = self._output_queue()
-        item = await q.get()
-        if isinstance(item, _Dead):
-            q.put_nowait(item)
-            raise EngineDeadError(self._dead_error)
-        return item
+        return await self._next_output()
 
     async def call_utility_async(self, method: str, *args: Any) -> Any:
         return await asyncio.wrap_future(self._start_utility(method, args))
@@ -531,6 +549,7 @@ __all__ = [
     "AsyncMPClient",
     "CoreProcess",
     "EngineCoreStartError",
+    "LoopOutputQueue",
     "MPClient",
     "SyncMPClient",
     "UtilityCallError",
