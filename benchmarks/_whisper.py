@@ -226,20 +226,7 @@ def hf_whisper(
         return counts
 
     def user(batch: int, input_set: int, limit: int | None = None) -> list[int]:
-        x = feats[input_set][:limit]
-        counts: list[int] = []
-        for i in range(0, len(x), batch):
-            out = model.generate(
-                x[i : i + batch],
-                language="en",
-                task="transcribe",
-                min_new_tokens=num_tokens,
-                max_new_tokens=num_tokens,
-                do_sample=False,
-                use_cache=True,
-            )
-            counts += generated_counts(out, _prompt_columns(out, prompt), g.eos_token_id)
-        return counts
+        return _user_generate(model, feats[input_set][:limit], batch, num_tokens, prompt, g)
 
     plan = SweepPlan(
         batches=ctx.hf_batches(len(feats[0]), (256, 128, 64, 32), (4, 2)),
@@ -288,6 +275,33 @@ def hf_whisper(
         )
     feats.clear()
     return Baseline(samples, batch, counts, notes)
+
+
+def _user_generate(
+    model: Any,
+    features: torch.Tensor,
+    batch: int,
+    num_tokens: int,
+    prompt: torch.Tensor,
+    g: Any,
+    **generate_kwargs: Any,
+) -> list[int]:
+    """transformers' user path, `model.generate(features, language=, task=)`, `batch` clips at
+    a time with `num_tokens` forced; the generated tokens of each clip."""
+    counts: list[int] = []
+    for i in range(0, len(features), batch):
+        out = model.generate(
+            features[i : i + batch],
+            language="en",
+            task="transcribe",
+            min_new_tokens=num_tokens,
+            max_new_tokens=num_tokens,
+            do_sample=False,
+            use_cache=True,
+            **generate_kwargs,
+        )
+        counts += generated_counts(out, _prompt_columns(out, prompt), g.eos_token_id)
+    return counts
 
 
 def _prompt_columns(sequences: torch.Tensor, prompt: torch.Tensor) -> int:
@@ -442,20 +456,7 @@ def hf_whisper_beam(
 
     def run(batch: int, input_set: int, limit: int | None = None) -> list[int]:
         x = feats[input_set][:limit]
-        counts: list[int] = []
-        for i in range(0, len(x), batch):
-            out = model.generate(
-                x[i : i + batch],
-                language="en",
-                task="transcribe",
-                num_beams=BEAM_WIDTH,
-                min_new_tokens=num_tokens,
-                max_new_tokens=num_tokens,
-                do_sample=False,
-                use_cache=True,
-            )
-            counts += generated_counts(out, _prompt_columns(out, prompt), g.eos_token_id)
-        return counts
+        return _user_generate(model, x, batch, num_tokens, prompt, g, num_beams=BEAM_WIDTH)
 
     plan = SweepPlan(
         batches=ctx.hf_batches(len(feats[0]), (64, 32, 16), (4, 2)),
