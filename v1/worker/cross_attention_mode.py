@@ -2,66 +2,27 @@
 
 The rule (docs/architecture.md, "Cross-attention modes", keeps it and the measurements behind it):
 on CPU, per_layer (compute-bound: absorbed attends over d_model-wide rows, H x d / D times the
-FLOPs); on a GPU, absorbed when the cache cannot hold `min(max_num_seqs, PER_LAYER_ENOUGH_BATCH)`
-requests of the longest decoder sequence and encoder input with per-layer K/V, else per_layer.
-Measured on an H100 (large-v3, 512 clips): per_layer at the 286 requests its K/V fit gave 1,690
-RTFx, absorbed at 512 requests 1,306: today's absorbed kernel costs ~1.3x per request-step what
-per-layer K/V does, so it only pays where per-layer K/V leaves the batch too small to fill a step.
+FLOPs); on a GPU, absorbed, except with an fp8 KV cache (the kernel's fp8 path is slower than
+its bf16 one: large-v3 1,284 RTFx absorbed vs 1,610 per_layer, both fp8). Measured on an H100 with the absorbed kernel of 2026-11-23 (session
+5): absorbed beat per_layer on every workload tried, at the same batch and where per-layer K/V
+capped the batch: whisper-large-v3 1,753 vs 1,657 RTFx (256 clips) and 1,774 vs 1,648 (512
+clips: absorbed ran all 512 at once, per_layer 286), large-v3-turbo 3,179 vs 2,782 RTFx,
+bart-large 37,663 vs 33,192 tok/s. (The kernel before that cost ~1.3x per request-step what
+per-layer K/V did, and the rule then kept per_layer wherever 64 requests fit.)
 """
 
 from __future__ import annotations
 
 from v1.config import EngineConfig
-from v1.kv_cache.sizing import get_kv_cache_config
-from v1.kv_cache.spec import CrossAttentionSpec, FullAttentionSpec, KVCacheSpec
-
-PER_LAYER_ENOUGH_BATCH = 64
-"""A per-layer batch this large keeps the decoder step bandwidth-bound (its fixed costs
-amortized), so `auto` keeps per_layer even when `max_num_seqs` requests would not fit."""
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def per_layer_blocks_per_request(
-    specs: dict[str, KVCacheSpec], max_model_len: int, max_encoder_len: int
-) -> int:
-    """Blocks one request of the longest decoder sequence and encoder input takes in every
-    group of a per-layer layout (a group takes one block table per request)."""
-    total = 0
-    for spec in {
-        s for s in specs.values() if isinstance(s, (FullAttentionSpec, CrossAttentionSpec))
-    }:
-        length = max_model_len if isinstance(spec, FullAttentionSpec) else max_encoder_len
-        total += cdiv(length, spec.block_size)
-    return total
 
 
 def choose_cross_attention(
-    config: EngineConfig,
-    per_layer_specs: dict[str, KVCacheSpec],
-    device_type: str,
-    available_bytes: int | None,
+    config: EngineConfig, has_cross_attention: bool, device_type: str
 ) -> str:
-    """per_layer or absorbed for `config.cache_config.cross_attention == "auto"`, from the
-    per-layer specs and the cache budget (bytes, or the configured num_kv_blocks)."""
+    """per_layer or absorbed for `config.cache_config.cross_attention` ("auto" resolved)."""
     mode = config.cache_config.cross_attention
     if mode != "auto":
         return mode
-    if device_type != "cuda" or not any(
-        isinstance(s, CrossAttentionSpec) for s in per_layer_specs.values()
-    ):
+    if device_type != "cuda" or not has_cross_attention:
         return "per_layer"
-    num_blocks = config.cache_config.num_kv_blocks
-    if num_blocks is None:
-        assert available_bytes is not None
-        num_blocks = get_kv_cache_config(
-            per_layer_specs, available_bytes=available_bytes
-        ).num_blocks
-    mc = config.model_config
-    batch = min(config.scheduler_config.max_num_seqs, PER_LAYER_ENOUGH_BATCH)
-    need = batch * per_layer_blocks_per_request(
-        per_layer_specs, mc.effective_max_model_len, mc.max_encoder_len
-    )
-    return "per_layer" if need <= num_blocks - 1 else "absorbed"
+    return "per_layer" if config.cache_config.fp8_kv_cache else "absorbed"

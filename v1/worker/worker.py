@@ -75,15 +75,7 @@ class Worker:
         if self.config.cache_config.cross_attention == "auto" and runner.has_cross_attention:
             from v1.worker.cross_attention_mode import choose_cross_attention
 
-            per_layer = runner.get_kv_cache_specs("per_layer")
-            need_bytes = (
-                self.device.type == "cuda" and self.config.cache_config.num_kv_blocks is None
-            )
-            # Profile with absorbed layers: their activations are the larger, so the budget
-            # holds whichever mode the rule picks.
-            runner.set_cross_attention("absorbed")
-            available = self.determine_available_kv_bytes() if need_bytes else None
-            mode = choose_cross_attention(self.config, per_layer, self.device.type, available)
+            mode = choose_cross_attention(self.config, True, self.device.type)
             logger.info("cross_attention=auto: %s", mode)
             runner.set_cross_attention(mode)
         return runner.get_kv_cache_specs()
@@ -94,7 +86,7 @@ class Worker:
             return cache_config.cpu_kv_cache_bytes
         if cache_config.kv_cache_memory_bytes is not None:
             return cache_config.kv_cache_memory_bytes
-        if self._available_kv_bytes is None:  # profiled once (the auto cross-attention rule)
+        if self._available_kv_bytes is None:  # profiled once
             self._available_kv_bytes = self.model_runner.profile_available_kv_bytes(
                 cache_config.gpu_memory_utilization
             )
