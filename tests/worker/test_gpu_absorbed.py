@@ -73,13 +73,13 @@ def test_absorbed_kernel_matches_per_layer_on_gpu(tmp_path, enforce_eager):
         assert ours == pytest.approx(theirs, abs=1e-4)
 
 
-def test_auto_picks_absorbed_when_per_layer_kv_does_not_fit(tmp_path):
+def test_auto_picks_absorbed_on_a_gpu_unless_the_kv_cache_is_fp8(tmp_path):
     path = make_tiny_bart_dir(tmp_path)
-    # 64 requests x (128/16 self + 128/16 cross blocks) > 100 blocks: per-layer cannot hold
-    # the batch, absorbed can.
-    _, _, info = bart_outputs(path, num_kv_blocks=100, max_num_seqs=64, cross_attention="auto")
-    assert info["cross_attention"] == "absorbed"
     _, _, info = bart_outputs(path, num_kv_blocks=2000, max_num_seqs=8, cross_attention="auto")
+    assert info["cross_attention"] == "absorbed"
+    _, _, info = bart_outputs(
+        path, num_kv_blocks=2000, max_num_seqs=8, cross_attention="auto", kv_cache_dtype="fp8"
+    )
     assert info["cross_attention"] == "per_layer"
 
 
