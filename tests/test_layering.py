@@ -64,9 +64,9 @@ def kind_branches(tree: ast.Module) -> Iterator[tuple[int, str]]:
     def visit(node: ast.AST, scope: list[str]) -> None:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             scope = [*scope, node.name]
-        if isinstance(node, ast.Attribute) and node.attr == "is_whisper":
-            if isinstance(node.ctx, ast.Load):
-                found.append((node.lineno, ".".join(scope)))
+        is_attr = isinstance(node, ast.Attribute)
+        if is_attr and node.attr == "is_whisper" and isinstance(node.ctx, ast.Load):
+            found.append((node.lineno, ".".join(scope)))
         if isinstance(node, ast.Compare):
             for side in (node.left, *node.comparators):
                 if any(
