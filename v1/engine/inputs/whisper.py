@@ -17,7 +17,7 @@ from v1.audio import SAMPLE_RATE, AudioClip, AudioError, load_audio
 from v1.core.protocol import EncoderInput, EngineCoreRequest, now
 from v1.engine.inputs.base import InputBuilder
 from v1.model_info import WHISPER_TASKS as TASKS
-from v1.model_info import WhisperTokens
+from v1.model_info import WhisperTokens, in_vocab
 from v1.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -60,8 +60,8 @@ class WhisperInputBuilder(InputBuilder):
         self.tokens: WhisperTokens = tokens
         self.num_encoder_tokens: int = model_config.max_encoder_len
         gc = self.info.generation_config
-        self.suppress_tokens = _in_vocab(gc.suppress_tokens, self.vocab_size)
-        self.begin_suppress_tokens = _in_vocab(gc.begin_suppress_tokens, self.vocab_size)
+        self.suppress_tokens = in_vocab(gc.suppress_tokens, self.vocab_size)
+        self.begin_suppress_tokens = in_vocab(gc.begin_suppress_tokens, self.vocab_size)
         self.max_prompt_text_tokens = model_config.hf_config.max_target_positions // 2 - 1
         """Previous-text tokens kept (the last ones), as openai-whisper and transformers."""
 
@@ -159,9 +159,9 @@ class WhisperInputBuilder(InputBuilder):
         begin-suppress tokens; max_tokens=None fills the decoder length."""
         changes: dict[str, Any] = {}
         if params.suppress_tokens is None and self.suppress_tokens:
-            changes["suppress_tokens"] = self.suppress_tokens
+            changes["suppress_tokens"] = list(self.suppress_tokens)
         if params.begin_suppress_tokens is None and self.begin_suppress_tokens:
-            changes["begin_suppress_tokens"] = self.begin_suppress_tokens
+            changes["begin_suppress_tokens"] = list(self.begin_suppress_tokens)
         if params.max_tokens is None:
             changes["max_tokens"] = self.max_model_len - num_prompt_tokens
         return params.clone(**changes) if changes else params
@@ -305,8 +305,3 @@ def _check_prompt(prompt: Any) -> None:
         raise WhisperInputError(
             f"unexpected Whisper prompt keys {sorted(unknown)}; allowed: {sorted(_PROMPT_KEYS)}"
         )
-
-
-def _in_vocab(ids: Any, vocab_size: int) -> list[int] | None:
-    kept = [int(t) for t in ids or [] if 0 <= int(t) < vocab_size]
-    return kept or None
