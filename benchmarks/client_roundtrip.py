@@ -17,12 +17,12 @@ import time
 from typing import Any
 
 from v1.config import EngineConfig, make_engine_config
+from v1.core.executor import Executor
 from v1.core.mp_client import AsyncMPClient
 from v1.core.protocol import EngineCoreRequest
 from v1.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from v1.kv_cache.spec import FullAttentionSpec, KVCacheConfig, KVCacheSpec
 from v1.sampling_params import SamplingParams
-from v1.worker.executor import Executor
 
 
 class OneTokenExecutor(Executor):

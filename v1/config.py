@@ -9,13 +9,15 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
-import os
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from v1 import envs
 from v1.logger import init_logger
+
+if TYPE_CHECKING:
+    from v1.model_info import ModelInfo
 
 logger = init_logger(__name__)
 
@@ -198,6 +200,14 @@ class ModelConfig:
     @cached_property
     def is_whisper(self) -> bool:
         return self.hf_config.model_type == "whisper"
+
+    @cached_property
+    def info(self) -> ModelInfo:
+        """What the model is and can do (v1.model_info), derived once: every part of a process
+        (frontend, EngineCore, model states) reads this one."""
+        from v1.model_info import ModelInfo
+
+        return ModelInfo(self)
 
     @property
     def tokenizer_path(self) -> str:
@@ -617,11 +627,3 @@ def make_engine_config(model: str, **kwargs: Any) -> EngineConfig:
         device_config=DeviceConfig(**parts[DeviceConfig]),
         enforce_eager=enforce_eager,
     )
-
-
-def read_json_file(path: str) -> dict[str, Any] | None:
-    """A small JSON file of a model folder, or None when absent."""
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return json.load(f)

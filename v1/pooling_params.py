@@ -7,6 +7,15 @@ import msgspec
 POOLING_TASKS = ("embed", "classify", "score", "encode")
 
 
+class PoolingParamsError(ValueError):
+    """PoolingParams the model cannot serve; `param` names the field at fault ("model" when
+    the task itself needs another model), for the server's 400 body."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class PoolingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     task: str = "embed"
     """embed (pooled + normalized vector), classify (head logits/probabilities), score

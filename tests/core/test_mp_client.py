@@ -23,13 +23,13 @@ import pytest
 
 from v1.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from v1.core.client import EngineDeadError
+from v1.core.executor import Executor
 from v1.core.mp_client import EngineCoreStartError, SyncMPClient, UtilityCallError
 from v1.core.protocol import EngineCoreRequest, EngineCoreRequestType, FinishReason
 from v1.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from v1.kv_cache.spec import FullAttentionSpec, KVCacheConfig, KVCacheSpec
 from v1.pooling_params import PoolingParams
 from v1.sampling_params import SamplingParams
-from v1.worker.executor import Executor
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -481,3 +481,50 @@ def test_word_timestamps_need_a_whisper_model(llama: InputProcessor) -> None:
         llama.process("r", "hello", SamplingParams(word_timestamps=True))
     with pytest.raises(ValueError, match="word_timestamps must be a boolean"):
         SamplingParams(word_timestamps=1)  # type: ignore[arg-type]
+
+
+# ---- input builders (v1/engine/inputs) ----
+
+
+def test_one_builder_per_model_kind_chosen_once(
+    llama: InputProcessor, bart: InputProcessor, bert: InputProcessor
+) -> None:
+    from v1.engine.inputs.decoder_only import DecoderOnlyInputBuilder
+    from v1.engine.inputs.encoder_decoder import EncoderDecoderInputBuilder
+    from v1.engine.inputs.encoder_only import EncoderOnlyInputBuilder
+
+    expected = {
+        DecoderOnlyInputBuilder: llama,
+        EncoderDecoderInputBuilder: bart,
+        EncoderOnlyInputBuilder: bert,
+    }
+    for cls, proc in expected.items():
+        builder = proc.builder
+        assert type(builder) is cls and builder.info is proc.info is proc.model_config.info
+        params = GREEDY if cls is not EncoderOnlyInputBuilder else PoolingParams()
+        proc.process("a", "hello world", params)
+        assert proc.builder is builder  # not rebuilt per request
+    assert llama.builder.prompt_is_decoder_prompt
+    assert not bart.builder.prompt_is_decoder_prompt and not bert.builder.prompt_is_decoder_prompt
+
+
+def test_builders_know_their_decoder_prompt_length(
+    llama: InputProcessor, bart: InputProcessor, bert: InputProcessor, tiny_tokenizer
+) -> None:
+    """What the server's room check asks before building: the decoder prompt each kind makes
+    of a prompt (equal to the built request's)."""
+    text = "the quick brown fox jumps over the lazy dog"
+    num_ids = len(tiny_tokenizer(text)["input_ids"])
+    assert llama.builder.decoder_prompt_len(text) == num_ids
+    assert llama.builder.decoder_prompt_len(text, truncate_prompt_tokens=3) == 3
+    assert llama.builder.decoder_prompt_len({"prompt_token_ids": [5, 6, 7, 8]}, 2) == 2
+    short = "the lazy dog"  # fits max_model_len
+    built = llama.process("r", short, GREEDY)
+    assert len(built.prompt_token_ids) == llama.builder.decoder_prompt_len(short)
+    # Text encoder-decoder: a plain prompt is the encoder's; the decoder starts from one token.
+    assert bart.builder.decoder_prompt_len(text) == 1
+    assert bart.builder.decoder_prompt_len({"prompt_token_ids": list(range(5, 15))}) == 1
+    pair = {"encoder_prompt": "hello", "decoder_prompt": "the lazy dog"}
+    num_pair = bart.builder.decoder_prompt_len(pair)
+    assert num_pair > 1 and num_pair == len(bart.process("r", pair, GREEDY).prompt_token_ids)
+    assert bert.builder.decoder_prompt_len(text) == 0  # no decoder

@@ -169,3 +169,19 @@ def test_word_timestamps_need_alignment_heads_inside_the_decoder(tiny_llm: LLM) 
     with pytest.raises(ValueError, match="alignment_heads"):
         tiny_llm.transcribe((waves([1.0])[0], 16_000), word_timestamps=True, use_tqdm=False)
     assert tiny_llm.llm_engine.get_stats()["num_requests"] == 0
+
+
+def test_whisper_builder_is_the_engines_and_knows_its_decoder_prompt_length(
+    tiny_llm: LLM,
+) -> None:
+    from v1.engine.inputs.whisper import WhisperInputBuilder
+
+    builder = tiny_llm.llm_engine.input_processor.builder
+    assert isinstance(builder, WhisperInputBuilder) and not builder.prompt_is_decoder_prompt
+    (clip,) = waves([1.0], seed=3)
+    prompt = {"prompt": "hi there", "multi_modal_data": {"audio": (clip, SR)}, "language": "fr"}
+    built = tiny_llm.llm_engine.input_processor.process("r", prompt, SamplingParams(max_tokens=2))
+    assert builder.decoder_prompt_len(prompt) == len(built.prompt_token_ids)
+    timed = builder.build("t", prompt, SamplingParams(max_tokens=2, whisper_timestamps=True))
+    assert len(timed.prompt_token_ids) == len(built.prompt_token_ids) - 1  # no <|notimestamps|>
+    assert tiny_llm.llm_engine.input_processor.builder is builder

@@ -350,7 +350,7 @@ def test_core_errors_fail_their_request_only(llm: LLM, monkeypatch: pytest.Monke
     """A request the core rejects (here: past the core's max_model_len, with the frontend's
     check switched off) ends with finish_reason "error"; LLM.generate raises after the batch
     with every output, and the engine keeps serving."""
-    monkeypatch.setattr(llm.llm_engine.input_processor, "max_model_len", 10**6)
+    monkeypatch.setattr(llm.llm_engine.input_processor.builder, "max_model_len", 10**6)
     too_long = {"prompt_token_ids": list(range(10, 300))}
     with pytest.raises(RequestFailedError, match="prompt 1") as info:
         llm.generate(["fine", too_long], SamplingParams(temperature=0, max_tokens=3))

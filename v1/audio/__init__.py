@@ -3,7 +3,13 @@
 The frontend calls `load_audio` (any source -> float32 mono 16 kHz) and wraps each encoder
 input's samples in an `AudioClip` (content hash computed once); the model runner computes
 `LogMelSpectrogram` on its device; `chunking` splits long recordings and maps timestamps.
+Importing the package loads neither torch nor an audio decoder (a text-only server imports it):
+decoders load on first decode, `LogMelSpectrogram` (torch) on first use of the name.
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 from v1.audio.chunking import (
     WHISPER_TIME_PRECISION,
@@ -21,7 +27,9 @@ from v1.audio.decode import (
     AudioSource,
     load_audio,
 )
-from v1.audio.features import LogMelSpectrogram
+
+if TYPE_CHECKING:
+    from v1.audio.features import LogMelSpectrogram
 
 __all__ = [
     "MIN_AUDIO_SECONDS",
@@ -38,3 +46,11 @@ __all__ = [
     "timestamp_segments",
     "timestamp_to_seconds",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LogMelSpectrogram":
+        from v1.audio.features import LogMelSpectrogram
+
+        return LogMelSpectrogram
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

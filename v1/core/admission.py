@@ -8,22 +8,29 @@ failed step for everyone.
 
 from __future__ import annotations
 
-from v1.config import EngineConfig, ModelKind
+from typing import TYPE_CHECKING
+
+from v1.config import EngineConfig
 from v1.core.protocol import EngineCoreRequest
 from v1.kv_cache.capacity import max_tokens_that_fit, num_blocks_needed, num_usable_blocks
 from v1.kv_cache.spec import KVCacheConfig
 
+if TYPE_CHECKING:
+    from v1.model_info import ModelInfo
+
 _INT32_MAX = 2**31 - 1
 
 
-def check_engine_capacity(config: EngineConfig, kv_cache_config: KVCacheConfig) -> None:
+def check_engine_capacity(
+    config: EngineConfig, info: ModelInfo, kv_cache_config: KVCacheConfig
+) -> None:
     """Raises ValueError when one request of the longest allowed size cannot run: its KV blocks
     (self-attention for max_model_len, plus cross-attention for the longest encoder input) must
     fit the pool, its prompt must fit one step when prefill is not chunked, and its encoder input
     must fit the per-step encoder budget and the encoder cache."""
     mc, sc = config.model_config, config.scheduler_config
     max_model_len = mc.effective_max_model_len
-    max_encoder_len = mc.max_encoder_len if mc.kind == ModelKind.ENCODER_DECODER else 0
+    max_encoder_len = mc.max_encoder_len if info.has_cross_attention else 0
     if kv_cache_config.groups:
         needed = num_blocks_needed(kv_cache_config, max_model_len, max_encoder_len)
         usable = num_usable_blocks(kv_cache_config)
@@ -42,7 +49,7 @@ def check_engine_capacity(config: EngineConfig, kv_cache_config: KVCacheConfig) 
                 f"reserved). Raise num_kv_blocks (or kv_cache_memory_bytes / "
                 f"gpu_memory_utilization){hint}"
             )
-    unchunked = mc.kind != ModelKind.ENCODER_ONLY and not sc.enable_chunked_prefill
+    unchunked = info.generates and not sc.enable_chunked_prefill
     if unchunked and sc.max_num_batched_tokens < max_model_len:
         raise ValueError(
             f"with enable_chunked_prefill=False a prompt runs whole in one step, but "
@@ -62,13 +69,15 @@ def check_engine_capacity(config: EngineConfig, kv_cache_config: KVCacheConfig) 
                 )
 
 
-def check_request(request: EngineCoreRequest, config: EngineConfig, max_model_len: int) -> None:
+def check_request(
+    request: EngineCoreRequest, config: EngineConfig, info: ModelInfo, max_model_len: int
+) -> None:
     """Raises ValueError for a request the core must not queue: empty, too long for the model
     or the step budgets (so it could never run), or with a number its step tensors cannot
     hold."""
     if not request.prompt_token_ids:
         raise ValueError("the prompt is empty")
-    _check_numbers(request, config)
+    _check_numbers(request, config, info)
     params = request.sampling_params
     # The alignment pass reads whole heads; under tensor parallelism each rank has some.
     tp = config.parallel_config.tensor_parallel_size
@@ -111,21 +120,18 @@ def check_request(request: EngineCoreRequest, config: EngineConfig, max_model_le
     # check_engine_capacity refused every configuration where it would not.
 
 
-def _check_numbers(request: EngineCoreRequest, config: EngineConfig) -> None:
+def _check_numbers(request: EngineCoreRequest, config: EngineConfig, info: ModelInfo) -> None:
     """Every id and number inside the range its step tensor holds (the frontend checks these
     too; a request from another frontend, or changed after its checks, fails alone here)."""
     mc = config.model_config
-    if mc.kind == ModelKind.ENCODER_ONLY:
-        _check_ids(request.prompt_token_ids, mc.encoder_vocab_size, "prompt_token_ids")
-        if request.token_type_ids is not None:
-            limit = getattr(mc.hf_config, "type_vocab_size", 2)
-            if len(request.token_type_ids) != len(request.prompt_token_ids):
-                raise ValueError("token_type_ids must have one id per input token")
-            _check_ids(request.token_type_ids, limit, "token_type_ids")
-    else:
-        _check_ids(request.prompt_token_ids, mc.vocab_size, "prompt_token_ids")
-        if request.output_token_ids:
-            _check_ids(request.output_token_ids, mc.vocab_size, "output_token_ids")
+    _check_ids(request.prompt_token_ids, info.prompt_vocab_size, "prompt_token_ids")
+    if info.generates and request.output_token_ids:
+        _check_ids(request.output_token_ids, mc.vocab_size, "output_token_ids")
+    if not info.generates and request.token_type_ids is not None:
+        limit = getattr(mc.hf_config, "type_vocab_size", 2)
+        if len(request.token_type_ids) != len(request.prompt_token_ids):
+            raise ValueError("token_type_ids must have one id per input token")
+        _check_ids(request.token_type_ids, limit, "token_type_ids")
     enc = request.encoder_input
     if enc is not None:
         if not 0 < enc.num_encoder_tokens <= _INT32_MAX:

@@ -11,9 +11,10 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from v1.config import EngineConfig, ModelKind
+from v1.config import EngineConfig
 from v1.core.admission import check_engine_capacity, check_request
 from v1.core.encoder_inputs import EncoderInputStore
+from v1.core.executor import Executor, WorkerDeadError
 from v1.core.protocol import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -27,7 +28,6 @@ from v1.core.scheduler import Scheduler
 from v1.kv_cache.sizing import get_kv_cache_config
 from v1.logger import init_logger
 from v1.structured_output.manager import StructuredOutputManager
-from v1.worker.executor import Executor, WorkerDeadError
 
 logger = init_logger(__name__)
 
@@ -44,10 +44,12 @@ class EngineCore:
         executor_factory: Callable[[EngineConfig], Executor] | None = None,
     ) -> None:
         if executor_factory is None:
-            from v1.worker.executor import executor_class
+            from v1.core.executor import executor_class
 
             executor_factory = executor_class(config)
         self.config = config
+        self.model_info = config.model_config.info
+        """The process's model facts (shared with an in-process frontend and the runner)."""
         self.executor = executor_factory(config)
         try:
             specs = self.executor.get_kv_cache_specs()
@@ -58,7 +60,7 @@ class EngineCore:
             self.kv_cache_config = get_kv_cache_config(
                 specs, available_bytes=available, num_blocks=num_blocks
             )
-            check_engine_capacity(config, self.kv_cache_config)
+            check_engine_capacity(config, self.model_info, self.kv_cache_config)
             self.executor.initialize_kv_cache(self.kv_cache_config)
         except BaseException:
             self.executor.shutdown()  # its worker processes too
@@ -75,6 +77,7 @@ class EngineCore:
         self._blocked_adds: list[EngineCoreRequest] = []
         """Requests whose id is in a launched step (see add_request)."""
         self._pooling_config = self._load_pooling_config()
+        """Pooling limits checked at admission (None: generating model, or unreadable)."""
         self.structured_outputs = StructuredOutputManager(config.model_config)
         self._queue_times: dict[str, float] = {}
         """Seconds from arrival to the first scheduled step, until the first output carries it."""
@@ -123,7 +126,7 @@ class EngineCore:
     def _check_request(self, request: EngineCoreRequest) -> None:
         """Admission (v1.core.admission): a request that could never run, or whose numbers do
         not fit the step tensors, fails alone here instead of hanging or failing a step."""
-        check_request(request, self.config, self.max_model_len)
+        check_request(request, self.config, self.model_info, self.max_model_len)
         if request.pooling_params is not None:
             self._check_pooling_request(request)
 
@@ -197,6 +200,7 @@ class EngineCore:
             del self._prompt_logprobs[req_id]
 
     def _check_pooling_request(self, request: EngineCoreRequest) -> None:
+        """The core boundary's pooling checks (a custom frontend may send anything)."""
         if self._pooling_config is None:
             return  # the model folder's pooling files could not be read; the runner checks
         num_tokens = len(request.prompt_token_ids)
@@ -205,19 +209,14 @@ class EngineCore:
                 f"input of {num_tokens} tokens exceeds the model's limit of "
                 f"{self._pooling_config.max_input_len}"
             )
-        from v1.models.sentence_transformers import validate_pooling_params
-
-        validate_pooling_params(self._pooling_config, request.pooling_params)
+        self.model_info.check_pooling_params(request.pooling_params)
 
     def _load_pooling_config(self) -> Any:
-        """Pooling limits of an encoder-only model, read from its folder's JSON files (torch-free),
-        so bad pooling requests fail alone at admission instead of failing a whole step."""
-        if self.config.model_config.kind != ModelKind.ENCODER_ONLY:
-            return None
-        from v1.models.sentence_transformers import load_pooling_config
-
+        """Pooling limits of an encoder-only model, read from its folder's JSON files once per
+        process (ModelInfo.pooling), so bad pooling requests fail alone at admission instead
+        of failing a whole step."""
         try:
-            return load_pooling_config(self.config.model_config)
+            return self.model_info.pooling
         except OSError as e:
             logger.warning("pooling config unavailable (%s); limits checked by the runner only", e)
             return None

@@ -450,21 +450,6 @@ def run_engine_core(
     os._exit(code)
 
 
-IPC_DIR_PREFIX = "v1-engine-"
-"""Name prefix of the private socket directory a client makes (tempfile.mkdtemp)."""
-
-
-def private_ipc_dir(address: str) -> str | None:
-    """The client's private socket directory an `ipc://DIR/input.sock` address lives in (None
-    for TCP or for any other path: the core removes only a directory the client made)."""
-    if not address.startswith("ipc://"):
-        return None
-    directory = os.path.dirname(address[len("ipc://") :])
-    if not os.path.basename(directory).startswith(IPC_DIR_PREFIX):
-        return None
-    return directory
-
-
 def _send_failed_handshake(output_address: str, error: str) -> None:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PUSH)

@@ -69,10 +69,6 @@ class SchedulerOutput:
     """np.ndarray [len(structured_output_req_ids), ceil(vocab / 32)] int32: row i allows token t
     when bit t % 32 of word t // 32 is set (filled by the EngineCore after scheduling)."""
 
-    @property
-    def is_empty(self) -> bool:
-        return self.total_num_scheduled_tokens == 0
-
 
 @dataclass
 class ModelRunnerOutput:

@@ -60,11 +60,6 @@ class RequestQueue:
         group.appendleft(request)
         self._groups.move_to_end(request.group_id, last=False)
 
-    def peek(self) -> Request:
-        if self.policy == "priority":
-            return self._heap[0]
-        return next(iter(self._groups.values()))[0]
-
     def pop(self) -> Request:
         """The next request; its group (fcfs) moves behind the others."""
         self._len -= 1

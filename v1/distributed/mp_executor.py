@@ -26,12 +26,12 @@ from typing import Any
 import zmq
 
 from v1.config import EngineConfig
+from v1.core.executor import Executor, WorkerDeadError
 from v1.core.sched_output import DeferredRunnerOutput, ModelRunnerOutput, SchedulerOutput
 from v1.core.serial import MsgpackDecoder, MsgpackEncoder
 from v1.distributed.worker_proc import WorkerAddresses, WorkerMethod, WorkerReply
 from v1.kv_cache.spec import KVCacheConfig, KVCacheSpec
 from v1.logger import init_logger
-from v1.worker.executor import Executor, WorkerDeadError
 
 logger = init_logger(__name__)
 
@@ -234,11 +234,6 @@ class DistributedExecutor(Executor):
         self._broadcast(WorkerMethod.EXECUTE_ASYNC, scheduler_output)
         deferred = self._local(self.worker.execute_model_async, scheduler_output)
         return _WatchedDeferred(deferred, self)
-
-    def collective_rpc(self, method: str, *args: Any) -> Any:
-        raise ValueError(
-            f"{type(self).__name__} runs only the engine's own worker calls, not {method!r}"
-        )
 
     def _local(self, fn: Callable[..., Any], *args: Any) -> Any:
         try:

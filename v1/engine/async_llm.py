@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, Protocol, TypeVar
 
-from v1.config import EngineConfig, ModelKind, make_engine_config
+from v1.config import EngineConfig, make_engine_config
 from v1.core.client import EngineDeadError
 from v1.core.dp_client import AsyncDPClient
 from v1.core.mp_client import AsyncMPClient
@@ -86,11 +86,14 @@ class AsyncLLM:
     def _setup(self, config: EngineConfig, tokenizer: Any, client_kwargs: dict[str, Any]) -> None:
         self.config = config
         self.model_config = config.model_config
+        self.model_info = self.model_config.info
+        """The frontend's model facts (the server asks its `supported_tasks`)."""
         self.tokenizer = tokenizer if tokenizer is not None else get_tokenizer(self.model_config)
         self.input_processor = InputProcessor(
             self.model_config,
             self.tokenizer,
             max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
+            model_info=self.model_info,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._queues: dict[str, asyncio.Queue[_Item | None]] = {}
@@ -178,7 +181,7 @@ class AsyncLLM:
         """The pooled output of an encoder-only model, as a one-item stream."""
         if not isinstance(pooling_params, PoolingParams):
             raise ValueError("encode() needs PoolingParams (use generate() for generation)")
-        if self.model_config.kind != ModelKind.ENCODER_ONLY:
+        if "embed" not in self.model_info.supported_tasks:
             raise ValueError(f"{self.model_config.model} is not a pooling (encoder-only) model")
         async for out in self._run(
             request_id, prompt, pooling_params, priority, RequestOutputKind.FINAL_ONLY
@@ -215,7 +218,7 @@ class AsyncLLM:
         """Beam search for one prompt (see `LLM.beam_search`); `sampling_params` adds rules
         (stop_token_ids, min_tokens, penalties...) to the greedy defaults. Cancelling it aborts
         the step in flight."""
-        if self.model_config.kind == ModelKind.ENCODER_ONLY:
+        if "generate" not in self.model_info.supported_tasks:
             raise ValueError(f"{self.model_config.model} is an encoder-only model")
         self._check_running()
         search = await self.run_input_work(

@@ -29,11 +29,14 @@ class LLMEngine:
     ) -> None:
         self.config = config
         self.model_config = config.model_config
+        self.model_info = self.model_config.info
+        """The process's model facts: the input processor and an in-process core share it."""
         self.tokenizer = tokenizer if tokenizer is not None else get_tokenizer(self.model_config)
         self.input_processor = InputProcessor(
             self.model_config,
             self.tokenizer,
             max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
+            model_info=self.model_info,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         # The client last: it starts the core (and its process), which is the costly part.

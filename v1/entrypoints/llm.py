@@ -15,7 +15,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from v1 import envs
-from v1.config import EngineConfig, ModelKind, make_engine_config
+from v1.config import EngineConfig, make_engine_config
 from v1.engine.beam_search import (
     BeamSearchOutput,
     BeamSearchParams,
@@ -94,6 +94,8 @@ class LLM:
         if multiprocess is None:
             multiprocess = envs.V1_MULTIPROCESSING
         self.config: EngineConfig = config
+        self.model_info = config.model_config.info
+        """What the model can do (`supported_tasks`); shared with the engine."""
         self.llm_engine = LLMEngine(config, multiprocess=multiprocess)
         self._counter = itertools.count()
 
@@ -108,7 +110,7 @@ class LLM:
         """Completions of one prompt or a list of prompts (str, TokensPrompt, TextPrompt or
         {"encoder_prompt", "decoder_prompt"}), in input order. `sampling_params`: one for all
         or one per prompt (default SamplingParams())."""
-        if self.config.model_config.kind == ModelKind.ENCODER_ONLY:
+        if "generate" not in self.model_info.supported_tasks:
             raise ValueError(
                 f"{self.config.model_config.architecture} is an encoder-only model: use embed, "
                 f"classify or score instead of generate"
@@ -133,7 +135,7 @@ class LLM:
         through the prefix cache and, for encoder-decoder models, one cross-attention cache;
         the encoder runs once per distinct input. `sampling_params` adds rules to the greedy
         defaults (min_tokens, stop_token_ids, penalties, ...); its sampling knobs are unused."""
-        if self.config.model_config.kind == ModelKind.ENCODER_ONLY:
+        if "generate" not in self.model_info.supported_tasks:
             raise ValueError(
                 f"{self.config.model_config.architecture} is an encoder-only model: beam search "
                 f"needs a generating model"
@@ -197,7 +199,7 @@ class LLM:
         lists. Cross-encoders (sequence classification models) score each pair in one pass;
         embedding models return the cosine similarity of the two embeddings."""
         pairs = _score_pairs(text_1, text_2)
-        if self.llm_engine.input_processor.has_classifier:
+        if "classify" in self.model_info.supported_tasks:  # a cross-encoder
             prompts = [{"text": a, "text_pair": b} for a, b in pairs]
             params = self._pooling_params(None, prompts, "score", truncate_prompt_tokens)
             outputs = self._run(prompts, params, use_tqdm, None)
@@ -309,7 +311,7 @@ class LLM:
         truncate_prompt_tokens: int | None,
     ) -> list[PoolingParams]:
         mc = self.config.model_config
-        if mc.kind != ModelKind.ENCODER_ONLY:
+        if "embed" not in self.model_info.supported_tasks:
             raise ValueError(f"{mc.architecture} is a generative model: use generate, not {task}")
         count = len(_as_list(prompts))
         params = _per_prompt(

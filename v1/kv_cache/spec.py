@@ -14,10 +14,6 @@ position for encoder states."""
 SCALE_BYTES = 4
 
 
-def dtype_bytes(dtype: str) -> int:
-    return _DTYPE_BYTES[dtype]
-
-
 @dataclass(frozen=True)
 class KVCacheSpec:
     """Per-layer KV cache shape. Layers with equal specs form one group."""

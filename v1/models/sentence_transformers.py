@@ -1,7 +1,7 @@
 """What a model folder says about pooling: sentence-transformers files (modules.json,
 1_Pooling/config.json, sentence_bert_config.json, config_sentence_transformers.json) and the HF
-config (num_labels, Matryoshka flags), resolved once into a `ModelPoolingConfig`. Torch-free, so
-the frontend can read the max input length and validate PoolingParams at its edge.
+config (num_labels, Matryoshka flags), resolved into a `ModelPoolingConfig`. Torch-free: the
+process's `ModelInfo.pooling` loads it once for the frontend, the EngineCore and the runner.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from v1.config import ModelConfig
-from v1.pooling_params import PoolingParams
+from v1.model_info import is_classifier_architecture
+from v1.pooling_params import PoolingParams, PoolingParamsError
 
 ST_FILES = (
     "modules.json",
@@ -101,7 +102,7 @@ def load_pooling_config(model_config: ModelConfig) -> ModelPoolingConfig:
         max_len = min(max_len, seq_len)
     st_cfg = st.get("config_sentence_transformers.json") or {}
     dims = getattr(cfg, "matryoshka_dimensions", None) or st_cfg.get("matryoshka_dimensions")
-    is_classifier = model_config.architecture.endswith("ForSequenceClassification")
+    is_classifier = is_classifier_architecture(model_config.architecture)
     num_labels = getattr(cfg, "num_labels", None) if is_classifier else None
     return ModelPoolingConfig(
         pooling_modes=modes,
@@ -116,12 +117,6 @@ def load_pooling_config(model_config: ModelConfig) -> ModelPoolingConfig:
         classifier_activation=classifier_activation_of(cfg, num_labels or 1),
         is_sentence_transformers=modules is not None,
     )
-
-
-def max_input_len(model_config: ModelConfig) -> int:
-    """Longest input one request of this encoder-only model may have (before the per-step
-    token budget): what the input processor checks and truncates to."""
-    return load_pooling_config(model_config).max_input_len
 
 
 def read_sentence_transformers_files(model: str, revision: str | None = None) -> dict[str, Any]:
@@ -181,35 +176,43 @@ def classifier_activation_of(hf_config: Any, num_labels: int) -> str:
 
 
 def validate_pooling_params(config: ModelPoolingConfig, params: PoolingParams) -> None:
-    """ValueError when `params` asks for something this model cannot do (call at the edge)."""
+    """PoolingParamsError (a ValueError) when `params` asks for something this model cannot do
+    (called at the edge and at the core boundary)."""
     if params.task in ("classify", "score") and not config.has_classifier:
-        raise ValueError(
+        raise PoolingParamsError(
             f"task {params.task!r} needs a sequence-classification model (cross-encoder); "
-            f"this model has no classifier head (use task 'embed')"
+            f"this model has no classifier head (use task 'embed')",
+            param="model",
         )
     if params.task == "score" and config.num_labels != 1:
-        raise ValueError(
+        raise PoolingParamsError(
             f"task 'score' needs a classifier with one label; this one has {config.num_labels} "
-            f"(use task 'classify')"
+            f"(use task 'classify')",
+            param="model",
         )
     if params.dimensions is None:
         return
     if params.task != "embed":
-        raise ValueError(f"dimensions applies to task 'embed' only, not {params.task!r}")
+        raise PoolingParamsError(
+            f"dimensions applies to task 'embed' only, not {params.task!r}", param="dimensions"
+        )
     if params.dimensions == config.embedding_size:
         return  # the native size: nothing to truncate, any model gives it
     if not config.is_matryoshka:
-        raise ValueError(
+        raise PoolingParamsError(
             "this model does not support Matryoshka embeddings, so `dimensions` can only be its "
             f"native size {config.embedding_size} (a config with matryoshka_dimensions or "
-            "is_matryoshka=True enables others)"
+            "is_matryoshka=True enables others)",
+            param="dimensions",
         )
     if config.matryoshka_dimensions and params.dimensions not in config.matryoshka_dimensions:
-        raise ValueError(
+        raise PoolingParamsError(
             f"dimensions={params.dimensions} is not one of the model's Matryoshka dimensions "
-            f"{list(config.matryoshka_dimensions)}"
+            f"{list(config.matryoshka_dimensions)}",
+            param="dimensions",
         )
     if params.dimensions > config.embedding_size:
-        raise ValueError(
-            f"dimensions={params.dimensions} exceeds the embedding size {config.embedding_size}"
+        raise PoolingParamsError(
+            f"dimensions={params.dimensions} exceeds the embedding size {config.embedding_size}",
+            param="dimensions",
         )

@@ -1,15 +1,14 @@
 """Whisper: log-mel features computed on device, a conv front end and pre-norm encoder, and a
 pre-norm decoder with paged self-attention and cross-attention written once per request.
 
-Serves multilingual, `.en` and 128-mel (large-v3) checkpoints. The special token ids the
-sampler's timestamp rules and the no-speech probability need come from the generation config.
+Serves multilingual, `.en` and 128-mel (large-v3) checkpoints. The special token ids and the
+alignment heads come from the generation config, read once per process by `v1.model_info`.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
-from functools import cached_property
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -17,17 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from v1.audio.features import LogMelSpectrogram
-from v1.logger import init_logger
 from v1.models.bart import MBART, BartDecoderLayer, BartEncoderLayer
 from v1.models.layers.embedding import LMHead, VocabEmbedding
 from v1.models.layers.norm import LayerNorm
 from v1.models.utils import load_weights_into
-from v1.sample.metadata import WhisperTokenInfo
-
-logger = init_logger(__name__)
-
-NUM_TIMESTAMP_TOKENS = 1501
-"""<|0.00|> ... <|30.00|>: the last ids of every Whisper vocabulary."""
 
 # Checkpoint projections are renamed onto fused parameters (as in bart.py): q/k/v of the
 # self-attentions and k/v of the cross-attentions share names that `packed_modules_mapping`
@@ -133,10 +125,6 @@ class WhisperForConditionalGeneration(nn.Module):
                 f"the feature extractor makes {self.mel.n_mels} mel bins, the model expects "
                 f"{hf_config.num_mel_bins}"
             )
-        self.decoder_start_token_id: int = hf_config.decoder_start_token_id
-        self.decoder_eos_token_id: int = self.token_info.eos_token_id
-        self.no_speech_token_id: int = self.token_info.no_timestamps_token_id - 1
-        """<|nospeech|> (<|nocaptions|> in older vocabularies), as transformers finds it."""
 
     # ---- steps ----
     def encode(self, audio: list[torch.Tensor]) -> torch.Tensor:
@@ -163,73 +151,39 @@ class WhisperForConditionalGeneration(nn.Module):
         return self.proj_out(hidden_states)
 
     # ---- word timestamps ----
-    @cached_property
-    def alignment_heads(self) -> list[tuple[int, int]]:
-        """The generation config's (decoder layer, head) pairs whose cross-attention follows
-        the speech (openai-whisper's `alignment_heads`); empty when the checkpoint has none."""
-        heads = getattr(self.generation_config, "alignment_heads", None) or []
-        cfg = self.config
-        pairs = [(int(layer), int(head)) for layer, head in heads]
-        for layer, head in pairs:
-            if not (0 <= layer < cfg.decoder_layers and 0 <= head < cfg.decoder_attention_heads):
-                raise ValueError(f"alignment head {(layer, head)} is outside the decoder")
-        return pairs
-
     @torch.inference_mode()
     def alignment_attention(
-        self, token_ids: torch.Tensor, encoder_hidden_states: torch.Tensor
+        self,
+        token_ids: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        heads: Sequence[Sequence[int]],
     ) -> torch.Tensor:
         """A teacher-forced decoder pass over `token_ids` [T] (one request, no KV cache) with
-        the window's encoder output [S, d_model] -> the alignment heads' cross-attention
-        weights softmax(q k^T / sqrt(head_dim)) [num_heads, T, S] float32.
+        the window's encoder output [S, d_model] -> the cross-attention weights
+        softmax(q k^T / sqrt(head_dim)) of the alignment `heads` ([decoder layer, head] pairs,
+        `ModelInfo.alignment_heads`) [num_heads, T, S] float32.
 
         Plain torch, eager: it runs outside the step's attention backends and CUDA graphs, and
         only through the last layer that holds an alignment head."""
-        heads = self.alignment_heads
-        if not heads:
+        pairs = [(int(layer), int(head)) for layer, head in heads]
+        if not pairs:
             raise ValueError("this Whisper checkpoint has no alignment_heads in its config")
+        cfg = self.config
+        for layer, head in pairs:
+            if not (0 <= layer < cfg.decoder_layers and 0 <= head < cfg.decoder_attention_heads):
+                raise ValueError(f"alignment head {(layer, head)} is outside the decoder")
         decoder = self.model.decoder
         positions = torch.arange(token_ids.shape[0], device=token_ids.device)
         hidden_states = decoder.embed_tokens(token_ids) + decoder.embed_positions(positions)
         weights: dict[tuple[int, int], torch.Tensor] = {}
-        for index in range(max(layer for layer, _ in heads) + 1):
+        for index in range(max(layer for layer, _ in pairs) + 1):
             hidden_states, probs = _eager_decoder_layer(
                 decoder.layers[index], hidden_states, encoder_hidden_states
             )
-            for layer, head in heads:
+            for layer, head in pairs:
                 if layer == index:
                     weights[(layer, head)] = probs[head]
-        return torch.stack([weights[pair] for pair in heads])
-
-    # ---- generation config ----
-    @cached_property
-    def generation_config(self) -> Any:
-        return _load_generation_config(self.config)
-
-    @cached_property
-    def token_info(self) -> WhisperTokenInfo:
-        cfg, gc = self.config, self.generation_config
-        eos = _first_id(getattr(gc, "eos_token_id", None))
-        eos = eos if eos is not None else _first_id(cfg.eos_token_id)
-        no_timestamps = getattr(gc, "no_timestamps_token_id", None)
-        if no_timestamps is None:
-            # Every Whisper vocabulary ends with <|notimestamps|> and the 1501 timestamps.
-            no_timestamps = cfg.vocab_size - NUM_TIMESTAMP_TOKENS - 1
-        if eos is None or not 0 <= eos < no_timestamps < cfg.vocab_size:
-            raise ValueError(
-                f"cannot find Whisper's special tokens (eos {eos}, <|notimestamps|> "
-                f"{no_timestamps}, vocab {cfg.vocab_size}): is the generation config complete?"
-            )
-        return WhisperTokenInfo(
-            eos_token_id=eos,
-            no_timestamps_token_id=no_timestamps,
-            timestamp_begin=no_timestamps + 1,
-            max_initial_timestamp_index=getattr(gc, "max_initial_timestamp_index", None),
-        )
-
-    def whisper_token_info(self) -> WhisperTokenInfo:
-        """What the sampler's timestamp rules need (from the generation config)."""
-        return self.token_info
+        return torch.stack([weights[pair] for pair in pairs])
 
     # ---- weights ----
     def _hf_to_local(
@@ -303,27 +257,3 @@ def _make_log_mel(cfg: Any) -> LogMelSpectrogram:
     return LogMelSpectrogram.from_feature_extractor(
         WhisperFeatureExtractor(feature_size=cfg.num_mel_bins)
     )
-
-
-def _load_generation_config(cfg: Any) -> Any:
-    """generation_config.json of the checkpoint folder, else one derived from the config."""
-    from transformers import GenerationConfig
-
-    path = getattr(cfg, "name_or_path", "") or ""
-    if path:
-        try:
-            return GenerationConfig.from_pretrained(path)
-        except OSError:
-            pass  # no generation_config.json there
-    logger.warning(
-        "no generation_config.json for %r: Whisper's special tokens are derived from the "
-        "vocabulary size",
-        path or cfg.model_type,
-    )
-    return GenerationConfig.from_model_config(cfg)
-
-
-def _first_id(value: Any) -> int | None:
-    if isinstance(value, (list, tuple)):
-        return int(value[0]) if value else None
-    return None if value is None else int(value)

@@ -5,7 +5,7 @@ attention metadata (vectorized), and hands the step to the model-kind strategy.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -38,6 +38,9 @@ from v1.kv_cache.spec import (
 from v1.worker.block_table import BlockTable
 from v1.worker.input_batch import InputBatch
 from v1.worker.kv_cache_views import LayerCache, allocate_kv_cache
+
+if TYPE_CHECKING:
+    from v1.model_info import ModelInfo
 
 
 @dataclass
@@ -103,7 +106,7 @@ class ModelRunner:
         """per_layer or absorbed (the worker resolves "auto" before sizing the cache)."""
         self.encoder_states: LayerCache | None = None
         """The encoder-states cache (absorbed cross-attention)."""
-        self.state = _make_state(self.model_config.kind, self)
+        self.state = _make_state(self.model_config.info, self)
 
     # ---- set-up ----
     def load_model(self) -> None:
@@ -377,19 +380,20 @@ class ModelRunner:
         self.attn_layers = {}
 
 
-def _make_state(kind: ModelKind, runner: ModelRunner) -> Any:
+def _make_state(info: ModelInfo, runner: ModelRunner) -> Any:
+    kind = info.kind
     if kind == ModelKind.DECODER_ONLY:
         from v1.worker.model_states.decoder_only import DecoderOnlyState
 
-        return DecoderOnlyState(runner)
-    if kind == ModelKind.ENCODER_DECODER and runner.model_config.is_whisper:
+        return DecoderOnlyState(runner, info)
+    if kind == ModelKind.ENCODER_DECODER and info.is_whisper:
         from v1.worker.model_states.whisper import WhisperState
 
-        return WhisperState(runner)
+        return WhisperState(runner, info)
     if kind == ModelKind.ENCODER_DECODER:
         from v1.worker.model_states.encoder_decoder import EncoderDecoderState
 
-        return EncoderDecoderState(runner)
+        return EncoderDecoderState(runner, info)
     from v1.worker.model_states.encoder_only import EncoderOnlyState
 
-    return EncoderOnlyState(runner)
+    return EncoderOnlyState(runner, info)

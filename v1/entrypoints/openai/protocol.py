@@ -63,18 +63,7 @@ def _has_surrogate(value: Any) -> bool:
     return False
 
 
-# ---- errors and models ----
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
+# ---- models ----
 
 
 class ModelCard(BaseModel):
@@ -147,11 +136,6 @@ class CompletionRequest(SamplingFields):
     use_beam_search: bool = False
     length_penalty: float = Field(1.0, ge=-FLOAT32_MAX, le=FLOAT32_MAX)
     early_stopping: bool | Literal["never"] = False
-
-
-class TextContentPart(OpenAIModel):
-    type: Literal["text"]
-    text: str
 
 
 class ChatMessage(OpenAIModel):

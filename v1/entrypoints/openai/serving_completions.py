@@ -16,7 +16,6 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from v1.config import ModelKind
 from v1.core.client import EngineDeadError
 from v1.engine.beam_search import MAX_BEAM_WIDTH, BeamSearchParams
 from v1.entrypoints.openai.chat_template import ChatTemplate
@@ -123,7 +122,6 @@ class ServingCompletions(ServingBase):
     def __init__(self, engine: Any, settings: ServerSettings, metrics: ServerMetrics) -> None:
         super().__init__(engine, settings, metrics)
         self.vocab_size: int = self.model_config.vocab_size
-        self.decoder_only = self.model_config.kind == ModelKind.DECODER_ONLY
         self.logprobs = LogprobFormatter(self.tokenizer)
         self.chat_template = (
             ChatTemplate(self.tokenizer, settings.chat_template) if self.is_generator else None
@@ -146,7 +144,7 @@ class ServingCompletions(ServingBase):
             raise bad_request(
                 "response_format cannot be combined with use_beam_search", "response_format"
             )
-        if body.echo and body.logprobs is not None and not self.decoder_only:
+        if body.echo and body.logprobs is not None and not self.inputs.prompt_is_decoder_prompt:
             raise bad_request(
                 "echo with logprobs needs a decoder-only model (the prompt here is the encoder's)",
                 "echo",
@@ -317,8 +315,9 @@ class ServingCompletions(ServingBase):
         if not text:
             raise bad_request(f"{where} is an empty string", param=where.split("[")[0])
         self.check_chars(len(text), where, where.split("[")[0])
-        if not self.decoder_only:
-            return _Prompt(text, 1, text)  # the encoder's input; the decoder starts from 1 token
+        if not self.inputs.prompt_is_decoder_prompt:
+            # The encoder's input, tokenized by the engine: the decoder prompt is the builder's.
+            return _Prompt(text, self.inputs.decoder_prompt_len(text), text)
         ids = self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
         if not ids:
             raise bad_request(f"{where} is empty after tokenization", param=where.split("[")[0])
@@ -338,7 +337,8 @@ class ServingCompletions(ServingBase):
             )
         num = min(len(ids), truncate) if truncate is not None else len(ids)
         text = self.tokenizer.decode(ids[-num:])
-        return _Prompt({"prompt_token_ids": list(ids)}, num if self.decoder_only else 1, text)
+        engine_prompt = {"prompt_token_ids": list(ids)}
+        return _Prompt(engine_prompt, self.inputs.decoder_prompt_len(engine_prompt, truncate), text)
 
     def _sampling_params(
         self,

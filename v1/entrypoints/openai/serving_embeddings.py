@@ -1,6 +1,7 @@
 """/v1/embeddings over AsyncLLM.encode, and the pooling plumbing that /v1/score and /v1/rerank
 share: inputs tokenized and length-checked here (the sentence-transformers max_seq_length
-included), pooling params validated against the model's pooling config, requests run together.
+included), requests run together (the engine's input processor checks the pooling params
+against the model: a 400 naming the field).
 """
 
 from __future__ import annotations
@@ -30,11 +31,8 @@ from v1.entrypoints.openai.serving_engine import (
     map_input_errors,
     run_until_disconnected,
 )
-from v1.logger import init_logger
 from v1.outputs import PoolingRequestOutput
 from v1.pooling_params import PoolingParams
-
-logger = init_logger(__name__)
 
 
 class ServingPooling(ServingBase):
@@ -42,31 +40,17 @@ class ServingPooling(ServingBase):
 
     def __init__(self, engine: Any, settings: ServerSettings, metrics: ServerMetrics) -> None:
         super().__init__(engine, settings, metrics)
-        self.pooling_config: Any = None
-        self.max_input_len = self.model_config.max_encoder_len
-        if not self.is_pooling:
-            return
-        from v1.models.sentence_transformers import load_pooling_config
-
-        try:
-            self.pooling_config = load_pooling_config(self.model_config)
-            self.max_input_len = self.pooling_config.max_input_len
-        except (OSError, ValueError) as e:
-            logger.warning("no pooling config (%s); the engine checks pooling requests", e)
-        budget = engine.config.scheduler_config.max_num_batched_tokens
-        self.max_input_len = min(self.max_input_len, budget)
+        self.max_input_len: int = self.inputs.max_encoder_len
+        """The longest input the engine takes (the model's and sentence-transformers' limits
+        and the per-step token budget), as the input builder holds it."""
 
     def pooling_params(self, param: str, **kwargs: Any) -> PoolingParams:
-        """Validated PoolingParams (400 naming `param` when the model cannot do it)."""
+        """PoolingParams (400 naming `param` when they are invalid in themselves); what the
+        model cannot do is refused where the engine checks them, once per request."""
         try:
-            params = PoolingParams(**kwargs)
-            if self.pooling_config is not None:
-                from v1.models.sentence_transformers import validate_pooling_params
-
-                validate_pooling_params(self.pooling_config, params)
+            return PoolingParams(**kwargs)
         except ValueError as e:
             raise bad_request(str(e), param=param) from e
-        return params
 
     def check_ids(self, ids: list[int], where: str, param: str) -> list[int]:
         if not ids:

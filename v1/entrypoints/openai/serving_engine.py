@@ -20,9 +20,9 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from v1 import envs
-from v1.config import ModelKind
 from v1.entrypoints.openai.errors import APIError, ClientDisconnected, bad_request, error_body
 from v1.entrypoints.openai.metrics import ServerMetrics
+from v1.pooling_params import PoolingParamsError
 
 T = TypeVar("T")
 
@@ -96,6 +96,9 @@ class ServingBase:
         self.settings = settings
         self.metrics = metrics
         self.model_config = engine.model_config
+        self.model_info = engine.model_info
+        self.inputs = engine.input_processor.builder
+        """The engine's input builder: what a prompt of this model kind becomes."""
         self.tokenizer = engine.get_tokenizer()
         self.max_model_len: int = self.model_config.effective_max_model_len
         context = max(self.max_model_len, self.model_config.max_encoder_len)
@@ -145,21 +148,22 @@ class ServingBase:
         """Runs tokenizer work on the engine's input thread, off the event loop."""
         return await self.engine.run_input_work(fn, *args, **kwargs)
 
-    # ---- model kinds ----
+    # ---- model tasks ----
     @property
     def is_generator(self) -> bool:
-        return self.model_config.kind != ModelKind.ENCODER_ONLY and not self.model_config.is_whisper
+        """Text generation from text prompts (a speech model generates from audio)."""
+        tasks = self.model_info.supported_tasks
+        return "generate" in tasks and "transcription" not in tasks
 
     @property
     def is_pooling(self) -> bool:
-        return self.model_config.kind == ModelKind.ENCODER_ONLY
+        return "embed" in self.model_info.supported_tasks
 
     def wrong_endpoint(self, endpoint: str, needs: str) -> APIError:
         mc = self.model_config
-        kind = "a Whisper speech model" if mc.is_whisper else f"a {mc.kind.value} model"
         return bad_request(
             f"{endpoint} needs {needs}; the model {self.model_name!r} ({mc.architecture}) is "
-            f"{kind}",
+            f"{self.model_info.description}",
             param="model",
             code="wrong_model_kind",
         )
@@ -279,11 +283,13 @@ async def gather_or_cancel(awaitables: Sequence[Awaitable[T]]) -> list[T]:
 
 async def map_input_errors(awaitable: Awaitable[T]) -> T:
     """`await awaitable` with the engine's input errors (ValueError, AudioError included) as
-    400s; EngineDeadError is left to the app's handler (503)."""
+    400s (naming the field at fault when the error does, as PoolingParamsError); EngineDeadError
+    is left to the app's handler (503)."""
     try:
         return await awaitable
     except ValueError as e:
-        raise bad_request(str(e)) from e
+        param = e.param if isinstance(e, PoolingParamsError) else None
+        raise bad_request(str(e), param=param) from e
 
 
 def json_response(body: BaseModel, status_code: int = 200) -> Response:

@@ -31,7 +31,7 @@ from v1.entrypoints.openai.serving_engine import json_response
 class ServingScore(ServingPooling):
     @property
     def is_cross_encoder(self) -> bool:
-        return self.model_config.architecture.endswith("ForSequenceClassification")
+        return "classify" in self.model_info.supported_tasks
 
     async def create_score(self, body: ScoreRequest, request: Request) -> Response:
         model = self.check_model(body.model)

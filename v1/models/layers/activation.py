@@ -15,18 +15,6 @@ class SiluAndMul(nn.Module):
         return F.silu(gate) * up
 
 
-class GeluAndMul(nn.Module):
-    """x [..., 2*I] = [gate | up] -> gelu(gate) * up [..., I] (T5 v1.1 gated-gelu)."""
-
-    def __init__(self, approximate: str = "none") -> None:
-        super().__init__()
-        self.approximate = approximate
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return F.gelu(gate, approximate=self.approximate) * up
-
-
 class GELU(nn.Module):
     def __init__(self, approximate: str = "none") -> None:
         super().__init__()

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from v1.host_copy import to_device
-from v1.models.sentence_transformers import ModelPoolingConfig, validate_pooling_params
+from v1.models.sentence_transformers import ModelPoolingConfig
 from v1.pooling_params import PoolingParams
 
 ClassifyFn = Callable[[torch.Tensor], torch.Tensor]
@@ -131,16 +131,11 @@ class Pooler:
         self.config = config
         self.classify = classify
 
-    def check(self, params: PoolingParams) -> None:
-        """ValueError when this model cannot serve `params` (run before the forward pass)."""
-        validate_pooling_params(self.config, params)
-        if params.task in ("classify", "score") and self.classify is None:
-            raise ValueError(f"task {params.task!r}: this model has no classifier head")
-
     def __call__(
         self, hidden: torch.Tensor, seg: PoolingSegments, params: list[PoolingParams]
     ) -> list[np.ndarray]:
-        """Every request's result, in `params` order; params must have passed `check`."""
+        """Every request's result, in `params` order; params must have passed
+        `validate_pooling_params` (the engine checks them at its edge and at admission)."""
         return self.launch(hidden, seg, params).result()
 
     def launch(

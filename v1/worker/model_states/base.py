@@ -20,14 +20,17 @@ from v1.worker.prompt_logprobs import prompt_logprobs_job
 from v1.worker.sampled_output import HostCopy, PendingSampledStep
 
 if TYPE_CHECKING:
+    from v1.model_info import ModelInfo
     from v1.worker.model_runner import ModelRunner, StepInputs
 
 
 class ModelState:
     """What differs between decoder-only, encoder-decoder and encoder-only models."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, info: ModelInfo) -> None:
         self.runner = runner
+        self.info = info
+        """The process's model facts (special tokens, pooling config, classifier head)."""
 
     def on_model_loaded(self) -> None:
         return None

@@ -29,16 +29,6 @@ class EncoderDecoderState(GenerationState):
         self.encoder_layers = self.runner.layers_of_type(AttentionType.ENCODER)
         self.num_encoder_runs = 0
 
-    def whisper_token_info(self) -> Any:
-        info = getattr(self.runner.model, "whisper_token_info", None)
-        return info() if callable(info) else None
-
-    def eos_token_id(self, data: Any) -> int | None:
-        if data.eos_token_id is not None:
-            return data.eos_token_id
-        gen_eos = getattr(self.runner.model, "decoder_eos_token_id", None)
-        return gen_eos if gen_eos is not None else super().eos_token_id(data)
-
     def forward(self, step: StepInputs, so: SchedulerOutput) -> torch.Tensor:
         for content_hash in so.free_encoder_hashes:
             self.encoder_outputs.pop(content_hash, None)

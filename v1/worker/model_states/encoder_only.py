@@ -14,7 +14,6 @@ from v1.attention.backend import AttentionType
 from v1.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from v1.forward_context import ForwardContext, set_forward_context
 from v1.models.layers.pooler import PendingPooledOutput, Pooler, PoolingSegments
-from v1.models.sentence_transformers import load_pooling_config
 from v1.worker.input_batch import CachedRequestState
 from v1.worker.model_states.base import ModelState
 
@@ -40,8 +39,10 @@ class PendingPoolingStep:
 class EncoderOnlyState(ModelState):
     def on_model_loaded(self) -> None:
         runner = self.runner
-        self.pooling_config = load_pooling_config(runner.model_config)
-        self.pooler = Pooler(self.pooling_config, getattr(runner.model, "classify", None))
+        self.pooling_config = self.info.pooling
+        assert self.pooling_config is not None
+        classify = runner.model.classify if self.info.has_classifier else None
+        self.pooler = Pooler(self.pooling_config, classify)
         self.layer_names = runner.layers_of_type(AttentionType.ENCODER_ONLY)
         self.max_input_len = runner.model_config.max_encoder_len
         """The position-embedding limit (the frontend may hold inputs to less)."""
@@ -76,9 +77,8 @@ class EncoderOnlyState(ModelState):
             "encoder-only requests run whole in one step"
         )
         self._check_inputs(step)
+        # Checked at the edge and at the core boundary (EngineCore admission).
         params = [batch.requests[r].pooling_params for r in step.req_ids]
-        for p in params:
-            self.pooler.check(p)
         metadata = runner.uncached_attn_metadata(
             lengths, AttentionType.ENCODER_ONLY, self.layer_names
         )

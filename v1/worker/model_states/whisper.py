@@ -17,6 +17,7 @@ import torch
 from v1.core.sched_output import ModelRunnerOutput, NewRequestData
 from v1.forward_context import ForwardContext, set_forward_context
 from v1.logger import init_logger
+from v1.sample.metadata import WhisperTokenInfo
 from v1.worker.input_batch import CachedRequestState
 from v1.worker.model_states.encoder_decoder import EncoderDecoderState
 from v1.worker.sampled_output import PendingSampledStep
@@ -52,9 +53,11 @@ class _WordTimingRequest:
 class WhisperState(EncoderDecoderState):
     def on_model_loaded(self) -> None:
         super().on_model_loaded()
-        model = self.runner.model
-        self.sot_token_id: int = model.decoder_start_token_id
-        self.no_speech_token_id: int = model.no_speech_token_id
+        tokens = self.info.whisper_tokens
+        assert tokens is not None
+        self.tokens = tokens
+        self.sot_token_id: int = tokens.sot
+        self.no_speech_token_id: int = tokens.no_speech
         self.sot_positions = np.full(self.runner.max_num_reqs, -1, dtype=np.int64)
         """Per slot: index of <|startoftranscript|> in the request's prompt (-1: none)."""
         self.pending_no_speech: dict[str, float] = {}
@@ -62,6 +65,19 @@ class WhisperState(EncoderDecoderState):
         self.word_timing: dict[str, _WordTimingRequest] = {}
         """word_timestamps requests in the batch."""
         self.word_timing_slots = np.zeros(self.runner.max_num_reqs, dtype=bool)
+
+    def whisper_token_info(self) -> WhisperTokenInfo:
+        tokens = self.info.whisper_tokens
+        assert tokens is not None
+        return WhisperTokenInfo(
+            eos_token_id=tokens.eos,
+            no_timestamps_token_id=tokens.no_timestamps,
+            timestamp_begin=tokens.timestamp_begin,
+            max_initial_timestamp_index=tokens.max_initial_timestamp_index,
+        )
+
+    def eos_token_id(self, data: NewRequestData) -> int | None:
+        return data.eos_token_id if data.eos_token_id is not None else self.tokens.eos
 
     def on_request_added(self, state: CachedRequestState, data: NewRequestData) -> None:
         super().on_request_added(state, data)
@@ -198,17 +214,19 @@ class WhisperState(EncoderDecoderState):
         (None: no text token to time)."""
         if timing.encoder_output is None:
             raise RuntimeError("the window's encoder output was not kept")
-        info = self.runner.model.token_info
+        tokens = self.tokens
         prompt = token_ids[: timing.num_prompt_tokens].tolist()
         prompt = prompt[prompt.index(self.sot_token_id) :] if self.sot_token_id in prompt else []
-        if not prompt or prompt[-1] != info.no_timestamps_token_id:
-            prompt.append(info.no_timestamps_token_id)
+        if not prompt or prompt[-1] != tokens.no_timestamps:
+            prompt.append(tokens.no_timestamps)
         outputs = token_ids[timing.num_prompt_tokens :]
-        text = outputs[outputs < info.eos_token_id].tolist()
+        text = outputs[outputs < tokens.eos].tolist()
         if not text:
             return None
-        ids = self.runner._to_device(np.array([*prompt, *text, info.eos_token_id]))
-        weights = self.runner.model.alignment_attention(ids, timing.encoder_output)
+        ids = self.runner._to_device(np.array([*prompt, *text, tokens.eos]))
+        weights = self.runner.model.alignment_attention(
+            ids, timing.encoder_output, self.info.alignment_heads
+        )
         return alignment_matrix(weights, timing.num_frames, first_row=len(prompt) - 1)
 
     def _sot_rows(self, step: StepInputs) -> tuple[np.ndarray, np.ndarray]:

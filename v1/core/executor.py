@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from v1.core.client import EngineDeadError
 from v1.core.sched_output import (
@@ -48,9 +48,6 @@ class Executor(ABC):
         """Launches a step and returns before it finishes (pipelined scheduling); executors
         that cannot defer run it now."""
         return ReadyRunnerOutput(self.execute_model(scheduler_output))
-
-    def collective_rpc(self, method: str, *args: Any) -> Any:
-        raise ValueError(f"{type(self).__name__} has no worker method {method!r}")
 
     def set_failure_callback(self, callback: Callable[[str], None]) -> None:
         """`callback(reason)` runs (on another thread) when the executor breaks while the core
@@ -99,9 +96,6 @@ class UniProcExecutor(Executor):
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> DeferredRunnerOutput:
         return self.worker.execute_model_async(scheduler_output)
-
-    def collective_rpc(self, method: str, *args: Any) -> Any:
-        return getattr(self.worker, method)(*args)
 
     def shutdown(self) -> None:
         self.worker.shutdown()

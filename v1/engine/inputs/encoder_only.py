@@ -1,0 +1,99 @@
+"""Encoder-only (pooling) models (BERT, RoBERTa/XLM-R, sentence embedders, cross-encoders).
+
+The text, a text pair (with token_type_ids) or token ids are the input; it runs whole in one
+step, so it is held to the model's limit (the sentence-transformers max_seq_length included)
+and the per-step token budget; truncate_prompt_tokens keeps the FIRST tokens.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from v1.core.protocol import EngineCoreRequest, now
+from v1.engine.inputs.base import TokenInputBuilder, check_keys, check_text, opt_list
+from v1.pooling_params import PoolingParams, PoolingParamsError
+
+if TYPE_CHECKING:
+    from v1.config import ModelConfig
+    from v1.model_info import ModelInfo
+
+
+class EncoderOnlyInputBuilder(TokenInputBuilder):
+    accepts_token_type_ids = True
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        tokenizer: Any,
+        info: ModelInfo | None = None,
+        *,
+        max_num_batched_tokens: int | None = None,
+    ) -> None:
+        super().__init__(model_config, tokenizer, info)
+        pooling = self.info.pooling
+        assert pooling is not None
+        # sentence-transformers max_seq_length (MiniLM: 256).
+        self.max_encoder_len = min(self.max_encoder_len, pooling.max_input_len)
+        if max_num_batched_tokens is not None:
+            # An encoder-only input runs whole in one step.
+            self.max_encoder_len = min(self.max_encoder_len, max_num_batched_tokens)
+        self.type_vocab_size: int = getattr(model_config.hf_config, "type_vocab_size", 2)
+
+    def check_params(self, params: Any) -> None:
+        if not isinstance(params, PoolingParams):
+            raise ValueError(
+                f"{self.model_config.architecture} is an encoder-only (pooling) model: use "
+                f"embed/classify/score with PoolingParams, not {type(params).__name__}"
+            )
+        if params.task in ("classify", "score") and not self.info.has_classifier:
+            raise PoolingParamsError(
+                f"task {params.task!r} needs a sequence classification model; "
+                f"{self.model_config.architecture} has no classifier head (use task 'embed')",
+                param="model",
+            )
+        self.info.check_pooling_params(params)
+
+    def build(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: PoolingParams,
+        *,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> EngineCoreRequest:
+        ids, type_ids = self.input_ids(prompt, params.truncate_prompt_tokens)
+        return EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=ids,
+            pooling_params=params,
+            token_type_ids=type_ids,
+            arrival_time=now() if arrival_time is None else arrival_time,
+            priority=priority,
+        )
+
+    def decoder_prompt_len(self, prompt: Any, truncate_prompt_tokens: int | None = None) -> int:
+        return 0  # no decoder: the input runs once and is pooled
+
+    def input_ids(self, prompt: Any, truncate: int | None) -> tuple[list[int], list[int] | None]:
+        """(input ids, token type ids or None) of a text, text pair or token ids."""
+        pair: tuple[str, str] | None = None
+        if isinstance(prompt, dict) and "text" in prompt:
+            check_keys(prompt)
+            pair = (check_text(prompt["text"]), check_text(prompt.get("text_pair")))
+            enc = self.tokenizer(*pair)
+            ids, type_ids = list(enc["input_ids"]), opt_list(enc.get("token_type_ids"))
+        elif isinstance(prompt, dict) and "encoder_prompt" in prompt:
+            raise ValueError("encoder/decoder prompt pairs need an encoder-decoder model")
+        else:
+            ids, type_ids = self.singleton(
+                prompt, add_special_tokens=True, what="input", vocab_size=self.encoder_vocab_size
+            )
+        if type_ids is not None:
+            limit = self.type_vocab_size
+            if len(type_ids) != len(ids) or any(not 0 <= t < limit for t in type_ids):
+                raise ValueError(
+                    f"token_type_ids must be one id in [0, {limit}) per input token "
+                    f"({len(ids)} tokens, {len(type_ids)} type ids)"
+                )
+        return self.fit_encoder(ids, type_ids, truncate, pair=pair)
