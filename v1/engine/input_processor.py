@@ -503,6 +503,11 @@ class InputProcessor:
             new_type_ids = type_ids[:head] + (type_ids[-1:] if keep_last else [])
         return ids[:head] + tail, new_type_ids
 
+    @property
+    def whisper_builder(self) -> Any:
+        """The Whisper input builder (built once; transcription reuses it)."""
+        return self._whisper()
+
     def _whisper(self) -> Any:
         if self._whisper_builder is None:
             from v1.engine.whisper_inputs import WhisperInputBuilder

@@ -373,28 +373,3 @@ def _first(value: Any) -> int | None:
 def _in_vocab(ids: Any, vocab_size: int) -> list[int] | None:
     kept = [int(t) for t in ids or [] if 0 <= int(t) < vocab_size]
     return kept or None
-
-
-def transcribe(
-    llm: Any, audio: Any, sampling_params: SamplingParams | None = None, **options: Any
-) -> Any:
-    """`LLM.transcribe`'s hook: `Transcriber(llm.llm_engine).transcribe(...)` (options: language,
-    task, timestamps, prompt, condition_on_previous_text)."""
-    from v1.engine.transcription import Transcriber
-
-    return Transcriber(llm.llm_engine).transcribe(audio, sampling_params=sampling_params, **options)
-
-
-async def transcribe_async(
-    llm: Any,
-    audio: Any,
-    sampling_params: SamplingParams | None = None,
-    request_id: str | None = None,
-    **options: Any,
-) -> Any:
-    """`AsyncLLM.transcribe`'s hook: `AsyncTranscriber(llm).transcribe(...)`."""
-    from v1.engine.transcription import AsyncTranscriber
-
-    return await AsyncTranscriber(llm).transcribe(
-        audio, sampling_params=sampling_params, request_id=request_id, **options
-    )
