@@ -24,8 +24,8 @@ from tests.models.test_whisper import WHISPER_BASE, make_tiny_whisper_dir
 from tests.utils import ASSETS, needs_assets
 from v1 import LLM
 from v1.audio import AudioError, load_audio
+from v1.engine.inputs.whisper import WhisperInputBuilder, WhisperInputError
 from v1.engine.transcription import Transcriber, TranscriptionResult
-from v1.engine.whisper_inputs import WhisperInputBuilder, WhisperInputError
 from v1.sampling_params import SamplingParams
 
 AUDIO = ASSETS / "audio"
@@ -106,11 +106,14 @@ class RecordingEngine:
         self.engine = engine
         self.model_config = engine.model_config
         self.tokenizer = engine.tokenizer
+        self.input_processor = engine.input_processor
         self.added: list[tuple[str, dict[str, Any], SamplingParams]] = []
 
-    def add_request(self, request_id: str, prompt: dict[str, Any], params: SamplingParams) -> None:
+    def add_processed_request(
+        self, request_id: str, prompt: dict[str, Any], params: SamplingParams, core_requests: Any
+    ) -> None:
         self.added.append((request_id, prompt, params))
-        self.engine.add_request(request_id, prompt, params)
+        self.engine.add_processed_request(request_id, prompt, params, core_requests)
 
     def step(self) -> list[Any]:
         return self.engine.step()

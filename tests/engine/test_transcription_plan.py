@@ -16,6 +16,7 @@ import pytest
 
 from tests.models.test_whisper import WHISPER_BASE, make_tiny_whisper_dir
 from v1.config import ModelConfig
+from v1.engine.input_processor import InputProcessor
 from v1.engine.tokenizer import get_tokenizer
 from v1.engine.transcription import Transcriber, TranscriptionError
 from v1.outputs import CompletionOutput, Logprob, RequestOutput
@@ -52,8 +53,8 @@ class Call:
 
 @dataclass
 class ScriptedEngine:
-    """add_request / step / abort_request like LLMEngine; every request finishes on the step
-    after it was added, with `answer(call)`'s tokens and an EOS."""
+    """add_processed_request / step / abort_request like LLMEngine; every request finishes on
+    the step after it was added, with `answer(call)`'s tokens and an EOS."""
 
     model_config: ModelConfig
     tokenizer: Any
@@ -62,8 +63,14 @@ class ScriptedEngine:
     steps: list[list[str]] = field(default_factory=list)
     pending: list[Call] = field(default_factory=list)
 
-    def add_request(self, request_id: str, prompt: dict[str, Any], params: SamplingParams) -> None:
+    def __post_init__(self) -> None:
+        self.input_processor = InputProcessor(self.model_config, self.tokenizer)
+
+    def add_processed_request(
+        self, request_id: str, prompt: dict[str, Any], params: SamplingParams, core_requests: Any
+    ) -> None:
         samples = prompt["multi_modal_data"]["audio"].samples  # an AudioClip (16 kHz)
+        assert core_requests[0].encoder_input.audio is samples  # the request carries them as is
         call = Call(request_id, list(prompt["prompt_token_ids"]), samples, params)
         self.calls.append(call)
         self.pending.append(call)

@@ -20,8 +20,8 @@ from tests.utils import ASSETS, needs_assets
 from v1.config import make_engine_config
 from v1.core.engine_core import EngineCore
 from v1.core.protocol import EngineCoreRequest
+from v1.engine.inputs.whisper import WhisperInputBuilder
 from v1.engine.tokenizer import get_tokenizer
-from v1.engine.whisper_inputs import WhisperInputBuilder
 from v1.sampling_params import SamplingParams
 
 WHISPER_BASE = ASSETS / "whisper-base"

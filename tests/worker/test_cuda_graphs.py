@@ -225,8 +225,8 @@ def test_bart_replays_give_the_eager_tokens(tmp_path) -> None:
 def test_whisper_first_steps_replay(tmp_path) -> None:
     from tests.models.test_whisper import make_tiny_whisper_dir, make_waves
     from v1.config import make_engine_config
+    from v1.engine.inputs.whisper import WhisperInputBuilder
     from v1.engine.tokenizer import get_tokenizer
-    from v1.engine.whisper_inputs import WhisperInputBuilder
     from v1.sampling_params import SamplingParams
 
     path = make_tiny_whisper_dir(tmp_path / "whisper")

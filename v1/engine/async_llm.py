@@ -14,7 +14,7 @@ import gc
 from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from v1.config import EngineConfig, make_engine_config
 from v1.core.client import EngineDeadError
@@ -35,6 +35,9 @@ from v1.logger import init_logger
 from v1.outputs import PoolingRequestOutput, RequestOutput, RequestOutputKind
 from v1.pooling_params import PoolingParams
 from v1.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from v1.engine.transcription import AsyncTranscriber, TranscriptionResult
 
 logger = init_logger(__name__)
 
@@ -96,6 +99,12 @@ class AsyncLLM:
             model_info=self.model_info,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.transcriber: AsyncTranscriber | None = None
+        """Whisper models: the one transcriber of this engine (`transcribe`, the server)."""
+        if self.model_config.is_whisper:
+            from v1.engine.transcription import AsyncTranscriber
+
+            self.transcriber = AsyncTranscriber(self)
         self._queues: dict[str, asyncio.Queue[_Item | None]] = {}
         self._core_futures: dict[str, asyncio.Future[EngineCoreOutput]] = {}
         """Requests of `run_core_requests_async` (beam search steps) -> their final output."""
@@ -171,6 +180,23 @@ class AsyncLLM:
         async for out in self._run(request_id, prompt, sampling_params, priority, output_kind):
             yield out
 
+    async def generate_processed(
+        self,
+        request_id: str,
+        prompt: Any,
+        sampling_params: SamplingParams,
+        core_requests: list[EngineCoreRequest],
+        *,
+        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+    ) -> AsyncIterator[RequestOutput]:
+        """As `generate`, for requests built and checked beforehand from `prompt` (a
+        transcription window, whose audio was decoded once at the edge): `core_requests` are
+        what `InputProcessor.process_all` would give (n > 1: the children of `request_id`)."""
+        async for out in self._run(
+            request_id, prompt, sampling_params, 0, output_kind, core_requests
+        ):
+            yield out
+
     async def encode(
         self,
         prompt: Any,
@@ -194,19 +220,19 @@ class AsyncLLM:
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         **options: Any,
-    ) -> Any:
+    ) -> list[TranscriptionResult]:
         """Transcribes (or translates) audio with a Whisper model: one TranscriptionResult per
         input, long audio in 30 s windows. `options`: language, task ("transcribe" or
-        "translate"), timestamps, prompt, condition_on_previous_text, word_timestamps (see
-        `v1.engine.transcription.AsyncTranscriber`)."""
-        if not self.model_config.is_whisper:
+        "translate"), timestamps, prompt, condition_on_previous_text, word_timestamps, ... (see
+        `v1.engine.transcription_plan.TranscriptionOptions`)."""
+        if self.transcriber is None:
             raise ValueError(
                 f"transcribe() needs a Whisper model; {self.model_config.model} is "
                 f"{self.model_config.architecture}"
             )
-        from v1.engine.whisper_inputs import transcribe_async
-
-        return await transcribe_async(self, audio, sampling_params, request_id, **options)
+        return await self.transcriber.transcribe(
+            audio, request_id=request_id, sampling_params=sampling_params, **options
+        )
 
     async def beam_search(
         self,
@@ -275,8 +301,11 @@ class AsyncLLM:
         params: Params,
         priority: int,
         output_kind: RequestOutputKind,
+        core_requests: list[EngineCoreRequest] | None = None,
     ) -> AsyncIterator[Any]:
-        q = await self._add_request(request_id, prompt, params, priority, output_kind)
+        q = await self._add_request(
+            request_id, prompt, params, priority, output_kind, core_requests
+        )
         observer = request_observer.get()
         finished = False
         try:
@@ -308,7 +337,9 @@ class AsyncLLM:
         params: Params,
         priority: int,
         output_kind: RequestOutputKind,
+        core_requests: list[EngineCoreRequest] | None = None,
     ) -> asyncio.Queue[_Item | None]:
+        """`core_requests`: built beforehand (`generate_processed`); None: processed here."""
         self._check_running()
         self._ensure_output_handler()
         if request_id in self._queues or request_id in self.output_processor.parent_requests:
@@ -316,9 +347,10 @@ class AsyncLLM:
         q: asyncio.Queue[_Item | None] = asyncio.Queue()
         self._queues[request_id] = q  # holds the id while the input thread works
         try:
-            core_requests = await self.run_input_work(
-                self.input_processor.process_all, request_id, prompt, params, priority=priority
-            )
+            if core_requests is None:
+                core_requests = await self.run_input_work(
+                    self.input_processor.process_all, request_id, prompt, params, priority=priority
+                )
             if any(r.request_id in self.output_processor.request_states for r in core_requests):
                 raise ValueError(f"request id {request_id!r} is already in use")
         except BaseException:

@@ -100,6 +100,15 @@ class InputProcessor:
             priority=priority,
         )
 
+    @property
+    def whisper_builder(self) -> Any:
+        """The Whisper input builder (built once with the processor; transcription reuses it)."""
+        from v1.engine.inputs.whisper import WhisperInputBuilder
+
+        if not isinstance(self.builder, WhisperInputBuilder):
+            raise ValueError(f"{self.model_config.architecture} is not a Whisper model")
+        return self.builder
+
     def prompt_texts(self, prompt: Any) -> tuple[str | None, str | None]:
         """(decoder prompt text, encoder prompt text) of a prompt, for RequestOutput."""
         return self.builder.prompt_texts(prompt)

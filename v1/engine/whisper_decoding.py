@@ -1,7 +1,7 @@
 """Whisper's long-form decoding rules, model-free (openai-whisper's `transcribe`, transformers'
 long-form `generate`): where the next 30 s window starts (seek), the segments of one window's
-tokens, and the temperature-fallback verdict on a decoded window. `Transcriber`, the server's
-transcription endpoints and anything else that decodes Whisper windows share them.
+tokens, and the temperature-fallback verdict on a decoded window, for the transcription plan
+(`transcription_plan.py`) and anything else that decodes Whisper windows.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ from v1.pooling_params import PoolingParams
 from v1.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from v1.engine.transcription import TranscriptionResult
+    from v1.engine.transcription import Transcriber, TranscriptionResult
 
 
 class RequestFailedError(RuntimeError):
@@ -98,6 +98,12 @@ class LLM:
         """What the model can do (`supported_tasks`); shared with the engine."""
         self.llm_engine = LLMEngine(config, multiprocess=multiprocess)
         self._counter = itertools.count()
+        self.transcriber: Transcriber | None = None
+        """Whisper models: the one transcriber of this engine (`transcribe`)."""
+        if config.model_config.is_whisper:
+            from v1.engine.transcription import Transcriber
+
+            self.transcriber = Transcriber(self.llm_engine)
 
     # ---- generation ----
     def generate(
@@ -262,7 +268,7 @@ class LLM:
         decoded in 30 s windows, each starting where the last complete segment of the one
         before ended (openai-whisper's seek), prompted with the text so far, and decoded again
         hotter when it looks wrong; the windows of many files share the engine's steps.
-        `options` (see `v1.engine.transcription.TranscriptionOptions`): language (default:
+        `options` (see `v1.engine.transcription_plan.TranscriptionOptions`): language (default:
         detect), task ("transcribe" or "translate"), timestamps, prompt,
         condition_on_previous_text (True), temperature (fallback schedule; one number turns
         fallback off), compression_ratio_threshold (2.4), logprob_threshold (-1.0),
@@ -272,12 +278,10 @@ class LLM:
         per window above temperature 0, the most likely kept), patience, length_penalty. A
         progress bar (audio seconds, real-time factor) shows for
         batches and long audio unless `use_tqdm=False`."""
-        mc = self.config.model_config
-        if not mc.is_whisper:
+        if self.transcriber is None:
+            mc = self.config.model_config
             raise ValueError(f"transcribe() needs a Whisper model; {mc.model} is {mc.architecture}")
-        from v1.engine.transcription import Transcriber
-
-        return Transcriber(self.llm_engine).transcribe(
+        return self.transcriber.transcribe(
             audio, use_tqdm=use_tqdm, sampling_params=sampling_params, **options
         )
 

@@ -1,11 +1,12 @@
 """/v1/audio/transcriptions and /v1/audio/translations with a Whisper model.
 
 The upload (size-capped while it streams in, see api_server) is decoded off the event loop with
-the server's byte and duration limits, in chunks of --audio-chunk-seconds that are transcribed one after
-another by AsyncLLM.transcribe: a long file holds a few chunks in memory, not the whole
-waveform, and has at most one chunk of windows in the engine, which takes turns with other
-requests'. `stream=true` drives the Whisper transcription plan itself so text deltas go out as
-tokens are decoded.
+the server's byte and duration limits (the one `load_audio` of a request), in chunks of
+--audio-chunk-seconds that are transcribed one after another by the engine's AsyncTranscriber:
+a long file holds a few chunks in memory, not the whole waveform, and has at most one chunk of
+windows in the engine, which takes turns with other requests'. The options are checked once,
+before the upload is read; every response format reads the transcriber's events (`stream=true`
+sends each window's text as it is decoded).
 """
 
 from __future__ import annotations
@@ -27,6 +28,15 @@ from fastapi.responses import PlainTextResponse, Response
 from v1.audio import MIN_AUDIO_SECONDS, SAMPLE_RATE, AudioError
 from v1.audio.decode import stream_audio
 from v1.core.client import EngineDeadError
+from v1.engine.transcription import (
+    AsyncTranscriber,
+    InputDone,
+    TranscriptionEvent,
+    TranscriptionOptions,
+    TranscriptionPlanner,
+    TranscriptionResult,
+    WindowText,
+)
 from v1.entrypoints.openai import transcript_formats as formats
 from v1.entrypoints.openai.errors import APIError, bad_request, engine_dead_error
 from v1.entrypoints.openai.metrics import ServerMetrics
@@ -37,12 +47,10 @@ from v1.entrypoints.openai.serving_engine import (
     SSEResponse,
     json_response,
     map_input_errors,
-    merge_streams,
     run_until_disconnected,
     sse_error,
     sse_event,
 )
-from v1.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from v1.sampling_params import SamplingParams
 
 _TIMED_FORMATS = ("srt", "vtt", "verbose_json")
@@ -89,37 +97,25 @@ class ServingTranscriptions(ServingBase):
     def __init__(self, engine: Any, settings: ServerSettings, metrics: ServerMetrics) -> None:
         super().__init__(engine, settings, metrics)
         self.decode_pool = ThreadPoolExecutor(MAX_CONCURRENT_DECODES, thread_name_prefix="v1-audio")
-        self.builder: Any = None
-        if self.model_config.is_whisper:
-            from v1.engine.whisper_inputs import WhisperInputBuilder
-
-            self.builder = WhisperInputBuilder(self.model_config, self.tokenizer)
+        self.transcriber: AsyncTranscriber | None = engine.transcriber
+        """The engine's (None: not a speech model)."""
 
     async def create(self, req: AudioRequest, request: Request) -> Response:
         endpoint = f"/v1/audio/{'translations' if req.task == 'translate' else 'transcriptions'}"
         self.check_model(req.model)
-        if self.builder is None:
+        if self.transcriber is None:
             raise self.wrong_endpoint(endpoint, "a Whisper speech model")
-        language = self._check_options(req)
+        request_id = random_id("trsc")
+        planner = await self._planner(req, request_id)
         data = await self._read_upload(req.file)
         chunks = self._decode_chunks(data)
         first = await _first_chunk(chunks)  # decoding errors are 400s before any work
-        params = SamplingParams(temperature=req.temperature, max_tokens=None)
-        options = {
-            "language": language,
-            "task": req.task,
-            "timestamps": req.response_format in _TIMED_FORMATS,
-            "prompt": req.prompt or None,
-            "word_timestamps": "word" in req.timestamp_granularities,
-            **req.decoding,
-        }
-        request_id = random_id("trsc")
         if req.stream:
-            return SSEResponse(self._stream(first, chunks, params, options, request_id))
+            return SSEResponse(self._stream(planner, first, chunks, request_id))
         try:
             result = await map_input_errors(
                 run_until_disconnected(
-                    request, self._transcribe_chunks(first, chunks, params, options, request_id)
+                    request, self._transcribe_chunks(planner, first, chunks, request_id)
                 )
             )
         except (APIError, EngineDeadError):
@@ -134,33 +130,76 @@ class ServingTranscriptions(ServingBase):
 
     async def _transcribe_chunks(
         self,
+        planner: TranscriptionPlanner,
         first: np.ndarray,
         chunks: AsyncIterator[np.ndarray],
-        params: SamplingParams,
-        options: dict[str, Any],
         request_id: str,
-    ) -> Any:
-        """One TranscriptionResult for the whole audio, transcribed chunk by chunk: the first
-        chunk's language (detected or given) holds for the rest, the prompt for the first."""
+    ) -> TranscriptionResult:
         merged = _MergedResult()
-        chunk: np.ndarray | None = first
-        while chunk is not None:
-            if chunk.shape[0] >= MIN_AUDIO_SECONDS * SAMPLE_RATE:
-                opts = {**options, "language": merged.language or options["language"]}
-                if merged.num_chunks:
-                    opts["prompt"] = None
-                (result,) = await self.engine.transcribe(
-                    (chunk, SAMPLE_RATE), params, f"{request_id}-{merged.num_chunks}", **opts
-                )
-                merged.add(result, chunk.shape[0])
-            else:
-                merged.skip(chunk.shape[0])
-            chunk = await _next_chunk(chunks)
+        events = self._chunk_events(planner, first, chunks, request_id, merged)
+        async with contextlib.aclosing(events):
+            async for _ in events:
+                pass
         return merged.result()
 
+    async def _chunk_events(
+        self,
+        planner: TranscriptionPlanner,
+        first: np.ndarray,
+        chunks: AsyncIterator[np.ndarray],
+        request_id: str,
+        merged: _MergedResult,
+    ) -> AsyncIterator[TranscriptionEvent]:
+        """The transcriber's events over the chunks, one after another, each chunk's result
+        merged into `merged`: the first chunk's language (detected or given) holds for the
+        rest, the prompt for the first."""
+        assert self.transcriber is not None
+        chunk: np.ndarray | None = first
+        while chunk is not None:
+            if chunk.shape[0] < MIN_AUDIO_SECONDS * SAMPLE_RATE:
+                merged.skip(chunk.shape[0])
+            else:
+                chunk_planner = planner  # ids under f"{request_id}-0"
+                if merged.language is not None:
+                    prefix = f"{request_id}-{merged.num_chunks}"
+                    chunk_planner = planner.continued(merged.language, prefix)
+                events = self.transcriber.events(chunk_planner, [chunk])
+                async with contextlib.aclosing(events):
+                    async for event in events:
+                        if isinstance(event, InputDone):
+                            merged.add(event.result, chunk.shape[0])
+                        yield event
+            chunk = await _next_chunk(chunks)
+
     # ---- input ----
-    def _check_options(self, req: AudioRequest) -> str | None:
-        """Validated options; returns the ISO language code (None: detect)."""
+    async def _planner(self, req: AudioRequest, request_id: str) -> TranscriptionPlanner:
+        """Every option checked, once (400s naming the field), before the upload is read."""
+        assert self.transcriber is not None
+        self._check_form(req)
+        try:
+            options = TranscriptionOptions(
+                language=req.language or None,
+                task=req.task,
+                timestamps=req.response_format in _TIMED_FORMATS,
+                prompt=req.prompt or None,
+                sampling_params=SamplingParams(temperature=req.temperature, max_tokens=None),
+                word_timestamps="word" in req.timestamp_granularities,
+                **req.decoding,
+            )
+        except ValueError as e:
+            raise bad_request(str(e), param=str(e).split(" ", 1)[0]) from e
+        try:
+            return await self.transcriber.prepare(
+                options, f"{request_id}-0", stream_text=req.stream
+            )
+        except ValueError as e:
+            # Language and task: the form's language (the task is the endpoint's); the
+            # alignment heads: word timestamps.
+            param = "timestamp_granularities" if "alignment_heads" in str(e) else "language"
+            raise bad_request(str(e), param=param) from e
+
+    def _check_form(self, req: AudioRequest) -> None:
+        """The checks of the form itself (formats, granularities, temperature, streaming)."""
         if req.response_format not in TRANSCRIPTION_FORMATS:
             raise bad_request(
                 f"response_format must be one of {list(TRANSCRIPTION_FORMATS)}, got "
@@ -182,25 +221,13 @@ class ServingTranscriptions(ServingBase):
             raise bad_request(
                 f"temperature must be in [0, 1], got {req.temperature}", param="temperature"
             )
-        if req.decoding:
-            from v1.engine.transcription import TranscriptionOptions
-
-            try:
-                TranscriptionOptions(**req.decoding)
-            except ValueError as e:
-                raise bad_request(str(e), param=str(e).split(" ", 1)[0]) from e
-            if req.stream and ("beam_size" in req.decoding or "best_of" in req.decoding):
-                raise bad_request("beam_size and best_of cannot stream", param="stream")
+        if req.stream and ("beam_size" in req.decoding or "best_of" in req.decoding):
+            raise bad_request("beam_size and best_of cannot stream", param="stream")
         if req.stream and req.response_format not in ("json", "text"):
             raise bad_request(
                 "stream=true is available with response_format json or text only",
                 param="stream",
             )
-        try:
-            self.builder.check_task(req.task)
-            return self.builder.check_language(req.language or None)
-        except ValueError as e:
-            raise bad_request(str(e), param="language") from e
 
     async def _read_upload(self, upload: UploadFile) -> bytes:
         limit = self.settings.max_audio_bytes
@@ -267,38 +294,22 @@ class ServingTranscriptions(ServingBase):
 
     async def _stream(
         self,
+        planner: TranscriptionPlanner,
         first: np.ndarray,
         chunks: AsyncIterator[np.ndarray],
-        params: SamplingParams,
-        options: dict[str, Any],
         request_id: str,
     ) -> AsyncIterator[str]:
         """`transcript.text.delta` events in audio order, then `transcript.text.done`."""
         merged = _MergedResult()
         try:
-            chunk: np.ndarray | None = first
-            while chunk is not None:
-                if chunk.shape[0] < MIN_AUDIO_SECONDS * SAMPLE_RATE:
-                    merged.skip(chunk.shape[0])
-                else:
-                    language = merged.language or options["language"]
-                    prompt = None if merged.num_chunks else options["prompt"]
-                    plan = self._plan(chunk, params, options, language, prompt, request_id, merged)
-                    sent = None
-                    while True:
-                        try:
-                            batch = plan.send(sent)
-                        except StopIteration as stop:
-                            merged.add(stop.value, chunk.shape[0])
-                            break
-                        window_stream = _WindowStream(len(batch))
-                        async for delta in window_stream.run(self.engine, batch):
-                            yield sse_event({"type": "transcript.text.delta", "delta": delta})
-                        sent = window_stream.window_outputs()
-                chunk = await _next_chunk(chunks)
+            events = self._chunk_events(planner, first, chunks, request_id, merged)
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    if isinstance(event, WindowText):
+                        yield sse_event({"type": "transcript.text.delta", "delta": event.text})
             result = merged.result()
             self.metrics.audio_seconds.inc(result.duration)
-            kind = "translations" if options["task"] == "translate" else "transcriptions"
+            kind = "translations" if planner.task == "translate" else "transcriptions"
             self.metrics.observe_finish(f"/v1/audio/{kind}", "stop")
             yield sse_event(
                 {
@@ -317,28 +328,6 @@ class ServingTranscriptions(ServingBase):
             yield sse_error(APIError(500, f"transcription failed: {e}", code="engine_error"))
         finally:
             await chunks.aclose()
-
-    def _plan(
-        self,
-        chunk: np.ndarray,
-        params: SamplingParams,
-        options: dict[str, Any],
-        language: str | None,
-        prompt: str | None,
-        request_id: str,
-        merged: _MergedResult,
-    ) -> Any:
-        from v1.engine.transcription import TranscriptionOptions, TranscriptionPlanner
-
-        opts = TranscriptionOptions(
-            language=language,
-            task=options["task"],
-            timestamps=False,
-            prompt=prompt,
-            sampling_params=params,
-        )
-        planner = TranscriptionPlanner(self.builder, opts, f"{request_id}-{merged.num_chunks}")
-        return planner.plan(0, chunk)
 
 
 _END = object()
@@ -430,9 +419,7 @@ class _MergedResult:
     def skip(self, num_samples: int) -> None:
         self.num_samples += num_samples
 
-    def result(self) -> Any:
-        from v1.engine.transcription import TranscriptionResult
-
+    def result(self) -> TranscriptionResult:
         return TranscriptionResult(
             text="".join(self.texts),
             language=self.language or "en",
@@ -440,82 +427,3 @@ class _MergedResult:
             segments=self.segments,
             words=self.words,
         )
-
-
-class _WindowStream:
-    """Runs one batch of window requests, yielding their text in window order: deltas of a
-    later window wait until every earlier window has finished."""
-
-    def __init__(self, num_windows: int) -> None:
-        self.outputs = [
-            CompletionOutput(index=0, text="", token_ids=[], cumulative_logprob=None, logprobs=[])
-            for _ in range(num_windows)
-        ]
-        self.finished = [False] * num_windows
-        self.buffered: list[list[str]] = [[] for _ in range(num_windows)]
-        self.current = 0
-
-    async def run(self, engine: Any, batch: list[Any]) -> AsyncIterator[str]:
-        # Streamed windows need the engine's text deltas (the plan itself reads token ids and
-        # leaves the engine's detokenizer off).
-        gens = [
-            engine.generate(
-                r.prompt,
-                r.params if r.params.detokenize else r.params.clone(detokenize=True),
-                r.request_id,
-                output_kind=RequestOutputKind.DELTA,
-            )
-            for r in batch
-        ]
-        async for k, out in merge_streams(gens):
-            if out.error is not None:
-                raise RuntimeError(f"window {k}: {out.error}")
-            delta = self._add(k, out)
-            if delta:
-                if k == self.current:
-                    yield delta
-                else:
-                    self.buffered[k].append(delta)
-            for text in self._advance():
-                yield text
-        if not all(self.finished):
-            raise RuntimeError("a window request ended without a result (aborted)")
-
-    def _add(self, k: int, out: RequestOutput) -> str:
-        acc, c = self.outputs[k], out.outputs[0]
-        acc.text += c.text
-        acc.token_ids = [*acc.token_ids, *c.token_ids]
-        if c.logprobs is not None and acc.logprobs is not None:
-            acc.logprobs.extend(c.logprobs)
-        else:
-            acc.logprobs = None
-        if out.finished:
-            acc.finish_reason = c.finish_reason
-            self.finished[k] = True
-        return c.text
-
-    def _advance(self) -> list[str]:
-        texts: list[str] = []
-        while self.current < len(self.finished) and self.finished[self.current]:
-            self.current += 1
-            if self.current < len(self.finished):
-                texts += self.buffered[self.current]
-                self.buffered[self.current].clear()
-        return [t for t in texts if t]
-
-    def window_outputs(self) -> list[Any]:
-        from v1.engine.transcription import window_output
-
-        return [
-            window_output(
-                RequestOutput(
-                    request_id=f"window-{k}",
-                    prompt=None,
-                    prompt_token_ids=None,
-                    outputs=[acc],
-                    finished=True,
-                ),
-                f"window {k}",
-            )
-            for k, acc in enumerate(self.outputs)
-        ]
