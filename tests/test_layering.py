@@ -21,11 +21,6 @@ V1 = ROOT / "v1"
 KIND_BRANCHES_ALLOWED = ("v1/engine/inputs/", "v1/worker/model_states/")
 KIND_BRANCH_FILES_ALLOWED = ("v1/config.py", "v1/model_info.py")
 KIND_BRANCHES_ELSEWHERE = {
-    # Owned by the Whisper-path rewrite (issue 15, item 3), which replaces these transcriber
-    # entry points: they still ask `is_whisper` until it lands.
-    ("v1/entrypoints/llm.py", "LLM.transcribe"),
-    ("v1/engine/async_llm.py", "AsyncLLM.transcribe"),
-    ("v1/entrypoints/openai/serving_transcriptions.py", "ServingTranscriptions.__init__"),
     # Owned by the worker restructuring (issue 15, item 4): the runner picks its model state
     # and decides CUDA graphs by kind.
     ("v1/worker/model_runner.py", "_make_state"),

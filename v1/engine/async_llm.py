@@ -101,7 +101,7 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.transcriber: AsyncTranscriber | None = None
         """Whisper models: the one transcriber of this engine (`transcribe`, the server)."""
-        if self.model_config.is_whisper:
+        if "transcription" in self.model_info.supported_tasks:
             from v1.engine.transcription import AsyncTranscriber
 
             self.transcriber = AsyncTranscriber(self)

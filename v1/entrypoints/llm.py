@@ -100,7 +100,7 @@ class LLM:
         self._counter = itertools.count()
         self.transcriber: Transcriber | None = None
         """Whisper models: the one transcriber of this engine (`transcribe`)."""
-        if config.model_config.is_whisper:
+        if "transcription" in self.model_info.supported_tasks:
             from v1.engine.transcription import Transcriber
 
             self.transcriber = Transcriber(self.llm_engine)
