@@ -55,6 +55,7 @@ class AttentionMetadataFactory:
     ) -> None:
         """One builder and one block table per KV group; cross groups (per-layer K/V or the
         encoder states) hold `max_encoder_len` positions, self-attention `max_model_len`."""
+        self.group_layers, self.group_types, self.builders, self.block_tables = [], [], [], []
         for group in kv_cache_config.groups:
             spec = group.spec
             is_cross = isinstance(spec, (CrossAttentionSpec, EncoderStatesSpec))
