@@ -63,8 +63,8 @@ class ModelRunner:
         self.model: Any = None
         self.tp: Any = None
         """This rank's TensorParallelGroup (set by the worker; None: the whole model here)."""
-        self.state: ModelState
-        """The model-kind strategy (built by `load_model`)."""
+        self.state: ModelState | None = None
+        """The model-kind strategy, built by `load_model` (None before, and after shutdown)."""
         self.attn_layers: dict[str, Attention] = {}
         self.kv_cache_config: KVCacheConfig | None = None
         self.cuda_graphs: Any = None
@@ -285,5 +285,8 @@ class ModelRunner:
         return available
 
     def shutdown(self) -> None:
+        # Everything that holds the model lets it go (the state, the graphs' forward).
         self.model = None
+        self.state = None
+        self.cuda_graphs = None
         self.attn_layers = {}
