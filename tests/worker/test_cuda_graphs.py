@@ -89,21 +89,28 @@ def test_graph_query_start_loc_gives_every_row_one_short_request(seed: int) -> N
 # ---- the static buffers of real steps ----
 
 
-def check_buffers(manager: CudaGraphManager, step: Any, size: int) -> None:
+def graph_manager(runner: Any, cls: type[CudaGraphManager], max_tokens: int) -> Any:
+    """A graph manager over the runner's KV groups, batch and decoder forward (as the runner
+    builds its own on CUDA)."""
+    state = runner.state
+    return cls(runner.attn_metadata, runner.input_batch, state.decode_forward, max_tokens, Q_MAX)
+
+
+def check_buffers(runner: Any, manager: CudaGraphManager, step: Any, size: int) -> None:
     """The buffers `prepare` filled equal what the eager path builds for the real rows, and
     make padding rows read and write nothing."""
-    runner = manager.runner
     num_tokens, num_reqs = step.num_tokens, len(step.req_ids)
     assert size == min(s for s in manager.sizes if s >= num_tokens)
     assert torch.equal(manager.input_ids[:num_tokens], step.input_ids)
     assert torch.equal(manager.positions[:num_tokens], step.positions)
     qsl = manager.query_start_loc[: size + 1].numpy()
     assert qsl.tolist() == graph_query_start_loc(step.query_start_loc, size).tolist()
-    eager = runner.decoder_attn_metadata(step)
-    if runner.group_types.count(AttentionType.ENCODER_DECODER):
+    groups = runner.attn_metadata
+    eager = groups.decoder(step)
+    if groups.group_types.count(AttentionType.ENCODER_DECODER):
         eager.update(runner.state._cross_attn_metadata(step, []))
-    for i, attn_type in enumerate(runner.group_types):
-        common = eager[runner.group_layers[i][0]].common
+    for i, attn_type in enumerate(groups.group_types):
+        common = eager[groups.group_layers[i][0]].common
         lens = manager.seq_lens[i][:size]
         assert torch.equal(lens[:num_reqs], common.seq_lens)
         assert not lens[num_reqs:].any(), "padding requests must have seq_len 0"
@@ -121,13 +128,13 @@ def run_checked(core: Any, requests: list[Any], max_tokens: int) -> dict[str, in
     """Drains the core; before each eager step, fills a CPU graph manager's buffers (no
     capture) when a graph would serve the step and checks them. Returns step counts."""
     runner = runner_of(core)
-    manager = CudaGraphManager(runner, max_tokens, Q_MAX)
+    manager = graph_manager(runner, CudaGraphManager, max_tokens)
     counts = {"graphed": 0, "mixed": 0, "eager": 0}
     forward = runner.state.forward
 
     def checked_forward(step: Any, so: Any) -> Any:
         if manager.can_run(step, so):
-            check_buffers(manager, step, manager.prepare(step))
+            check_buffers(runner, manager, step, manager.prepare(step))
             counts["graphed"] += 1
             counts["mixed"] += int(step.num_tokens > len(step.req_ids))
         return forward(step, so)
@@ -183,7 +190,7 @@ def run_emulated(
     if graphs:
         sc = core.config.scheduler_config
         max_tokens = graph_max_tokens(sc.max_num_seqs, sc.max_num_batched_tokens, Q_MAX)
-        manager = EmulatedGraphs(runner, max_tokens, Q_MAX)
+        manager = graph_manager(runner, EmulatedGraphs, max_tokens)
         with torch.inference_mode():
             manager.capture()
         runner.cuda_graphs = manager

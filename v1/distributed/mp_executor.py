@@ -209,7 +209,7 @@ class DistributedExecutor(Executor):
     def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
         self._broadcast(WorkerMethod.KV_CACHE_SPECS)
         specs = self._local(self.worker.get_kv_cache_specs)
-        mode = self.worker.model_runner.cross_attention
+        mode = self.worker.cross_attention
         modes = self._gather(WorkerMethod.KV_CACHE_SPECS)
         if any(m != mode for m in modes.values()):  # profiles differ: rank 0 decides
             self._broadcast(WorkerMethod.SET_CROSS_ATTENTION, mode)

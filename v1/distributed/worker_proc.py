@@ -118,9 +118,9 @@ class WorkerProc:
                 launched.popleft().get_output()
             elif method is WorkerMethod.KV_CACHE_SPECS:
                 worker.get_kv_cache_specs()
-                self.reply(method.name, worker.model_runner.cross_attention)
+                self.reply(method.name, worker.cross_attention)
             elif method is WorkerMethod.SET_CROSS_ATTENTION:
-                worker.model_runner.set_cross_attention(str_decoder.decode(payload))
+                worker.set_cross_attention(str_decoder.decode(payload))
                 self.reply(method.name)
             elif method is WorkerMethod.AVAILABLE_KV_BYTES:
                 self.reply(method.name, worker.determine_available_kv_bytes())
@@ -128,7 +128,7 @@ class WorkerProc:
                 from v1.kv_cache.sizing import get_kv_cache_config
 
                 num_blocks = int_decoder.decode(payload)
-                specs = worker.model_runner.get_kv_cache_specs()
+                specs = worker.current_kv_cache_specs()
                 worker.initialize_kv_cache(get_kv_cache_config(specs, num_blocks=num_blocks))
                 self.reply(method.name)
             else:

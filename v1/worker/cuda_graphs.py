@@ -8,6 +8,7 @@ is one kernel work item and the work items are the constants (request i, block 0
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -20,12 +21,18 @@ from v1.logger import init_logger
 
 if TYPE_CHECKING:
     from v1.core.sched_output import SchedulerOutput
-    from v1.worker.model_runner import ModelRunner, StepInputs
+    from v1.worker.attn_metadata import AttentionMetadataFactory
+    from v1.worker.input_batch import InputBatch
+    from v1.worker.step_inputs import StepInputs
 
 logger = init_logger(__name__)
 
 MAX_GRAPH_TOKENS = 512
 """Largest graph: a full decode batch plus a few new requests' first steps."""
+
+DecodeForward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""(input_ids [T], positions [T]) -> hidden states [T, H] under the caller's forward context:
+the model state's `decode_forward`, what a graph captures."""
 
 
 def capture_sizes(max_tokens: int) -> list[int]:
@@ -100,14 +107,26 @@ def check_static_work(metadata: Any, size: int, max_query_len: int) -> None:
 
 class CudaGraphManager:
     """Captures one graph per size in `sizes` (one shared memory pool) and replays decoder
-    steps on them; the model states ask `can_run` first and run the others eagerly."""
+    steps on them; the runner asks `can_run` first and runs the others eagerly.
 
-    def __init__(self, runner: ModelRunner, max_tokens: int, max_query_len: int) -> None:
-        self.runner = runner
+    It reads the KV groups' builders and block tables from `attn_metadata`, the batch's
+    encoder lengths from `input_batch`, and captures `decode_forward`."""
+
+    def __init__(
+        self,
+        attn_metadata: AttentionMetadataFactory,
+        input_batch: InputBatch,
+        decode_forward: DecodeForward,
+        max_tokens: int,
+        max_query_len: int,
+    ) -> None:
+        self.attn_metadata = attn_metadata
+        self.input_batch = input_batch
+        self.decode_forward = decode_forward
         self.max_tokens = max_tokens
         self.max_query_len = max_query_len
         self.sizes = capture_sizes(max_tokens)
-        device = runner.device
+        device = attn_metadata.device
         self.input_ids = torch.zeros(max_tokens, dtype=torch.long, device=device)
         self.positions = torch.zeros(max_tokens, dtype=torch.long, device=device)
         self.query_start_loc = torch.arange(max_tokens + 1, dtype=torch.int32, device=device)
@@ -115,8 +134,8 @@ class CudaGraphManager:
         self.block_tables: list[torch.Tensor] = []
         self.slot_mappings: list[torch.Tensor | None] = []
         """Per KV group (cross groups write nothing in a graphed step: None)."""
-        tables = runner.input_batch.block_tables
-        for table, attn_type in zip(tables, runner.group_types, strict=True):
+        tables = attn_metadata.block_tables
+        for table, attn_type in zip(tables, attn_metadata.group_types, strict=True):
             self.seq_lens.append(torch.zeros(max_tokens, dtype=torch.int32, device=device))
             self.block_tables.append(
                 torch.zeros((max_tokens, table.table.shape[1]), dtype=torch.int32, device=device)
@@ -135,19 +154,26 @@ class CudaGraphManager:
         """Decoder steps `can_run` turned down."""
 
     @classmethod
-    def create(cls, runner: ModelRunner) -> CudaGraphManager:
-        """Sized for the runner's scheduler limits and the Triton kernel's decode block."""
+    def create(
+        cls,
+        attn_metadata: AttentionMetadataFactory,
+        input_batch: InputBatch,
+        decode_forward: DecodeForward,
+        max_num_batched_tokens: int,
+    ) -> CudaGraphManager:
+        """Sized for the scheduler's limits and the Triton kernel's decode block."""
         from v1.attention.backends.triton import DECODE_BLOCK_M
 
-        budget = runner.config.scheduler_config.max_num_batched_tokens
-        max_tokens = graph_max_tokens(runner.max_num_reqs, budget, DECODE_BLOCK_M)
-        return cls(runner, max_tokens, DECODE_BLOCK_M)
+        max_tokens = graph_max_tokens(
+            input_batch.max_num_reqs, max_num_batched_tokens, DECODE_BLOCK_M
+        )
+        return cls(attn_metadata, input_batch, decode_forward, max_tokens, DECODE_BLOCK_M)
 
     # ---- capture ----
     def _metadata(self, size: int) -> dict[str, Any]:
-        runner = self.runner
+        groups = self.attn_metadata
         out: dict[str, Any] = {}
-        for i, attn_type in enumerate(runner.group_types):
+        for i, attn_type in enumerate(groups.group_types):
             buffers = {
                 "query_start_loc": self.query_start_loc,
                 "seq_lens": self.seq_lens[i],
@@ -155,18 +181,18 @@ class CudaGraphManager:
                 "slot_mapping": self.slot_mappings[i],
                 "positions": self.positions,
             }
-            block_size = runner.input_batch.block_tables[i].block_size
+            block_size = groups.block_tables[i].block_size
             max_seq_len = self.block_tables[i].shape[1] * block_size
             causal = attn_type == AttentionType.DECODER
             common = static_common(size, buffers, self.max_query_len, causal, max_seq_len)
-            metadata = runner.builders[i].build(common)
+            metadata = groups.builders[i].build(common)
             check_static_work(metadata, size, self.max_query_len)
-            out.update(dict.fromkeys(runner.group_layers[i], metadata))
+            out.update(dict.fromkeys(groups.group_layers[i], metadata))
         return out
 
     def _forward(self, size: int, metadata: dict[str, Any]) -> torch.Tensor:
         with set_forward_context(ForwardContext(metadata)):
-            return self.runner.state.decode_forward(self.input_ids[:size], self.positions[:size])
+            return self.decode_forward(self.input_ids[:size], self.positions[:size])
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -217,16 +243,16 @@ class CudaGraphManager:
         its size. Padding requests get seq_len 0 and padding tokens slot -1: they read and write
         no cache. Padding tokens keep stale ids and positions, which are valid (they were real
         once, or zeros)."""
-        runner = self.runner
+        groups = self.attn_metadata
         num_tokens, num_reqs = step.num_tokens, len(step.req_ids)
         size = next(s for s in self.sizes if s >= num_tokens)
         self.input_ids[:num_tokens].copy_(step.input_ids, non_blocking=True)
         self.positions[:num_tokens].copy_(step.positions, non_blocking=True)
         qsl = graph_query_start_loc(step.query_start_loc, size)
         copies = [(self.query_start_loc[: size + 1], qsl)]
-        batch = runner.input_batch
-        for i, attn_type in enumerate(runner.group_types):
-            table = batch.block_tables[i]
+        batch = self.input_batch
+        for i, attn_type in enumerate(groups.group_types):
+            table = groups.block_tables[i]
             if attn_type == AttentionType.DECODER:
                 lens = step.seq_lens
                 slots = table.slot_mapping(step.token_slots, step.positions_np)

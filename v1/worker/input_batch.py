@@ -2,11 +2,13 @@
 
 Requests live in slots (rows) from admission to finish; each SchedulerOutput only adds, removes
 or advances them. Step inputs are gathered from these arrays with vectorized numpy indexing.
+The block tables of the same slots belong to the AttentionMetadataFactory (attn_metadata.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -14,7 +16,9 @@ from v1.core.protocol import EncoderInput
 from v1.core.sched_output import NewRequestData
 from v1.pooling_params import PoolingParams
 from v1.sampling_params import SamplingParams
-from v1.worker.block_table import BlockTable
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -29,12 +33,9 @@ class CachedRequestState:
 
 
 class InputBatch:
-    def __init__(
-        self, max_num_reqs: int, max_model_len: int, block_tables: list[BlockTable]
-    ) -> None:
+    def __init__(self, max_num_reqs: int, max_model_len: int) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
-        self.block_tables = block_tables
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
@@ -45,6 +46,8 @@ class InputBatch:
         none). Its value is on the device until that step is read back."""
         self.pending_rows = np.full(max_num_reqs, -1, dtype=np.int64)
         """Per slot: that token's row in the last launched step's sampled tensor."""
+        self.prev_sampled_token_ids: torch.Tensor | None = None
+        """[R] tokens sampled by the last launched step, on the device (pipelined steps)."""
         self.slot_generations = np.zeros(max_num_reqs, dtype=np.int64)
         """Per slot: how many requests have held it, so results of a launched step can tell
         whether the slot still belongs to the same request (vectorized)."""
@@ -67,8 +70,6 @@ class InputBatch:
         self.num_computed_tokens[slot] = data.num_computed_tokens
         enc = data.encoder_input
         self.num_encoder_tokens[slot] = enc.num_encoder_tokens if enc is not None else 0
-        for table, block_ids in zip(self.block_tables, data.block_ids, strict=True):
-            table.set_row(slot, block_ids)
         state = CachedRequestState(
             req_id=data.req_id,
             slot=slot,
@@ -85,21 +86,18 @@ class InputBatch:
         state = self.requests.pop(req_id, None)
         if state is None:
             return None
-        for table in self.block_tables:
-            table.clear_row(state.slot)
         self.num_tokens[state.slot] = 0
         self.pending_positions[state.slot] = -1
         self._free_slots.append(state.slot)
         return state
 
-    def append_blocks(self, slot: int, new_block_ids: tuple[list[int], ...]) -> None:
-        """Blocks the scheduler added to a running request's tables, per KV group."""
-        for table, block_ids in zip(self.block_tables, new_block_ids, strict=True):
-            table.append_row(slot, block_ids)
-
-    def mark_pending(self, slots: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        """One new token per listed slot, sampled as `rows` of the step just launched; its
-        value comes with `resolve_pending`. Returns the tokens' positions."""
+    def mark_pending(
+        self, slots: np.ndarray, rows: np.ndarray, sampled_token_ids: torch.Tensor
+    ) -> np.ndarray:
+        """One new token per listed slot, sampled as `rows` of `sampled_token_ids` (the step
+        just launched, on the device; the next step reads its inputs there); its value comes
+        to the host with `resolve_pending`. Returns the tokens' positions."""
+        self.prev_sampled_token_ids = sampled_token_ids
         positions = self.num_tokens[slots].copy()
         self.num_tokens[slots] += 1
         self.pending_positions[slots] = positions

@@ -1,24 +1,23 @@
-"""ModelRunner: applies SchedulerOutput deltas to the persistent batch, builds step inputs and
-attention metadata (vectorized), and hands the step to the model-kind strategy.
+"""ModelRunner: applies SchedulerOutput deltas to the persistent batch, builds step inputs
+(vectorized), and runs each step as prepare (the model-kind strategy), main pass (a CUDA graph
+replay or the strategy's eager forward: the runner chooses) and finish (the strategy).
+
+The runner alone owns the model, the KV cache, the persistent batch, the attention-metadata
+factory and the CUDA graphs; strategies and graphs get the pieces they use, never the runner.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
-from v1.attention.backend import AttentionType, CommonAttentionMetadata
-from v1.attention.cross_attention import (
-    ENCODER_STATES_LAYER,
-    EncoderDecoderAttention,
-    encoder_states_builder_cls,
-)
+from v1.attention.backend import AttentionType
+from v1.attention.cross_attention import ENCODER_STATES_LAYER, EncoderDecoderAttention
 from v1.attention.layer import Attention
-from v1.attention.selector import default_backend_name, load_backend, use_backend
-from v1.config import EngineConfig, ModelKind
+from v1.attention.selector import default_backend_name, use_backend
+from v1.config import EngineConfig
 from v1.core.sched_output import (
     DeferredRunnerOutput,
     ModelRunnerOutput,
@@ -29,48 +28,16 @@ from v1.host_copy import to_device
 from v1.kv_cache.spec import (
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
-    EncoderStatesSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheSpec,
     encoder_states_spec_in_pool,
 )
-from v1.worker.block_table import BlockTable
+from v1.worker.attn_metadata import AttentionMetadataFactory
 from v1.worker.input_batch import InputBatch
 from v1.worker.kv_cache_views import LayerCache, allocate_kv_cache
-
-if TYPE_CHECKING:
-    from v1.model_info import ModelInfo
-
-
-@dataclass
-class StepInputs:
-    """One step's packed decoder (or encoder-only) inputs, requests in batch order."""
-
-    req_ids: list[str]
-    slots: np.ndarray
-    num_scheduled: np.ndarray
-    query_start_loc: np.ndarray
-    """[R + 1] token offsets."""
-    token_slots: np.ndarray
-    """[T] slot of each token."""
-    positions_np: np.ndarray
-    seq_lens: np.ndarray
-    """[R] tokens in the sequence after this step."""
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    logits_indices: torch.Tensor
-    """[R] index of each request's last scheduled token."""
-    reached_end: np.ndarray
-    """[R] bool: the step reaches the end of the request's known tokens (a token is sampled)."""
-    grammar_rows: np.ndarray | None = None
-    """[k] batch rows whose next token a grammar constrains (structured outputs)."""
-    grammar_bitmask: np.ndarray | None = None
-    """[k, ceil(vocab / 32)] int32 packed masks of those rows (SchedulerOutput.grammar_bitmask)."""
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.query_start_loc[-1])
+from v1.worker.model_states import ModelState, StateContext, make_model_state
+from v1.worker.step_inputs import StepInputs
 
 
 class ModelRunner:
@@ -91,22 +58,21 @@ class ModelRunner:
             "float8_e4m3fn" if fp8_kv_cache else str(self.dtype).removeprefix("torch.")
         )
         """KV cache spec dtype (fp8 caches keep float32 scales beside their rows)."""
-        self.backend = load_backend(self.backend_name)
+        self.attn_metadata = AttentionMetadataFactory(self.backend_name, device, self.block_size)
+        self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len)
         self.model: Any = None
         self.tp: Any = None
         """This rank's TensorParallelGroup (set by the worker; None: the whole model here)."""
+        self.state: ModelState | None = None
+        """The model-kind strategy, built by `load_model` (None before, and after shutdown)."""
         self.attn_layers: dict[str, Attention] = {}
         self.kv_cache_config: KVCacheConfig | None = None
-        self.input_batch: InputBatch | None = None
         self.cuda_graphs: Any = None
-        self.prev_sampled_token_ids: torch.Tensor | None = None
-        """[R] tokens sampled by the last launched step, on the device (pipelined steps)."""
         mode = config.cache_config.cross_attention
         self.cross_attention = "absorbed" if mode == "absorbed" else "per_layer"
         """per_layer or absorbed (the worker resolves "auto" before sizing the cache)."""
         self.encoder_states: LayerCache | None = None
         """The encoder-states cache (absorbed cross-attention)."""
-        self.state = _make_state(self.model_config.info, self)
 
     # ---- set-up ----
     def load_model(self) -> None:
@@ -118,8 +84,17 @@ class ModelRunner:
         self.attn_layers = {
             m.layer_name: m for m in self.model.modules() if isinstance(m, Attention)
         }
+        self.attn_metadata.set_layers({n: m.attn_type for n, m in self.attn_layers.items()})
         self.set_cross_attention(self.cross_attention)
-        self.state.on_model_loaded()
+        self.state = make_model_state(
+            StateContext(
+                model=self.model,
+                input_batch=self.input_batch,
+                attn_metadata=self.attn_metadata,
+                device=self.device,
+                config=self.config,
+            )
+        )
 
     def set_cross_attention(self, mode: str) -> None:
         """per_layer or absorbed, for the cross-attention layers too; before the cache exists
@@ -160,7 +135,8 @@ class ModelRunner:
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         self.kv_cache_config = kv_cache_config
-        for name, cache in allocate_kv_cache(kv_cache_config, self.device).items():
+        kv_caches = allocate_kv_cache(kv_cache_config, self.device)
+        for name, cache in kv_caches.items():
             if name == ENCODER_STATES_LAYER:
                 self.encoder_states = cache
                 for layer in self.attn_layers.values():
@@ -169,33 +145,23 @@ class ModelRunner:
             else:
                 self.attn_layers[name].kv_cache = cache.values
                 self.attn_layers[name].kv_scales = cache.scales
-        self.group_layers: list[tuple[str, ...]] = []
-        self.group_types: list[AttentionType] = []
-        self.builders = []
-        tables = []
-        for group in kv_cache_config.groups:
-            spec = group.spec
-            is_cross = isinstance(spec, (CrossAttentionSpec, EncoderStatesSpec))
-            attn_type = AttentionType.ENCODER_DECODER if is_cross else AttentionType.DECODER
-            max_len = self.model_config.max_encoder_len if is_cross else self.max_model_len
-            tables.append(
-                BlockTable(self.max_num_reqs, -(-max_len // spec.block_size), spec.block_size)
-            )
-            self.group_layers.append(group.layer_names)
-            self.group_types.append(attn_type)
-            builder_cls = (
-                encoder_states_builder_cls(self.backend_name)
-                if isinstance(spec, EncoderStatesSpec)
-                else self.backend.get_builder_cls()
-            )
-            self.builders.append(builder_cls(attn_type, self.device, spec.block_size))
-        self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, tables)
-        self.state.on_kv_cache_ready()
+        self.attn_metadata.initialize(
+            kv_cache_config,
+            self.max_num_reqs,
+            self.max_model_len,
+            self.model_config.max_encoder_len,
+        )
+        self.state.on_kv_cache_ready(kv_caches)
         self.cuda_graphs = None
         if self.use_cuda_graphs:
             from v1.worker.cuda_graphs import CudaGraphManager
 
-            self.cuda_graphs = CudaGraphManager.create(self)
+            self.cuda_graphs = CudaGraphManager.create(
+                self.attn_metadata,
+                self.input_batch,
+                self.state.decode_forward,
+                self.config.scheduler_config.max_num_batched_tokens,
+            )
             self.cuda_graphs.capture()
 
     @property
@@ -204,7 +170,7 @@ class ModelRunner:
             self.device.type == "cuda"
             and not self.config.enforce_eager
             and self.backend_name == "triton"
-            and self.model_config.kind != ModelKind.ENCODER_ONLY
+            and self.state.supports_cuda_graphs
         )
 
     # ---- the step ----
@@ -219,16 +185,26 @@ class ModelRunner:
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ReadyRunnerOutput(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
         step = self._prepare_inputs(scheduler_output)
-        return self.state.execute_async(step, scheduler_output)
+        self.state.prepare_step(step, scheduler_output)
+        # Every step's one choice between graph and eager: the pre-step wrote what the graphs
+        # only read (cross K/V), so any step that fits a graph replays one.
+        graphs = self.cuda_graphs
+        if graphs is not None and graphs.can_run(step, scheduler_output):
+            hidden_states = graphs.run(step)
+        else:
+            hidden_states = self.state.forward(step, scheduler_output)
+        return self.state.finish_step(hidden_states, step, scheduler_output)
 
     def _update_states(self, so: SchedulerOutput) -> None:
-        batch = self.input_batch
+        batch, tables = self.input_batch, self.attn_metadata
         for req_id in so.finished_req_ids:
             state = batch.remove_request(req_id)
             if state is not None:
+                tables.clear_rows(state.slot)
                 self.state.on_request_removed(state)
         for data in so.scheduled_new_reqs:
             state = batch.add_request(data)
+            tables.set_rows(state.slot, data.block_ids)
             self.state.on_request_added(state, data)
         cached = so.scheduled_cached_reqs
         if cached.req_ids:
@@ -239,7 +215,7 @@ class ModelRunner:
             batch.num_computed_tokens[slots] = cached.num_computed_tokens
             for slot, blocks in zip(slots.tolist(), cached.new_block_ids, strict=True):
                 if blocks is not None:
-                    batch.append_blocks(slot, blocks)
+                    tables.append_rows(slot, blocks)
 
     def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         batch = self.input_batch
@@ -261,8 +237,8 @@ class ModelRunner:
         input_ids, positions_dev, logits_indices, dst_dev, src_dev = shipped
         if len(dst):
             # Tokens sampled by the step still running: read where they are, on the device.
-            assert self.prev_sampled_token_ids is not None
-            input_ids[dst_dev] = self.prev_sampled_token_ids[src_dev]
+            assert batch.prev_sampled_token_ids is not None
+            input_ids[dst_dev] = batch.prev_sampled_token_ids[src_dev]
         grammar_rows = None
         if so.structured_output_req_ids:
             row_of = {req_id: i for i, req_id in enumerate(req_ids)}
@@ -285,73 +261,6 @@ class ModelRunner:
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return to_device(array, self.device)
-
-    # ---- attention metadata ----
-    def make_common(
-        self,
-        query_start_loc: np.ndarray,
-        seq_lens: np.ndarray,
-        causal: bool,
-        block_table: torch.Tensor | None = None,
-        slot_mapping: np.ndarray | None = None,
-        query_positions: torch.Tensor | None = None,
-    ) -> CommonAttentionMetadata:
-        qsl_cpu = torch.from_numpy(query_start_loc.astype(np.int32))
-        seq_cpu = torch.from_numpy(np.ascontiguousarray(seq_lens, dtype=np.int32))
-        num_reqs = len(seq_lens)
-        query_lens = np.diff(query_start_loc)
-        return CommonAttentionMetadata(
-            # non_blocking: a blocking host-to-device copy would wait for the whole stream.
-            query_start_loc=to_device(qsl_cpu, self.device),
-            query_start_loc_cpu=qsl_cpu,
-            seq_lens=to_device(seq_cpu, self.device),
-            seq_lens_cpu=seq_cpu,
-            num_reqs=num_reqs,
-            num_actual_tokens=int(query_start_loc[-1]),
-            max_query_len=int(query_lens.max(initial=0)),
-            max_seq_len=int(seq_lens.max(initial=0)),
-            causal=causal,
-            block_table=block_table,
-            slot_mapping=self._to_device(slot_mapping) if slot_mapping is not None else None,
-            query_positions=query_positions,
-        )
-
-    def decoder_attn_metadata(self, step: StepInputs) -> dict[str, Any]:
-        """Metadata of every decoder self-attention group (one object per group)."""
-        out: dict[str, Any] = {}
-        for i, attn_type in enumerate(self.group_types):
-            if attn_type != AttentionType.DECODER:
-                continue
-            table = self.input_batch.block_tables[i]
-            common = self.make_common(
-                step.query_start_loc,
-                step.seq_lens,
-                causal=True,
-                block_table=table.rows(step.slots, self.device),
-                slot_mapping=table.slot_mapping(step.token_slots, step.positions_np),
-                query_positions=step.positions,
-            )
-            metadata = self.builders[i].build(common)
-            out.update(dict.fromkeys(self.group_layers[i], metadata))
-        return out
-
-    def uncached_attn_metadata(
-        self, lengths: np.ndarray, attn_type: AttentionType, layer_names: list[str]
-    ) -> dict[str, Any]:
-        """Bidirectional metadata over packed sequences with no cache (ENCODER, ENCODER_ONLY)."""
-        qsl = np.zeros(len(lengths) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=qsl[1:])
-        positions = np.arange(int(qsl[-1])) - np.repeat(qsl[:-1], lengths)
-        common = self.make_common(
-            qsl, lengths, causal=False, query_positions=self._to_device(positions)
-        )
-        metadata = self.backend.get_builder_cls()(attn_type, self.device, self.block_size).build(
-            common
-        )
-        return dict.fromkeys(layer_names, metadata)
-
-    def layers_of_type(self, attn_type: AttentionType) -> list[str]:
-        return [n for n, layer in self.attn_layers.items() if layer.attn_type == attn_type]
 
     # ---- memory profiling (GPU) ----
     @torch.inference_mode()
@@ -376,24 +285,8 @@ class ModelRunner:
         return available
 
     def shutdown(self) -> None:
+        # Everything that holds the model lets it go (the state, the graphs' forward).
         self.model = None
+        self.state = None
+        self.cuda_graphs = None
         self.attn_layers = {}
-
-
-def _make_state(info: ModelInfo, runner: ModelRunner) -> Any:
-    kind = info.kind
-    if kind == ModelKind.DECODER_ONLY:
-        from v1.worker.model_states.decoder_only import DecoderOnlyState
-
-        return DecoderOnlyState(runner, info)
-    if kind == ModelKind.ENCODER_DECODER and info.is_whisper:
-        from v1.worker.model_states.whisper import WhisperState
-
-        return WhisperState(runner, info)
-    if kind == ModelKind.ENCODER_DECODER:
-        from v1.worker.model_states.encoder_decoder import EncoderDecoderState
-
-        return EncoderDecoderState(runner, info)
-    from v1.worker.model_states.encoder_only import EncoderOnlyState
-
-    return EncoderOnlyState(runner, info)

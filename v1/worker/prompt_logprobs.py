@@ -7,15 +7,17 @@ inside the prompt count. Rows that resumed with outputs already reported theirs 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from v1.core.sched_output import ModelRunnerOutput
+from v1.host_copy import to_device
 
 if TYPE_CHECKING:
-    from v1.worker.model_runner import ModelRunner, StepInputs
+    from v1.worker.step_inputs import StepInputs
 
 
 class PromptLogprobsJob:
@@ -45,15 +47,18 @@ class PromptLogprobsJob:
 
 
 def prompt_logprobs_job(
-    runner: ModelRunner,
     step: StepInputs,
+    token_ids: np.ndarray,
     num_prompt_logprobs: np.ndarray,
     num_prompt_tokens: np.ndarray,
     num_output_tokens: np.ndarray,
     hidden_states: torch.Tensor,
+    compute_logits: Callable[[torch.Tensor], torch.Tensor],
 ) -> tuple[PromptLogprobsJob, dict[str, torch.Tensor]] | None:
     """The step's prompt logprobs as device tensors to copy to the host, or None when no row
-    of the step asks for them. The arrays are per slot (SamplingState's host mirrors)."""
+    of the step asks for them. `token_ids` [slots, max_model_len] are the batch's tokens; the
+    other arrays are per slot (SamplingState's host mirrors); `compute_logits`: hidden states
+    [k, H] -> logits [k, vocab]."""
     slots = step.slots
     wants = (num_prompt_logprobs[slots] >= 0) & (num_output_tokens[slots] == 0)
     if not wants.any():
@@ -69,17 +74,17 @@ def prompt_logprobs_job(
             continue
         index = np.arange(qsl[row], qsl[row + 1])[keep]
         token_index.append(index)
-        targets.append(runner.input_batch.token_ids[slot, positions[keep] + 1])
+        targets.append(token_ids[slot, positions[keep] + 1])
         job.req_ids.append(step.req_ids[row])
         job.starts.append(int(positions[keep][0]) + 1)
         job.counts.append(int(keep.sum()))
         job.nums.append(int(num_prompt_logprobs[slot]))
     if not job.req_ids:
         return None
-    index = runner._to_device(np.concatenate(token_index))
-    target = runner._to_device(np.concatenate(targets)).unsqueeze(1)  # [k, 1]
-    logits = runner.model.compute_logits(hidden_states[index])
-    logits = logits[:, : runner.model_config.vocab_size].float()
+    device = hidden_states.device
+    index = to_device(np.concatenate(token_index), device)
+    target = to_device(np.concatenate(targets), device).unsqueeze(1)  # [k, 1]
+    logits = compute_logits(hidden_states[index]).float()
     logprobs = torch.log_softmax(logits, dim=-1)  # [k, vocab]
     target_logprobs = logprobs.gather(1, target)
     top_logprobs, top_ids = logprobs.topk(max(job.nums), dim=-1)

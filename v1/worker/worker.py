@@ -70,6 +70,19 @@ class Worker:
     def load_model(self) -> None:
         self.model_runner.load_model()
 
+    @property
+    def cross_attention(self) -> str:
+        """per_layer or absorbed: the mode the KV cache specs are for."""
+        return self.model_runner.cross_attention
+
+    def set_cross_attention(self, mode: str) -> None:
+        """Rank 0's decision of the auto mode, on another rank (before the cache exists)."""
+        self.model_runner.set_cross_attention(mode)
+
+    def current_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
+        """The specs of the mode already chosen (no auto resolution, no profiling)."""
+        return self.model_runner.get_kv_cache_specs()
+
     def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
         runner = self.model_runner
         if self.config.cache_config.cross_attention == "auto" and runner.has_cross_attention:

@@ -1,41 +1,72 @@
-"""Model-kind strategy interface, and the sampling half shared by the generating kinds."""
+"""Model-kind strategy interface, what a strategy is built from (StateContext), and the sampling
+half shared by the generating kinds."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
 
-from v1.core.sched_output import (
-    DeferredRunnerOutput,
-    ModelRunnerOutput,
-    NewRequestData,
-    ReadyRunnerOutput,
-    SchedulerOutput,
-)
+from v1.config import EngineConfig
+from v1.core.sched_output import DeferredRunnerOutput, NewRequestData, SchedulerOutput
 from v1.forward_context import ForwardContext, set_forward_context
-from v1.worker.input_batch import CachedRequestState
+from v1.host_copy import to_device
+from v1.models.interfaces import SupportsLogits, require
+from v1.worker.attn_metadata import AttentionMetadataFactory
+from v1.worker.input_batch import CachedRequestState, InputBatch
 from v1.worker.prompt_logprobs import prompt_logprobs_job
 from v1.worker.sampled_output import HostCopy, PendingSampledStep
 
 if TYPE_CHECKING:
-    from v1.model_info import ModelInfo
-    from v1.worker.model_runner import ModelRunner, StepInputs
+    from v1.worker.kv_cache_views import LayerCache
+    from v1.worker.step_inputs import StepInputs
 
 
-class ModelState:
-    """What differs between decoder-only, encoder-decoder and encoder-only models."""
+@dataclass(frozen=True)
+class StateContext:
+    """Everything a model-kind state works with (it never sees the runner)."""
 
-    def __init__(self, runner: ModelRunner, info: ModelInfo) -> None:
-        self.runner = runner
-        self.info = info
+    model: Any
+    """The loaded model; the state checks the protocols it calls (v1/models/interfaces.py)."""
+    input_batch: InputBatch
+    attn_metadata: AttentionMetadataFactory
+    device: torch.device
+    config: EngineConfig
+
+
+class ModelState(ABC):
+    """What differs between decoder-only, encoder-decoder and encoder-only models.
+
+    A step is three calls from the runner: `prepare_step` (work outside the model's main
+    pass: encoders, cross-K/V writes, input checks), the main pass (the runner replays a CUDA
+    graph of `decode_forward` or calls `forward` eagerly), then `finish_step` (sampling or
+    pooling, launched; the output is read back later)."""
+
+    model_interfaces: ClassVar[tuple[type, ...]] = ()
+    """Protocols the state calls on the model, checked when it is built (at model load)."""
+    supports_cuda_graphs: ClassVar[bool] = False
+    """Whether the state has a `decode_forward(input_ids, positions)`: the main pass over
+    static buffers under the caller's forward context, which CUDA graphs capture."""
+
+    def __init__(self, ctx: StateContext) -> None:
+        require(ctx.model, self.model_interfaces, type(self).__name__)
+        self.model = ctx.model
+        self.input_batch = ctx.input_batch
+        self.attn_metadata = ctx.attn_metadata
+        self.device = ctx.device
+        self.config = ctx.config
+        self.model_config = ctx.config.model_config
+        self.info = self.model_config.info
         """The process's model facts (special tokens, pooling config, classifier head)."""
+        self.max_num_reqs = ctx.input_batch.max_num_reqs
+        self.max_model_len = ctx.input_batch.max_model_len
 
-    def on_model_loaded(self) -> None:
-        return None
-
-    def on_kv_cache_ready(self) -> None:
+    def on_kv_cache_ready(self, kv_caches: dict[str, LayerCache]) -> None:
+        """The KV cache exists (`kv_caches`: its views by layer name) and so do the block
+        tables; steps follow."""
         return None
 
     def on_request_added(self, state: CachedRequestState, data: NewRequestData) -> None:
@@ -44,45 +75,54 @@ class ModelState:
     def on_request_removed(self, state: CachedRequestState) -> None:
         return None
 
-    def execute(self, step: StepInputs, so: SchedulerOutput) -> ModelRunnerOutput:
-        raise NotImplementedError
+    def to_device(self, array: np.ndarray) -> torch.Tensor:
+        return to_device(array, self.device)
 
-    def execute_async(self, step: StepInputs, so: SchedulerOutput) -> DeferredRunnerOutput:
-        """Launch the step; its output is read back later (pipelined scheduling). Kinds that
-        cannot defer run it whole now."""
-        return ReadyRunnerOutput(self.execute(step, so))
+    # ---- the step ----
+    def prepare_step(self, step: StepInputs, so: SchedulerOutput) -> None:
+        return None
 
+    @abstractmethod
+    def forward(self, step: StepInputs, so: SchedulerOutput) -> torch.Tensor:
+        """The step's main pass, eagerly: hidden states [T, H] of its packed tokens."""
+
+    @abstractmethod
+    def finish_step(
+        self, hidden_states: torch.Tensor, step: StepInputs, so: SchedulerOutput
+    ) -> DeferredRunnerOutput:
+        """Launches what turns the hidden states into the step's output."""
+
+    # ---- memory profiling ----
     def dummy_run(self, num_tokens: int) -> None:
         """A max-size forward for memory profiling (attention skipped)."""
-        runner = self.runner
-        input_ids = torch.zeros(num_tokens, dtype=torch.long, device=runner.device)
-        positions = torch.arange(num_tokens, device=runner.device) % runner.max_model_len
-        with set_forward_context(ForwardContext(profiling=True)):
-            hidden_states = self.forward_for_profile(input_ids, positions)
-        if hasattr(runner.model, "compute_logits"):
-            runner.model.compute_logits(hidden_states[: runner.max_num_reqs])
+        self.profile_forward(num_tokens)
 
-    def forward_for_profile(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.runner.model(input_ids, positions)
+    def profile_forward(self, num_tokens: int) -> torch.Tensor:
+        input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device) % self.max_model_len
+        with set_forward_context(ForwardContext(profiling=True)):
+            return self.model(input_ids, positions)
 
 
 class GenerationState(ModelState):
     """Sampling state and the sample-and-append half of a generating step."""
 
+    model_interfaces = (SupportsLogits,)
+    supports_cuda_graphs = True
+
     def whisper_token_info(self) -> Any:
         return None
 
-    def on_kv_cache_ready(self) -> None:
+    def on_kv_cache_ready(self, kv_caches: dict[str, LayerCache]) -> None:
         from v1.sample import Sampler, SamplingState
 
-        runner = self.runner
         self.sampling_state = SamplingState(
-            runner.max_num_reqs,
-            runner.max_model_len,
-            runner.model_config.vocab_size,
-            runner.device,
+            self.max_num_reqs,
+            self.max_model_len,
+            self.model_config.vocab_size,
+            self.device,
             whisper=self.whisper_token_info(),
-            seed=runner.model_config.seed,
+            seed=self.model_config.seed,
         )
         self.sampler = Sampler()
 
@@ -98,28 +138,27 @@ class GenerationState(ModelState):
     def eos_token_id(self, data: NewRequestData) -> int | None:
         if data.eos_token_id is not None:
             return data.eos_token_id
-        eos = getattr(self.runner.model_config.hf_config, "eos_token_id", None)
+        eos = getattr(self.model_config.hf_config, "eos_token_id", None)
         return eos[0] if isinstance(eos, list) else eos
 
     def on_request_removed(self, state: CachedRequestState) -> None:
         self.sampling_state.remove_request(state.slot)
 
-    def execute(self, step: StepInputs, so: SchedulerOutput) -> ModelRunnerOutput:
-        return self.execute_async(step, so).get_output()
-
-    def execute_async(self, step: StepInputs, so: SchedulerOutput) -> PendingSampledStep:
-        """Launches the forward pass and the sampler; the sampled tokens stay on the device
-        (they feed the next step there) and reach the host when the output is read."""
-        pending = self.sample_async(self.forward(step, so), step)
+    def finish_step(
+        self, hidden_states: torch.Tensor, step: StepInputs, so: SchedulerOutput
+    ) -> PendingSampledStep:
+        """Launches the sampler; the sampled tokens stay on the device (they feed the next
+        step there) and reach the host when the output is read."""
+        pending = self.sample_async(hidden_states, step)
         pending.num_encoder_runs = self.num_encoder_runs_in(so)
         return pending
 
-    def forward(self, step: StepInputs, so: SchedulerOutput) -> torch.Tensor:
-        """Hidden states [T, H] of the step's packed tokens."""
-        raise NotImplementedError
-
     def num_encoder_runs_in(self, so: SchedulerOutput) -> int:
         return 0
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[N, H] -> [N, vocab_size] (heads padded past the vocabulary are cut)."""
+        return self.model.compute_logits(hidden_states)[:, : self.model_config.vocab_size]
 
     def sample_async(
         self,
@@ -127,25 +166,25 @@ class GenerationState(ModelState):
         step: StepInputs,
         extra_to_host: dict[str, torch.Tensor] | None = None,
     ) -> PendingSampledStep:
-        runner = self.runner
         state = self.sampling_state
+        batch = self.input_batch
         prompt_job = prompt_logprobs_job(  # before this step's tokens count as outputs
-            runner,
             step,
+            batch.token_ids,
             state.num_prompt_logprobs,
             state.num_prompt_tokens,
             state.num_output_tokens,
             hidden_states,
+            self.compute_logits,
         )
-        logits = runner.model.compute_logits(hidden_states[step.logits_indices])
-        logits = logits[:, : runner.model_config.vocab_size]
+        logits = self.compute_logits(hidden_states[step.logits_indices])
         metadata = self.sampling_state.make_metadata(step.slots)
         if step.grammar_rows is not None:
             from v1.sample.metadata import RowBitmask
 
             metadata.grammar_bitmask = RowBitmask(
-                rows=runner._to_device(step.grammar_rows),
-                bitmask=runner._to_device(step.grammar_bitmask),
+                rows=self.to_device(step.grammar_rows),
+                bitmask=self.to_device(step.grammar_bitmask),
             )
         out = self.sampler(logits, metadata)
         sampled = out.sampled_token_ids  # [R] int64, on the device
@@ -155,11 +194,9 @@ class GenerationState(ModelState):
             if len(keep_rows) == len(step.slots):
                 kept = sampled
             else:
-                kept = sampled[runner._to_device(keep_rows)]
+                kept = sampled[self.to_device(keep_rows)]
             self.sampling_state.append_output_tokens(kept_slots, kept)
-        batch = runner.input_batch
-        positions = batch.mark_pending(kept_slots, keep_rows)
-        runner.prev_sampled_token_ids = sampled
+        positions = batch.mark_pending(kept_slots, keep_rows, sampled)
         to_host = {"sampled": sampled}
         num_logprobs = None
         if out.logprobs is not None:
@@ -181,3 +218,8 @@ class GenerationState(ModelState):
         if prompt_job is not None:
             pending.finalize.append(prompt_job[0].finalize)
         return pending
+
+    # ---- memory profiling ----
+    def dummy_run(self, num_tokens: int) -> None:
+        hidden_states = self.profile_forward(num_tokens)
+        self.model.compute_logits(hidden_states[: self.max_num_reqs])

@@ -11,17 +11,14 @@ from v1.forward_context import ForwardContext, set_forward_context
 from v1.worker.model_states.base import GenerationState
 
 if TYPE_CHECKING:
-    from v1.worker.model_runner import StepInputs
+    from v1.worker.step_inputs import StepInputs
 
 
 class DecoderOnlyState(GenerationState):
     def forward(self, step: StepInputs, so: SchedulerOutput) -> torch.Tensor:
-        graphs = self.runner.cuda_graphs
-        if graphs is not None and graphs.can_run(step, so):
-            return graphs.run(step)
-        metadata = self.runner.decoder_attn_metadata(step)
+        metadata = self.attn_metadata.decoder(step)
         with set_forward_context(ForwardContext(metadata)):
             return self.decode_forward(step.input_ids, step.positions)
 
     def decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.runner.model(input_ids, positions)
+        return self.model(input_ids, positions)

@@ -16,31 +16,42 @@ from v1.attention.ops.absorbed_cross_attention import write_encoder_states
 from v1.core.protocol import EncoderInput
 from v1.core.sched_output import SchedulerOutput
 from v1.forward_context import ForwardContext, set_forward_context
-from v1.worker.model_states.base import GenerationState
+from v1.models.interfaces import SupportsEncode, SupportsLogits
+from v1.worker.model_states.base import GenerationState, StateContext
 
 if TYPE_CHECKING:
-    from v1.worker.model_runner import StepInputs
+    from v1.worker.kv_cache_views import LayerCache
+    from v1.worker.step_inputs import StepInputs
 
 
 class EncoderDecoderState(GenerationState):
-    def on_model_loaded(self) -> None:
+    model_interfaces = (SupportsLogits, SupportsEncode)
+
+    def __init__(self, ctx: StateContext) -> None:
+        super().__init__(ctx)
         self.encoder_outputs: dict[str, torch.Tensor] = {}
         """content hash -> encoder output [num_encoder_tokens, hidden] (the encoder cache)."""
-        self.encoder_layers = self.runner.layers_of_type(AttentionType.ENCODER)
+        self.encoder_layers = self.attn_metadata.layers_of_type(AttentionType.ENCODER)
         self.num_encoder_runs = 0
+        self.encoder_states: LayerCache | None = None
+        """The encoder-states cache (absorbed cross-attention), once the KV cache exists."""
 
-    def forward(self, step: StepInputs, so: SchedulerOutput) -> torch.Tensor:
+    def on_kv_cache_ready(self, kv_caches: dict[str, LayerCache]) -> None:
+        super().on_kv_cache_ready(kv_caches)
+        self.encoder_states = kv_caches.get(ENCODER_STATES_LAYER)
+
+    def prepare_step(self, step: StepInputs, so: SchedulerOutput) -> None:
+        """The pre-step: encoders of new inputs, then cross K/V of requests on their first
+        step. Every cross K/V of the step is in the cache afterwards: the decoder pass only
+        reads it, so first steps replay CUDA graphs like any other decode step."""
         for content_hash in so.free_encoder_hashes:
             self.encoder_outputs.pop(content_hash, None)
         self._run_encoders(so.encoder_hashes_to_run)
         if so.encoder_reqs:
             self._write_cross_kv(step, so.encoder_reqs)
-        # Every cross K/V of this step is in the cache now: the decoder step only reads it,
-        # so first steps replay CUDA graphs like any other decode step.
-        graphs = self.runner.cuda_graphs
-        if graphs is not None and graphs.can_run(step, so):
-            return graphs.run(step)
-        metadata = self.runner.decoder_attn_metadata(step)
+
+    def forward(self, step: StepInputs, so: SchedulerOutput) -> torch.Tensor:
+        metadata = self.attn_metadata.decoder(step)
         metadata.update(self._cross_attn_metadata(step, []))
         with set_forward_context(ForwardContext(metadata)):
             return self.decode_forward(step.input_ids, step.positions)
@@ -54,84 +65,63 @@ class EncoderDecoderState(GenerationState):
         attention layer skipped (ForwardContext.cross_kv_only), so only the cross-attention
         K/V projections and cache writes do real work. Absorbed cross-attention stores the
         encoder outputs themselves instead, without running the model."""
-        runner = self.runner
-        requests = runner.input_batch.requests
+        requests = self.input_batch.requests
         encoder_hidden_states = torch.cat(
             [self.encoder_outputs[requests[r].encoder_input.content_hash] for r in encoder_reqs]
         )
         metadata = self._cross_attn_metadata(step, encoder_reqs)
-        if runner.encoder_states is not None:
+        if self.encoder_states is not None:
             # Absorbed cross-attention: E itself is the cache, written once for all layers.
             write_encoder_states(
                 encoder_hidden_states,
-                runner.encoder_states.values,
-                runner.encoder_states.scales,
+                self.encoder_states.values,
+                self.encoder_states.scales,
                 metadata[ENCODER_STATES_LAYER].common.slot_mapping,
             )
             return
-        placeholder = torch.zeros(len(encoder_reqs), dtype=torch.long, device=runner.device)
+        placeholder = torch.zeros(len(encoder_reqs), dtype=torch.long, device=self.device)
         with set_forward_context(ForwardContext(metadata, cross_kv_only=True)):
-            runner.model(placeholder, placeholder, encoder_hidden_states=encoder_hidden_states)
+            self.model(placeholder, placeholder, encoder_hidden_states=encoder_hidden_states)
 
     def decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """A decoder step whose cross K/V are all in the cache already (what CUDA graphs run)."""
-        return self.runner.model(input_ids, positions, encoder_hidden_states=None)
+        return self.model(input_ids, positions, encoder_hidden_states=None)
 
     # ---- encoder ----
     def _run_encoders(self, hashes_to_run: dict[str, str]) -> int:
         if not hashes_to_run:
             return 0
-        requests = self.runner.input_batch.requests
+        requests = self.input_batch.requests
         inputs = [requests[req_id].encoder_input for req_id in hashes_to_run.values()]
         lengths = np.array([e.num_encoder_tokens for e in inputs], dtype=np.int64)
-        metadata = self.runner.uncached_attn_metadata(
-            lengths, AttentionType.ENCODER, self.encoder_layers
-        )
+        metadata = self.attn_metadata.uncached(lengths, AttentionType.ENCODER, self.encoder_layers)
         with set_forward_context(ForwardContext(metadata)):
-            output = self.runner.model.encode(**self._encoder_kwargs(inputs))  # [sum(len), H]
+            output = self.model.encode(**self._encoder_kwargs(inputs))  # [sum(len), H]
         for content_hash, part in zip(hashes_to_run, output.split(lengths.tolist()), strict=True):
             self.encoder_outputs[content_hash] = part
         self.num_encoder_runs += len(inputs)
         return len(inputs)
 
     def _encoder_kwargs(self, inputs: list[EncoderInput]) -> dict[str, Any]:
-        runner = self.runner
         if inputs[0].audio is not None:
-            return {"audio": _audio_to_device([e.audio for e in inputs], runner.device)}
+            return {"audio": _audio_to_device([e.audio for e in inputs], self.device)}
         lengths = np.array([len(e.token_ids) for e in inputs], dtype=np.int64)
         ids = np.concatenate([np.asarray(e.token_ids, dtype=np.int64) for e in inputs])
         starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
         positions = np.arange(len(ids)) - starts
-        return {"input_ids": runner._to_device(ids), "positions": runner._to_device(positions)}
+        return {"input_ids": self.to_device(ids), "positions": self.to_device(positions)}
 
     # ---- cross-attention ----
     def _cross_attn_metadata(self, step: StepInputs, encoder_reqs: list[str]) -> dict[str, Any]:
-        runner = self.runner
-        batch = runner.input_batch
-        out: dict[str, Any] = {}
-        enc_lens = batch.num_encoder_tokens[step.slots]
-        for i, attn_type in enumerate(runner.group_types):
-            if attn_type != AttentionType.ENCODER_DECODER:
-                continue
-            table = batch.block_tables[i]
-            slot_mapping = None
-            if encoder_reqs:
-                w_slots = np.array([batch.requests[r].slot for r in encoder_reqs], dtype=np.int64)
-                w_lens = batch.num_encoder_tokens[w_slots]
-                positions = np.arange(int(w_lens.sum())) - np.repeat(
-                    np.cumsum(w_lens) - w_lens, w_lens
-                )
-                slot_mapping = table.slot_mapping(np.repeat(w_slots, w_lens), positions)
-            common = runner.make_common(
-                step.query_start_loc,
-                enc_lens,
-                causal=False,
-                block_table=table.rows(step.slots, runner.device),
-                slot_mapping=slot_mapping,
-                query_positions=step.positions,
-            )
-            out.update(dict.fromkeys(runner.group_layers[i], runner.builders[i].build(common)))
-        return out
+        """Cross-attention metadata of the step; `encoder_reqs` write their cross blocks."""
+        batch = self.input_batch
+        writer_slots = np.array([batch.requests[r].slot for r in encoder_reqs], dtype=np.int64)
+        return self.attn_metadata.cross(
+            step,
+            batch.num_encoder_tokens[step.slots],
+            writer_slots,
+            batch.num_encoder_tokens[writer_slots],
+        )
 
 
 def _audio_to_device(clips: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:

@@ -9,16 +9,20 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 
 from v1.attention.backend import AttentionType
 from v1.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from v1.forward_context import ForwardContext, set_forward_context
+from v1.models.interfaces import SupportsClassify, require
 from v1.models.layers.pooler import PendingPooledOutput, Pooler, PoolingSegments
+from v1.pooling_params import PoolingParams
 from v1.worker.input_batch import CachedRequestState
-from v1.worker.model_states.base import ModelState
+from v1.worker.model_states.base import ModelState, StateContext
 
 if TYPE_CHECKING:
-    from v1.worker.model_runner import StepInputs
+    from v1.worker.kv_cache_views import LayerCache
+    from v1.worker.step_inputs import StepInputs
 
 
 @dataclass
@@ -37,20 +41,23 @@ class PendingPoolingStep:
 
 
 class EncoderOnlyState(ModelState):
-    def on_model_loaded(self) -> None:
-        runner = self.runner
-        self.pooling_config = self.info.pooling
-        assert self.pooling_config is not None
-        classify = runner.model.classify if self.info.has_classifier else None
+    def __init__(self, ctx: StateContext) -> None:
+        super().__init__(ctx)
+        pooling_config = self.info.pooling
+        assert pooling_config is not None, "an encoder-only model has a pooling config"
+        self.pooling_config = pooling_config
+        classify = None
+        if self.info.has_classifier:
+            require(self.model, (SupportsClassify,), f"{type(self).__name__} (a classifier)")
+            classify = self.model.classify
         self.pooler = Pooler(self.pooling_config, classify)
-        self.layer_names = runner.layers_of_type(AttentionType.ENCODER_ONLY)
-        self.max_input_len = runner.model_config.max_encoder_len
+        self.layer_names = self.attn_metadata.layers_of_type(AttentionType.ENCODER_ONLY)
+        self.max_input_len = self.model_config.max_encoder_len
         """The position-embedding limit (the frontend may hold inputs to less)."""
 
-    def on_kv_cache_ready(self) -> None:
-        runner = self.runner
+    def on_kv_cache_ready(self, kv_caches: dict[str, LayerCache]) -> None:
         # Segment ids per slot, gathered per step like the token ids (0 where a request has none).
-        self.token_type_ids = np.zeros((runner.max_num_reqs, runner.max_model_len), dtype=np.int64)
+        self.token_type_ids = np.zeros((self.max_num_reqs, self.max_model_len), dtype=np.int64)
 
     def on_request_added(self, state: CachedRequestState, data: NewRequestData) -> None:
         if data.pooling_params is None:
@@ -65,30 +72,34 @@ class EncoderOnlyState(ModelState):
                 )
             row[: len(data.token_type_ids)] = data.token_type_ids
 
-    def execute(self, step: StepInputs, so: SchedulerOutput) -> ModelRunnerOutput:
-        return self.execute_async(step, so).get_output()
-
-    def execute_async(self, step: StepInputs, so: SchedulerOutput) -> PendingPoolingStep:
-        """Enqueues the forward, the pooling and the copy of the results; no host sync."""
-        runner = self.runner
-        batch = runner.input_batch
-        lengths = step.num_scheduled
-        assert (batch.num_computed_tokens[step.slots] == 0).all() and step.reached_end.all(), (
-            "encoder-only requests run whole in one step"
-        )
+    def prepare_step(self, step: StepInputs, so: SchedulerOutput) -> None:
+        """Checks the step's inputs before the forward pass (pooling parameters are checked at
+        the edge and at the core boundary, EngineCore admission)."""
+        assert (self.input_batch.num_computed_tokens[step.slots] == 0).all() and (
+            step.reached_end.all()
+        ), "encoder-only requests run whole in one step"
         self._check_inputs(step)
-        # Checked at the edge and at the core boundary (EngineCore admission).
-        params = [batch.requests[r].pooling_params for r in step.req_ids]
-        metadata = runner.uncached_attn_metadata(
-            lengths, AttentionType.ENCODER_ONLY, self.layer_names
+
+    def forward(self, step: StepInputs, so: SchedulerOutput) -> torch.Tensor:
+        """One bidirectional pass over the packed inputs -> hidden states [T, hidden]."""
+        metadata = self.attn_metadata.uncached(
+            step.num_scheduled, AttentionType.ENCODER_ONLY, self.layer_names
         )
-        token_type_ids = runner._to_device(self.token_type_ids[step.token_slots, step.positions_np])
+        token_type_ids = self.to_device(self.token_type_ids[step.token_slots, step.positions_np])
         with set_forward_context(ForwardContext(metadata)):
-            hidden_states = runner.model(
-                step.input_ids, step.positions, token_type_ids=token_type_ids
-            )  # [T, hidden]
-        segments = PoolingSegments.from_lengths(lengths, runner.device)
-        return PendingPoolingStep(step.req_ids, self.pooler.launch(hidden_states, segments, params))
+            return self.model(step.input_ids, step.positions, token_type_ids=token_type_ids)
+
+    def finish_step(
+        self, hidden_states: torch.Tensor, step: StepInputs, so: SchedulerOutput
+    ) -> PendingPoolingStep:
+        """Enqueues the pooling and the copy of the results; no host sync."""
+        segments = PoolingSegments.from_lengths(step.num_scheduled, self.device)
+        pooled = self.pooler.launch(hidden_states, segments, self._pooling_params(step))
+        return PendingPoolingStep(step.req_ids, pooled)
+
+    def _pooling_params(self, step: StepInputs) -> list[PoolingParams]:
+        requests = self.input_batch.requests
+        return [requests[r].pooling_params for r in step.req_ids]
 
     def _check_inputs(self, step: StepInputs) -> None:
         too_long = step.num_scheduled > self.max_input_len

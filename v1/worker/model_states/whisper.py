@@ -17,15 +17,17 @@ import torch
 from v1.core.sched_output import ModelRunnerOutput, NewRequestData
 from v1.forward_context import ForwardContext, set_forward_context
 from v1.logger import init_logger
-from v1.sample.metadata import WhisperTokenInfo
+from v1.models.interfaces import SupportsWhisper
 from v1.worker.input_batch import CachedRequestState
+from v1.worker.model_states.base import StateContext
 from v1.worker.model_states.encoder_decoder import EncoderDecoderState
 from v1.worker.sampled_output import PendingSampledStep
 from v1.worker.whisper_alignment import alignment_matrix, boundaries
 
 if TYPE_CHECKING:
+    from v1.sample.metadata import WhisperTokenInfo
     from v1.sampling_params import SamplingParams
-    from v1.worker.model_runner import StepInputs
+    from v1.worker.step_inputs import StepInputs
 
 logger = init_logger(__name__)
 
@@ -51,24 +53,25 @@ class _WordTimingRequest:
 
 
 class WhisperState(EncoderDecoderState):
-    def on_model_loaded(self) -> None:
-        super().on_model_loaded()
+    model_interfaces = (SupportsWhisper,)
+
+    def __init__(self, ctx: StateContext) -> None:
+        super().__init__(ctx)
         tokens = self.info.whisper_tokens
         assert tokens is not None
         self.tokens = tokens
         self.sot_token_id: int = tokens.sot
         self.no_speech_token_id: int = tokens.no_speech
-        self.sot_positions = np.full(self.runner.max_num_reqs, -1, dtype=np.int64)
+        self.sot_positions = np.full(self.max_num_reqs, -1, dtype=np.int64)
         """Per slot: index of <|startoftranscript|> in the request's prompt (-1: none)."""
         self.pending_no_speech: dict[str, float] = {}
         """Computed on a prompt chunk that did not sample yet: reported with the first token."""
         self.word_timing: dict[str, _WordTimingRequest] = {}
         """word_timestamps requests in the batch."""
-        self.word_timing_slots = np.zeros(self.runner.max_num_reqs, dtype=bool)
+        self.word_timing_slots = np.zeros(self.max_num_reqs, dtype=bool)
 
     def whisper_token_info(self) -> WhisperTokenInfo:
-        tokens = self.info.whisper_tokens
-        assert tokens is not None
+        tokens = self.tokens
         return WhisperTokenInfo(
             eos_token_id=tokens.eos,
             no_timestamps_token_id=tokens.no_timestamps,
@@ -108,7 +111,7 @@ class WhisperState(EncoderDecoderState):
     def _write_cross_kv(self, step: StepInputs, encoder_reqs: list[str]) -> None:
         """Also keeps the encoder output of word_timestamps requests for their alignment pass
         (the encoder cache may drop it before they end)."""
-        requests = self.runner.input_batch.requests
+        requests = self.input_batch.requests
         for req_id in encoder_reqs:
             timing = self.word_timing.get(req_id)
             if timing is not None:
@@ -120,7 +123,7 @@ class WhisperState(EncoderDecoderState):
         rows, row_reqs = self._sot_rows(step)
         no_speech = None
         if rows.size:
-            logits = self.runner.model.compute_logits(hidden_states[self.runner._to_device(rows)])
+            logits = self.model.compute_logits(hidden_states[self.to_device(rows)])
             no_speech = logits.softmax(dim=-1)[:, self.no_speech_token_id].float()  # [k]
         extra = {NO_SPEECH_PROB: no_speech} if no_speech is not None else None
         pending = super().sample_async(hidden_states, step, extra)
@@ -143,7 +146,7 @@ class WhisperState(EncoderDecoderState):
         return pending
 
     def _record_no_speech(self, req_ids: list[str], probs: np.ndarray) -> None:
-        requests = self.runner.input_batch.requests
+        requests = self.input_batch.requests
         for req_id, prob in zip(req_ids, probs.tolist(), strict=True):
             if req_id in requests:  # not aborted since the step was launched
                 self.pending_no_speech[req_id] = prob
@@ -168,7 +171,7 @@ class WhisperState(EncoderDecoderState):
     ) -> None:
         """Runs the alignment pass of each word_timestamps request whose token sampled in
         this step ends it, and reports its token times with that (final) output."""
-        batch = self.runner.input_batch
+        batch = self.input_batch
         held = batch.slot_generations[slots] == generations
         matrices: dict[str, torch.Tensor | None] = {}
         for row, slot, position in zip(rows[held], slots[held], positions[held], strict=True):
@@ -194,9 +197,9 @@ class WhisperState(EncoderDecoderState):
         sampled token."""
         params = timing.params
         num_output = len(token_ids) - timing.num_prompt_tokens
-        room = self.runner.max_model_len - timing.num_prompt_tokens
+        room = self.max_model_len - timing.num_prompt_tokens
         max_tokens = min(params.max_tokens or room, room)
-        if num_output >= max_tokens or len(token_ids) >= self.runner.max_model_len:
+        if num_output >= max_tokens or len(token_ids) >= self.max_model_len:
             return True
         if num_output < params.min_tokens:
             return False
@@ -223,8 +226,8 @@ class WhisperState(EncoderDecoderState):
         text = outputs[outputs < tokens.eos].tolist()
         if not text:
             return None
-        ids = self.runner._to_device(np.array([*prompt, *text, tokens.eos]))
-        weights = self.runner.model.alignment_attention(
+        ids = self.to_device(np.array([*prompt, *text, tokens.eos]))
+        weights = self.model.alignment_attention(
             ids, timing.encoder_output, self.info.alignment_heads
         )
         return alignment_matrix(weights, timing.num_frames, first_row=len(prompt) - 1)
@@ -242,8 +245,7 @@ class WhisperState(EncoderDecoderState):
         """The decoder's max-size step, then the encoder on as many silent windows as one
         step's encoder budget holds (attention skipped, as in every profiling pass)."""
         super().dummy_run(num_tokens)
-        runner = self.runner
-        num_windows = max(1, runner.config.encoder_budget // runner.model_config.max_encoder_len)
-        silence = [torch.zeros(16_000, device=runner.device) for _ in range(num_windows)]
+        num_windows = max(1, self.config.encoder_budget // self.model_config.max_encoder_len)
+        silence = [torch.zeros(16_000, device=self.device) for _ in range(num_windows)]
         with set_forward_context(ForwardContext(profiling=True)):
-            runner.model.encode(silence)
+            self.model.encode(silence)
