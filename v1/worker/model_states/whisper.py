@@ -18,6 +18,7 @@ from v1.core.sched_output import ModelRunnerOutput, NewRequestData
 from v1.forward_context import ForwardContext, set_forward_context
 from v1.logger import init_logger
 from v1.models.interfaces import SupportsWhisper
+from v1.sample.metadata import WhisperTokenInfo
 from v1.worker.input_batch import CachedRequestState
 from v1.worker.model_states.base import StateContext
 from v1.worker.model_states.encoder_decoder import EncoderDecoderState
@@ -25,7 +26,6 @@ from v1.worker.sampled_output import PendingSampledStep
 from v1.worker.whisper_alignment import alignment_matrix, boundaries
 
 if TYPE_CHECKING:
-    from v1.sample.metadata import WhisperTokenInfo
     from v1.sampling_params import SamplingParams
     from v1.worker.step_inputs import StepInputs
 
