@@ -29,6 +29,7 @@ from v1.engine.beam_search import (
     beam_step_requests,
     make_beam_search,
     run_beam_search_async,
+    take_step_request_ids,
 )
 from v1.engine.whisper_decoding import (
     FRAMES_PER_SECOND,
@@ -689,12 +690,16 @@ class Transcriber:
                 outputs = {r: engine.take_core_output(r) for r in step_ids}
                 advance_beam_searches([search], keys, outputs)
             while not search.done:
-                requests, keys = beam_step_requests([search])
-                if requests:
-                    beams[req_id] = (search, i, j, keys)
-                    engine.add_core_requests(requests)
+                step = beam_step_requests([search])
+                if step.requests:
+                    beams[req_id] = (search, i, j, step.keys)
+                    engine.add_core_requests(step.requests)
+                if step.release_ids:
+                    engine.abort_core_requests(step.release_ids)  # parents nothing forks from
+                if step.requests:
                     return
-                advance_beam_searches([search], keys, {})  # a forced step: no engine work
+                advance_beam_searches([search], step.keys, {})  # a forced step: no engine work
+            engine.abort_core_requests(take_step_request_ids([search]))  # the last step's KV
             del beams[req_id]
             deliver(i, j, beam_window_output(search))
 
@@ -721,7 +726,8 @@ class Transcriber:
         except BaseException:
             if pending:
                 engine.abort_request(list(pending))
-            in_flight = [key[2] for _, _, _, keys in beams.values() for key in keys]
+            # The last step of each search: in flight, or held for forks.
+            in_flight = take_step_request_ids([search for search, *_ in beams.values()])
             if in_flight:
                 engine.abort_core_requests(in_flight)
             raise
@@ -767,7 +773,9 @@ class AsyncTranscriber:
                 request.beam,
                 request.params,
             )
-            await run_beam_search_async([search], self.llm.run_core_requests_async)
+            await run_beam_search_async(
+                [search], self.llm.run_core_requests_async, self.llm.release_core_requests
+            )
             return beam_window_output(search)
         final = None
         async for output in self.llm.generate(request.prompt, request.params, request.request_id):

@@ -37,7 +37,7 @@ from v1.kv_cache.spec import (
 )
 from v1.worker.block_table import BlockTable
 from v1.worker.input_batch import InputBatch
-from v1.worker.kv_cache_views import LayerCache, allocate_kv_cache
+from v1.worker.kv_cache_views import KVBlockCopier, LayerCache, allocate_kv_cache
 
 
 @dataclass
@@ -157,7 +157,9 @@ class ModelRunner:
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         self.kv_cache_config = kv_cache_config
-        for name, cache in allocate_kv_cache(kv_cache_config, self.device).items():
+        views = allocate_kv_cache(kv_cache_config, self.device)
+        self.copy_blocks = KVBlockCopier(kv_cache_config, views)
+        for name, cache in views.items():
             if name == ENCODER_STATES_LAYER:
                 self.encoder_states = cache
                 for layer in self.attn_layers.values():
@@ -213,6 +215,7 @@ class ModelRunner:
         """Launches the step without waiting for it (pipelined scheduling): everything here
         is enqueued on the device stream, so the next step can be prepared meanwhile."""
         self._update_states(scheduler_output)
+        self.copy_blocks(scheduler_output.block_copies)  # forks: before any step reads them
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ReadyRunnerOutput(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
         step = self._prepare_inputs(scheduler_output)
