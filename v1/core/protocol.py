@@ -130,6 +130,8 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     """Tokens those forks did not compute again."""
     num_block_copies: int = 0
     """Partial blocks copied for forks (one per diverging sequence and decoder KV group)."""
+    num_held_evictions: int = 0
+    """Held requests freed for room before their forks came (those forks computed again)."""
 
 
 class UtilityOutput(msgspec.Struct, omit_defaults=True):

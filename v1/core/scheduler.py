@@ -134,6 +134,8 @@ class Scheduler:
         self.num_encoder_lookups = 0
         self.num_cross_cache_hits = 0
         """Admissions that attached to cross K/V already in the cache (no encoder, no write)."""
+        self.num_held_evictions = 0
+        """Held requests freed for room (their forks compute their tokens again)."""
 
     # ---- request lifecycle ----
     def add_request(self, request: Request) -> None:
@@ -192,6 +194,7 @@ class Scheduler:
         if request is None:
             return False
         self.kv_cache_manager.free(request)
+        self.num_held_evictions += 1
         return True
 
     def has_requests(self) -> bool:
@@ -557,6 +560,7 @@ class Scheduler:
             num_forks=kv.num_forks,
             num_forked_tokens=kv.num_forked_tokens,
             num_block_copies=kv.num_block_copies,
+            num_held_evictions=self.num_held_evictions,
         )
 
 
