@@ -166,3 +166,43 @@ def test_forks_work_without_prefix_caching() -> None:
     assert so.num_scheduled_tokens == {"a": 1}
     sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
     assert_all_free(sched)
+
+
+def test_engine_core_releases_the_parent_of_a_rejected_last_fork() -> None:
+    """Through EngineCore.add_request: a last fork that fails admission (a bad token) still
+    ends its parent's hold; an ABORT of a held request releases it."""
+    from tests.core.fakes import make_engine_core
+    from v1.core.protocol import EngineCoreRequest
+    from v1.sampling_params import SamplingParams
+
+    core = make_engine_core()
+
+    def step_request(req_id: str, tokens: list[int], **fork) -> EngineCoreRequest:
+        params = SamplingParams(max_tokens=len(tokens) + 1, ignore_eos=True)
+        return EngineCoreRequest(
+            request_id=req_id,
+            prompt_token_ids=list(PROMPT),
+            sampling_params=params,
+            output_token_ids=tokens or None,
+            hold_kv=True,
+            **fork,
+        )
+
+    def run() -> list:
+        outputs = []
+        while core.has_work():
+            outputs += core.step().outputs
+        return outputs
+
+    core.add_request(step_request("p", []))
+    core.add_request(step_request("q", []))
+    run()
+    kv = core.scheduler.kv_cache_manager
+    assert sorted(core.scheduler.forks.held) == ["p", "q"] and kv.num_requests == 2
+    core.add_request(step_request("bad", [10**6], fork_from="p", last_fork=True))
+    (out,) = run()
+    assert out.request_id == "bad" and out.error is not None
+    assert sorted(core.scheduler.forks.held) == ["q"]
+    core.abort_requests(["q"])
+    assert not core.scheduler.forks.held and kv.num_requests == 0
+    assert kv.num_free_blocks == kv.num_total_blocks

@@ -156,7 +156,7 @@ class Scheduler:
         for req_id in req_ids:
             request = self.requests.get(req_id)
             if request is None or request.is_finished:
-                self._free_held(self.forks.release(req_id))
+                self.release_held(req_id)
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
@@ -166,6 +166,11 @@ class Scheduler:
             self._free_request(request)
             finished.append(request)
         return finished
+
+    def release_held(self, req_id: str) -> None:
+        """No further fork of `req_id` will come: a held request is freed once the forks that
+        registered are admitted (unknown or live ids are ignored)."""
+        self._free_held(self.forks.release(req_id))
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)

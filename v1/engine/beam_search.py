@@ -173,6 +173,9 @@ class BeamSearch:
         self.step_ids: dict[tuple[int, ...], str] = {}
         """Sequence -> id of the request that ran it in the last step sent: in flight, then
         held by the core (its KV kept for the next step's forks) until released."""
+        self.parent_ids: list[str] = []
+        """The step before's requests, until the last step's outputs are in (by then each was
+        released by its last fork or an abort; a search given up earlier aborts them)."""
 
     # ---- engine requests ----
     def pending_sequences(self) -> list[tuple[int, ...]]:
@@ -348,7 +351,7 @@ def beam_step_requests(searches: list[BeamSearch]) -> BeamStep:
     for i, search in enumerate(searches):
         parents = search.step_ids
         last_child: dict[str, EngineCoreRequest] = {}
-        search.step_ids = {}
+        step_ids = {}
         for j, tokens in enumerate(search.pending_sequences()):
             req_id = f"{search.base.request_id}-beam{search.num_steps}.{j}"
             parent_id = parents.get(tokens[:-1]) if tokens else None
@@ -357,25 +360,30 @@ def beam_step_requests(searches: list[BeamSearch]) -> BeamStep:
                 last_child[parent_id] = request
             step.requests.append(request)
             step.keys.append((i, tokens, req_id))
-            search.step_ids[tokens] = req_id
+            step_ids[tokens] = req_id
         for request in last_child.values():
             request.last_fork = True
         step.release_ids.extend(r for r in parents.values() if r not in last_child)
+        search.parent_ids = [*search.parent_ids, *parents.values()]
+        search.step_ids = step_ids
     return step
 
 
 def take_step_request_ids(searches: list[BeamSearch]) -> list[str]:
-    """The requests of every search's last step (in flight or held), forgotten: abort them
+    """The requests of every search that may still be in flight or held in the core (its last
+    step, and the one before while the last step's outputs are not in), forgotten: abort them
     when the searches end or fail."""
-    ids = [r for search in searches for r in search.step_ids.values()]
+    ids = [r for s in searches for r in (*s.parent_ids, *s.step_ids.values())]
     for search in searches:
-        search.step_ids = {}
+        search.step_ids, search.parent_ids = {}, []
     return ids
 
 
 def advance_beam_searches(
     searches: list[BeamSearch], keys: StepKeys, outputs: dict[str, EngineCoreOutput]
 ) -> None:
+    """Moves every search one token with its step's outputs (the step before is released by
+    now: its forks were admitted or it was aborted)."""
     per_search: list[dict[tuple[int, ...], list[tuple[int, float]]]] = [{} for _ in searches]
     for i, tokens, req_id in keys:
         output = outputs[req_id]
@@ -383,6 +391,7 @@ def advance_beam_searches(
         if searches[i].num_steps == 0 and output.extras:
             searches[i].first_extras.update(output.extras)
     for search, logprobs in zip(searches, per_search, strict=True):
+        search.parent_ids = []
         if not search.done:
             search.advance(logprobs)
 
