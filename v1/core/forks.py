@@ -18,6 +18,8 @@ from v1.core.request import Request
 
 @dataclass(eq=False)
 class HeldRequest:
+    """A finished request whose KV blocks are kept, and who still waits to fork from it."""
+
     request: Request
     num_waiting_forks: int = 0
     """Waiting requests registered to fork from it."""
@@ -26,6 +28,8 @@ class HeldRequest:
 
 
 class ForkManager:
+    """Owns the lifecycle of held requests: hold, register forks, release, evict."""
+
     def __init__(self) -> None:
         self.held: OrderedDict[str, HeldRequest] = OrderedDict()
         """Held requests by id, oldest first (the eviction order)."""
@@ -95,6 +99,7 @@ class ForkManager:
         return entry.request
 
     def evict(self, req_id: str) -> Request | None:
+        """Gives up the held request `req_id`, if any (a new request takes its id)."""
         entry = self.held.pop(req_id, None)
         return entry.request if entry is not None else None
 
