@@ -20,6 +20,7 @@ from v1.core.client import EngineDeadError
 from v1.core.dp_client import AsyncDPClient, CoreLoadBalancer, core_device_envs, merge_stats
 from v1.core.protocol import EncoderInput, EngineCoreRequest, SchedulerStats
 from v1.engine.async_llm import AsyncLLM
+from v1.engine.beam_search import BeamSearchParams
 from v1.entrypoints.llm import LLM
 from v1.entrypoints.openai.metrics import ServerMetrics
 from v1.sampling_params import SamplingParams
@@ -67,6 +68,31 @@ def test_balancer_keeps_encoder_content_on_one_core_and_forgets_released_request
     lb.assign(make_request("d", "h3"))
     lb.assign(make_request("e", "h4"))
     assert "h1" not in lb._affinity and len(lb._affinity) == 2
+
+
+def test_balancer_sends_forks_to_the_core_holding_their_parent():
+    lb = CoreLoadBalancer(2)
+    step = make_request("p")
+    step.hold_kv = True
+    assert lb.assign(step) == 0
+    lb.assign(make_request("x"))
+    lb.on_stats(1, SchedulerStats())  # core 1 idle: plain requests would go there
+    # The step finished: the core holds its KV, so the balancer keeps knowing where.
+    assert lb.release(["p"], finished=True) == {0: ["p"]}
+    assert lb.held_owner == {"p": 0} and lb.num_in_flight == [0, 1]
+    children = [make_request(f"c{i}") for i in range(3)]
+    for child in children:
+        child.hold_kv, child.fork_from = True, "p"
+    children[-1].last_fork = True  # it releases the parent in the core
+    assert [lb.assign(c) for c in children] == [0, 0, 0]
+    assert lb.held_owner == {}
+    lb.release(["c0", "c1"], finished=True)
+    # A held step no request forks from is released by an abort, sent to its core.
+    assert lb.release(["c1", "unknown"]) == {0: ["c1"]}
+    assert lb.held_owner == {"c0": 0}
+    # A step that ended otherwise (aborted, failed) is not held.
+    lb.release(["c2"])
+    assert lb.held_owner == {"c0": 0} and lb.release(["c2"]) == {}
 
 
 def test_cuda_cores_get_disjoint_device_slices(tiny_llama_dir: str, monkeypatch):
@@ -275,11 +301,19 @@ def test_offline_llm_with_two_cores_matches_one_core(tiny_llama_dir: str):
     kwargs: dict[str, Any] = dict(device="cpu", block_size=16, num_kv_blocks=256)
     with LLM(tiny_llama_dir, multiprocess=False, **kwargs) as one:
         expected = [o.outputs[0].token_ids for o in one.generate(prompts, params)]
+        beam = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+        expected_beams = [
+            [s.token_ids for s in o.sequences] for o in one.beam_search(PROMPTS, beam)
+        ]
     with LLM(tiny_llama_dir, data_parallel_size=2, **kwargs) as two:
         got = [o.outputs[0].token_ids for o in two.generate(prompts, params)]
+        # Each beam step goes to the core holding its parent's KV and forks it there.
+        got_beams = [[s.token_ids for s in o.sequences] for o in two.beam_search(PROMPTS, beam)]
         stats = two.llm_engine.get_stats()
-    assert got == expected
+    assert got == expected and got_beams == expected_beams
+    assert stats["num_forks"] == len(PROMPTS) * 5 * 3  # every step after the first, all beams
     assert [s["num_used_blocks"] for s in stats["data_parallel"]] == [0, 0]
+    assert [s["num_kv_requests"] for s in stats["data_parallel"]] == [0, 0]
     assert all(s["prefix_cache_queries"] > 0 for s in stats["data_parallel"])
 
 

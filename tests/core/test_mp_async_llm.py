@@ -240,6 +240,34 @@ def test_same_tokens_in_process_and_multiprocess(llm: AsyncLLM, config: EngineCo
     assert all(len(t) == 12 for t in expected.values())
 
 
+def test_beam_search_forks_and_a_cancelled_search_frees_its_beams(llm: AsyncLLM):
+    """AsyncLLM.beam_search (the server's use_beam_search) forks each beam from its parent's
+    KV in the core; cancelling a search midway releases its held and in-flight beams."""
+    from v1 import BeamSearchParams
+
+    async def main() -> None:
+        before = await llm.get_stats()
+        params = BeamSearchParams(beam_width=4, max_tokens=12, ignore_eos=True)
+        done = await llm.beam_search(PROMPTS[0], params, "beam-a")
+        stats = await llm.get_stats()
+        assert len(done.sequences) == 4
+        # 11 steps after the first, 4 beams each: every one forked its parent's KV.
+        assert stats["num_forks"] - before["num_forks"] == 11 * 4
+        await assert_core_idle(llm)
+
+        long = BeamSearchParams(beam_width=4, max_tokens=200, ignore_eos=True)
+        task = asyncio.ensure_future(llm.beam_search(PROMPTS[1], long, "beam-b"))
+        while (await llm.get_stats())["num_forks"] < stats["num_forks"] + 12:
+            assert not task.done()
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await assert_core_idle(llm)
+
+    asyncio.run(main())
+
+
 def test_core_death_fails_pending_and_later_requests(llm: AsyncLLM):
     async def main() -> None:
         started = asyncio.Event()

@@ -27,7 +27,7 @@ from tests.utils import (
     make_tiny_tokenizer,
     make_tiny_wordpiece_tokenizer,
 )
-from v1 import LLM, SamplingParams
+from v1 import LLM, BeamSearchParams, SamplingParams
 from v1.core.client import EngineDeadError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -83,6 +83,21 @@ def generate_tokens(prompts: list[Any]) -> Callable[[LLM], list[list[int]]]:
     return run
 
 
+def beams_and_tokens(prompts: list[Any]) -> Callable[[LLM], tuple]:
+    """Greedy tokens, then a 3-beam search (every beam step forks its parent's KV: block copies
+    run on every rank) and its fork count."""
+    generate = generate_tokens(prompts)
+
+    def run(llm: LLM) -> tuple:
+        params = BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True)
+        beams = [[s.token_ids for s in o.sequences] for o in llm.beam_search(prompts, params)]
+        stats = llm.llm_engine.get_stats()
+        assert stats["num_block_copies"] > 0 and stats["num_kv_requests"] == 0
+        return generate(llm), beams, stats["num_forks"]
+
+    return run
+
+
 def token_prompts(n: int = 4) -> list[dict[str, list[int]]]:
     return [
         {"prompt_token_ids": [1] + [(7 * k + 3 * i) % 300 + 10 for i in range(5 + 6 * k)]}
@@ -129,17 +144,16 @@ def test_decoder_only_tp2_matches_tp1(tmp_path: Path, family: str) -> None:
             n_positions=256,
             initializer_range=0.2,
         )
-    generate = generate_tokens(token_prompts())
+    generate = beams_and_tokens(token_prompts())
 
-    def run(llm: LLM) -> tuple[list[list[int]], int]:
+    def run(llm: LLM) -> tuple[tuple, int]:
         return generate(llm), llm.llm_engine.engine_core.engine_core.kv_cache_config.num_blocks
 
     # Sized by bytes, pipelined steps (the GPU's defaults).
     args = {**ENGINE_ARGS, "num_kv_blocks": None, "kv_cache_memory_bytes": 96 * 4096}
-    (tokens1, blocks1), (tokens2, blocks2) = run_tp1_and_tp2(
-        path, run, async_scheduling=True, **args
-    )
-    assert_same_tokens([tokens1, tokens2])
+    (run1, blocks1), (run2, blocks2) = run_tp1_and_tp2(path, run, async_scheduling=True, **args)
+    assert_same_tokens([run1[0], run2[0]])
+    assert run2[1:] == run1[1:]  # the same beams, every beam step forked on both
     # Each rank caches its own heads: half of GPT-2's 4 per rank, so twice the blocks in the
     # same bytes; Qwen2's one kv head is copied on both ranks.
     assert blocks2 == (2 * blocks1 if family == "gpt2" else blocks1)
@@ -272,10 +286,11 @@ def test_bart_absorbed_cross_attention_tp2_matches_tp1(tmp_path: Path) -> None:
     """Absorbed cross-attention: each rank projects its heads' W_k/W_v; the encoder states
     are replicated."""
     path = _bart_family_dir(tmp_path, "bart")
-    results = run_tp1_and_tp2(
-        path, generate_tokens(TEXTS), cross_attention="absorbed", **ENGINE_ARGS
+    tp1, tp2 = run_tp1_and_tp2(
+        path, beams_and_tokens(TEXTS), cross_attention="absorbed", **ENGINE_ARGS
     )
-    assert_same_tokens(results)
+    assert_same_tokens([tp1[0], tp2[0]])
+    assert tp2[1:] == tp1[1:]  # beams fork their self-attention KV beside the encoder states
 
 
 # ---- Whisper: encoder and decoder ----

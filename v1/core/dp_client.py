@@ -3,7 +3,8 @@
 Each core is the ordinary core program (`python -m v1.core.engine_core_proc`) on its own device
 set (a CUDA_VISIBLE_DEVICES slice on CUDA). `CoreLoadBalancer` sends each request to the
 least-loaded core, or to the core that took the same encoder content last (its encoder and cross
-caches likely still hold it); aborts go to the owning core; stats are summed over the cores.
+caches likely still hold it), or (a beam step's `fork_from`) to the core holding its parent's
+KV; aborts go to the owning core (of held requests too); stats are summed over the cores.
 One core's death is the engine's: every pending request fails with EngineDeadError and the other
 cores are stopped, so no process outlives a half-dead engine.
 """
@@ -26,12 +27,14 @@ from v1.core.protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
+    FinishReason,
     SchedulerStats,
 )
 from v1.logger import init_logger
 
 logger = init_logger(__name__)
 
+_COMPLETED = (FinishReason.STOP, FinishReason.LENGTH)
 _AFFINITY_CAPACITY = 4096
 """Encoder content hashes remembered for routing (far more than any core's encoder cache
 holds, so a hash seen recently still finds the core that may have it cached)."""
@@ -75,6 +78,10 @@ class CoreLoadBalancer:
         self._sent_since_report = [0] * num_cores
         self.num_in_flight = [0] * num_cores
         self.owner: dict[str, int] = {}
+        self._holds_kv: set[str] = set()
+        """Requests in flight sent with hold_kv."""
+        self.held_owner: dict[str, int] = {}
+        """Finished hold_kv requests -> the core holding their KV (until released)."""
         self._affinity: OrderedDict[str, int] = OrderedDict()
         self._affinity_capacity = affinity_capacity
 
@@ -86,7 +93,13 @@ class CoreLoadBalancer:
         content_hash = (
             request.encoder_input.content_hash if request.encoder_input is not None else None
         )
-        core = self._affinity.get(content_hash) if content_hash is not None else None
+        core = None
+        if request.fork_from is not None:
+            # The parent's KV is on one core: fork there (its last fork releases it).
+            get = self.held_owner.pop if request.last_fork else self.held_owner.get
+            core = get(request.fork_from, None)
+        if core is None and content_hash is not None:
+            core = self._affinity.get(content_hash)
         if core is None:
             core = min(
                 range(self.num_cores), key=lambda i: (self.load(i), self.num_in_flight[i], i)
@@ -97,6 +110,8 @@ class CoreLoadBalancer:
             if len(self._affinity) > self._affinity_capacity:
                 self._affinity.popitem(last=False)
         self.owner[request.request_id] = core
+        if request.hold_kv:
+            self._holds_kv.add(request.request_id)
         self._sent_since_report[core] += 1
         self.num_in_flight[core] += 1
         return core
@@ -105,13 +120,21 @@ class CoreLoadBalancer:
         self._reported[core] = stats.num_waiting_reqs + stats.num_running_reqs
         self._sent_since_report[core] = 0
 
-    def release(self, request_ids: Sequence[str]) -> dict[int, list[str]]:
-        """Forgets finished or aborted requests; the known ones grouped by their core."""
+    def release(self, request_ids: Sequence[str], finished: bool = False) -> dict[int, list[str]]:
+        """Forgets finished or aborted requests (an abort also releases held ones); the known
+        ones grouped by their core. A finished hold_kv request stays known as held."""
         by_core: dict[int, list[str]] = {}
         for req_id in request_ids:
             core = self.owner.pop(req_id, None)
             if core is not None:
                 self.num_in_flight[core] -= 1
+                if req_id in self._holds_kv:
+                    self._holds_kv.discard(req_id)
+                    if finished:
+                        self.held_owner[req_id] = core
+            elif not finished:
+                core = self.held_owner.pop(req_id, None)
+            if core is not None:
                 by_core.setdefault(core, []).append(req_id)
         return by_core
 
@@ -226,12 +249,17 @@ class DPClient(EngineCoreClient):
         if isinstance(item, _Dead):
             self._core_died(index)
             return
-        finished = [o.request_id for o in item.outputs if o.finished]
+        # Requests that stopped or hit their length may stay held (hold_kv); failed ones not.
+        ended = [o for o in item.outputs if o.finished]
+        completed = [o.request_id for o in ended if o.finish_reason in _COMPLETED]
+        failed = [o.request_id for o in ended if o.finish_reason not in _COMPLETED]
         with self._lock:
             if item.scheduler_stats is not None:
                 self.balancer.on_stats(index, item.scheduler_stats)
-            if finished:
-                self.balancer.release(finished)
+            if completed:
+                self.balancer.release(completed, finished=True)
+            if failed:
+                self.balancer.release(failed)
         self._deliver(item)
 
     def _core_died(self, index: int) -> None:

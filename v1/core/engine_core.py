@@ -117,6 +117,8 @@ class EngineCore:
             if matcher is not None:
                 self.structured_outputs.add(request.request_id, matcher)
         except ValueError as e:
+            if request.fork_from is not None and request.last_fork:
+                self.scheduler.release_held(request.fork_from)  # it still was the last fork
             self._pending_outputs.append(
                 EngineCoreOutput(
                     request.request_id, [], finish_reason=FinishReason.ERROR, error=str(e)

@@ -59,7 +59,19 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
     output_token_ids: list[int] | None = None
     """Tokens this sequence already generated (they count as outputs: max_tokens, min_tokens,
     forced tokens, penalties and Whisper rules see them). Beam search continues each beam as a
-    new request carrying its tokens so far; the prefix cache shares their KV blocks."""
+    new request carrying its tokens so far, forked from its parent's KV (see `fork_from`)."""
+    hold_kv: bool = False
+    """Keep the request's KV blocks after it finishes (stop or length), for requests that fork
+    from it, until it is released: by an ABORT naming it, by its `last_fork` child, or by the
+    core under KV pressure (then its forks recompute)."""
+    fork_from: str | None = None
+    """A finished `hold_kv` request whose tokens (prompt + outputs) begin this one's: the core
+    forks its decoder self-attention blocks (full blocks shared, the partial last one copied)
+    instead of computing those tokens again. Ignored (the tokens are computed, with prefix
+    caching) when that request's KV is gone or its tokens or encoder input differ."""
+    last_fork: bool = False
+    """No later request forks from `fork_from`: its hold ends once the requests naming it are
+    admitted (the last one takes its partial block without a copy)."""
     group_id: str | None = None
     """Requests of one client request (n > 1 samples, a batch of prompts, a transcription's
     windows) share a group; the fcfs waiting queue takes turns between groups, so one client's
@@ -112,6 +124,14 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     encoder content hash): no encoder run and no cross-K/V projection."""
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    num_forks: int = 0
+    """Requests admitted on a held request's KV (`fork_from`)."""
+    num_forked_tokens: int = 0
+    """Tokens those forks did not compute again."""
+    num_block_copies: int = 0
+    """Partial blocks copied for forks (one per diverging sequence and decoder KV group)."""
+    num_held_evictions: int = 0
+    """Held requests freed for room before their forks came (those forks computed again)."""
 
 
 class UtilityOutput(msgspec.Struct, omit_defaults=True):

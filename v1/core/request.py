@@ -82,6 +82,12 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.block_hashes: list[bytes] = []
         """Chained hashes of the full blocks of all_token_ids (filled by the KV cache manager)."""
+        self.hold_kv = False
+        """Keep the KV blocks after finishing, for forks (EngineCoreRequest.hold_kv)."""
+        self.fork_from: str | None = None
+        """The held request whose KV this one forks at admission (EngineCoreRequest.fork_from);
+        cleared once admitted."""
+        self.last_fork = False
 
         if sampling_params is not None:
             room = max_model_len - len(prompt_token_ids)
@@ -107,6 +113,9 @@ class Request:
         if req.output_token_ids:
             # A continued sequence: it runs like a request resumed after preemption.
             request.append_output_token_ids(list(req.output_token_ids))
+        request.hold_kv = req.hold_kv
+        request.fork_from = req.fork_from
+        request.last_fork = req.last_fork
         return request
 
     # ---- derived ----

@@ -60,6 +60,10 @@ class SchedulerOutput:
     """content hash -> req_id whose input to encode: hashes the encoder cache does not hold."""
     free_encoder_hashes: list[str] = field(default_factory=list)
     """Encoder outputs the runner may drop (evicted from the encoder cache)."""
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    """(src, dst) KV block ids: the runner copies each whole block (every KV cache tensor that
+    holds decoder self-attention) before the step's forward, reading every src before writing
+    any dst. Forks of a held request's partial last block (copy-on-write)."""
     finished_req_ids: set[str] = field(default_factory=set)
     """Requests finished or aborted since the last step (including preempted ones, which come
     back later as new requests)."""

@@ -2,7 +2,8 @@
 
 Each request has `num_computed_tokens` and a target (`num_tokens`); a step hands out at most
 `max_num_batched_tokens` tokens within `max_num_seqs`, running requests first, then waiting ones.
-Encoder inputs have their own per-step budget and cache capacity. Out of KV blocks, the lowest
+Encoder inputs have their own per-step budget and cache capacity. Out of KV blocks, held
+requests (finished beam steps kept for forks, `v1.core.forks`) are freed first, then the lowest
 priority running request is preempted by recompute (its self AND cross blocks are freed).
 """
 
@@ -14,6 +15,7 @@ from collections.abc import Iterable, Iterator
 
 from v1.config import EngineConfig
 from v1.core.encoder_cache import EncoderCacheManager
+from v1.core.forks import ForkManager
 from v1.core.protocol import EngineCoreOutput, EngineCoreOutputs, SchedulerStats, now
 from v1.core.request import Request, RequestStatus
 from v1.core.sched_output import (
@@ -116,6 +118,8 @@ class Scheduler:
             enable_caching=config.cache_config.enable_prefix_caching,
         )
         self.encoder_cache = EncoderCacheManager(config.encoder_cache_size)
+        self.forks = ForkManager()
+        """Finished `hold_kv` requests whose KV blocks wait for forks."""
         self.requests: dict[str, Request] = {}
         self.waiting = RequestQueue(self.policy)
         self.running: list[Request] = []
@@ -125,20 +129,29 @@ class Scheduler:
         self.num_encoder_lookups = 0
         self.num_cross_cache_hits = 0
         """Admissions that attached to cross K/V already in the cache (no encoder, no write)."""
+        self.num_held_evictions = 0
+        """Held requests freed for room (their forks compute their tokens again)."""
 
     # ---- request lifecycle ----
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        stale = self.forks.evict(request.request_id)  # a held request of the same id: gone
+        if stale is not None:
+            self.kv_cache_manager.free(stale)
+        if request.fork_from is not None:
+            self.forks.register(request)
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
     def finish_requests(self, req_ids: Iterable[str], status: RequestStatus) -> list[Request]:
-        """Abort (or fail) requests wherever they are; unknown or finished ids are ignored."""
+        """Abort (or fail) requests wherever they are; unknown or finished ids are ignored,
+        except held ones, which are released (freed once no fork waits for them)."""
         finished = []
         for req_id in req_ids:
             request = self.requests.get(req_id)
             if request is None or request.is_finished:
+                self.release_held(req_id)
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
@@ -149,11 +162,40 @@ class Scheduler:
             finished.append(request)
         return finished
 
+    def release_held(self, req_id: str) -> None:
+        """No further fork of `req_id` will come: a held request is freed once the forks that
+        registered are admitted (unknown or live ids are ignored)."""
+        self._free_held(self.forks.release(req_id))
+
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         self.encoder_cache.free(request)
+        if request.fork_from is not None:  # ended while waiting to fork
+            self._free_held(self.forks.unregister(request))
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
+
+    def _hold(self, request: Request) -> None:
+        """A finished `hold_kv` request: its blocks stay (full ones registered in the prefix
+        cache) for the requests that fork from it; everything else goes as for a finish."""
+        self.kv_cache_manager.cache_computed_blocks(request)
+        self.encoder_cache.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+        self.forks.hold(request)
+
+    def _free_held(self, requests: list[Request]) -> None:
+        for request in requests:
+            self.kv_cache_manager.free(request)
+
+    def _evict_held(self) -> bool:
+        """Frees the oldest held request for room; False when none is held."""
+        request = self.forks.evict_oldest()
+        if request is None:
+            return False
+        self.kv_cache_manager.free(request)
+        self.num_held_evictions += 1
+        return True
 
     def has_requests(self) -> bool:
         return bool(self.running) or len(self.waiting) > 0
@@ -186,6 +228,8 @@ class Scheduler:
                 new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
                 if new_blocks is not None:
                     break
+                if self._evict_held():
+                    continue
                 victim = self._pick_victim()
                 if victim in scheduled_running:
                     scheduled_running.remove(victim)
@@ -233,9 +277,23 @@ class Scheduler:
 
     def _try_admit(self, request: Request, budget: _StepBudget) -> bool:
         """Moves `request` (already taken off the queue) to running with its first chunk in
-        this step; False, changing nothing, when it cannot run now."""
+        this step; False, changing nothing, when it cannot run now. Out of KV blocks, it frees
+        held requests for room first."""
+        while True:
+            admitted = self._admit(request, budget)
+            if admitted is not None:
+                return admitted
+            if not self._evict_held():
+                return False
+
+    def _admit(self, request: Request, budget: _StepBudget) -> bool | None:
+        """One admission attempt of _try_admit: None, changing nothing, when the KV cache has
+        too few free blocks."""
         computed_blocks, num_cached = None, 0
-        if (
+        fork_source = self._fork_source(request)
+        if fork_source is not None:
+            num_cached = fork_source.num_computed_tokens
+        elif (
             request.num_computed_tokens == 0
             and not request.is_pooling
             and request.sampling_params.prompt_logprobs is None  # those need every prompt token
@@ -260,15 +318,26 @@ class Scheduler:
                 or not self.encoder_cache.can_allocate(request.num_encoder_tokens)
             ):
                 return False
-        new_blocks = self.kv_cache_manager.allocate_slots(
-            request,
-            num_new,
-            num_new_computed_tokens=num_cached,
-            new_computed_blocks=computed_blocks,
-            num_encoder_tokens=request.num_encoder_tokens,
-        )
+        if fork_source is not None:
+            new_blocks = self.kv_cache_manager.fork_slots(
+                request,
+                fork_source,
+                num_new,
+                num_encoder_tokens=request.num_encoder_tokens,
+                move_last_block=self.forks.is_last_fork(request),
+            )
+        else:
+            new_blocks = self.kv_cache_manager.allocate_slots(
+                request,
+                num_new,
+                num_new_computed_tokens=num_cached,
+                new_computed_blocks=computed_blocks,
+                num_encoder_tokens=request.num_encoder_tokens,
+            )
         if new_blocks is None:
-            return False
+            return None
+        if request.fork_from is not None:
+            self._free_held(self.forks.unregister(request))
         if request.encoder_input is not None:
             self.num_encoder_lookups += 1
             if cross_cached:
@@ -290,6 +359,25 @@ class Scheduler:
         self.running.append(request)
         budget.take(request, num_new)
         return True
+
+    def _fork_source(self, request: Request) -> Request | None:
+        """The held request whose KV `request` may fork: registered, still held, and holding
+        the KV of a prefix of request's tokens over the same encoder input."""
+        if request.fork_from is None or request.num_computed_tokens:
+            return None
+        source = self.forks.source(request)
+        if source is None:
+            return None
+        n = source.num_computed_tokens
+        if (
+            request.is_pooling
+            or request.sampling_params.prompt_logprobs is not None
+            or not 0 < n < request.num_tokens
+            or source.encoder_hash != request.encoder_hash
+            or source.all_token_ids[:n] != request.all_token_ids[:n]
+        ):
+            return None
+        return source
 
     def _pick_victim(self) -> Request:
         if self.policy == "priority":
@@ -346,6 +434,7 @@ class Scheduler:
             encoder_hashes_to_run=budget.encoder_hashes_to_run,
             free_encoder_hashes=self.encoder_cache.take_freed_hashes(),
             finished_req_ids=self.finished_req_ids,
+            block_copies=self.kv_cache_manager.take_block_copies(),
         )
         self.finished_req_ids = set()
         # A request's encoder output is read once, by its first step (the cross-attention
@@ -445,7 +534,13 @@ class Scheduler:
 
     def _finish(self, request: Request) -> None:
         self.running.remove(request)
-        self._free_request(request)
+        if request.hold_kv and request.status in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH_CAPPED,
+        ):
+            self._hold(request)
+        else:
+            self._free_request(request)
 
     # ---- stats ----
     def make_stats(self) -> SchedulerStats:
@@ -462,6 +557,10 @@ class Scheduler:
             num_cross_cache_hits=self.num_cross_cache_hits,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
+            num_forks=kv.num_forks,
+            num_forked_tokens=kv.num_forked_tokens,
+            num_block_copies=kv.num_block_copies,
+            num_held_evictions=self.num_held_evictions,
         )
 
 

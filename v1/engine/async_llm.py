@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import contextvars
 import gc
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -250,14 +250,17 @@ class AsyncLLM:
         search = await self.run_input_work(
             make_beam_search, self, request_id, prompt, params, sampling_params
         )
-        await run_beam_search_async([search], self.run_core_requests_async)
+        await run_beam_search_async(
+            [search], self.run_core_requests_async, self.release_core_requests
+        )
         return beam_search_output(search, self.tokenizer)
 
     async def run_core_requests_async(
-        self, requests: list[EngineCoreRequest]
+        self, requests: list[EngineCoreRequest], release_ids: Sequence[str] = ()
     ) -> dict[str, EngineCoreOutput]:
         """Runs prepared core requests (beam search steps) past the output processor and
-        returns each one's final output."""
+        returns each one's final output. `release_ids`: held requests (`hold_kv`) to release
+        once these are queued."""
         self._check_running()
         self._ensure_output_handler()
         loop = asyncio.get_running_loop()
@@ -271,6 +274,8 @@ class AsyncLLM:
         try:
             for request in requests:
                 await self.engine_core.add_request_async(request)
+            if release_ids:
+                await self.engine_core.abort_requests_async(list(release_ids))
             await asyncio.gather(*futures.values())
         except BaseException:
             unfinished = [r for r, f in futures.items() if not f.done()]
@@ -282,6 +287,13 @@ class AsyncLLM:
             for req_id in futures:
                 self._core_futures.pop(req_id, None)
         return {r: f.result() for r, f in futures.items()}
+
+    def release_core_requests(self, request_ids: list[str]) -> None:
+        """Aborts requests of `run_core_requests_async` (held ones are released) without
+        waiting; usable while unwinding a cancelled task."""
+        if request_ids and not self.engine_core.is_dead:
+            with contextlib.suppress(EngineDeadError):
+                self.engine_core.abort_requests_nowait(list(request_ids))
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
         """Stops requests; their iterators end without a final output. Unknown ids are ignored."""

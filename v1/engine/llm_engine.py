@@ -7,6 +7,7 @@ step and returns the user outputs it produced. The offline `LLM` drives it.
 from __future__ import annotations
 
 import gc
+from collections.abc import Sequence
 from typing import Any
 
 from v1.config import EngineConfig
@@ -133,15 +134,22 @@ class LLMEngine:
         return all(self._core_outputs.get(r) is not None for r in request_ids)
 
     def abort_core_requests(self, request_ids: list[str]) -> None:
+        """Aborts requests of `add_core_requests` (held ones are released)."""
         for req_id in request_ids:
             self._core_outputs.pop(req_id, None)
         self.engine_core.abort_requests(request_ids)
 
-    def run_core_requests(self, requests: list[EngineCoreRequest]) -> dict[str, EngineCoreOutput]:
+    def run_core_requests(
+        self, requests: list[EngineCoreRequest], release_ids: Sequence[str] = ()
+    ) -> dict[str, EngineCoreOutput]:
         """Runs prepared core requests to the end and returns each one's final output. Other
-        requests keep running meanwhile, but their outputs of these steps are dropped."""
+        requests keep running meanwhile, but their outputs of these steps are dropped.
+        `release_ids`: held requests (`hold_kv`) to release once these are queued (the beam
+        steps before, which these no longer fork from)."""
         req_ids = [r.request_id for r in requests]
         self.add_core_requests(requests)
+        if release_ids:
+            self.engine_core.abort_requests(list(release_ids))
         outputs: dict[str, EngineCoreOutput] = {}
         try:
             while len(outputs) < len(req_ids):

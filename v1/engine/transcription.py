@@ -28,6 +28,7 @@ from v1.engine.beam_search import (
     advance_beam_searches,
     beam_step_requests,
     run_beam_search_async,
+    take_step_request_ids,
 )
 from v1.engine.inputs.whisper import WINDOW_SECONDS
 from v1.engine.transcription_plan import (
@@ -285,7 +286,8 @@ class _SyncRun:
         except BaseException:
             if self.pending:
                 engine.abort_request(list(self.pending))
-            in_flight = [key[2] for _, _, keys in self.beams.values() for key in keys]
+            # The last step of each search: in flight, or held for forks.
+            in_flight = take_step_request_ids([search for search, *_ in self.beams.values()])
             if in_flight:
                 engine.abort_core_requests(in_flight)
             raise
@@ -324,12 +326,16 @@ class _SyncRun:
             outputs = {r: engine.take_core_output(r) for r in step_ids}
             advance_beam_searches([search], keys, outputs)
         while not search.done:
-            requests, keys = beam_step_requests([search])
-            if requests:
-                self.beams[req_id] = (search, i, keys)
-                engine.add_core_requests(requests)
+            step = beam_step_requests([search])
+            if step.requests:
+                self.beams[req_id] = (search, i, step.keys)
+                engine.add_core_requests(step.requests)
+            if step.release_ids:
+                engine.abort_core_requests(step.release_ids)  # parents nothing forks from
+            if step.requests:
                 return
-            advance_beam_searches([search], keys, {})  # a forced step: no engine work
+            advance_beam_searches([search], step.keys, {})  # a forced step: no engine work
+        engine.abort_core_requests(take_step_request_ids([search]))  # the last step's KV
         del self.beams[req_id]
         self._advance(i, beam_window_output(search))
 
@@ -448,7 +454,9 @@ class AsyncTranscriber:
     ) -> WindowOutput:
         if request.beam is not None:
             search = window_beam_search(request)
-            await run_beam_search_async([search], self.llm.run_core_requests_async)
+            await run_beam_search_async(
+                [search], self.llm.run_core_requests_async, self.llm.release_core_requests
+            )
             return beam_window_output(search)
         collector = WindowCollector(f"audio input {index}", request.length_penalty)
         async for output in self.llm.generate_processed(

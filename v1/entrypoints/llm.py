@@ -137,9 +137,10 @@ class LLM:
         """Beam search for one prompt or a list (the prompt forms of `generate`), in input
         order: each output holds the best `params.num_return_sequences` finished beams, best
         first, scored and finished as transformers' `generate(num_beams=...)` does (the
-        model's generation-config rules apply as in `generate`). Beams share decoder blocks
-        through the prefix cache and, for encoder-decoder models, one cross-attention cache;
-        the encoder runs once per distinct input. `sampling_params` adds rules to the greedy
+        model's generation-config rules apply as in `generate`). Each beam forks its parent's
+        decoder KV blocks in the engine (shared full blocks, the partial last block copied) and
+        computes one token per step; for encoder-decoder models all beams read one
+        cross-attention cache: the encoder runs once per distinct input. `sampling_params` adds rules to the greedy
         defaults (min_tokens, stop_token_ids, penalties, ...); its sampling knobs are unused."""
         if "generate" not in self.model_info.supported_tasks:
             raise ValueError(
@@ -162,7 +163,7 @@ class LLM:
                 raise ValueError(f"prompt {i}: {e}" if len(prompts) > 1 else str(e)) from e
         bar = tqdm(total=len(searches), desc="Beam search", disable=not use_tqdm)
         try:
-            run_beam_search(searches, engine.run_core_requests)
+            run_beam_search(searches, engine.run_core_requests, engine.abort_core_requests)
         finally:
             bar.update(len(searches))
             bar.close()

@@ -1,7 +1,9 @@
 """The scheduler's one handle on the KV cache: request-level allocation across all KV groups.
 
 `KVCacheManager` owns the block pool and one per-type manager per KV cache group; it answers
-prefix-cache lookups, allocates all-or-nothing across groups and frees (idempotently) per request.
+prefix-cache lookups, allocates all-or-nothing across groups, forks a held request's decoder
+blocks into a new request (copy-on-write of the partial last block, the copies queued for the
+runner) and frees (idempotently) per request.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from v1.kv_cache.block_pool import BlockPool, KVCacheBlock
 from v1.kv_cache.single_type import (
     CrossAttentionManager,
     FullAttentionManager,
+    cdiv,
     get_manager_for_spec,
 )
 from v1.kv_cache.spec import KVCacheConfig
@@ -43,6 +46,22 @@ class KVCacheBlocks:
     @staticmethod
     def empty(num_groups: int) -> KVCacheBlocks:
         return KVCacheBlocks(tuple([] for _ in range(num_groups)))
+
+
+@dataclass(frozen=True)
+class _Fork:
+    parent_id: str
+    move_last_block: bool
+
+
+@dataclass(frozen=True)
+class _Allocation:
+    """What one allocate_slots / fork_slots call asks for."""
+
+    num_new_tokens: int
+    num_new_computed_tokens: int
+    num_encoder_tokens: int
+    fork: _Fork | None = None
 
 
 class KVCacheManager:
@@ -84,6 +103,14 @@ class KVCacheManager:
         encoder content hash."""
         self.cross_cache_hits = 0
         """Of those, entries found cached (no new cross blocks, no projection written)."""
+        self.num_forks = 0
+        """Requests admitted on another request's decoder blocks (fork_slots)."""
+        self.num_forked_tokens = 0
+        """Tokens those forks took over instead of computing them."""
+        self.num_block_copies = 0
+        """Partial blocks copied by forks."""
+        self._block_copies: dict[str, list[tuple[int, int]]] = {}
+        """req_id -> (src, dst) block copies of its fork that no step carried yet."""
 
     # ---- stats ----
     @property
@@ -174,11 +201,12 @@ class KVCacheManager:
         """
         if not self.managers:
             return self._empty()  # encoder-only models: no paged layers, nothing to allocate
-        req_id = request.request_id
         if (
             new_computed_blocks is None
             and not num_encoder_tokens
-            and self._holds_room_for(req_id, request.num_computed_tokens + num_new_tokens)
+            and self._holds_room_for(
+                request.request_id, request.num_computed_tokens + num_new_tokens
+            )
         ):
             # The decode fast path: the tables already cover the new tokens. Blocks filled
             # meanwhile are registered in the prefix cache by the next call that grows them.
@@ -186,49 +214,134 @@ class KVCacheManager:
         if new_computed_blocks is None:
             new_computed_blocks = self._empty()
         assert len(new_computed_blocks.blocks) == len(self.managers), "blocks of another config"
-        if self._encoder_entry_managers and num_encoder_tokens > 0:
-            new_computed_blocks = self._attach_encoder_entries(
-                request, new_computed_blocks, num_encoder_tokens
-            )
         if self._full_managers:
             num_hit_blocks = len(new_computed_blocks.blocks[self._full_managers[0].group_id])
             assert num_new_computed_tokens == num_hit_blocks * self.hash_block_size, (
                 "num_new_computed_tokens does not match new_computed_blocks"
             )
+        return self._allocate(
+            request,
+            _Allocation(num_new_tokens, num_new_computed_tokens, num_encoder_tokens),
+            new_computed_blocks,
+        )
 
-        num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
-        num_tokens_need_slot = min(num_computed_tokens + num_new_tokens, self.max_model_len)
+    def fork_slots(
+        self,
+        request: Request,
+        parent: Request,
+        num_new_tokens: int,
+        num_encoder_tokens: int = 0,
+        move_last_block: bool = False,
+    ) -> KVCacheBlocks | None:
+        """Admits `request` on the decoder KV of `parent`, a finished request whose blocks are
+        still held and whose computed tokens begin `request`'s, instead of computing them again.
 
+        Per full-attention group the parent's full blocks are shared (ref counted) and its
+        partial last block, which `request` will write into, is copied into a new block (the
+        (src, dst) copy is queued for the runner: `take_block_copies`) or, with
+        `move_last_block` (the parent is about to be freed and nothing else forks from it),
+        handed over without a copy. Then, as `allocate_slots` with `parent.num_computed_tokens`
+        computed tokens: cross-attention and encoder-states groups attach by encoder content
+        hash, full-attention tables grow for `num_new_tokens`. Returns the request's new block
+        tables, or None, changing nothing, when the pool has too few free blocks.
+        """
+        req_id = request.request_id
+        num_forked = parent.num_computed_tokens
+        assert request.num_computed_tokens == 0 and not self.get_blocks(req_id).num_blocks
+        assert self._full_managers and num_forked < request.num_tokens
+        forked = KVCacheBlocks(
+            tuple(
+                list(m.get_blocks(parent.request_id)[: cdiv(num_forked, m.block_size)])
+                if isinstance(m, FullAttentionManager)
+                else []
+                for m in self.managers
+            )
+        )
+        # The parent's chained block hashes hold for the shared prefix (same tokens and
+        # encoder input): the fork need not hash those blocks again.
+        if not request.block_hashes:
+            request.block_hashes = parent.block_hashes[: num_forked // self.hash_block_size]
+        fork = _Fork(parent.request_id, move_last_block)
+        allocation = _Allocation(num_new_tokens, num_forked, num_encoder_tokens, fork)
+        return self._allocate(request, allocation, forked)
+
+    def _allocate(
+        self, request: Request, allocation: _Allocation, computed: KVCacheBlocks
+    ) -> KVCacheBlocks | None:
+        """allocate_slots and fork_slots past their checks: `computed` are prefix hits, or the
+        parent's blocks of a fork."""
+        req_id = request.request_id
+        num_encoder_tokens = allocation.num_encoder_tokens
+        fork = allocation.fork
+        if self._encoder_entry_managers and num_encoder_tokens > 0:
+            computed = self._attach_encoder_entries(request, computed, num_encoder_tokens)
+        num_computed_tokens = request.num_computed_tokens + allocation.num_new_computed_tokens
+        num_tokens_need_slot = min(
+            num_computed_tokens + allocation.num_new_tokens, self.max_model_len
+        )
         num_blocks_to_allocate = sum(
             manager.get_num_blocks_to_allocate(
                 req_id, num_tokens_need_slot, num_encoder_tokens, hit_blocks
             )
-            for manager, hit_blocks in zip(self.managers, new_computed_blocks.blocks, strict=True)
+            for manager, hit_blocks in zip(self.managers, computed.blocks, strict=True)
         )
+        copies_partial_block = (
+            fork is not None
+            and not fork.move_last_block
+            and num_computed_tokens % self.hash_block_size != 0
+        )
+        if copies_partial_block:
+            num_blocks_to_allocate += len(self._full_managers)  # one copy per full group
         if num_blocks_to_allocate > self.block_pool.get_num_free_blocks():
             return None
 
-        added: list[list[KVCacheBlock]] = []
-        for manager, hit_blocks in zip(self.managers, new_computed_blocks.blocks, strict=True):
-            # Touch before allocating: a free hit must leave the free queue before any pop.
-            self.block_pool.touch(hit_blocks)
-            manager.save_new_computed_blocks(req_id, hit_blocks)
-        for manager, hit_blocks in zip(self.managers, new_computed_blocks.blocks, strict=True):
-            new_blocks = manager.allocate_new_blocks(
-                req_id, num_tokens_need_slot, num_encoder_tokens
-            )
-            added.append(list(hit_blocks) + new_blocks)
+        num_held = [len(manager.get_blocks(req_id)) for manager in self.managers]
+        # Touch before allocating: a free hit must leave the free queue before any pop.
+        for manager, hit_blocks in zip(self.managers, computed.blocks, strict=True):
+            if fork is None or not isinstance(manager, FullAttentionManager):
+                self.block_pool.touch(hit_blocks)
+                manager.save_new_computed_blocks(req_id, hit_blocks)
+        if fork is not None:
+            self._fork_tables(req_id, fork, num_computed_tokens)
+        for manager in self.managers:
+            manager.allocate_new_blocks(req_id, num_tokens_need_slot, num_encoder_tokens)
+        # The delta: hits (or the forked tables) then fresh blocks, in table order.
+        added = tuple(
+            list(manager.get_blocks(req_id)[held:])
+            for manager, held in zip(self.managers, num_held, strict=True)
+        )
 
         for manager in self._encoder_entry_managers:
             if request.encoder_hash is not None:
                 manager.register(req_id, request.encoder_hash)
         if self.enable_caching and not request.is_pooling and self._full_managers:
             # Cache only blocks whose tokens exist and will be computed by this step.
-            num_tokens_to_cache = min(num_computed_tokens + num_new_tokens, request.num_tokens)
+            num_tokens_to_cache = min(
+                num_computed_tokens + allocation.num_new_tokens, request.num_tokens
+            )
             request_block_hashes(request, self.hash_block_size)
             for manager in self._full_managers:
                 manager.cache_blocks(request, num_tokens_to_cache)
-        return KVCacheBlocks(tuple(added))
+        return KVCacheBlocks(added)
+
+    def _fork_tables(self, req_id: str, fork: _Fork, num_tokens: int) -> None:
+        copies = [
+            manager.fork(fork.parent_id, req_id, num_tokens, fork.move_last_block)
+            for manager in self._full_managers
+        ]
+        copies = [c for c in copies if c is not None]
+        if copies:
+            self._block_copies.setdefault(req_id, []).extend(copies)
+        self.num_forks += 1
+        self.num_forked_tokens += num_tokens
+        self.num_block_copies += len(copies)
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """The (src, dst) block copies queued by forks since the last call, for the runner to
+        perform before the step's forward (every src read before any dst is written)."""
+        copies = [c for req_copies in self._block_copies.values() for c in req_copies]
+        self._block_copies.clear()
+        return copies
 
     def has_encoder_entry(self, request: Request) -> bool:
         """Whether every cross-attention / encoder-states group already has an entry for the
@@ -263,10 +376,9 @@ class KVCacheManager:
             blocks[manager.group_id] = found
         return KVCacheBlocks(tuple(blocks))
 
-    def free(self, request: Request) -> None:
-        """Release every group's blocks of the request (finish, abort, preemption). Idempotent.
-        Full blocks of known, computed tokens are registered in the prefix cache first (the
-        decode fast path defers that registration)."""
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Registers the request's full blocks of known, computed tokens in the prefix cache
+        (the decode fast path defers that registration)."""
         if self.enable_caching and not request.is_pooling and self._full_managers:
             num_tokens = min(request.num_computed_tokens, request.num_tokens)
             if num_tokens >= self.hash_block_size and self._full_managers[0].get_blocks(
@@ -275,6 +387,13 @@ class KVCacheManager:
                 request_block_hashes(request, self.hash_block_size)
                 for manager in self._full_managers:
                     manager.cache_blocks(request, num_tokens)
+
+    def free(self, request: Request) -> None:
+        """Release every group's blocks of the request (finish, abort, preemption), and drop
+        block copies of its fork that no step carried yet. Idempotent. Full blocks of known,
+        computed tokens are registered in the prefix cache first."""
+        self.cache_computed_blocks(request)
+        self._block_copies.pop(request.request_id, None)
         for manager in self.managers:
             manager.free(request.request_id)
 

@@ -130,6 +130,33 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         )
         self.num_cached_blocks[req_id] = num_full
 
+    def fork(
+        self, parent_id: str, req_id: str, num_tokens: int, move_last_block: bool
+    ) -> tuple[int, int] | None:
+        """Gives `req_id` (holding nothing yet) the parent's blocks of its first `num_tokens`
+        tokens: full blocks shared (ref counted); a partial last block copied into a new block
+        or, with `move_last_block`, handed over (the parent's table drops it, so no two tables
+        write into it). Returns the (src, dst) block ids of the copy, which the runner must
+        perform before the request's first step, or None. The caller checked that the pool
+        has the free block a copy takes."""
+        parent = self.req_to_blocks[parent_id]
+        num_full, partial = divmod(num_tokens, self.block_size)
+        assert len(parent) >= num_full + (partial > 0), "the parent holds too few blocks"
+        shared = parent[:num_full]
+        self.block_pool.touch(shared)  # held by the parent: none of them is free
+        table = self.req_to_blocks[req_id] = list(shared)
+        self.num_cached_blocks[req_id] = min(self.num_cached_blocks.get(parent_id, 0), num_full)
+        if not partial:
+            return None
+        last = parent[num_full]
+        if move_last_block:
+            del parent[num_full]
+            table.append(last)
+            return None
+        (copy,) = self.block_pool.get_new_blocks(1)
+        table.append(copy)
+        return last.block_id, copy.block_id
+
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], max_length: int
     ) -> list[KVCacheBlock]:

@@ -7,16 +7,25 @@ then, for fp8 caches, two halves of `num_blocks` chunks of float32 scales:
 An attention layer sees values [2, num_blocks, block_size, Hkv, D] (+ scales [2, num_blocks,
 block_size, Hkv]); the encoder states of absorbed cross-attention see the first
 `rows_per_half * d` values of each chunk as [2, num_blocks, rows_per_half, d] (+ scales [2,
-num_blocks, rows_per_half]).
+num_blocks, rows_per_half]). `KVBlockCopier` copies whole blocks inside the pool (forks).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from v1.kv_cache.spec import SCALE_BYTES, EncoderStatesSpec, KVCacheConfig, KVCacheSpec
+from v1.host_copy import to_device
+from v1.kv_cache.spec import (
+    SCALE_BYTES,
+    EncoderStatesSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheSpec,
+)
 
 _TORCH_DTYPES = {
     "float32": torch.float32,
@@ -119,3 +128,37 @@ def allocate_kv_cache(config: KVCacheConfig, device: torch.device) -> dict[str, 
                 )
                 views[name] = attention_views(buffer, spec, config.num_blocks, layout)
     return views
+
+
+class KVBlockCopier:
+    """Copies whole KV blocks (SchedulerOutput.block_copies: the partial last block of a forked
+    sequence) in every KV cache tensor that holds decoder self-attention: one batched index
+    copy per region (values; scales too for fp8) of each tensor, all on the device."""
+
+    def __init__(self, config: KVCacheConfig, views: dict[str, LayerCache]) -> None:
+        spec_of = {name: group.spec for group in config.groups for name in group.layer_names}
+        self.regions: list[torch.Tensor] = []
+        """[2, num_blocks, chunk bytes] uint8 views, each block's chunk of K and V rows."""
+        for tensor in config.tensors:
+            # The j-th layers of all groups share the tensor and lay blocks out alike: the
+            # chunks of one decoder self-attention layer cover the block in this tensor.
+            name = next(
+                (n for n in tensor.shared_by if isinstance(spec_of[n], FullAttentionSpec)), None
+            )
+            if name is None:
+                continue
+            cache = views[name]
+            for region in (cache.values, cache.scales):
+                if region is not None:
+                    # [2, num_blocks, block_size, Hkv(, D)] -> [2, num_blocks, chunk bytes]
+                    self.regions.append(region.view(torch.uint8).view(*region.shape[:2], -1))
+
+    def __call__(self, copies: Sequence[tuple[int, int]]) -> None:
+        if not copies or not self.regions:
+            return
+        device = self.regions[0].device
+        src, dst = to_device(np.asarray(copies, dtype=np.int64).T.copy(), device)
+        for region in self.regions:
+            # index_select materializes every src before index_copy_ writes a dst (a block
+            # freed by one fork may be the copy target of another in the same step).
+            region.index_copy_(1, dst, region.index_select(1, src))

@@ -35,7 +35,7 @@ from v1.kv_cache.spec import (
 )
 from v1.worker.attn_metadata import AttentionMetadataFactory
 from v1.worker.input_batch import InputBatch
-from v1.worker.kv_cache_views import LayerCache, allocate_kv_cache
+from v1.worker.kv_cache_views import KVBlockCopier, LayerCache, allocate_kv_cache
 from v1.worker.model_states import ModelState, StateContext, make_model_state
 from v1.worker.step_inputs import StepInputs
 
@@ -136,6 +136,7 @@ class ModelRunner:
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         self.kv_cache_config = kv_cache_config
         kv_caches = allocate_kv_cache(kv_cache_config, self.device)
+        self.copy_blocks = KVBlockCopier(kv_cache_config, kv_caches)
         for name, cache in kv_caches.items():
             if name == ENCODER_STATES_LAYER:
                 self.encoder_states = cache
@@ -182,6 +183,7 @@ class ModelRunner:
         """Launches the step without waiting for it (pipelined scheduling): everything here
         is enqueued on the device stream, so the next step can be prepared meanwhile."""
         self._update_states(scheduler_output)
+        self.copy_blocks(scheduler_output.block_copies)  # forks: before any step reads them
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ReadyRunnerOutput(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
         step = self._prepare_inputs(scheduler_output)
