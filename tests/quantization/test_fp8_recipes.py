@@ -7,6 +7,7 @@ the errors for entries that cover nothing or cannot apply.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,13 +17,20 @@ from tests.models.test_whisper import WHISPER_BASE, make_tiny_whisper_dir
 from tests.models.test_whisper import make_core as make_whisper_core
 from tests.quantization.test_fp8 import generate, is_fp8, is_unquantized, write_fp8_checkpoint
 from tests.utils import make_tiny_model_dir, make_tiny_wordpiece_tokenizer, needs_assets
-from tests.worker.worker_factories import make_core, make_tiny_bart_dir, runner_of
+from tests.worker.worker_factories import make_core as make_worker_core
+from tests.worker.worker_factories import make_tiny_bart_dir, runner_of
 from v1.config import make_engine_config
+from v1.core.engine_core import EngineCore
 from v1.models.layers.linear import Linear
 from v1.quantization.fp8 import dequantize_rows
 
 
-def linears(core) -> dict[str, torch.nn.Module]:
+def make_core(path: str, **overrides: Any) -> EngineCore:
+    """A small KV cache: the tests keep several models (and so their caches) alive at once."""
+    return make_worker_core(path, num_kv_blocks=64, **overrides)
+
+
+def linears(core: EngineCore) -> dict[str, torch.nn.Module]:
     model = runner_of(core).model
     return {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
 
