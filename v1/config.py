@@ -82,7 +82,14 @@ class ModelConfig:
     quantization: str | None = None
     """fp8: Linear weights in float8_e4m3 with per-output-channel scales, activations scaled
     per token (torch._scaled_mm on sm89+ GPUs, an exact dequantizing reference elsewhere).
-    Checkpoints already in fp8 (their quantization_config) are read as fp8 regardless."""
+    Checkpoints already in fp8 (their quantization_config) are read as fp8 regardless. Which
+    Linear layers stay in the model dtype: `fp8_ignore`."""
+    fp8_ignore: list[str] | None = None
+    """Linear layers fp8 leaves in the model dtype: module names (each covers the Linear layers
+    under it, e.g. model.encoder.layers.0) or 're:' regexes a full name must match. Unset: the
+    model's default recipe (Whisper: encoder layers 0-1 and the decoder's per-token GEMMs; BERT
+    family: all but the first third of the encoder layers; others: none); [] quantizes every
+    Linear. With an fp8 checkpoint, these layers are dequantized in addition to its own."""
     hf_overrides: dict[str, Any] = field(default_factory=dict)
     """Fields set on the loaded HF config (for tests and odd checkpoints)."""
     hf_config: Any = field(default=None, compare=False, repr=False)
@@ -125,6 +132,20 @@ class ModelConfig:
             )
         self._check_sliding_window()
         self._check_encoder_input_len()
+        self._check_fp8_ignore()
+
+    def _check_fp8_ignore(self) -> None:
+        if self.fp8_ignore is None:
+            return
+        from v1.quantization.fp8_recipes import check_fp8_ignore
+
+        object.__setattr__(self, "fp8_ignore", check_fp8_ignore(self.fp8_ignore))
+        quantized_checkpoint = getattr(self.hf_config, "quantization_config", None) is not None
+        if self.quantization != "fp8" and not quantized_checkpoint:
+            raise ValueError(
+                "fp8_ignore applies to quantization='fp8' or a checkpoint already in fp8; "
+                f"{self.model!r} is neither"
+            )
 
     def _check_encoder_input_len(self) -> None:
         wanted = self.max_encoder_input_len

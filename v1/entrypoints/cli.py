@@ -23,7 +23,13 @@ from typing import Any
 from v1 import envs
 
 DEFAULT_WHISPER_MODEL = "openai/whisper-base"
-_SCALARS: dict[str, type] = {"int": int, "float": float, "str": str, "bool": bool}
+_SCALARS: dict[str, type] = {
+    "int": int,
+    "float": float,
+    "str": str,
+    "bool": bool,
+    "list[str]": list,  # a flag taking zero or more strings
+}
 
 
 # ---- engine flags ----
@@ -49,7 +55,7 @@ def attribute_docs(cls: type) -> dict[str, str]:
 
 def _scalar_type(annotation: Any) -> tuple[type | None, bool]:
     """(the scalar type of a field annotation, whether None is allowed); (None, _) when the
-    annotation is not a plain scalar."""
+    annotation is not a plain scalar. `list[str]` counts as one (`list`: a multi-value flag)."""
     text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
     parts = [p.strip() for p in str(text).split("|")]
     optional = "None" in parts
@@ -119,6 +125,15 @@ def add_engine_args(parser: argparse.ArgumentParser, ignored: frozenset[str] = f
                 dest=f.name,
                 action=argparse.BooleanOptionalAction,
                 default=argparse.SUPPRESS,
+                help=help_text,
+            )
+        elif kind is list:
+            group.add_argument(
+                flag,
+                dest=f.name,
+                nargs="*",
+                default=argparse.SUPPRESS,
+                metavar=f.name.upper(),
                 help=help_text,
             )
         else:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import glob
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -161,12 +161,16 @@ def load_model_from_weights(
     architecture: str | None = None,
     quantization: str | None = None,
     tp: TensorParallelGroup | None = None,
+    fp8_ignore: Sequence[str] | None = None,
 ) -> nn.Module:
     """Build the model for `hf_config` and load `weights` into it; every parameter must load.
-    quantization="fp8" quantizes its Linear layers after loading; a checkpoint already in fp8
-    (its config's `quantization_config`) is read as such whatever `quantization` says.
+    quantization="fp8" quantizes its Linear layers after loading but those `fp8_ignore` names
+    (None: the model's default recipe, v1/quantization/fp8_recipes.py); a checkpoint already in
+    fp8 (its config's `quantization_config`) is read as such whatever `quantization` says, its
+    own high-precision layers and those `fp8_ignore` names left unquantized.
     `tp`: this rank's shard of the model (v1/distributed/tensor_parallel.py)."""
     from v1.quantization.fp8 import Fp8CheckpointConfig, Fp8CheckpointReader, quantize_model_fp8
+    from v1.quantization.fp8_recipes import fp8_ignored_modules
 
     checkpoint_fp8 = Fp8CheckpointConfig.from_hf_config(hf_config)
     if checkpoint_fp8 is not None and tp is not None and tp.world_size > 1:
@@ -182,9 +186,10 @@ def load_model_from_weights(
     loaded = model.load_weights(weights)
     check_all_loaded(model, loaded)
     if reader is not None:
-        reader.quantize_loaded(model)
+        keep = fp8_ignored_modules(model, fp8_ignore) if fp8_ignore is not None else set()
+        reader.quantize_loaded(model, keep)
     elif quantization == "fp8":
-        quantize_model_fp8(model)
+        quantize_model_fp8(model, fp8_ignored_modules(model, fp8_ignore))
     elif quantization is not None:
         raise ValueError(f"unknown quantization {quantization!r}")
     return model.eval()
@@ -211,4 +216,5 @@ def load_model(
         architecture=model_config.architecture,
         quantization=model_config.quantization,
         tp=tp,
+        fp8_ignore=model_config.fp8_ignore,
     )

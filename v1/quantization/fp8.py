@@ -4,12 +4,13 @@
 dimension: Linear weights (a row = an output channel), activations (a row = a token), cached K/V
 (a row = one head of one token) and encoder states (a row = one encoder position).
 
-`quantize_model_fp8` turns every `Linear` of a loaded model into an fp8 layer: weight float8_e4m3fn
-[N, K] with per-output-channel scales [N]; each call quantizes its input per token and multiplies
-with `torch._scaled_mm` on sm89+ GPUs, or with the exact dequantize-then-matmul reference (CPU,
-and GPUs or shapes _scaled_mm cannot serve). LM heads, embeddings and convolutions keep the model
-dtype. `Fp8CheckpointReader` loads checkpoints already in fp8 (compressed-tensors, or a
-`quantization_config` with quant_method "fp8"): per-tensor, per-channel or block-wise scales.
+`quantize_model_fp8` turns the `Linear` layers of a loaded model (all but those a recipe keeps,
+fp8_recipes.py) into fp8 layers: weight float8_e4m3fn [N, K] with per-output-channel scales [N];
+each call quantizes its input per token and multiplies with `torch._scaled_mm` on sm89+ GPUs, or
+with the exact dequantize-then-matmul reference (CPU, and GPUs or shapes _scaled_mm cannot
+serve). LM heads, embeddings and convolutions keep the model dtype. `Fp8CheckpointReader` loads
+checkpoints already in fp8 (compressed-tensors, or a `quantization_config` with quant_method
+"fp8"): per-tensor, per-channel or block-wise scales.
 """
 
 from __future__ import annotations
@@ -145,21 +146,29 @@ def quantize_model_fp8(model: nn.Module, skip: set[str] | frozenset[str] = froze
     returns how many."""
     from v1.models.layers.linear import Linear
 
-    layers = [
-        (name, m) for name, m in model.named_modules() if isinstance(m, Linear) and name not in skip
-    ]
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, Linear)]
+    layers = [(name, m) for name, m in linears if name not in skip]
     if not layers:
         return 0
     param = layers[0][1].weight
     method = Fp8LinearMethod(scaled_mm_out_dtype(param.device, param.dtype))
     for _, layer in layers:
         quantize_linear_(layer, method)
+    kept = [name for name, _ in linears if name in skip]
     logger.info(
-        "fp8: %d Linear layers quantized (%s GEMM)",
+        "fp8: %d of %d Linear layers quantized (%s GEMM); kept in %s: %s",
         len(layers),
+        len(linears),
         "torch._scaled_mm" if method.scaled_mm_out is not None else "dequantize reference",
+        param.dtype,
+        _abbreviate(kept) if kept else "none",
     )
     return len(layers)
+
+
+def _abbreviate(names: list[str], limit: int = 12) -> str:
+    shown = ", ".join(names[:limit])
+    return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"
 
 
 # ---- checkpoints already in fp8 ----
@@ -310,8 +319,11 @@ class Fp8CheckpointReader:
 
             param.weight_loader = loader
 
-    def quantize_loaded(self, model: nn.Module) -> int:
-        """After loading: quantize the Linear layers loaded only from fp8 tensors."""
+    def quantize_loaded(
+        self, model: nn.Module, keep: set[str] | frozenset[str] = frozenset()
+    ) -> int:
+        """After loading: quantize the Linear layers loaded only from fp8 tensors, but those
+        named in `keep` (the user's fp8_ignore: dequantized, they stay in the model dtype)."""
         skip = {
             name
             for name, module in model.named_modules()
@@ -322,4 +334,4 @@ class Fp8CheckpointReader:
             module.weight.weight_loader = module.weight_loader
         if skip:
             logger.info("fp8 checkpoint: %d Linear layers stay in high precision", len(skip))
-        return quantize_model_fp8(model, skip)
+        return quantize_model_fp8(model, skip | keep)
