@@ -20,12 +20,6 @@ V1 = ROOT / "v1"
 
 KIND_BRANCHES_ALLOWED = ("v1/engine/inputs/", "v1/worker/model_states/")
 KIND_BRANCH_FILES_ALLOWED = ("v1/config.py", "v1/model_info.py")
-KIND_BRANCHES_ELSEWHERE = {
-    # Owned by the worker restructuring (issue 15, item 4): the runner picks its model state
-    # and decides CUDA graphs by kind.
-    ("v1/worker/model_runner.py", "_make_state"),
-    ("v1/worker/model_runner.py", "ModelRunner.use_cuda_graphs"),
-}
 
 
 def modules(*packages: str) -> Iterator[tuple[str, ast.Module]]:
@@ -111,8 +105,7 @@ def test_model_kind_branches_live_in_the_strategy_packages() -> None:
         for line, scope in kind_branches(tree)
         if not path.startswith(KIND_BRANCHES_ALLOWED) and path not in KIND_BRANCH_FILES_ALLOWED
     ]
-    outside = [site for site in sites if (site[0], site[2]) not in KIND_BRANCHES_ELSEWHERE]
-    assert outside == [], "model-kind checks belong to an input builder or a model state"
+    assert sites == [], "model-kind checks belong to an input builder or a model state"
     in_strategies = [
         path
         for path, tree in modules("v1/engine/inputs", "v1/worker/model_states")
