@@ -1,0 +1,112 @@
+"""Triton kernel of the residual add fused with LayerNorm: one read of each input, one write of
+each output, instead of an add kernel (two reads, one write) and a LayerNorm kernel (one read,
+one write).
+
+    h = x + residual (+ bias)      rounded to x's dtype, as the unfused add leaves it
+    y = LayerNorm(h) * weight + b  computed in float32 from the rounded h
+
+`bias` is an optional [D] vector added with the sum: a Linear can leave its bias to the norm that
+follows it. The torch reference is `v1.models.layers.norm.add_layer_norm_reference`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _add_layer_norm_kernel(
+    X,
+    Residual,
+    Bias,
+    Weight,
+    NormBias,
+    Out,
+    ResidualOut,
+    num_rows,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_ro,
+    eps,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ROWS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_NORM_BIAS: tl.constexpr,
+    STORE_RESIDUAL: tl.constexpr,
+):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_D)
+    row_mask = rows < num_rows
+    col_mask = cols < D
+    mask = row_mask[:, None] & col_mask[None, :]
+    rows64 = rows.to(tl.int64)
+    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    r = tl.load(Residual + rows64[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
+    h = x.to(tl.float32) + r.to(tl.float32)
+    if HAS_BIAS:
+        h += tl.load(Bias + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    h = h.to(X.dtype.element_ty)
+    if STORE_RESIDUAL:
+        tl.store(ResidualOut + rows64[:, None] * stride_ro + cols[None, :], h, mask=mask)
+    hf = tl.where(mask, h.to(tl.float32), 0.0)
+    mean = tl.sum(hf, axis=1) / D
+    centered = tl.where(mask, hf - mean[:, None], 0.0)
+    var = tl.sum(centered * centered, axis=1) / D
+    rstd = 1.0 / tl.sqrt(var + eps)
+    w = tl.load(Weight + cols, mask=col_mask, other=0.0).to(tl.float32)
+    y = centered * rstd[:, None] * w[None, :]
+    if HAS_NORM_BIAS:
+        y += tl.load(NormBias + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(Out + rows64[:, None] * stride_o + cols[None, :], y.to(Out.dtype.element_ty), mask=mask)
+
+
+def add_layer_norm_triton(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    norm_bias: torch.Tensor | None,
+    eps: float,
+    bias: torch.Tensor | None = None,
+    store_residual: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x, residual [T, D] (same dtype; rows may be strided, columns contiguous) ->
+    (LayerNorm(h), h) with h = x + residual (+ bias); h is None unless `store_residual`."""
+    assert x.shape == residual.shape and x.dim() == 2, (x.shape, residual.shape)
+    assert x.stride(1) == 1 and residual.stride(1) == 1
+    num_rows, d = x.shape
+    out = torch.empty((num_rows, d), dtype=x.dtype, device=x.device)
+    residual_out = torch.empty_like(out) if store_residual else None
+    if num_rows == 0:
+        return out, residual_out
+    block_d = triton.next_power_of_2(d)
+    # About 4K elements per program: several rows for narrow models.
+    rows = max(1, min(16, 4096 // block_d))
+    num_warps = 4 if block_d <= 1024 else 8
+    grid = (triton.cdiv(num_rows, rows),)
+    _add_layer_norm_kernel[grid](
+        x,
+        residual,
+        bias if bias is not None else weight,
+        weight,
+        norm_bias if norm_bias is not None else weight,
+        out,
+        residual_out if residual_out is not None else out,
+        num_rows,
+        x.stride(0),
+        residual.stride(0),
+        out.stride(0),
+        residual_out.stride(0) if residual_out is not None else 0,
+        eps,
+        D=d,
+        BLOCK_D=block_d,
+        ROWS=rows,
+        HAS_BIAS=bias is not None,
+        HAS_NORM_BIAS=norm_bias is not None,
+        STORE_RESIDUAL=store_residual,
+        num_warps=num_warps,
+    )
+    return out, residual_out
