@@ -49,3 +49,8 @@ def cuda_visible_devices() -> list[str] | None:
     if value is None:
         return None
     return [d.strip() for d in value.split(",") if d.strip()]
+
+
+V1_GELU_EPILOGUE: bool = _bool("V1_GELU_EPILOGUE", True)
+"""On CUDA in 16 bits, run a Linear's GELU as its GEMM's epilogue (tanh form; see
+v1/models/layers/activation.py); 0 keeps the separate exact activation."""

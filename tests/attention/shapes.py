@@ -115,6 +115,16 @@ _SHAPES = [
     BatchShape("encoder", (37, 37, 12, 1, 20), num_heads=6, num_kv_heads=6, attn_types=(ENC,)),
     BatchShape("encoder_only", (5, 1, 23, 64, 9), num_kv_heads=4, attn_types=(ENC_ONLY, ENC)),
     BatchShape("encoder_padded", (9, 3), num_pad_tokens=5, attn_types=(ENC_ONLY,)),
+    # Equal lengths (Whisper's windows): one dense batch on the GPU.
+    BatchShape("encoder_uniform", (37, 37, 37), num_heads=6, num_kv_heads=6, attn_types=(ENC,)),
+    BatchShape(
+        "encoder_uniform_padded",
+        (24, 24),
+        num_heads=4,
+        num_kv_heads=4,
+        num_pad_tokens=3,
+        attn_types=(ENC_ONLY,),
+    ),
     # Cross: decoder queries over encoder K/V (Whisper's 1500 scaled to 37). Requests on their
     # first step write their cross K/V, the others only read it, in one batch.
     BatchShape(

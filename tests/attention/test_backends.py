@@ -60,7 +60,14 @@ def test_output_matches_reference(
 
 @pytest.mark.parametrize(
     ("shape_name", "attn_type"),
-    [("decode", DEC), ("mixed_gqa", DEC), ("encoder", ENC), ("cross", CROSS)],
+    [
+        ("decode", DEC),
+        ("mixed_gqa", DEC),
+        ("encoder", ENC),
+        ("encoder_uniform", ENC),
+        ("encoder_uniform_padded", ENC_ONLY),
+        ("cross", CROSS),
+    ],
 )
 def test_output_matches_reference_bf16(
     backend: LoadedBackend, shape_name: str, attn_type: AttentionType

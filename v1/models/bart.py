@@ -18,11 +18,11 @@ import torch
 from torch import nn
 
 from v1.attention.backend import AttentionType
-from v1.models.layers.activation import get_act_fn
+from v1.models.layers.activation import get_act_fn, linear_act
 from v1.models.layers.attention import CrossAttention, SelfAttention
 from v1.models.layers.embedding import LMHead, VocabEmbedding
 from v1.models.layers.linear import ColumnLinear, RowLinear
-from v1.models.layers.norm import LayerNorm
+from v1.models.layers.norm import LayerNorm, add_layer_norm, fp16_clamp_limit
 from v1.models.utils import load_weights_into
 
 # Checkpoint projections are renamed onto fused parameters before the packed mapping applies:
@@ -72,23 +72,33 @@ def sinusoidal_table(num_positions: int, dim: int) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
-def _sublayer(
-    norm: LayerNorm, pre_norm: bool, hidden_states: torch.Tensor, block: Any, *args: Any
-) -> torch.Tensor:
-    """Residual sub-block: pre-norm x + f(norm(x)) or post-norm norm(x + f(x))."""
-    if pre_norm:
-        return hidden_states + block(norm(hidden_states), *args)
-    return norm(hidden_states + block(hidden_states, *args))
+def _post_norm(norm: LayerNorm, hidden_states: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Post-norm residual sub-block: norm(x + f(x)), given f(x) (one fused kernel on CUDA)."""
+    return add_layer_norm(out, hidden_states, norm, store_residual=False)[0]
+
+
+def _pre_norm_input(
+    norm: LayerNorm,
+    hidden_states: torch.Tensor,
+    residual: torch.Tensor | None,
+    clamp: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pre-norm layer's first sub-block input and its residual stream, from the carried pair
+    (residual None: `hidden_states` is the whole input; else the input is residual +
+    hidden_states, clamped to +-clamp like an fp16 encoder layer's output)."""
+    if residual is None:
+        return norm(hidden_states), hidden_states
+    normed, residual = add_layer_norm(hidden_states, residual, norm, clamp=clamp)
+    assert residual is not None
+    return normed, residual
 
 
 def _clamp_fp16(hidden_states: torch.Tensor) -> torch.Tensor:
     # transformers clamps fp16 encoder outputs to avoid inf (BART/Marian only once non-finite:
     # we clamp always, which differs only for finite values within 1000 of the fp16 max, and
     # needs no host sync).
-    if hidden_states.dtype != torch.float16:
-        return hidden_states
-    limit = torch.finfo(torch.float16).max - 1000
-    return hidden_states.clamp(-limit, limit)
+    limit = fp16_clamp_limit(hidden_states.dtype)
+    return hidden_states if limit is None else hidden_states.clamp(-limit, limit)
 
 
 class LearnedPositions(VocabEmbedding):
@@ -116,6 +126,14 @@ class SinusoidalPositions(nn.Module):
 
 
 class BartEncoderLayer(nn.Module):
+    """forward(hidden_states, residual) -> (hidden_states, residual).
+
+    Post-norm layers take and return residual None. Pre-norm layers carry their input as the
+    residual stream plus the last sub-block's output (vLLM's convention), so each residual add
+    runs fused with the LayerNorm after it (`add_layer_norm`); the stack adds the last pair in
+    its final norm. The fp16 clamp of an encoder layer's output is applied where that pair is
+    added (the next layer, or the stack's end)."""
+
     def __init__(self, cfg: Any, variant: BartVariant, prefix: str) -> None:
         super().__init__()
         d_model = cfg.d_model
@@ -130,17 +148,31 @@ class BartEncoderLayer(nn.Module):
         self.final_layer_norm = LayerNorm(d_model)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))  # [T, d] -> [T, ffn] -> [T, d]
+        return self.fc2(linear_act(self.fc1, self.act, x))  # [T, d] -> [T, ffn] -> [T, d]
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        hidden_states = _sublayer(
-            self.self_attn_layer_norm, self.pre_norm, hidden_states, self.self_attn
+    def forward(
+        self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not self.pre_norm:
+            hidden_states = _post_norm(
+                self.self_attn_layer_norm, hidden_states, self.self_attn(hidden_states)
+            )
+            hidden_states = _post_norm(
+                self.final_layer_norm, hidden_states, self.mlp(hidden_states)
+            )
+            return _clamp_fp16(hidden_states), None
+        clamp = fp16_clamp_limit(hidden_states.dtype)
+        normed, residual = _pre_norm_input(
+            self.self_attn_layer_norm, hidden_states, residual, clamp
         )
-        hidden_states = _sublayer(self.final_layer_norm, self.pre_norm, hidden_states, self.mlp)
-        return _clamp_fp16(hidden_states)
+        normed, residual = add_layer_norm(self.self_attn(normed), residual, self.final_layer_norm)
+        return self.mlp(normed), residual
 
 
 class BartDecoderLayer(nn.Module):
+    """forward(hidden_states, encoder_hidden_states, residual) -> (hidden_states, residual),
+    carried as in `BartEncoderLayer` (no clamp: transformers clamps encoder layers only)."""
+
     def __init__(self, cfg: Any, variant: BartVariant, prefix: str) -> None:
         super().__init__()
         d_model, num_heads = cfg.d_model, cfg.decoder_attention_heads
@@ -157,22 +189,52 @@ class BartDecoderLayer(nn.Module):
         self.final_layer_norm = LayerNorm(d_model)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))  # [T, d] -> [T, ffn] -> [T, d]
+        return self.fc2(linear_act(self.fc1, self.act, x))  # [T, d] -> [T, ffn] -> [T, d]
 
     def forward(
-        self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None
-    ) -> torch.Tensor:
-        hidden_states = _sublayer(
-            self.self_attn_layer_norm, self.pre_norm, hidden_states, self.self_attn
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None,
+        residual: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not self.pre_norm:
+            hidden_states = _post_norm(
+                self.self_attn_layer_norm, hidden_states, self.self_attn(hidden_states)
+            )
+            hidden_states = _post_norm(
+                self.encoder_attn_layer_norm,
+                hidden_states,
+                self.encoder_attn(hidden_states, encoder_hidden_states),
+            )
+            hidden_states = _post_norm(
+                self.final_layer_norm, hidden_states, self.mlp(hidden_states)
+            )
+            return hidden_states, None
+        normed, residual = _pre_norm_input(self.self_attn_layer_norm, hidden_states, residual)
+        normed, residual = add_layer_norm(
+            self.self_attn(normed), residual, self.encoder_attn_layer_norm
         )
-        hidden_states = _sublayer(
-            self.encoder_attn_layer_norm,
-            self.pre_norm,
-            hidden_states,
-            self.encoder_attn,
-            encoder_hidden_states,
+        normed, residual = add_layer_norm(
+            self.encoder_attn(normed, encoder_hidden_states), residual, self.final_layer_norm
         )
-        return _sublayer(self.final_layer_norm, self.pre_norm, hidden_states, self.mlp)
+        return self.mlp(normed), residual
+
+
+def finish_stack(
+    hidden_states: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm: LayerNorm | None,
+    clamp: float | None = None,
+) -> torch.Tensor:
+    """The last layer's carried pair -> the stack's output: norm(residual + hidden_states)
+    (clamped first when `clamp`), or the plain sum without a final norm; post-norm stacks
+    (residual None) only apply the norm."""
+    if residual is None:
+        return norm(hidden_states) if norm is not None else hidden_states
+    if norm is not None:
+        return add_layer_norm(hidden_states, residual, norm, store_residual=False, clamp=clamp)[0]
+    hidden_states = hidden_states + residual
+    return hidden_states if clamp is None else hidden_states.clamp(-clamp, clamp)
 
 
 class BartStack(nn.Module):
@@ -196,9 +258,6 @@ class BartStack(nn.Module):
             hidden_states = self.layernorm_embedding(hidden_states)
         return hidden_states
 
-    def final_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.layer_norm(hidden_states) if self.layer_norm is not None else hidden_states
-
 
 class BartEncoder(BartStack):
     def __init__(
@@ -212,9 +271,11 @@ class BartEncoder(BartStack):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed(input_ids, positions)  # [Te, d_model]
+        residual = None
         for layer in self.layers:
-            hidden_states = layer(hidden_states)
-        return self.final_norm(hidden_states)
+            hidden_states, residual = layer(hidden_states, residual)
+        clamp = fp16_clamp_limit(hidden_states.dtype)
+        return finish_stack(hidden_states, residual, self.layer_norm, clamp)
 
 
 class BartDecoder(BartStack):
@@ -234,9 +295,10 @@ class BartDecoder(BartStack):
         encoder_hidden_states: torch.Tensor | None,
     ) -> torch.Tensor:
         hidden_states = self.embed(input_ids, positions)  # [T, d_model]
+        residual = None
         for layer in self.layers:
-            hidden_states = layer(hidden_states, encoder_hidden_states)
-        return self.final_norm(hidden_states)
+            hidden_states, residual = layer(hidden_states, encoder_hidden_states, residual)
+        return finish_stack(hidden_states, residual, self.layer_norm)
 
 
 class BartModel(nn.Module):

@@ -17,10 +17,10 @@ from torch import nn
 
 from v1.attention.backend import AttentionType
 from v1.attention.layer import Attention
-from v1.models.layers.activation import get_act_fn
+from v1.models.layers.activation import get_act_fn, linear_act
 from v1.models.layers.embedding import VocabEmbedding
 from v1.models.layers.linear import ColumnLinear, Linear, QKVLinear, RowLinear
-from v1.models.layers.norm import LayerNorm
+from v1.models.layers.norm import LayerNorm, add_layer_norm
 from v1.models.utils import load_weights_into
 
 # Checkpoint names that never map to a parameter: position-id buffers and heads no task uses
@@ -92,7 +92,10 @@ class BertSelfOutput(nn.Module):
         self.LayerNorm = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps)
 
     def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(self.dense(hidden_states) + residual)
+        # One fused add + LayerNorm kernel on CUDA.
+        return add_layer_norm(
+            self.dense(hidden_states), residual, self.LayerNorm, store_residual=False
+        )[0]
 
 
 class BertAttention(nn.Module):
@@ -112,7 +115,8 @@ class BertIntermediate(nn.Module):
         self.act = get_act_fn(cfg.hidden_act)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.act(self.dense(hidden_states))  # [T, intermediate]
+        # GELU as the GEMM's epilogue on CUDA.
+        return linear_act(self.dense, self.act, hidden_states)  # [T, intermediate]
 
 
 class BertLayer(nn.Module):

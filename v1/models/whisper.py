@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from v1.audio.features import LogMelSpectrogram
-from v1.models.bart import MBART, BartDecoderLayer, BartEncoderLayer
+from v1.models.bart import MBART, BartDecoderLayer, BartEncoderLayer, finish_stack
 from v1.models.layers.embedding import LMHead, VocabEmbedding
-from v1.models.layers.norm import LayerNorm
+from v1.models.layers.norm import LayerNorm, fp16_clamp_limit
 from v1.models.utils import load_weights_into
 
 # Checkpoint projections are renamed onto fused parameters (as in bart.py): q/k/v of the
@@ -59,9 +59,11 @@ class WhisperEncoder(nn.Module):
             )
         hidden_states = hidden_states.transpose(1, 2) + self.embed_positions.weight  # [B, P, d]
         hidden_states = hidden_states.reshape(-1, hidden_states.shape[-1])  # [B * P, d]
+        residual = None
         for layer in self.layers:
-            hidden_states = layer(hidden_states)
-        return self.layer_norm(hidden_states)
+            hidden_states, residual = layer(hidden_states, residual)
+        clamp = fp16_clamp_limit(hidden_states.dtype)
+        return finish_stack(hidden_states, residual, self.layer_norm, clamp)
 
 
 class WhisperDecoder(nn.Module):
@@ -83,9 +85,10 @@ class WhisperDecoder(nn.Module):
     ) -> torch.Tensor:
         # transformers defines embed_scale for Whisper but never applies it.
         hidden_states = self.embed_tokens(input_ids) + self.embed_positions(positions)  # [T, d]
+        residual = None
         for layer in self.layers:
-            hidden_states = layer(hidden_states, encoder_hidden_states)
-        return self.layer_norm(hidden_states)
+            hidden_states, residual = layer(hidden_states, encoder_hidden_states, residual)
+        return finish_stack(hidden_states, residual, self.layer_norm)
 
 
 class WhisperModel(nn.Module):

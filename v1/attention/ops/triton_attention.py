@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -329,15 +330,14 @@ def make_work_items(
     query_start_loc_cpu: torch.Tensor, block_m: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(request, query block) of every program, from host offsets (no device sync)."""
-    query_lens = (query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]).long()
-    blocks = (query_lens + block_m - 1) // block_m
-    req = torch.repeat_interleave(torch.arange(len(query_lens)), blocks)
-    starts = torch.cumsum(blocks, 0) - blocks
-    mblock = torch.arange(int(blocks.sum())) - torch.repeat_interleave(starts, blocks)
-    return (
-        to_device(req.to(torch.int32), device),
-        to_device(mblock.to(torch.int32), device),
-    )
+    offsets = query_start_loc_cpu.numpy().astype(np.int64)
+    blocks = (np.diff(offsets) + block_m - 1) // block_m
+    req = np.repeat(np.arange(len(blocks), dtype=np.int32), blocks)
+    starts = np.cumsum(blocks) - blocks
+    mblock = (np.arange(len(req)) - np.repeat(starts, blocks)).astype(np.int32)
+    # One host-to-device copy for both.
+    both = to_device(np.concatenate([req, mblock]), device)
+    return both[: len(req)], both[len(req) :]
 
 
 def paged_attention(

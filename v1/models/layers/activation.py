@@ -1,10 +1,18 @@
-"""Activations by their Hugging Face config names, and SiluAndMul for fused gate_up outputs."""
+"""Activations by their Hugging Face config names, SiluAndMul for fused gate_up outputs, and
+`linear_act`: a Linear followed by its activation, with GELU fused into the GEMM on CUDA."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from v1 import envs
+
+if TYPE_CHECKING:
+    from v1.models.layers.linear import Linear
 
 
 class SiluAndMul(nn.Module):
@@ -51,3 +59,26 @@ def get_act_fn(name: str) -> nn.Module:
     if name not in _ACTIVATIONS:
         raise ValueError(f"unsupported activation {name!r}; supported: {sorted(_ACTIVATIONS)}")
     return _ACTIVATIONS[name]()
+
+
+def linear_act(layer: Linear, act: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """act(layer(x)). On CUDA in 16 bits a GELU runs as the GEMM's epilogue (cuBLASLt
+    GELU_BIAS through `torch._addmm_activation`): the [T, ffn] product is written once instead
+    of written, read and written again (on an H100, Whisper's fc1 at 48,000 x 1280 -> 5120 took
+    1,065 us against 1,306 us for the GEMM and a separate GELU).
+
+    The epilogue computes the tanh form of GELU; for the erf form (`hidden_act="gelu"`) the two
+    differ by at most 4.7e-4, about one 16-bit rounding step of the result (measured against
+    the unfused path: within 0.004 at |y| < 8, the rounding of the GEMM output itself).
+    `V1_GELU_EPILOGUE=0` turns it off; float32 and CPU always take the exact path."""
+    if (
+        isinstance(act, GELU)
+        and envs.V1_GELU_EPILOGUE
+        and x.is_cuda
+        and x.dtype in (torch.float16, torch.bfloat16)
+        and x.dim() == 2
+        and layer.quant_method is None
+        and layer.bias is not None
+    ):
+        return torch._addmm_activation(layer.bias, x, layer.weight.t(), use_gelu=True)
+    return act(layer(x))

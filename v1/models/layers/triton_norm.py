@@ -2,11 +2,11 @@
 each output, instead of an add kernel (two reads, one write) and a LayerNorm kernel (one read,
 one write).
 
-    h = x + residual (+ bias)      rounded to x's dtype, as the unfused add leaves it
+    h = x + residual               rounded to x's dtype, as the unfused add leaves it, then
+                                   clamped to +-clamp when asked (fp16 encoder layers)
     y = LayerNorm(h) * weight + b  computed in float32 from the rounded h
 
-`bias` is an optional [D] vector added with the sum: a Linear can leave its bias to the norm that
-follows it. The torch reference is `v1.models.layers.norm.add_layer_norm_reference`.
+The torch reference is the unfused path of `v1.models.layers.norm.add_layer_norm`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import triton.language as tl
 def _add_layer_norm_kernel(
     X,
     Residual,
-    Bias,
     Weight,
     NormBias,
     Out,
@@ -31,10 +30,11 @@ def _add_layer_norm_kernel(
     stride_o,
     stride_ro,
     eps,
+    clamp,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     ROWS: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
+    CLAMP: tl.constexpr,
     HAS_NORM_BIAS: tl.constexpr,
     STORE_RESIDUAL: tl.constexpr,
 ):
@@ -46,10 +46,9 @@ def _add_layer_norm_kernel(
     rows64 = rows.to(tl.int64)
     x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
     r = tl.load(Residual + rows64[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
-    h = x.to(tl.float32) + r.to(tl.float32)
-    if HAS_BIAS:
-        h += tl.load(Bias + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    h = h.to(X.dtype.element_ty)
+    h = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
+    if CLAMP:
+        h = tl.minimum(tl.maximum(h.to(tl.float32), -clamp), clamp).to(X.dtype.element_ty)
     if STORE_RESIDUAL:
         tl.store(ResidualOut + rows64[:, None] * stride_ro + cols[None, :], h, mask=mask)
     hf = tl.where(mask, h.to(tl.float32), 0.0)
@@ -61,7 +60,9 @@ def _add_layer_norm_kernel(
     y = centered * rstd[:, None] * w[None, :]
     if HAS_NORM_BIAS:
         y += tl.load(NormBias + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(Out + rows64[:, None] * stride_o + cols[None, :], y.to(Out.dtype.element_ty), mask=mask)
+    tl.store(
+        Out + rows64[:, None] * stride_o + cols[None, :], y.to(Out.dtype.element_ty), mask=mask
+    )
 
 
 def add_layer_norm_triton(
@@ -70,11 +71,12 @@ def add_layer_norm_triton(
     weight: torch.Tensor,
     norm_bias: torch.Tensor | None,
     eps: float,
-    bias: torch.Tensor | None = None,
     store_residual: bool = True,
+    clamp: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x, residual [T, D] (same dtype; rows may be strided, columns contiguous) ->
-    (LayerNorm(h), h) with h = x + residual (+ bias); h is None unless `store_residual`."""
+    (LayerNorm(h), h) with h = x + residual (clamped to +-clamp); h is None unless
+    `store_residual`."""
     assert x.shape == residual.shape and x.dim() == 2, (x.shape, residual.shape)
     assert x.stride(1) == 1 and residual.stride(1) == 1
     num_rows, d = x.shape
@@ -90,7 +92,6 @@ def add_layer_norm_triton(
     _add_layer_norm_kernel[grid](
         x,
         residual,
-        bias if bias is not None else weight,
         weight,
         norm_bias if norm_bias is not None else weight,
         out,
@@ -101,10 +102,11 @@ def add_layer_norm_triton(
         out.stride(0),
         residual_out.stride(0) if residual_out is not None else 0,
         eps,
+        clamp if clamp is not None else 0.0,
         D=d,
         BLOCK_D=block_d,
         ROWS=rows,
-        HAS_BIAS=bias is not None,
+        CLAMP=clamp is not None,
         HAS_NORM_BIAS=norm_bias is not None,
         STORE_RESIDUAL=store_residual,
         num_warps=num_warps,
