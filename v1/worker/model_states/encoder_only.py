@@ -85,7 +85,11 @@ class EncoderOnlyState(ModelState):
         metadata = self.attn_metadata.uncached(
             step.num_scheduled, AttentionType.ENCODER_ONLY, self.layer_names
         )
-        token_type_ids = self.to_device(self.token_type_ids[step.token_slots, step.positions_np])
+        token_types = self.token_type_ids[step.token_slots, step.positions_np]
+        pad = len(step.input_ids) - len(token_types)  # padded eager CUDA step
+        if pad:
+            token_types = np.concatenate([token_types, np.zeros(pad, token_types.dtype)])
+        token_type_ids = self.to_device(token_types)
         with set_forward_context(ForwardContext(metadata)):
             return self.model(step.input_ids, step.positions, token_type_ids=token_type_ids)
 
