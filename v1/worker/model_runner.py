@@ -37,7 +37,7 @@ from v1.worker.attn_metadata import AttentionMetadataFactory
 from v1.worker.input_batch import InputBatch
 from v1.worker.kv_cache_views import KVBlockCopier, LayerCache, allocate_kv_cache
 from v1.worker.model_states import ModelState, StateContext, make_model_state
-from v1.worker.step_inputs import StepInputs, padded_num_tokens
+from v1.worker.step_inputs import StepInputs, padded_num_tokens, pads_tokens
 
 
 class ModelRunner:
@@ -234,7 +234,7 @@ class ModelRunner:
         seq_lens = computed + num_scheduled
         dst, src = batch.pending_inputs(slots, computed, seq_lens, qsl)
         ids = batch.token_ids[token_slots, positions]
-        pad = padded_num_tokens(num_tokens) - num_tokens if self.device.type == "cuda" else 0
+        pad = padded_num_tokens(num_tokens) - num_tokens if pads_tokens(self.device) else 0
         ids_padded, positions_padded = ids, positions
         if pad:
             ids_padded = np.concatenate([ids, np.zeros(pad, ids.dtype)])

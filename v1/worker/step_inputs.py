@@ -9,6 +9,13 @@ import numpy as np
 import torch
 
 MIN_PADDED_TOKENS = 64
+PAD_TOKENS: bool | None = None
+"""Whether eager steps pad their token count (None: on CUDA only, where it pays; tests set
+True to drive the padded path on CPU)."""
+
+
+def pads_tokens(device: torch.device) -> bool:
+    return device.type == "cuda" if PAD_TOKENS is None else PAD_TOKENS
 
 
 def padded_num_tokens(num_tokens: int) -> int:

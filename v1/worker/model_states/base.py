@@ -97,9 +97,14 @@ class ModelState(ABC):
         """A max-size forward for memory profiling (attention skipped)."""
         self.profile_forward(num_tokens)
 
+    @property
+    def max_profile_position(self) -> int:
+        """Positions of the profiling pass stay below this (the model's position limit)."""
+        return self.max_model_len
+
     def profile_forward(self, num_tokens: int) -> torch.Tensor:
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        positions = torch.arange(num_tokens, device=self.device) % self.max_model_len
+        positions = torch.arange(num_tokens, device=self.device) % self.max_profile_position
         with set_forward_context(ForwardContext(profiling=True)):
             return self.model(input_ids, positions)
 

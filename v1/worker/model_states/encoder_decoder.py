@@ -18,7 +18,7 @@ from v1.core.sched_output import SchedulerOutput
 from v1.forward_context import ForwardContext, set_forward_context
 from v1.models.interfaces import SupportsEncode, SupportsLogits
 from v1.worker.model_states.base import GenerationState, StateContext
-from v1.worker.step_inputs import padded_num_tokens
+from v1.worker.step_inputs import padded_num_tokens, pads_tokens
 
 if TYPE_CHECKING:
     from v1.worker.kv_cache_views import LayerCache
@@ -111,7 +111,7 @@ class EncoderDecoderState(GenerationState):
         ids = np.concatenate([np.asarray(e.token_ids, dtype=np.int64) for e in inputs])
         starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
         positions = np.arange(len(ids)) - starts
-        if self.device.type == "cuda":  # repeating GEMM shapes (see padded_num_tokens)
+        if pads_tokens(self.device):  # repeating GEMM shapes (see padded_num_tokens)
             pad = np.zeros(padded_num_tokens(len(ids)) - len(ids), dtype=np.int64)
             ids, positions = np.concatenate([ids, pad]), np.concatenate([positions, pad])
         return {"input_ids": self.to_device(ids), "positions": self.to_device(positions)}

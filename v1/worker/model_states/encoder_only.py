@@ -72,6 +72,11 @@ class EncoderOnlyState(ModelState):
                 )
             row[: len(data.token_type_ids)] = data.token_type_ids
 
+    @property
+    def max_profile_position(self) -> int:
+        # RoBERTa's positions start past padding_idx: its limit is below max_model_len.
+        return self.max_input_len
+
     def prepare_step(self, step: StepInputs, so: SchedulerOutput) -> None:
         """Checks the step's inputs before the forward pass (pooling parameters are checked at
         the edge and at the core boundary, EngineCore admission)."""
