@@ -493,16 +493,32 @@ def test_classifier_activation_choice() -> None:
     assert classifier_activation_of(cfg, 1) == "none"
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+            ],
+        ),
+    ],
+)
 @pytest.mark.parametrize("arch", ["BertModel", "RobertaModel"])
-def test_padded_cuda_steps_match_transformers(tmp_path: Path, arch: str) -> None:
-    """On CUDA an eager step's tokens are padded to a repeating count (97 and 127 real tokens
-    here): the padding rows change no request's hidden states, token types included."""
+def test_padded_steps_match_transformers(
+    tmp_path: Path, arch: str, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An eager step's tokens padded to a repeating count (as on CUDA; forced here on CPU too):
+    the padding rows change no request's hidden states, token types included."""
+    from v1.worker import step_inputs
+
+    monkeypatch.setattr(step_inputs, "PAD_TOKENS", True)
     hf_model, path = checkpoint(tmp_path, arch)
     is_bert = arch == "BertModel"
     inputs = random_inputs(LENGTHS + [33, 31, 30], type_ids=is_bert)
-    core = make_core(path, device="cuda", dtype="float32", max_num_batched_tokens=128)
+    core = make_core(path, device=device, dtype="float32", max_num_batched_tokens=128)
     outs, _ = run_core(core, inputs, PoolingParams(task="encode"))
     for inp, out in zip(inputs, outs, strict=True):
         expected = hf_hidden(hf_model, inp)
