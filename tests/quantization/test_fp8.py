@@ -105,15 +105,39 @@ def test_scaled_mm_matches_the_reference_on_gpu(dtype: torch.dtype) -> None:
         layer.bias.copy_(torch.randn(512, generator=gen))
     quantize_model_fp8(layer)
     assert layer.quant_method.scaled_mm_out is not None
+    from v1.quantization.fp8 import quantize_activations
+
     for num_tokens in (1, 7, 300):
         x = torch.randn(num_tokens, 256, generator=gen).to("cuda", dtype)
-        x_q, x_scale = quantize_rows(x)
+        x_q, x_scale = quantize_activations(x)  # the layer's quantizer
         expected = fp8_gemm_reference(x_q, x_scale, layer.weight, layer.weight_scale)
         expected = (expected.to(dtype) + layer.bias).float()
         # The fused kernel rounds its output once, the reference twice (product, then + bias):
         # allow a few output ulps (bf16 has 8 mantissa bits: one ulp is 0.4-0.8%).
         rtol = max(1e-2, 4 * torch.finfo(dtype).eps)
         torch.testing.assert_close(layer(x).float(), expected, atol=0.05, rtol=rtol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(("rows", "cols"), [(1, 64), (300, 1280), (4096, 5120), (17, 768)])
+def test_triton_activation_quantizer_matches_quantize_rows(
+    dtype: torch.dtype, rows: int, cols: int
+) -> None:
+    from v1.quantization.fp8 import quantize_activations
+
+    gen = torch.Generator().manual_seed(rows + cols)
+    wide = (torch.randn(rows, 2 * cols, generator=gen) * 3).to("cuda", dtype)
+    x = wide[:, :cols]  # strided rows, as a fused projection's chunk
+    x[0] = 0  # an all-zero row keeps the minimum scale
+    q, scale = quantize_activations(x)
+    q_ref, scale_ref = quantize_rows(x)
+    torch.testing.assert_close(scale, scale_ref, rtol=1e-6, atol=0)
+    # Same value, or one fp8 step where the division rounds differently.
+    diff = (q.float() - q_ref.float()).abs()
+    assert float((diff / q_ref.float().abs().clamp(min=2**-6)).max()) <= 0.13
+    assert float((diff > 0).float().mean()) < 1e-3
 
 
 # ---- real models against float32 ----

@@ -57,21 +57,56 @@ def fp8_gemm_reference(
     return (x_q.float() * x_scale[:, None]) @ (weight.float() * weight_scale[:, None]).T
 
 
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows` of a Linear's input [M, K]: one Triton pass on CUDA (the same values:
+    `v1/quantization/triton_quant.py`), the torch reference elsewhere."""
+    if x.is_cuda and x.stride(-1) == 1:
+        from v1.quantization.triton_quant import quantize_rows_triton
+
+        return quantize_rows_triton(x, FP8_DTYPE, FP8_MAX, _MIN_SCALE)
+    return quantize_rows(x)
+
+
 def _scaled_mm(
     x_q: torch.Tensor,
     x_scale: torch.Tensor,
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """torch._scaled_mm with row-wise scales: per token (A) and per output channel (B)."""
+    """torch._scaled_mm with row-wise scales: per token (A) and per output channel (B), and
+    the bias added in its epilogue when given."""
     return torch._scaled_mm(
         x_q,
         weight.t(),  # [K, N] column-major, as _scaled_mm wants its second operand
         scale_a=x_scale[:, None].contiguous(),
         scale_b=weight_scale[None, :].contiguous(),
+        bias=bias,
         out_dtype=out_dtype,
     )
+
+
+_SCALED_MM_BIAS: dict[tuple[int, torch.dtype], bool] = {}
+
+
+def scaled_mm_takes_bias(device: torch.device, out_dtype: torch.dtype) -> bool:
+    """Whether row-wise `torch._scaled_mm` adds an `out_dtype` bias on this GPU (probed once,
+    at model load)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, out_dtype)
+    if key not in _SCALED_MM_BIAS:
+        a = torch.ones(16, 32, device=device).to(FP8_DTYPE)
+        scale = torch.ones(16, device=device)
+        try:
+            out = _scaled_mm(
+                a, scale, a, scale, out_dtype, torch.ones(16, device=device, dtype=out_dtype)
+            )
+            _SCALED_MM_BIAS[key] = bool((out == 33).all())
+        except RuntimeError as e:
+            logger.info("row-wise _scaled_mm with a bias unavailable: %s", e)
+            _SCALED_MM_BIAS[key] = False
+    return _SCALED_MM_BIAS[key]
 
 
 _SCALED_MM_OUT: dict[tuple[int, torch.dtype], torch.dtype | None] = {}
@@ -105,9 +140,11 @@ class Fp8LinearMethod:
     """What an fp8 `Linear` computes: y = dequant(quant(x)) dequant(W)^T + b, per-token
     activation scales and per-channel weight scales."""
 
-    def __init__(self, scaled_mm_out: torch.dtype | None) -> None:
+    def __init__(self, scaled_mm_out: torch.dtype | None, fused_bias: bool = False) -> None:
         self.scaled_mm_out = scaled_mm_out
         """Output dtype of the GPU GEMM (None: the reference GEMM)."""
+        self.fused_bias = fused_bias
+        """The GPU GEMM adds the bias (in the model dtype, equal to the GEMM's output dtype)."""
         self._dequantized: dict[int, torch.Tensor] = {}
         """CPU only: id(layer) -> its dequantized float32 weight (the reference's right operand
         does not change, and recomputing it every call makes CPU tests slow)."""
@@ -115,11 +152,17 @@ class Fp8LinearMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # [M, K]
-        x_q, x_scale = quantize_rows(x2)
+        x_q, x_scale = quantize_activations(x2)
         weight, weight_scale = layer.weight, layer.weight_scale
         n, k = weight.shape
+        bias = layer.bias
         if self.scaled_mm_out is not None and x2.is_cuda and n % 16 == 0 and k % 16 == 0:
-            out = _scaled_mm(x_q, x_scale, weight, weight_scale, self.scaled_mm_out)
+            fuse = self.fused_bias and bias is not None and bias.dtype == self.scaled_mm_out
+            out = _scaled_mm(
+                x_q, x_scale, weight, weight_scale, self.scaled_mm_out, bias if fuse else None
+            )
+            if fuse:
+                bias = None
         elif x2.is_cuda:
             out = fp8_gemm_reference(x_q, x_scale, weight, weight_scale)
         else:
@@ -128,8 +171,8 @@ class Fp8LinearMethod:
                 w = self._dequantized[id(layer)] = weight.float() * weight_scale[:, None]
             out = (x_q.float() * x_scale[:, None]) @ w.T
         out = out.to(x.dtype)
-        if layer.bias is not None:
-            out = out + layer.bias
+        if bias is not None:
+            out = out + bias
         return out.view(*shape[:-1], n)
 
 
@@ -151,7 +194,9 @@ def quantize_model_fp8(model: nn.Module, skip: set[str] | frozenset[str] = froze
     if not layers:
         return 0
     param = layers[0][1].weight
-    method = Fp8LinearMethod(scaled_mm_out_dtype(param.device, param.dtype))
+    out_dtype = scaled_mm_out_dtype(param.device, param.dtype)
+    fused_bias = out_dtype == param.dtype and scaled_mm_takes_bias(param.device, out_dtype)
+    method = Fp8LinearMethod(out_dtype, fused_bias)
     for _, layer in layers:
         quantize_linear_(layer, method)
     kept = [name for name, _ in linears if name in skip]

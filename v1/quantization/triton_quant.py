@@ -1,0 +1,60 @@
+"""Triton kernel of the per-row fp8 quantizer: one read of x, one write of its fp8 rows and
+float32 scales, where `quantize_rows` (the torch reference, v1/quantization/fp8.py) launches
+abs, amax, a division, clamp and the cast as separate passes over x. An fp8 Linear quantizes its
+input per token on every call, so those passes cost more than fp8 GEMMs saved (session 4)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    X,
+    Q,
+    Scale,
+    n_cols,
+    stride_x,
+    stride_q,
+    fp8_max,
+    min_scale,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=0)
+    scale = tl.maximum(amax / fp8_max, min_scale)
+    # IEEE division (Triton's `/` is approximate), so the values are quantize_rows' exactly.
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max)
+    tl.store(Q + row * stride_q + cols, q.to(Q.dtype.element_ty), mask=mask)
+    tl.store(Scale + row, scale)
+
+
+def quantize_rows_triton(
+    x: torch.Tensor, fp8_dtype: torch.dtype, fp8_max: float, min_scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (rows may be strided, columns contiguous) -> (q [M, K] fp8, scales [M] fp32)."""
+    assert x.dim() == 2 and x.stride(1) == 1, (x.shape, x.stride())
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=fp8_dtype, device=x.device)
+    scale = torch.empty(m, dtype=torch.float32, device=x.device)
+    if m == 0:
+        return q, scale
+    block = triton.next_power_of_2(k)
+    _quantize_rows_kernel[(m,)](
+        x,
+        q,
+        scale,
+        k,
+        x.stride(0),
+        q.stride(0),
+        fp8_max,
+        min_scale,
+        BLOCK=block,
+        num_warps=4 if block <= 2048 else 8,
+    )
+    return q, scale
