@@ -523,3 +523,35 @@ def test_padded_steps_match_transformers(
     for inp, out in zip(inputs, outs, strict=True):
         expected = hf_hidden(hf_model, inp)
         torch.testing.assert_close(torch.from_numpy(out.pooled_output), expected, atol=ATOL, rtol=0)
+
+
+def test_encoder_graph_offsets_cover_padding_in_short_sequences() -> None:
+    from v1.worker.encoder_graphs import graph_offsets, graph_sizes
+
+    assert graph_sizes(3000) == [1024, 2048, 3072]
+    qsl = np.array([0, 5, 40, 700])
+    out = graph_offsets(qsl, 1024, num_slots=10, max_len=128)
+    # 324 padding rows as sequences of at most 128 tokens, then empty sequences.
+    assert out.tolist() == [0, 5, 40, 700, 828, 956, 1024, 1024, 1024, 1024, 1024]
+    assert graph_offsets(np.array([0, 1024]), 1024, 3, 512).tolist() == [0, 1024, 1024, 1024]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("arch", ["BertModel", "RobertaModel"])
+def test_cuda_graph_steps_match_eager_steps(tmp_path: Path, arch: str) -> None:
+    """fp16 steps replayed on encoder CUDA graphs (mixed lengths, several steps, a step past
+    the first graph size) give the eager steps' hidden states."""
+    hf_model, path = checkpoint(tmp_path, arch)
+    inputs = random_inputs(LENGTHS * 40, type_ids=arch == "BertModel")  # 5,080 tokens
+    kwargs = dict(device="cuda", dtype="float16", max_num_batched_tokens=2048, max_num_seqs=96)
+    graphed_core = make_core(path, **kwargs)
+    graphs = graphed_core.executor.worker.model_runner.state.graphs
+    assert graphs is not None and graphs.sizes == [1024, 2048]
+    graphed, _ = run_core(graphed_core, inputs, PoolingParams(task="encode"))
+    assert graphs.num_replays >= 3
+    eager, _ = run_core(
+        make_core(path, enforce_eager=True, **kwargs), inputs, PoolingParams(task="encode")
+    )
+    for a, b in zip(graphed, eager, strict=True):
+        np.testing.assert_allclose(a.pooled_output, b.pooled_output, atol=1e-2, rtol=0)

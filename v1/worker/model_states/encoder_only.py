@@ -17,6 +17,7 @@ from v1.forward_context import ForwardContext, set_forward_context
 from v1.models.interfaces import SupportsClassify, require
 from v1.models.layers.pooler import PendingPooledOutput, Pooler, PoolingSegments
 from v1.pooling_params import PoolingParams
+from v1.worker.encoder_graphs import EncoderGraphs, make_encoder_graphs
 from v1.worker.input_batch import CachedRequestState
 from v1.worker.model_states.base import ModelState, StateContext
 
@@ -58,6 +59,17 @@ class EncoderOnlyState(ModelState):
     def on_kv_cache_ready(self, kv_caches: dict[str, LayerCache]) -> None:
         # Segment ids per slot, gathered per step like the token ids (0 where a request has none).
         self.token_type_ids = np.zeros((self.max_num_reqs, self.max_model_len), dtype=np.int64)
+        self.graphs: EncoderGraphs | None = None
+        if not self.config.enforce_eager:
+            self.graphs = make_encoder_graphs(
+                self.model,
+                self.attn_metadata,
+                self.layer_names,
+                self.device,
+                self.config.scheduler_config.max_num_batched_tokens,
+                self.max_num_reqs,
+                self.max_input_len,
+            )
 
     def on_request_added(self, state: CachedRequestState, data: NewRequestData) -> None:
         if data.pooling_params is None:
@@ -87,10 +99,13 @@ class EncoderOnlyState(ModelState):
 
     def forward(self, step: StepInputs, so: SchedulerOutput) -> torch.Tensor:
         """One bidirectional pass over the packed inputs -> hidden states [T, hidden]."""
+        token_types = self.token_type_ids[step.token_slots, step.positions_np]
+        if self.graphs is not None and self.graphs.fits(step.num_tokens):
+            types = self.to_device(token_types)
+            return self.graphs.run(step.input_ids, step.positions, types, step.query_start_loc)
         metadata = self.attn_metadata.uncached(
             step.num_scheduled, AttentionType.ENCODER_ONLY, self.layer_names
         )
-        token_types = self.token_type_ids[step.token_slots, step.positions_np]
         pad = len(step.input_ids) - len(token_types)  # padded eager CUDA step
         if pad:
             token_types = np.concatenate([token_types, np.zeros(pad, token_types.dtype)])
