@@ -427,3 +427,33 @@ def test_absorbed_cross_attention_reads_fp8_projections(bart_dir: str) -> None:
         assert tokens == reference[req_id][0]
         for a, b in zip(logprobs, reference[req_id][1], strict=True):
             assert a == pytest.approx(b, abs=1e-4)
+
+
+def test_fp8_mlp_takes_its_gelu_in_the_input_quantizer() -> None:
+    from v1.models.layers.activation import GELU, gelu_mlp
+    from v1.models.layers.linear import ColumnLinear, RowLinear
+
+    gen = torch.Generator().manual_seed(5)
+    fc1, fc2 = ColumnLinear(16, 64, bias=True), RowLinear(64, 16, bias=True)
+    with torch.no_grad():
+        for layer in (fc1, fc2):
+            layer.weight.copy_(torch.randn(layer.weight.shape, generator=gen) * 0.3)
+            layer.bias.copy_(torch.randn(layer.bias.shape, generator=gen))
+    quantize_model_fp8(fc2)
+    x = torch.randn(9, 16, generator=gen)
+    torch.testing.assert_close(gelu_mlp(fc1, GELU(), fc2, x), fc2(GELU()(fc1(x))), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_quantizer_applies_gelu_first(dtype: torch.dtype) -> None:
+    from v1.quantization.fp8 import quantize_activations
+
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(257, 5120, generator=gen) * 3).to("cuda", dtype)
+    q, scale = quantize_activations(x, gelu=True)
+    q_ref, scale_ref = quantize_rows(torch.nn.functional.gelu(x))
+    torch.testing.assert_close(scale, scale_ref, rtol=1e-2, atol=0)
+    diff = (q.float() * scale[:, None] - q_ref.float() * scale_ref[:, None]).abs()
+    assert float((diff / (q_ref.float() * scale_ref[:, None]).abs().clamp(min=1e-2)).max()) < 0.15

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from v1.attention.backend import AttentionType
-from v1.models.layers.activation import get_act_fn, linear_act
+from v1.models.layers.activation import gelu_mlp, get_act_fn
 from v1.models.layers.attention import CrossAttention, SelfAttention
 from v1.models.layers.embedding import LMHead, VocabEmbedding
 from v1.models.layers.linear import ColumnLinear, RowLinear
@@ -148,7 +148,7 @@ class BartEncoderLayer(nn.Module):
         self.final_layer_norm = LayerNorm(d_model)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(linear_act(self.fc1, self.act, x))  # [T, d] -> [T, ffn] -> [T, d]
+        return gelu_mlp(self.fc1, self.act, self.fc2, x)  # [T, d] -> [T, ffn] -> [T, d]
 
     def forward(
         self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None
@@ -189,7 +189,7 @@ class BartDecoderLayer(nn.Module):
         self.final_layer_norm = LayerNorm(d_model)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(linear_act(self.fc1, self.act, x))  # [T, d] -> [T, ffn] -> [T, d]
+        return gelu_mlp(self.fc1, self.act, self.fc2, x)  # [T, d] -> [T, ffn] -> [T, d]
 
     def forward(
         self,

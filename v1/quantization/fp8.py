@@ -57,14 +57,15 @@ def fp8_gemm_reference(
     return (x_q.float() * x_scale[:, None]) @ (weight.float() * weight_scale[:, None]).T
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize_rows` of a Linear's input [M, K]: one Triton pass on CUDA (the same values:
-    `v1/quantization/triton_quant.py`), the torch reference elsewhere."""
+def quantize_activations(x: torch.Tensor, gelu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows` of a Linear's input [M, K] (of GELU(x) with `gelu`, the erf form): one
+    Triton pass on CUDA (the same values: `v1/quantization/triton_quant.py`), the torch
+    reference elsewhere."""
     if x.is_cuda and x.stride(-1) == 1:
         from v1.quantization.triton_quant import quantize_rows_triton
 
-        return quantize_rows_triton(x, FP8_DTYPE, FP8_MAX, _MIN_SCALE)
-    return quantize_rows(x)
+        return quantize_rows_triton(x, FP8_DTYPE, FP8_MAX, _MIN_SCALE, gelu)
+    return quantize_rows(torch.nn.functional.gelu(x) if gelu else x)
 
 
 def _scaled_mm(
@@ -140,6 +141,9 @@ class Fp8LinearMethod:
     """What an fp8 `Linear` computes: y = dequant(quant(x)) dequant(W)^T + b, per-token
     activation scales and per-channel weight scales."""
 
+    fuses_input_gelu = True
+    """`apply(..., gelu=True)` computes layer(GELU(x)) (see `v1.models.layers.activation`)."""
+
     def __init__(self, scaled_mm_out: torch.dtype | None, fused_bias: bool = False) -> None:
         self.scaled_mm_out = scaled_mm_out
         """Output dtype of the GPU GEMM (None: the reference GEMM)."""
@@ -149,10 +153,12 @@ class Fp8LinearMethod:
         """CPU only: id(layer) -> its dequantized float32 weight (the reference's right operand
         does not change, and recomputing it every call makes CPU tests slow)."""
 
-    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: torch.Tensor, gelu: bool = False) -> torch.Tensor:
+        """layer(x), or layer(GELU(x)) with `gelu` (an MLP's activation fused into this
+        layer's input quantizer)."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # [M, K]
-        x_q, x_scale = quantize_activations(x2)
+        x_q, x_scale = quantize_activations(x2, gelu)
         weight, weight_scale = layer.weight, layer.weight_scale
         n, k = weight.shape
         bias = layer.bias

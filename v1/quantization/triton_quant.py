@@ -21,11 +21,18 @@ def _quantize_rows_kernel(
     fp8_max,
     min_scale,
     BLOCK: tl.constexpr,
+    GELU: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    if GELU:
+        # The activation before the quantizer (an MLP's second Linear): exact erf GELU,
+        # rounded to x's dtype as a separate activation would leave it.
+        xf = x.to(tl.float32)
+        x = (0.5 * xf * (1.0 + tl.math.erf(xf * 0.7071067811865476))).to(x.dtype)
+    x = x.to(tl.float32)
     amax = tl.max(tl.abs(x), axis=0)
     scale = tl.maximum(amax / fp8_max, min_scale)
     # IEEE division (Triton's `/` is approximate), so the values are quantize_rows' exactly.
@@ -35,9 +42,10 @@ def _quantize_rows_kernel(
 
 
 def quantize_rows_triton(
-    x: torch.Tensor, fp8_dtype: torch.dtype, fp8_max: float, min_scale: float
+    x: torch.Tensor, fp8_dtype: torch.dtype, fp8_max: float, min_scale: float, gelu: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (rows may be strided, columns contiguous) -> (q [M, K] fp8, scales [M] fp32)."""
+    """x [M, K] (rows may be strided, columns contiguous) -> (q [M, K] fp8, scales [M] fp32)
+    of x, or of GELU(x) with `gelu`."""
     assert x.dim() == 2 and x.stride(1) == 1, (x.shape, x.stride())
     m, k = x.shape
     q = torch.empty((m, k), dtype=fp8_dtype, device=x.device)
@@ -55,6 +63,7 @@ def quantize_rows_triton(
         fp8_max,
         min_scale,
         BLOCK=block,
+        GELU=gelu,
         num_warps=4 if block <= 2048 else 8,
     )
     return q, scale

@@ -82,3 +82,19 @@ def linear_act(layer: Linear, act: nn.Module, x: torch.Tensor) -> torch.Tensor:
     ):
         return torch._addmm_activation(layer.bias, x, layer.weight.t(), use_gelu=True)
     return act(layer(x))
+
+
+def gelu_mlp(fc1: Linear, act: nn.Module, fc2: Linear, x: torch.Tensor) -> torch.Tensor:
+    """fc2(act(fc1(x))), an MLP's two Linears. When fc2 is an fp8 layer and act the exact GELU,
+    the activation runs inside fc2's input quantizer (one pass over the [T, ffn] product
+    instead of an activation pass and a quantizer pass); otherwise `linear_act` then fc2."""
+    method = getattr(fc2, "quant_method", None)
+    if (
+        method is not None
+        and isinstance(act, GELU)
+        and act.approximate == "none"
+        and fc2.tp is None  # a sharded fc2 sums its partial outputs in its forward
+        and getattr(method, "fuses_input_gelu", False)
+    ):
+        return method.apply(fc2, fc1(x), gelu=True)
+    return fc2(linear_act(fc1, act, x))
