@@ -529,6 +529,7 @@ def test_encoder_graph_offsets_cover_padding_in_short_sequences() -> None:
     from v1.worker.encoder_graphs import graph_offsets, graph_sizes
 
     assert graph_sizes(3000) == [1024, 2048, 3072]
+    assert len(graph_sizes(65536)) == 64 and graph_sizes(200_000)[:2] == [4096, 8192]
     qsl = np.array([0, 5, 40, 700])
     out = graph_offsets(qsl, 1024, num_slots=10, max_len=128)
     # 324 padding rows as sequences of at most 128 tokens, then empty sequences.

@@ -29,13 +29,18 @@ logger = init_logger(__name__)
 GRAPH_TOKEN_STEP = 1024
 """Graph sizes are multiples of this: at most 1023 padding tokens per step (~3% of a full
 BERT step of 32K tokens)."""
+MAX_GRAPHS = 64
+"""Larger step budgets take coarser sizes (capture time grows with the number of graphs)."""
 MAX_GRAPH_LEN = 2048
 """Longest input (position limit) a graphed model may take: the varlen kernel's grid is sized
 for the fixed maximum length, so longer limits waste more empty programs."""
 
 
 def graph_sizes(max_tokens: int) -> list[int]:
-    return list(range(GRAPH_TOKEN_STEP, max_tokens + GRAPH_TOKEN_STEP, GRAPH_TOKEN_STEP))
+    """Multiples of GRAPH_TOKEN_STEP (of a multiple of it past MAX_GRAPHS graphs) covering
+    `max_tokens`."""
+    step = GRAPH_TOKEN_STEP * -(-max_tokens // (GRAPH_TOKEN_STEP * MAX_GRAPHS))
+    return list(range(step, max_tokens + step, step))
 
 
 def graph_offsets(
@@ -72,7 +77,7 @@ class EncoderGraphs:
         self.layer_names = layer_names
         self.max_len = max_len
         self.sizes = graph_sizes(max_tokens)
-        self.num_slots = max_reqs + -(-GRAPH_TOKEN_STEP // max_len)
+        self.num_slots = max_reqs + -(-self.sizes[0] // max_len)
         """Request slots of the offsets: every request, plus the padding's sequences."""
         size = self.sizes[-1]
         self.input_ids = torch.zeros(size, dtype=torch.long, device=device)
