@@ -218,9 +218,9 @@ def count_clip_hashes(monkeypatch: Any) -> list[Any]:
 
     calls: list[Any] = []
 
-    def recorded(data: Any) -> Any:
+    def recorded(data: Any, **kwargs: Any) -> Any:
         calls.append(data)
-        return blake3(data)
+        return blake3(data, **kwargs)
 
     monkeypatch.setattr(clip_module, "blake3", recorded)
     return calls

