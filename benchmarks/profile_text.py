@@ -105,6 +105,12 @@ def main() -> None:
     wrap(timings, core.scheduler, "schedule")
     wrap(timings, core.scheduler, "update_from_output")
     wrap(timings, runner, "execute_model_async")
+    # Inside execute_model_async: batch updates, input building, the main pass's launch (a
+    # graph replay or eager kernels) and the pooling or sampling launch.
+    wrap(timings, runner, "_update_states")
+    wrap(timings, runner, "_prepare_inputs")
+    wrap(timings, runner.state, "forward")
+    wrap(timings, runner.state, "finish_step")
     wrap(timings, core, "step")
     wrap(timings, llm.llm_engine.input_processor, "process")
     wrap(timings, llm.llm_engine.output_processor, "process_outputs")
