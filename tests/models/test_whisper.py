@@ -293,9 +293,16 @@ def test_greedy_tokens_and_logprobs_match_transformers_under_preemption(
     assert len({tuple(r["tokens"]) for r in results.values()}) > 1, "outputs ignore the audio"
 
 
-def test_timestamp_tokens_match_transformers(tiny_dir: str) -> None:
+@pytest.mark.parametrize("sampler", ["general", "fixed_shape"])
+def test_timestamp_tokens_match_transformers(
+    tiny_dir: str, sampler: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The fixed-shape sampler (CUDA graphs on a GPU) runs eagerly on CPU when forced on.
+    monkeypatch.setenv("V1_SAMPLER_GRAPHS", "1" if sampler == "fixed_shape" else "0")
     waves = make_waves(3, seed=2)
     core = make_core(tiny_dir)
+    graphs = core.executor.worker.model_runner.state.sampler_graphs
+    assert (graphs is not None) == (sampler == "fixed_shape")
     builder = make_builder(core)
     params = SamplingParams(temperature=0.0, max_tokens=20, whisper_timestamps=True)
     requests = [
@@ -308,6 +315,7 @@ def test_timestamp_tokens_match_transformers(tiny_dir: str) -> None:
     for i, (theirs, _) in enumerate(hf_generate(tiny_dir, waves, prompt, 20, timestamps=True)):
         assert results[f"t{i}"]["tokens"] == theirs
         assert 50364 <= theirs[0] <= 50364 + 50, "the first output is an early timestamp"
+    assert graphs is None or graphs.num_replays > 0
 
 
 def test_no_speech_prob_is_the_nospeech_probability_at_startoftranscript(tiny_dir: str) -> None:

@@ -170,10 +170,19 @@ def apply_whisper_timestamp_rules(logits: torch.Tensor, whisper: WhisperTimestam
     the first output is a timestamp <= timestamp_begin + max_initial_timestamp_index; when the
     timestamps' total probability beats every text token, a timestamp is forced.
     """
+    scores = logits[whisper.rows]  # [k, vocab]
+    whisper_timestamp_rules_(scores, whisper)
+    logits[whisper.rows] = scores
+
+
+def whisper_timestamp_rules_(
+    scores: torch.Tensor, whisper: WhisperTimestampMetadata, active: torch.Tensor | None = None
+) -> None:
+    """The timestamp rules in place on `scores` [k, vocab], whose rows are `whisper`'s rows;
+    `active` [k] bool (None: all) leaves the other rows untouched (the fixed-shape sampler
+    applies the rules to every row of a step and enables them per row)."""
     info = whisper.info
     tb = info.timestamp_begin
-    rows = whisper.rows
-    scores = logits[rows]  # [k, vocab]
     vocab_ids = torch.arange(scores.shape[1], device=scores.device)
     is_timestamp = vocab_ids >= tb  # [vocab]
     mask = vocab_ids == info.no_timestamps_token_id
@@ -184,14 +193,17 @@ def apply_whisper_timestamp_rules(logits: torch.Tensor, whisper: WhisperTimestam
     if info.max_initial_timestamp_index is not None:
         first_banned = first_banned | (vocab_ids > tb + info.max_initial_timestamp_index)
     mask = mask | (whisper.is_first.unsqueeze(1) & first_banned)
+    if active is not None:
+        mask = mask & active.unsqueeze(1)
     scores.masked_fill_(mask, _NEG_INF)
 
     logprobs = torch.log_softmax(scores, dim=-1)
     timestamp_logprob = logprobs[:, tb:].logsumexp(dim=-1)
     max_text_logprob = logprobs[:, :tb].max(dim=-1).values
-    force_timestamp = (timestamp_logprob > max_text_logprob).unsqueeze(1)
-    scores[:, :tb].masked_fill_(force_timestamp, _NEG_INF)
-    logits[rows] = scores
+    force_timestamp = timestamp_logprob > max_text_logprob
+    if active is not None:
+        force_timestamp = force_timestamp & active
+    scores[:, :tb].masked_fill_(force_timestamp.unsqueeze(1), _NEG_INF)
 
 
 def apply_forced_tokens(logits: torch.Tensor, forced_token_ids: torch.Tensor) -> None:

@@ -38,6 +38,10 @@ _FLAG_LAST_IS_TS, _FLAG_PENULTIMATE_IS_TS = 1, 2
 """Bits of the _I_FLAGS column: Whisper timestamp state over the outputs so far."""
 _NEUTRAL_F = np.array([1.0, 1.0, 0.0, 1.0, 0.0, 0.0], dtype=np.float32)
 _NEUTRAL_I = np.array([0, 0, 0, -1, _FLAG_PENULTIMATE_IS_TS], dtype=np.int64)
+_TABLE_COLUMNS = 64
+"""Token-id tables grow by this many columns."""
+_BAN_TABLE_WIDTH = 128
+"""Initial width of the suppress-token table (Whisper's list has ~90 ids)."""
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -59,11 +63,16 @@ class _TokenIdTable:
     holds values beside such a list: the logit-bias values.)"""
 
     def __init__(
-        self, num_slots: int, device: torch.device, dtype: type = np.int64, fill: float = -1
+        self,
+        num_slots: int,
+        device: torch.device,
+        dtype: type = np.int64,
+        fill: float = -1,
+        width: int = 0,
     ) -> None:
         self.device = device
         self.fill = fill
-        self.ids = np.full((num_slots, 0), fill, dtype=dtype)
+        self.ids = np.full((num_slots, width), fill, dtype=dtype)
         self.lengths = np.zeros(num_slots, dtype=np.int64)
         self.dev = to_device(self.ids, device)
         self._dirty: set[int] = set()
@@ -71,7 +80,10 @@ class _TokenIdTable:
     def set(self, slot: int, token_ids: Sequence[float]) -> None:
         num_ids = len(token_ids)
         if num_ids > self.ids.shape[1]:
-            grown = np.full((self.ids.shape[0], num_ids), self.fill, dtype=self.ids.dtype)
+            # Whole columns of 64: the device copy's shape (which sampler graphs are captured
+            # for) rarely changes.
+            width = -(-num_ids // _TABLE_COLUMNS) * _TABLE_COLUMNS
+            grown = np.full((self.ids.shape[0], width), self.fill, dtype=self.ids.dtype)
             grown[:, : self.ids.shape[1]] = self.ids
             self.ids = grown
         self.ids[slot] = self.fill
@@ -168,8 +180,14 @@ class SamplingState:
 
         # Device copies, indexed by slot.
         self.fparams_dev = to_device(self.fparams, self.device)
-        self.iparams_dev = to_device(self.iparams, self.device)
-        """Also holds the Whisper timestamp state, which steps update on the device."""
+        self.iparams_dev = to_device(np.vstack([self.iparams, _NEUTRAL_I]), self.device)
+        """Also holds the Whisper timestamp state, which steps update on the device. Its last
+        row (slot `max_num_reqs`) belongs to no request: fixed-shape writes of rows that must
+        not write land there."""
+        self.needs_general_sampler = np.zeros(max_num_reqs, dtype=bool)
+        """Per slot: the request uses a rule the fixed-shape sampler (v1/sample/graphed.py)
+        does not have (random sampling, penalties, n-gram bans, allowed ids, logit bias,
+        processed logprobs): its steps take the general Sampler."""
         self.token_ids = torch.zeros(
             (max_num_reqs, max_model_len), dtype=torch.int32, device=self.device
         )
@@ -177,9 +195,11 @@ class SamplingState:
         self._dirty: set[int] = set()
 
         self.allowed_token_ids = _TokenIdTable(max_num_reqs, self.device)
-        self.suppress_token_ids = _TokenIdTable(max_num_reqs, self.device)
-        self.begin_suppress_token_ids = _TokenIdTable(max_num_reqs, self.device)
-        self.min_tokens_stop_ids = _TokenIdTable(max_num_reqs, self.device)
+        self.suppress_token_ids = _TokenIdTable(max_num_reqs, self.device, width=_BAN_TABLE_WIDTH)
+        self.begin_suppress_token_ids = _TokenIdTable(
+            max_num_reqs, self.device, width=_TABLE_COLUMNS
+        )
+        self.min_tokens_stop_ids = _TokenIdTable(max_num_reqs, self.device, width=_TABLE_COLUMNS)
         self.forced_positions = _TokenIdTable(max_num_reqs, self.device)
         self.forced_tokens = _TokenIdTable(max_num_reqs, self.device)
         self.logit_bias_ids = _TokenIdTable(max_num_reqs, self.device)
@@ -242,6 +262,16 @@ class SamplingState:
         self.num_prompt_logprobs[slot] = _or_minus_one(params.prompt_logprobs)
         self.whisper_timestamps[slot] = params.whisper_timestamps
         self.processed_logprobs[slot] = params.logprobs_mode == "processed"
+        self.needs_general_sampler[slot] = (
+            params.temperature >= _GREEDY_EPS
+            or params.repetition_penalty != 1.0
+            or params.frequency_penalty != 0.0
+            or params.presence_penalty != 0.0
+            or bool(params.no_repeat_ngram_size)
+            or bool(params.allowed_token_ids)
+            or bool(params.logit_bias)
+            or params.logprobs_mode == "processed"
+        )
         if params.seed is not None:
             self.seeds[slot] = params.seed
             generator = torch.Generator(device=self.device)
@@ -301,6 +331,7 @@ class SamplingState:
         self.num_prompt_logprobs[slot] = -1
         self.whisper_timestamps[slot] = False
         self.processed_logprobs[slot] = False
+        self.needs_general_sampler[slot] = False
         self.seeds.pop(slot, None)
         self.generators.pop(slot, None)
         self.num_prompt_tokens[slot] = 0
@@ -353,15 +384,15 @@ class SamplingState:
             rows, had_output = shipped[2], shipped[3]
             if len(ts_rows) < len(slots):
                 idx, tokens = idx[rows], tokens[rows]
-            is_timestamp = tokens >= self.whisper.timestamp_begin
-            state = self.iparams_dev[idx]  # [k, NUM_I]
-            flags = state[:, _I_FLAGS]
-            penultimate = (had_output == 0) | ((flags & _FLAG_LAST_IS_TS) != 0)
-            new_flags = is_timestamp.long() * _FLAG_LAST_IS_TS
-            new_flags += penultimate.long() * _FLAG_PENULTIMATE_IS_TS
-            state[:, _I_FLAGS] = new_flags
-            state[:, _I_LAST_TS] = torch.where(is_timestamp, tokens, state[:, _I_LAST_TS])
-            self.iparams_dev[idx] = state
+            self.iparams_dev[idx] = next_whisper_state(
+                self.iparams_dev[idx], tokens, had_output != 0, self.whisper
+            )
+        self.num_output_tokens[slots] += 1
+
+    def count_output_tokens(self, slots: np.ndarray) -> None:
+        """One new output token for each listed slot whose history and Whisper state the
+        fixed-shape sampler already updated on the device (its requests read no history)."""
+        assert bool(self.active[slots].all())
         self.num_output_tokens[slots] += 1
 
     def make_metadata(self, slots: Sequence[int] | np.ndarray) -> SamplingMetadata:
@@ -459,8 +490,9 @@ class SamplingState:
             metadata.processed_logprob_rows = shipped[i_processed]
         if use_whisper:
             assert self.whisper is not None and ts_rows is not None
-            metadata.whisper = self._whisper_metadata(
-                shipped[i_ts], idx, shipped[i_first] != 0, self.whisper
+            rows = shipped[i_ts]
+            metadata.whisper = whisper_rule_metadata(
+                self.iparams_dev[idx[rows]], rows, shipped[i_first] != 0, self.whisper
             )
         return metadata
 
@@ -514,30 +546,42 @@ class SamplingState:
                 generators[row] = generator
         return generators
 
-    def _whisper_metadata(
-        self,
-        rows: torch.Tensor,
-        idx: torch.Tensor,
-        is_first: torch.Tensor,
-        info: WhisperTokenInfo,
-    ) -> WhisperTimestampMetadata:
-        state = self.iparams_dev[idx[rows]]  # [k, NUM_I]
-        flags = state[:, _I_FLAGS]
-        last = (flags & _FLAG_LAST_IS_TS) != 0
-        penultimate = (flags & _FLAG_PENULTIMATE_IS_TS) != 0
-        last_timestamp = state[:, _I_LAST_TS]
-        # transformers: after a lone timestamp the same value may repeat (closing the pair),
-        # otherwise the next timestamp must be strictly larger.
-        min_timestamp = torch.where(last & ~penultimate, last_timestamp, last_timestamp + 1)
-        min_timestamp = torch.where(last_timestamp >= 0, min_timestamp, info.timestamp_begin)
-        return WhisperTimestampMetadata(
-            info=info,
-            rows=rows,
-            is_first=is_first,
-            block_timestamps=last & penultimate,
-            block_text=last & ~penultimate,
-            min_timestamp=min_timestamp,
-        )
+
+def whisper_rule_metadata(
+    state: torch.Tensor, rows: torch.Tensor, is_first: torch.Tensor, info: WhisperTokenInfo
+) -> WhisperTimestampMetadata:
+    """The timestamp rules' inputs from the rows' device state [k, NUM_I] (`iparams_dev`)."""
+    flags = state[:, _I_FLAGS]
+    last = (flags & _FLAG_LAST_IS_TS) != 0
+    penultimate = (flags & _FLAG_PENULTIMATE_IS_TS) != 0
+    last_timestamp = state[:, _I_LAST_TS]
+    # transformers: after a lone timestamp the same value may repeat (closing the pair),
+    # otherwise the next timestamp must be strictly larger.
+    min_timestamp = torch.where(last & ~penultimate, last_timestamp, last_timestamp + 1)
+    min_timestamp = torch.where(last_timestamp >= 0, min_timestamp, info.timestamp_begin)
+    return WhisperTimestampMetadata(
+        info=info,
+        rows=rows,
+        is_first=is_first,
+        block_timestamps=last & penultimate,
+        block_text=last & ~penultimate,
+        min_timestamp=min_timestamp,
+    )
+
+
+def next_whisper_state(
+    state: torch.Tensor, tokens: torch.Tensor, had_output: torch.Tensor, info: WhisperTokenInfo
+) -> torch.Tensor:
+    """The rows' timestamp state [k, NUM_I] after appending `tokens` [k]."""
+    is_timestamp = tokens >= info.timestamp_begin
+    flags = state[:, _I_FLAGS]
+    penultimate = ~had_output | ((flags & _FLAG_LAST_IS_TS) != 0)
+    state = state.clone()
+    state[:, _I_FLAGS] = (
+        is_timestamp.long() * _FLAG_LAST_IS_TS + penultimate.long() * _FLAG_PENULTIMATE_IS_TS
+    )
+    state[:, _I_LAST_TS] = torch.where(is_timestamp, tokens, state[:, _I_LAST_TS])
+    return state
 
 
 def _or_minus_one(value: int | None) -> int:

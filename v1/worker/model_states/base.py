@@ -3,6 +3,7 @@ half shared by the generating kinds."""
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -130,6 +131,32 @@ class GenerationState(ModelState):
             seed=self.model_config.seed,
         )
         self.sampler = Sampler()
+        self.sampler_graphs = None
+        if self.uses_sampler_graphs:
+            from v1.sample.graphed import SamplerGraphs
+
+            self.sampler_graphs = SamplerGraphs(
+                self.sampling_state,
+                self.compute_logits,
+                self.model_config.hf_config.hidden_size,
+                self.model_config.torch_dtype(self.device.type),
+                self.max_num_reqs,
+            )
+            self.sampler_graphs.capture_common(*self.common_sampler_signatures())
+
+    @property
+    def uses_sampler_graphs(self) -> bool:
+        """CUDA graphs of the fixed-shape sampler (v1/sample/graphed.py): on CUDA unless
+        enforce_eager, on one GPU. V1_SAMPLER_GRAPHS=0 turns them off; =1 also runs the
+        fixed-shape sampler off CUDA (eagerly: tests)."""
+        switch = os.environ.get("V1_SAMPLER_GRAPHS", "")
+        if switch == "0" or self.config.parallel_config.tensor_parallel_size != 1:
+            return False
+        return switch == "1" or (self.device.type == "cuda" and not self.config.enforce_eager)
+
+    def common_sampler_signatures(self) -> tuple[list[int | None], list[bool]]:
+        """(logprobs, timestamps) whose sampler graphs are captured at start-up."""
+        return [None], [False]
 
     def on_request_added(self, state: CachedRequestState, data: NewRequestData) -> None:
         self.sampling_state.add_request(
@@ -182,20 +209,29 @@ class GenerationState(ModelState):
             hidden_states,
             self.compute_logits,
         )
-        logits = self.compute_logits(hidden_states[step.logits_indices])
-        metadata = self.sampling_state.make_metadata(step.slots)
-        if step.grammar_rows is not None:
-            from v1.sample.metadata import RowBitmask
-
-            metadata.grammar_bitmask = RowBitmask(
-                rows=self.to_device(step.grammar_rows),
-                bitmask=self.to_device(step.grammar_bitmask),
+        out = None
+        if self.sampler_graphs is not None and prompt_job is None and step.grammar_rows is None:
+            out = self.sampler_graphs.run(
+                hidden_states, step.logits_indices, step.slots, step.reached_end
             )
-        out = self.sampler(logits, metadata)
+        graphed = out is not None
+        if out is None:
+            logits = self.compute_logits(hidden_states[step.logits_indices])
+            metadata = self.sampling_state.make_metadata(step.slots)
+            if step.grammar_rows is not None:
+                from v1.sample.metadata import RowBitmask
+
+                metadata.grammar_bitmask = RowBitmask(
+                    rows=self.to_device(step.grammar_rows),
+                    bitmask=self.to_device(step.grammar_bitmask),
+                )
+            out = self.sampler(logits, metadata)
         sampled = out.sampled_token_ids  # [R] int64, on the device
         keep_rows = np.flatnonzero(step.reached_end)
         kept_slots = step.slots[keep_rows]
-        if len(keep_rows):
+        if len(keep_rows) and graphed:
+            self.sampling_state.count_output_tokens(kept_slots)
+        elif len(keep_rows):
             if len(keep_rows) == len(step.slots):
                 kept = sampled
             else:

@@ -79,6 +79,10 @@ class WhisperState(EncoderDecoderState):
             max_initial_timestamp_index=tokens.max_initial_timestamp_index,
         )
 
+    def common_sampler_signatures(self) -> tuple[list[int | None], list[bool]]:
+        """Transcription windows ask for logprobs=0 (the fallback rule's average logprob)."""
+        return [0, None], [False]
+
     def eos_token_id(self, data: NewRequestData) -> int | None:
         return data.eos_token_id if data.eos_token_id is not None else self.tokens.eos
 
