@@ -19,25 +19,33 @@ from v1.worker.input_batch import InputBatch
 
 
 class HostCopy:
-    """Device tensors copied into pinned host memory when created; `get` waits for them."""
+    """Device tensors copied into pinned host memory when created (one pinned buffer for all
+    of them); `get` waits for them."""
 
     def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
         self._event: torch.cuda.Event | None = None
         self._host: dict[str, torch.Tensor] = {}
-        for name, tensor in tensors.items():
-            if tensor.is_cuda:
-                host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-                self._host[name] = host.copy_(tensor, non_blocking=True)
-            else:
-                self._host[name] = tensor
-        if any(t.is_cuda for t in tensors.values()):
-            self._event = torch.cuda.Event()
-            self._event.record()
+        on_device = {n: t for n, t in tensors.items() if t.is_cuda}
+        self._host = {n: t for n, t in tensors.items() if not t.is_cuda}
+        if not on_device:
+            return
+        # One pinned allocation (each costs host time), 8-byte aligned slices of it.
+        offsets, total = [], 0
+        for tensor in on_device.values():
+            offsets.append(total)
+            total += -(-tensor.numel() * tensor.element_size() // 8) * 8
+        buffer = torch.empty(max(total, 8), dtype=torch.uint8, pin_memory=True)
+        for (name, tensor), start in zip(on_device.items(), offsets, strict=True):
+            nbytes = tensor.numel() * tensor.element_size()
+            host = buffer[start : start + nbytes].view(tensor.dtype).view(tensor.shape)
+            self._host[name] = host.copy_(tensor, non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record()
 
     def get(self) -> dict[str, np.ndarray]:
         if self._event is not None:
             self._event.synchronize()  # sync: the step's sampled tokens reach the host
-        # Copies: the pinned buffers go back to torch's host cache right away.
+        # Copies: the pinned buffer goes back to torch's host cache right away.
         return {name: t.numpy().copy() for name, t in self._host.items()}
 
 
@@ -76,9 +84,9 @@ class PendingSampledStep:
         )
         result = ModelRunnerOutput(
             req_ids=self.req_ids,
-            sampled_token_ids=[
-                [t] if k else [] for t, k in zip(sampled.tolist(), keep.tolist(), strict=True)
-            ],
+            sampled_token_ids=[[t] for t in sampled.tolist()]
+            if len(self.keep_rows) == len(self.req_ids)
+            else [[t] if k else [] for t, k in zip(sampled.tolist(), keep.tolist(), strict=True)],
             num_encoder_runs=self.num_encoder_runs,
         )
         if "lp" in data:
@@ -91,16 +99,23 @@ class PendingSampledStep:
         self, result: ModelRunnerOutput, data: dict[str, Any], keep: np.ndarray
     ) -> None:
         assert self.num_logprobs is not None
+        nums = self.num_logprobs
+        wanted = (nums >= 0) & keep
+        if wanted.all() and (nums == nums[0]).all():
+            # Every row asked for the same number (the usual batch): whole-array slices.
+            width = 1 + int(nums[0])
+            result.logprob_token_ids = [[r] for r in data["lp_ids"][:, :width].tolist()]
+            result.logprobs = [[r] for r in data["lp"][:, :width].tolist()]
+            result.logprob_ranks = [[r] for r in data["ranks"].tolist()]
+            return
         # One conversion of each array to Python lists, then per-row slices of those.
         ids, values = data["lp_ids"].tolist(), data["lp"].tolist()
         ranks = data["ranks"].tolist()
         token_ids: list[list[list[int]] | None] = []
         logprobs: list[list[list[float]] | None] = []
         logprob_ranks: list[list[int] | None] = []
-        for i, (num, kept) in enumerate(
-            zip(self.num_logprobs.tolist(), keep.tolist(), strict=True)
-        ):
-            if num < 0 or not kept:
+        for i, (num, want) in enumerate(zip(nums.tolist(), wanted.tolist(), strict=True)):
+            if not want:
                 token_ids.append(None)
                 logprobs.append(None)
                 logprob_ranks.append(None)
