@@ -246,8 +246,10 @@ class CudaGraphManager:
         groups = self.attn_metadata
         num_tokens, num_reqs = step.num_tokens, len(step.req_ids)
         size = next(s for s in self.sizes if s >= num_tokens)
-        self.input_ids[:num_tokens].copy_(step.input_ids[:num_tokens], non_blocking=True)
-        self.positions[:num_tokens].copy_(step.positions[:num_tokens], non_blocking=True)
+        device_copies = [
+            (self.input_ids[:num_tokens], step.input_ids[:num_tokens]),
+            (self.positions[:num_tokens], step.positions[:num_tokens]),
+        ]
         qsl = graph_query_start_loc(step.query_start_loc, size)
         copies = [(self.query_start_loc[: size + 1], qsl)]
         batch = self.input_batch
@@ -265,16 +267,24 @@ class CudaGraphManager:
             copies.append(
                 (self.block_tables[i][:num_reqs, :width], table.table[step.slots, :width])
             )
-        self._copy_all(copies)
+        self._copy_all(copies, device_copies)
         return size
 
-    def _copy_all(self, copies: list[tuple[torch.Tensor, np.ndarray]]) -> None:
+    def _copy_all(
+        self,
+        copies: list[tuple[torch.Tensor, np.ndarray]],
+        device_copies: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> None:
         """Host arrays into static buffers through ONE pinned host-to-device copy (each pinned
-        buffer costs tens of microseconds of host time), then device-side copies."""
+        buffer costs tens of microseconds of host time), then all device-side copies (these
+        and `device_copies`) in one foreach call."""
         flat = np.concatenate([np.asarray(a, dtype=np.int64).reshape(-1) for _, a in copies])
         src = to_device(flat, self.input_ids.device)
+        dsts, srcs = [d for d, _ in device_copies], [s for _, s in device_copies]
         start = 0
         for dst, array in copies:
-            n = int(np.prod(array.shape))
-            dst.copy_(src[start : start + n].view(array.shape), non_blocking=True)
+            n = array.size
+            dsts.append(dst)
+            srcs.append(src[start : start + n].view(array.shape))
             start += n
+        torch._foreach_copy_(dsts, srcs, non_blocking=True)
