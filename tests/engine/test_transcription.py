@@ -419,3 +419,37 @@ def test_progress_bar_for_batches_and_long_audio(
     assert "32.0/32.0 s audio" in capfd.readouterr().err
     tiny_llm.transcribe([(short, SR), (short, SR)], use_tqdm=False, **options)
     assert "Transcribing" not in capfd.readouterr().err
+
+
+def test_files_start_a_step_budget_at_a_time_with_the_same_results(tiny_llm: LLM) -> None:
+    """The device starts on the first windows while the host prepares the next files: at most
+    one step's encoder budget of files (6 windows here) starts before each engine step."""
+    rng = np.random.default_rng(9)
+    waves = [(0.1 * rng.standard_normal(3 * SR)).astype(np.float32) for _ in range(14)]
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+
+    class CountingEngine(RecordingEngine):
+        def __init__(self, engine: Any) -> None:
+            super().__init__(engine)
+            self.config = engine.config
+            self.adds_at_step: list[int] = []
+
+        def step(self) -> list[Any]:
+            self.adds_at_step.append(len(self.added))
+            return super().step()
+
+    engine = CountingEngine(tiny_llm.llm_engine)
+    transcriber = Transcriber(engine)
+    assert transcriber.files_per_step == 6
+    chunked = transcriber.transcribe(
+        [(w, SR) for w in waves], sampling_params=params, language="en", temperature=0.0
+    )
+    assert engine.adds_at_step[:3] == [6, 12, 14]
+    transcriber.files_per_step = len(waves)  # every file before the first step
+    whole = transcriber.transcribe(
+        [(w, SR) for w in waves], sampling_params=params, language="en", temperature=0.0
+    )
+    assert [r.text for r in chunked] == [r.text for r in whole]
+    assert [s.tokens for r in chunked for s in r.segments] == [
+        s.tokens for r in whole for s in r.segments
+    ]

@@ -222,6 +222,13 @@ class Transcriber:
             max_num_seqs = config.scheduler_config.max_num_seqs if config is not None else 128
             max_active_files = 2 * max_num_seqs
         self.max_active_files = max(1, max_active_files)
+        config = getattr(engine, "config", None)
+        self.files_per_step = (
+            max(1, config.encoder_budget // config.model_config.max_encoder_len)
+            if config is not None
+            else 16
+        )
+        """Files started between two engine steps: one step's encoder budget of windows."""
 
     def transcribe(
         self, audio: Any, *, use_tqdm: bool = False, **options: Any
@@ -244,19 +251,26 @@ class Transcriber:
         ]
         bar = ProgressBar(progress, show_progress(use_tqdm, progress))
         try:
-            return _SyncRun(self.engine, plans, self.max_active_files).run(bar.refresh)
+            run = _SyncRun(self.engine, plans, self.max_active_files, self.files_per_step)
+            return run.run(bar.refresh)
         finally:
             bar.close()
 
 
 class _SyncRun:
     """Many files' plans over one synchronous engine: each file has one window in flight, and
-    at most `max_active` files run at once; their windows share the engine's steps."""
+    at most `max_active` files run at once; their windows share the engine's steps. At most
+    `files_per_step` files start between two steps: a launched step (pipelined on CUDA) runs
+    the first windows' encoder while the host prepares the next files' requests, instead of
+    the device waiting for all of them."""
 
-    def __init__(self, engine: Any, plans: list[Plan], max_active: int) -> None:
+    def __init__(
+        self, engine: Any, plans: list[Plan], max_active: int, files_per_step: int = 1 << 30
+    ) -> None:
         self.engine = engine
         self.plans = plans
         self.max_active = max_active
+        self.files_per_step = files_per_step
         self.pending: dict[str, tuple[int, WindowCollector]] = {}
         """req_id -> (plan index, the outputs of its window)."""
         self.beams: dict[str, tuple[BeamSearch, int, list]] = {}
@@ -269,7 +283,7 @@ class _SyncRun:
         engine = self.engine
         try:
             self._start_waiting()
-            while self.pending or self.beams:
+            while self.pending or self.beams or self.waiting:
                 for output in engine.step():
                     entry = self.pending.get(output.request_id)
                     if entry is None:
@@ -340,7 +354,11 @@ class _SyncRun:
         self._advance(i, beam_window_output(search))
 
     def _start_waiting(self) -> None:
+        started = 0
         while self.waiting and len(self.active) < self.max_active:
+            if started == self.files_per_step:
+                return  # the rest after the next step (launched meanwhile)
+            started += 1
             i = self.waiting.popleft()
             self.active.add(i)
             self._advance(i, None)
