@@ -136,6 +136,8 @@ def gather_logprobs(
     sampled = sampled.unsqueeze(1)  # [n, 1]
     sampled_logprobs = logprobs.gather(1, sampled)  # [n, 1]
     ranks = (logprobs >= sampled_logprobs).sum(dim=-1)
+    if num_logprobs == 0:  # the sampled token's only (transcription windows): no top-k pass
+        return sampled, sampled_logprobs, ranks
     top_logprobs, top_ids = logprobs.topk(num_logprobs, dim=-1)
     token_ids = torch.cat([sampled, top_ids], dim=1)
     values = torch.cat([sampled_logprobs, top_logprobs], dim=1)
