@@ -54,3 +54,13 @@ def cuda_visible_devices() -> list[str] | None:
 V1_GELU_EPILOGUE: bool = _bool("V1_GELU_EPILOGUE", True)
 """On CUDA in 16 bits, run a Linear's GELU as its GEMM's epilogue (tanh form; see
 v1/models/layers/activation.py); 0 keeps the separate exact activation."""
+
+
+def sampler_graphs() -> bool | None:
+    """V1_SAMPLER_GRAPHS, read when a model state is built: 0 keeps every step on the general
+    Sampler; 1 runs the fixed-shape sampler (v1/sample/graphed.py) also off CUDA, eagerly (the
+    CPU tests compare the two); unset: the fixed-shape sampler's CUDA graphs on CUDA."""
+    value = os.environ.get("V1_SAMPLER_GRAPHS")
+    if value is None or value == "":
+        return None
+    return _bool("V1_SAMPLER_GRAPHS", True)

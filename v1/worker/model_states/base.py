@@ -3,7 +3,6 @@ half shared by the generating kinds."""
 
 from __future__ import annotations
 
-import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -11,6 +10,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import torch
 
+from v1 import envs
 from v1.config import EngineConfig
 from v1.core.sched_output import DeferredRunnerOutput, NewRequestData, SchedulerOutput
 from v1.forward_context import ForwardContext, set_forward_context
@@ -149,10 +149,10 @@ class GenerationState(ModelState):
         """CUDA graphs of the fixed-shape sampler (v1/sample/graphed.py): on CUDA unless
         enforce_eager, on one GPU. V1_SAMPLER_GRAPHS=0 turns them off; =1 also runs the
         fixed-shape sampler off CUDA (eagerly: tests)."""
-        switch = os.environ.get("V1_SAMPLER_GRAPHS", "")
-        if switch == "0" or self.config.parallel_config.tensor_parallel_size != 1:
+        switch = envs.sampler_graphs()
+        if switch is False or self.config.parallel_config.tensor_parallel_size != 1:
             return False
-        return switch == "1" or (self.device.type == "cuda" and not self.config.enforce_eager)
+        return switch is True or (self.device.type == "cuda" and not self.config.enforce_eager)
 
     def common_sampler_signatures(self) -> tuple[list[int | None], list[bool]]:
         """(logprobs, timestamps) whose sampler graphs are captured at start-up."""
