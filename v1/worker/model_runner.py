@@ -222,8 +222,9 @@ class ModelRunner:
     def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         batch = self.input_batch
         req_ids = list(so.num_scheduled_tokens)
-        slots = np.array([batch.requests[r].slot for r in req_ids], dtype=np.int64)
-        num_scheduled = np.array([so.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64)
+        requests = batch.requests
+        slots = np.fromiter((requests[r].slot for r in req_ids), np.int64, len(req_ids))
+        num_scheduled = np.fromiter(so.num_scheduled_tokens.values(), np.int64, len(req_ids))
         qsl = np.zeros(len(req_ids) + 1, dtype=np.int64)
         np.cumsum(num_scheduled, out=qsl[1:])
         num_tokens = int(qsl[-1])
