@@ -81,6 +81,8 @@ class KVCacheManager:
             for group_id, group in enumerate(kv_cache_config.groups)
         )
         self._full_managers = [m for m in self.managers if isinstance(m, FullAttentionManager)]
+        self._full_tables = tuple((m.req_to_blocks, m.block_size) for m in self._full_managers)
+        """(block tables, block size) of each full-attention group, for the per-step checks."""
         self._encoder_entry_managers = [
             m for m in self.managers if isinstance(m, CrossAttentionManager)
         ]
@@ -137,11 +139,12 @@ class KVCacheManager:
     def _holds_room_for(self, req_id: str, num_tokens: int) -> bool:
         """Whether every full-attention table holds slots for `num_tokens` tokens (other kinds
         of groups never grow after admission)."""
-        if not self._full_managers:
+        full_tables = self._full_tables
+        if not full_tables:
             return False
         num_tokens = min(num_tokens, self.max_model_len)
-        for manager in self._full_managers:
-            if len(manager.req_to_blocks.get(req_id, ())) * manager.block_size < num_tokens:
+        for req_to_blocks, block_size in full_tables:
+            if len(req_to_blocks.get(req_id, ())) * block_size < num_tokens:
                 return False
         return True
 
@@ -201,16 +204,14 @@ class KVCacheManager:
         """
         if not self.managers:
             return self._empty()  # encoder-only models: no paged layers, nothing to allocate
-        if (
-            new_computed_blocks is None
-            and not num_encoder_tokens
-            and self._holds_room_for(
-                request.request_id, request.num_computed_tokens + num_new_tokens
-            )
-        ):
-            # The decode fast path: the tables already cover the new tokens. Blocks filled
-            # meanwhile are registered in the prefix cache by the next call that grows them.
-            return self.NO_NEW_BLOCKS
+        if new_computed_blocks is None and not num_encoder_tokens:
+            req_id = request.request_id
+            if self._holds_room_for(req_id, request.num_computed_tokens + num_new_tokens):
+                # The decode fast path: the tables already cover the new tokens. Blocks filled
+                # meanwhile are registered in the prefix cache by the next call that grows them.
+                return self.NO_NEW_BLOCKS
+            if self._full_tables and req_id in self._full_tables[0][0]:
+                return self._grow(request, num_new_tokens)
         if new_computed_blocks is None:
             new_computed_blocks = self._empty()
         assert len(new_computed_blocks.blocks) == len(self.managers), "blocks of another config"
@@ -224,6 +225,32 @@ class KVCacheManager:
             _Allocation(num_new_tokens, num_new_computed_tokens, num_encoder_tokens),
             new_computed_blocks,
         )
+
+    def _grow(self, request: Request, num_new_tokens: int) -> KVCacheBlocks | None:
+        """`_allocate` for a request already admitted (it holds a table in every group), without
+        prefix hits, encoder tokens or a fork: only its full-attention tables can grow (a
+        cross-attention or encoder-states table is allocated once, at admission, and its entry
+        registered then; an encoder-only group holds nothing), then the filled blocks are
+        registered in the prefix cache."""
+        req_id = request.request_id
+        num_tokens = request.num_computed_tokens + num_new_tokens
+        num_tokens_need_slot = min(num_tokens, self.max_model_len)
+        num_blocks_to_allocate = 0
+        for req_to_blocks, block_size in self._full_tables:
+            num_required = cdiv(num_tokens_need_slot, block_size)
+            num_blocks_to_allocate += max(0, num_required - len(req_to_blocks[req_id]))
+        if num_blocks_to_allocate > self.block_pool.get_num_free_blocks():
+            return None
+        added: list[list[KVCacheBlock]] = [[] for _ in self.managers]
+        for manager in self._full_managers:
+            added[manager.group_id] = manager.allocate_new_blocks(req_id, num_tokens_need_slot, 0)
+        if self.enable_caching and not request.is_pooling:
+            # Cache only blocks whose tokens exist and will be computed by this step.
+            num_tokens_to_cache = min(num_tokens, request.num_tokens)
+            request_block_hashes(request, self.hash_block_size)
+            for manager in self._full_managers:
+                manager.cache_blocks(request, num_tokens_to_cache)
+        return KVCacheBlocks(tuple(added))
 
     def fork_slots(
         self,
