@@ -136,18 +136,6 @@ class KVCacheManager:
             {req_id for m in self.managers for req_id, blocks in m.req_to_blocks.items() if blocks}
         )
 
-    def _holds_room_for(self, req_id: str, num_tokens: int) -> bool:
-        """Whether every full-attention table holds slots for `num_tokens` tokens (other kinds
-        of groups never grow after admission)."""
-        full_tables = self._full_tables
-        if not full_tables:
-            return False
-        num_tokens = min(num_tokens, self.max_model_len)
-        for req_to_blocks, block_size in full_tables:
-            if len(req_to_blocks.get(req_id, ())) * block_size < num_tokens:
-                return False
-        return True
-
     def _empty(self) -> KVCacheBlocks:
         return KVCacheBlocks.empty(len(self.managers))
 
@@ -204,13 +192,21 @@ class KVCacheManager:
         """
         if not self.managers:
             return self._empty()  # encoder-only models: no paged layers, nothing to allocate
-        if new_computed_blocks is None and not num_encoder_tokens:
+        if new_computed_blocks is None and not num_encoder_tokens and self._full_tables:
+            # The decode fast path (this runs for every running request each step): every
+            # full-attention table already covers the new tokens (other kinds of groups never
+            # grow after admission). Blocks filled meanwhile are registered in the prefix
+            # cache by the next call that grows them.
             req_id = request.request_id
-            if self._holds_room_for(req_id, request.num_computed_tokens + num_new_tokens):
-                # The decode fast path: the tables already cover the new tokens. Blocks filled
-                # meanwhile are registered in the prefix cache by the next call that grows them.
+            num_tokens = request.num_computed_tokens + num_new_tokens
+            if num_tokens > self.max_model_len:
+                num_tokens = self.max_model_len
+            for req_to_blocks, block_size in self._full_tables:
+                if len(req_to_blocks.get(req_id, ())) * block_size < num_tokens:
+                    break
+            else:
                 return self.NO_NEW_BLOCKS
-            if self._full_tables and req_id in self._full_tables[0][0]:
+            if req_id in self._full_tables[0][0]:
                 return self._grow(request, num_new_tokens)
         if new_computed_blocks is None:
             new_computed_blocks = self._empty()
@@ -237,16 +233,16 @@ class KVCacheManager:
         num_tokens_need_slot = min(num_tokens, self.max_model_len)
         num_blocks_to_allocate = 0
         for req_to_blocks, block_size in self._full_tables:
-            num_required = cdiv(num_tokens_need_slot, block_size)
+            num_required = -(-num_tokens_need_slot // block_size)
             num_blocks_to_allocate += max(0, num_required - len(req_to_blocks[req_id]))
-        if num_blocks_to_allocate > self.block_pool.get_num_free_blocks():
+        if num_blocks_to_allocate > self.block_pool.free_block_queue.num_free_blocks:
             return None
-        added: list[list[KVCacheBlock]] = [[] for _ in self.managers]
+        added = [[] for _ in self.managers] if len(self.managers) > 1 else [[]]
         for manager in self._full_managers:
             added[manager.group_id] = manager.allocate_new_blocks(req_id, num_tokens_need_slot, 0)
-        if self.enable_caching and not request.is_pooling:
+        if self.enable_caching and request.pooling_params is None:
             # Cache only blocks whose tokens exist and will be computed by this step.
-            num_tokens_to_cache = min(num_tokens, request.num_tokens)
+            num_tokens_to_cache = min(num_tokens, len(request.all_token_ids))
             request_block_hashes(request, self.hash_block_size)
             for manager in self._full_managers:
                 manager.cache_blocks(request, num_tokens_to_cache)
