@@ -212,7 +212,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = _StepBudget(self.max_num_batched_tokens, self.encoder_budget)
         scheduled_running: list[Request] = []
-        running_new_blocks: dict[str, tuple[list[int], ...] | None] = {}
+        new_block_ids: list[tuple[list[int], ...] | None] = []
+        """Per scheduled running request: the blocks its tables gained, or None."""
         preempted: list[Request] = []
         kv_cache_manager = self.kv_cache_manager
         allocate_slots = kv_cache_manager.allocate_slots
@@ -235,9 +236,9 @@ class Scheduler:
                     continue
                 victim = self._pick_victim()
                 if victim in scheduled_running:
-                    scheduled_running.remove(victim)
+                    k = scheduled_running.index(victim)
+                    del scheduled_running[k], new_block_ids[k]
                     budget.tokens += num_scheduled.pop(victim.request_id)
-                    running_new_blocks.pop(victim.request_id, None)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
@@ -245,8 +246,11 @@ class Scheduler:
             if new_blocks is None:
                 continue
             scheduled_running.append(request)
-            if new_blocks is not no_new_blocks:
-                running_new_blocks[request.request_id] = new_blocks.get_block_ids()
+            if new_blocks is no_new_blocks:
+                new_block_ids.append(None)
+            else:
+                block_ids = new_blocks.get_block_ids()
+                new_block_ids.append(block_ids if any(block_ids) else None)
             # budget.take, inlined: this loop runs for every running request each step.
             num_scheduled[request.request_id] = num_new
             budget.tokens -= num_new
@@ -255,7 +259,7 @@ class Scheduler:
         if not preempted:
             scheduled_new = self._schedule_waiting(budget)
 
-        return self._make_output(budget, scheduled_running, running_new_blocks, scheduled_new)
+        return self._make_output(budget, scheduled_running, new_block_ids, scheduled_new)
 
     def _schedule_waiting(self, budget: _StepBudget) -> list[Request]:
         """Admits waiting requests in queue order while the budgets last. One that cannot run
@@ -405,7 +409,7 @@ class Scheduler:
         self,
         budget: _StepBudget,
         scheduled_running: list[Request],
-        running_new_blocks: dict[str, tuple[list[int], ...] | None],
+        new_block_ids: list[tuple[list[int], ...] | None],
         scheduled_new: list[Request],
     ) -> SchedulerOutput:
         new_reqs = [
@@ -425,18 +429,11 @@ class Scheduler:
         ]
         # Running requests' deltas; each then advances (below) past its scheduled tokens.
         num_scheduled = budget.num_scheduled
-        req_ids = [r.request_id for r in scheduled_running]
         cached = CachedRequestData(
-            req_ids=req_ids,
-            new_block_ids=[None] * len(req_ids),
+            req_ids=[r.request_id for r in scheduled_running],
+            new_block_ids=new_block_ids,
             num_computed_tokens=[r.num_computed_tokens for r in scheduled_running],
         )
-        if running_new_blocks:
-            new_block_ids = cached.new_block_ids
-            for i, req_id in enumerate(req_ids):
-                blocks = running_new_blocks.get(req_id)
-                if blocks is not None and any(blocks):
-                    new_block_ids[i] = blocks
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
