@@ -481,6 +481,8 @@ class Scheduler:
         running = RequestStatus.RUNNING
         sampled_token_ids = runner_output.sampled_token_ids
         logprobs = runner_output.logprobs
+        logprob_token_ids = runner_output.logprob_token_ids
+        logprob_ranks = runner_output.logprob_ranks
         extras = runner_output.extras
         req_ids = list(scheduler_output.num_scheduled_tokens)
         index = None  # the runner's rows follow the schedule's order (checked once per step)
@@ -501,13 +503,27 @@ class Scheduler:
             request.num_output_placeholders = num_placeholders if num_placeholders > 0 else 0
             new_ids = self._append_and_check_stop(request, new_ids)
             status = request.status
+            lp_token_ids = lp_values = lp_ranks = None
+            if logprobs is not None and logprobs[i] is not None:
+                # The first len(new_ids) rows; the runner's lists themselves when they hold no
+                # more (nothing writes to them after the step).
+                n = len(new_ids)
+                lp_token_ids = logprob_token_ids[i]  # type: ignore[index]
+                lp_values = logprobs[i]
+                lp_ranks = logprob_ranks[i]  # type: ignore[index]
+                if len(lp_token_ids) != n:
+                    lp_token_ids = lp_token_ids[:n]
+                if len(lp_values) != n:
+                    lp_values = lp_values[:n]
+                if len(lp_ranks) != n:
+                    lp_ranks = lp_ranks[:n]
             # EngineCoreOutput's fields in order (positional: it is built per request and step).
             out = EngineCoreOutput(
                 req_id,
                 new_ids,
-                None,
-                None,
-                None,
+                lp_token_ids,
+                lp_values,
+                lp_ranks,
                 None,
                 None if status == running else RequestStatus.finish_reason(status),
                 request.stop_reason,
@@ -518,8 +534,6 @@ class Scheduler:
                 request_extras = extras.get(req_id)
                 if request_extras:
                     out.extras = request_extras
-            if logprobs is not None and logprobs[i] is not None:
-                self._add_logprobs(out, runner_output, i, len(new_ids))
             outputs.append(out)
             if status != running:
                 self._finish(request)
@@ -570,20 +584,6 @@ class Scheduler:
                 request.status = RequestStatus.FINISHED_LENGTH_CAPPED
                 break
         return accepted
-
-    @staticmethod
-    def _add_logprobs(
-        out: EngineCoreOutput, runner_output: ModelRunnerOutput, i: int, num_tokens: int
-    ) -> None:
-        """The logprobs of the first `num_tokens` sampled tokens of row i (the runner's lists
-        themselves when they hold no more: nothing writes to them after the step)."""
-        token_ids = runner_output.logprob_token_ids[i]  # type: ignore[index]
-        logprobs = runner_output.logprobs[i]  # type: ignore[index]
-        ranks = runner_output.logprob_ranks[i]  # type: ignore[index]
-        n = num_tokens
-        out.new_logprob_token_ids = token_ids if len(token_ids) == n else token_ids[:n]
-        out.new_logprobs = logprobs if len(logprobs) == n else logprobs[:n]
-        out.new_logprob_ranks = ranks if len(ranks) == n else ranks[:n]
 
     def _finish(self, request: Request) -> None:
         self.running.remove(request)
