@@ -82,6 +82,9 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.block_hashes: list[bytes] = []
         """Chained hashes of the full blocks of all_token_ids (filled by the KV cache manager)."""
+        self.num_kv_slots = 0
+        """Decoder tokens its KV block tables hold slots for (kept by the KV cache manager): never
+        more than they hold, so a step whose tokens fit needs no allocation; 0 when unknown."""
         self.hold_kv = False
         """Keep the KV blocks after finishing, for forks (EngineCoreRequest.hold_kv)."""
         self.fork_from: str | None = None

@@ -228,23 +228,26 @@ class Scheduler:
             num_new = min(request.num_schedulable_tokens, budget.tokens)
             if num_new == 0:
                 continue  # everything it can run is in flight (pipelined scheduling)
-            while True:
-                new_blocks = allocate_slots(request, num_new)
-                if new_blocks is not None:
-                    break
-                if self._evict_held():
+            if request.num_computed_tokens + num_new <= request.num_kv_slots:
+                new_blocks = no_new_blocks  # allocate_slots' answer, without the call
+            else:
+                while True:
+                    new_blocks = allocate_slots(request, num_new, defer_caching=True)
+                    if new_blocks is not None:
+                        break
+                    if self._evict_held():
+                        continue
+                    victim = self._pick_victim()
+                    if victim in scheduled_running:
+                        k = scheduled_running.index(victim)
+                        del scheduled_running[k], new_block_ids[k]
+                        budget.tokens += num_scheduled.pop(victim.request_id)
+                    self._preempt(victim)
+                    preempted.append(victim)
+                    if victim is request:
+                        break
+                if new_blocks is None:
                     continue
-                victim = self._pick_victim()
-                if victim in scheduled_running:
-                    k = scheduled_running.index(victim)
-                    del scheduled_running[k], new_block_ids[k]
-                    budget.tokens += num_scheduled.pop(victim.request_id)
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is request:
-                    break
-            if new_blocks is None:
-                continue
             scheduled_running.append(request)
             if new_blocks is no_new_blocks:
                 new_block_ids.append(None)
@@ -254,6 +257,7 @@ class Scheduler:
             # budget.take, inlined: this loop runs for every running request each step.
             num_scheduled[request.request_id] = num_new
             budget.tokens -= num_new
+        kv_cache_manager.cache_deferred_blocks()
 
         scheduled_new: list[Request] = []
         if not preempted:
