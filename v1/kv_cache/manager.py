@@ -245,15 +245,22 @@ class KVCacheManager:
         req_id = request.request_id
         num_tokens = request.num_computed_tokens + num_new_tokens
         num_tokens_need_slot = min(num_tokens, self.max_model_len)
+        grow = []  # (table, blocks it needs, its group), per full-attention group
         num_blocks_to_allocate = 0
-        for req_to_blocks, block_size in self._full_tables:
-            num_required = -(-num_tokens_need_slot // block_size)
-            num_blocks_to_allocate += max(0, num_required - len(req_to_blocks[req_id]))
+        for manager in self._full_managers:
+            table = manager.req_to_blocks[req_id]
+            num_new = -(-num_tokens_need_slot // manager.block_size) - len(table)
+            grow.append((table, num_new, manager.group_id))
+            num_blocks_to_allocate += max(0, num_new)
         if num_blocks_to_allocate > self.block_pool.free_block_queue.num_free_blocks:
             return None
+        # FullAttentionManager.allocate_new_blocks per group, spelled out.
         added: list[list[KVCacheBlock]] = [[] for _ in self.managers]
-        for manager in self._full_managers:
-            added[manager.group_id] = manager.allocate_new_blocks(req_id, num_tokens_need_slot, 0)
+        for table, num_new, group_id in grow:
+            if num_new > 0:
+                new_blocks = self.block_pool.get_new_blocks(num_new)
+                table.extend(new_blocks)
+                added[group_id] = new_blocks
         if self.enable_caching and request.pooling_params is None:
             # Cache only blocks whose tokens exist and will be computed by this step.
             num_tokens_to_cache = min(num_tokens, len(request.all_token_ids))
@@ -382,12 +389,14 @@ class KVCacheManager:
         return KVCacheBlocks(added)
 
     def _update_num_kv_slots(self, request: Request) -> None:
-        if self._full_tables:
-            req_id = request.request_id
-            request.num_kv_slots = min(
-                len(req_to_blocks[req_id]) * block_size
-                for req_to_blocks, block_size in self._full_tables
-            )
+        req_id = request.request_id
+        num_slots = -1
+        for req_to_blocks, block_size in self._full_tables:
+            n = len(req_to_blocks[req_id]) * block_size
+            if num_slots < 0 or n < num_slots:
+                num_slots = n
+        if num_slots >= 0:
+            request.num_kv_slots = num_slots
 
     def _fork_tables(self, req_id: str, fork: _Fork, num_tokens: int) -> None:
         copies = [
