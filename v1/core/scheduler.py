@@ -219,13 +219,16 @@ class Scheduler:
         allocate_slots = kv_cache_manager.allocate_slots
         no_new_blocks = kv_cache_manager.NO_NEW_BLOCKS
         num_scheduled = budget.num_scheduled
+        tokens_left = budget.tokens  # budget.tokens, kept local in the loop
 
         for request in list(self.running):
-            if budget.tokens == 0:
+            if tokens_left == 0:
                 break
             if preempted and request in preempted:
                 continue
-            num_new = min(request.num_schedulable_tokens, budget.tokens)
+            num_new = request.num_schedulable_tokens
+            if num_new > tokens_left:
+                num_new = tokens_left
             if num_new == 0:
                 continue  # everything it can run is in flight (pipelined scheduling)
             if request.num_computed_tokens + num_new <= request.num_kv_slots:
@@ -241,7 +244,7 @@ class Scheduler:
                     if victim in scheduled_running:
                         k = scheduled_running.index(victim)
                         del scheduled_running[k], new_block_ids[k]
-                        budget.tokens += num_scheduled.pop(victim.request_id)
+                        tokens_left += num_scheduled.pop(victim.request_id)
                     self._preempt(victim)
                     preempted.append(victim)
                     if victim is request:
@@ -256,7 +259,8 @@ class Scheduler:
                 new_block_ids.append(block_ids if any(block_ids) else None)
             # budget.take, inlined: this loop runs for every running request each step.
             num_scheduled[request.request_id] = num_new
-            budget.tokens -= num_new
+            tokens_left -= num_new
+        budget.tokens = tokens_left
         kv_cache_manager.cache_deferred_blocks()
 
         scheduled_new: list[Request] = []
@@ -441,7 +445,7 @@ class Scheduler:
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
-            num_scheduled_tokens=dict(num_scheduled),
+            num_scheduled_tokens=num_scheduled,  # the budget ends with this step
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             encoder_reqs=budget.encoder_reqs,
             encoder_hashes_to_run=budget.encoder_hashes_to_run,
@@ -459,19 +463,14 @@ class Scheduler:
         # Advance now so the next schedule() sees these tokens as in flight; a step that
         # reaches the end of a generating request samples one token the next step may feed
         # (spelled out: request.num_tokens_with_placeholders, request.is_pooling).
-        for request in scheduled_running:
-            request.num_computed_tokens += num_scheduled[request.request_id]
+        # num_scheduled holds the running requests in scheduled order, then the new ones.
+        scheduled = scheduled_running + scheduled_new
+        for request, num in zip(scheduled, num_scheduled.values(), strict=True):
+            request.num_computed_tokens += num
             if (
                 request.pooling_params is None
                 and request.num_computed_tokens
                 == len(request.all_token_ids) + request.num_output_placeholders
-            ):
-                request.num_output_placeholders += 1
-        for request in scheduled_new:
-            request.num_computed_tokens += num_scheduled[request.request_id]
-            if (
-                not request.is_pooling
-                and request.num_computed_tokens == request.num_tokens_with_placeholders
             ):
                 request.num_output_placeholders += 1
         return output
