@@ -563,15 +563,16 @@ class Scheduler:
 
     def _append_and_check_stop(self, request: Request, new_ids: list[int]) -> list[int]:
         """Appends the sampled tokens up to the first that ends the request (its status says
-        why); returns those accepted."""
+        why); returns those accepted (`new_ids` itself when all are: nothing writes to the
+        runner's lists after the step)."""
         params = request.sampling_params
         output_token_ids = request.output_token_ids
         all_token_ids = request.all_token_ids
-        accepted = []
+        num_accepted = 0
         for token in new_ids:
             output_token_ids.append(token)  # request.append_output_token_ids, per token
             all_token_ids.append(token)
-            accepted.append(token)
+            num_accepted += 1
             if len(output_token_ids) >= params.min_tokens:
                 if token == request.eos_token_id and not params.ignore_eos:
                     request.status = RequestStatus.FINISHED_STOPPED
@@ -586,7 +587,7 @@ class Scheduler:
             ):
                 request.status = RequestStatus.FINISHED_LENGTH_CAPPED
                 break
-        return accepted
+        return new_ids if num_accepted == len(new_ids) else new_ids[:num_accepted]
 
     def _finish(self, request: Request) -> None:
         self.running.remove(request)
