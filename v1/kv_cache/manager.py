@@ -216,7 +216,7 @@ class KVCacheManager:
                     break
             else:
                 return self.NO_NEW_BLOCKS
-            if req_id in self._full_tables[0][0]:
+            if not num_new_computed_tokens and req_id in self._full_tables[0][0]:
                 return self._grow(request, num_new_tokens, defer_caching)
         self.cache_deferred_blocks()
         if new_computed_blocks is None:
