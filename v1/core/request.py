@@ -82,6 +82,9 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.block_hashes: list[bytes] = []
         """Chained hashes of the full blocks of all_token_ids (filled by the KV cache manager)."""
+        self.num_kv_slots = 0
+        """Decoder tokens its KV block tables hold slots for (kept by the KV cache manager): never
+        more than they hold, so a step whose tokens fit needs no allocation; 0 when unknown."""
         self.hold_kv = False
         """Keep the KV blocks after finishing, for forks (EngineCoreRequest.hold_kv)."""
         self.fork_from: str | None = None
@@ -136,20 +139,30 @@ class Request:
     def wants_more_tokens(self) -> bool:
         """Whether a step may still feed this request another token: False once the tokens in
         flight already reach its output or length limit (it finishes when they are read back)."""
+        placeholders = self.num_output_placeholders
         return (
-            self.num_output_tokens + self.num_output_placeholders < self.max_tokens
-            and self.num_tokens_with_placeholders < self.max_model_len
+            len(self.output_token_ids) + placeholders < self.max_tokens
+            and len(self.all_token_ids) + placeholders < self.max_model_len
         )
 
     @property
     def num_schedulable_tokens(self) -> int:
         """Tokens a step may feed now: known or in-flight ones not computed yet (none while the
         tokens in flight already reach the request's limits)."""
-        if self.num_output_placeholders and (
-            not self.wants_more_tokens or self.needs_accepted_tokens
+        # Called for every running request each step: wants_more_tokens and
+        # needs_accepted_tokens are spelled out here (same conditions, no nested properties).
+        placeholders = self.num_output_placeholders
+        num_tokens = len(self.all_token_ids) + placeholders
+        if placeholders and (
+            len(self.output_token_ids) + placeholders >= self.max_tokens
+            or num_tokens >= self.max_model_len
+            or (
+                self.sampling_params is not None
+                and self.sampling_params.structured_outputs is not None
+            )
         ):
             return 0
-        return self.num_tokens_with_placeholders - self.num_computed_tokens
+        return num_tokens - self.num_computed_tokens
 
     @property
     def needs_accepted_tokens(self) -> bool:

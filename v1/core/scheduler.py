@@ -212,46 +212,62 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = _StepBudget(self.max_num_batched_tokens, self.encoder_budget)
         scheduled_running: list[Request] = []
-        running_new_blocks: dict[str, tuple[list[int], ...] | None] = {}
+        new_block_ids: list[tuple[list[int], ...] | None] = []
+        """Per scheduled running request: the blocks its tables gained, or None."""
         preempted: list[Request] = []
-        no_new_blocks = self.kv_cache_manager.NO_NEW_BLOCKS
+        kv_cache_manager = self.kv_cache_manager
+        allocate_slots = kv_cache_manager.allocate_slots
+        no_new_blocks = kv_cache_manager.NO_NEW_BLOCKS
+        num_scheduled = budget.num_scheduled
+        tokens_left = budget.tokens  # budget.tokens, kept local in the loop
 
         for request in list(self.running):
-            if budget.tokens == 0:
+            if tokens_left == 0:
                 break
-            if request in preempted:
+            if preempted and request in preempted:
                 continue
-            num_new = min(request.num_schedulable_tokens, budget.tokens)
+            num_new = request.num_schedulable_tokens
+            if num_new > tokens_left:
+                num_new = tokens_left
             if num_new == 0:
                 continue  # everything it can run is in flight (pipelined scheduling)
-            while True:
-                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
-                if new_blocks is not None:
-                    break
-                if self._evict_held():
+            if request.num_computed_tokens + num_new <= request.num_kv_slots:
+                new_blocks = no_new_blocks  # allocate_slots' answer, without the call
+            else:
+                while True:
+                    new_blocks = allocate_slots(request, num_new, defer_caching=True)
+                    if new_blocks is not None:
+                        break
+                    if self._evict_held():
+                        continue
+                    victim = self._pick_victim()
+                    if victim in scheduled_running:
+                        k = scheduled_running.index(victim)
+                        del scheduled_running[k], new_block_ids[k]
+                        tokens_left += num_scheduled.pop(victim.request_id)
+                    self._preempt(victim)
+                    preempted.append(victim)
+                    if victim is request:
+                        break
+                if new_blocks is None:
                     continue
-                victim = self._pick_victim()
-                if victim in scheduled_running:
-                    scheduled_running.remove(victim)
-                    budget.tokens += budget.num_scheduled.pop(victim.request_id)
-                    running_new_blocks.pop(victim.request_id, None)
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is request:
-                    break
-            if new_blocks is None:
-                continue
             scheduled_running.append(request)
-            running_new_blocks[request.request_id] = (
-                None if new_blocks is no_new_blocks else new_blocks.get_block_ids()
-            )
-            budget.take(request, num_new)
+            if new_blocks is no_new_blocks:
+                new_block_ids.append(None)
+            else:
+                block_ids = new_blocks.get_block_ids()
+                new_block_ids.append(block_ids if any(block_ids) else None)
+            # budget.take, inlined: this loop runs for every running request each step.
+            num_scheduled[request.request_id] = num_new
+            tokens_left -= num_new
+        budget.tokens = tokens_left
+        kv_cache_manager.cache_deferred_blocks()
 
         scheduled_new: list[Request] = []
         if not preempted:
             scheduled_new = self._schedule_waiting(budget)
 
-        return self._make_output(budget, scheduled_running, running_new_blocks, scheduled_new)
+        return self._make_output(budget, scheduled_running, new_block_ids, scheduled_new)
 
     def _schedule_waiting(self, budget: _StepBudget) -> list[Request]:
         """Admits waiting requests in queue order while the budgets last. One that cannot run
@@ -401,7 +417,7 @@ class Scheduler:
         self,
         budget: _StepBudget,
         scheduled_running: list[Request],
-        running_new_blocks: dict[str, tuple[list[int], ...] | None],
+        new_block_ids: list[tuple[list[int], ...] | None],
         scheduled_new: list[Request],
     ) -> SchedulerOutput:
         new_reqs = [
@@ -419,17 +435,18 @@ class Scheduler:
             )
             for r in scheduled_new
         ]
-        cached = CachedRequestData()
-        for r in scheduled_running:
-            cached.req_ids.append(r.request_id)
-            blocks = running_new_blocks[r.request_id]
-            cached.new_block_ids.append(blocks if blocks is not None and any(blocks) else None)
-            cached.num_computed_tokens.append(r.num_computed_tokens)
+        # Running requests' deltas; each then advances (below) past its scheduled tokens.
+        num_scheduled = budget.num_scheduled
+        cached = CachedRequestData(
+            req_ids=[r.request_id for r in scheduled_running],
+            new_block_ids=new_block_ids,
+            num_computed_tokens=[r.num_computed_tokens for r in scheduled_running],
+        )
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
-            num_scheduled_tokens=dict(budget.num_scheduled),
-            total_num_scheduled_tokens=sum(budget.num_scheduled.values()),
+            num_scheduled_tokens=num_scheduled,  # the budget ends with this step
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
             encoder_reqs=budget.encoder_reqs,
             encoder_hashes_to_run=budget.encoder_hashes_to_run,
             free_encoder_hashes=self.encoder_cache.take_freed_hashes(),
@@ -444,13 +461,16 @@ class Scheduler:
         for req_id in budget.encoder_reqs:
             self.encoder_cache.free(self.requests[req_id])
         # Advance now so the next schedule() sees these tokens as in flight; a step that
-        # reaches the end of a generating request samples one token the next step may feed.
-        for req_id, num in budget.num_scheduled.items():
-            request = self.requests[req_id]
+        # reaches the end of a generating request samples one token the next step may feed
+        # (spelled out: request.num_tokens_with_placeholders, request.is_pooling).
+        # num_scheduled holds the running requests in scheduled order, then the new ones.
+        scheduled = scheduled_running + scheduled_new
+        for request, num in zip(scheduled, num_scheduled.values(), strict=True):
             request.num_computed_tokens += num
             if (
-                not request.is_pooling
-                and request.num_computed_tokens == request.num_tokens_with_placeholders
+                request.pooling_params is None
+                and request.num_computed_tokens
+                == len(request.all_token_ids) + request.num_output_placeholders
             ):
                 request.num_output_placeholders += 1
         return output
@@ -460,42 +480,100 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> EngineCoreOutputs:
         outputs: list[EngineCoreOutput] = []
-        index = {req_id: i for i, req_id in enumerate(runner_output.req_ids)}
-        for req_id in scheduler_output.num_scheduled_tokens:
-            request = self.requests.get(req_id)
-            if request is None or request.status != RequestStatus.RUNNING:
+        requests = self.requests
+        running = RequestStatus.RUNNING
+        sampled_token_ids = runner_output.sampled_token_ids
+        logprobs = runner_output.logprobs
+        logprob_token_ids = runner_output.logprob_token_ids
+        logprob_ranks = runner_output.logprob_ranks
+        extras = runner_output.extras
+        req_ids = list(scheduler_output.num_scheduled_tokens)
+        index = None  # the runner's rows follow the schedule's order (checked once per step)
+        if req_ids != runner_output.req_ids:
+            index = {req_id: i for i, req_id in enumerate(runner_output.req_ids)}
+        for row, req_id in enumerate(req_ids):
+            request = requests.get(req_id)
+            if request is None or request.status != running:
                 continue  # aborted or preempted while the step ran
-            i = index[req_id]
-            if request.is_pooling:
-                pooled = runner_output.pooler_output[i] if runner_output.pooler_output else None
-                request.status = RequestStatus.FINISHED_STOPPED
-                outputs.append(
-                    EngineCoreOutput(
-                        req_id,
-                        [],
-                        pooled_output=pooled,
-                        finish_reason=RequestStatus.finish_reason(request.status),
-                    )
-                )
-                self._finish(request)
+            i = row if index is None else index[req_id]
+            if request.pooling_params is not None:
+                self._finish_pooling(request, runner_output, i, outputs)
                 continue
-            new_ids = runner_output.sampled_token_ids[i]
+            new_ids = sampled_token_ids[i]
             if not new_ids:
                 continue  # a prefill chunk that did not reach the end of the prompt
-            request.num_output_placeholders = max(request.num_output_placeholders - len(new_ids), 0)
+            num_placeholders = request.num_output_placeholders - len(new_ids)
+            request.num_output_placeholders = num_placeholders if num_placeholders > 0 else 0
             new_ids = self._append_and_check_stop(request, new_ids)
-            outputs.append(self._make_output_item(request, new_ids, runner_output, i))
-            if request.is_finished:
+            status = request.status
+            lp_token_ids = lp_values = lp_ranks = None
+            if logprobs is not None and logprobs[i] is not None:
+                # The first len(new_ids) rows; the runner's lists themselves when they hold no
+                # more (nothing writes to them after the step).
+                n = len(new_ids)
+                lp_token_ids = logprob_token_ids[i]  # type: ignore[index]
+                lp_values = logprobs[i]
+                lp_ranks = logprob_ranks[i]  # type: ignore[index]
+                if len(lp_token_ids) != n:
+                    lp_token_ids = lp_token_ids[:n]
+                if len(lp_values) != n:
+                    lp_values = lp_values[:n]
+                if len(lp_ranks) != n:
+                    lp_ranks = lp_ranks[:n]
+            # EngineCoreOutput's fields in order (positional: it is built per request and step).
+            out = EngineCoreOutput(
+                req_id,
+                new_ids,
+                lp_token_ids,
+                lp_values,
+                lp_ranks,
+                None,
+                None if status == running else RequestStatus.finish_reason(status),
+                request.stop_reason,
+                None,
+                request.num_cached_tokens if request.num_cached_tokens > 0 else 0,
+            )
+            if extras:
+                request_extras = extras.get(req_id)
+                if request_extras:
+                    out.extras = request_extras
+            outputs.append(out)
+            if status != running:
                 self._finish(request)
         return EngineCoreOutputs(outputs=outputs, timestamp=now())
 
+    def _finish_pooling(
+        self,
+        request: Request,
+        runner_output: ModelRunnerOutput,
+        i: int,
+        outputs: list[EngineCoreOutput],
+    ) -> None:
+        pooled = runner_output.pooler_output[i] if runner_output.pooler_output else None
+        request.status = RequestStatus.FINISHED_STOPPED
+        outputs.append(
+            EngineCoreOutput(
+                request.request_id,
+                [],
+                pooled_output=pooled,
+                finish_reason=RequestStatus.finish_reason(request.status),
+            )
+        )
+        self._finish(request)
+
     def _append_and_check_stop(self, request: Request, new_ids: list[int]) -> list[int]:
+        """Appends the sampled tokens up to the first that ends the request (its status says
+        why); returns those accepted (`new_ids` itself when all are: nothing writes to the
+        runner's lists after the step)."""
         params = request.sampling_params
-        accepted = []
+        output_token_ids = request.output_token_ids
+        all_token_ids = request.all_token_ids
+        num_accepted = 0
         for token in new_ids:
-            request.append_output_token_ids([token])
-            accepted.append(token)
-            if request.num_output_tokens >= params.min_tokens:
+            output_token_ids.append(token)  # request.append_output_token_ids, per token
+            all_token_ids.append(token)
+            num_accepted += 1
+            if len(output_token_ids) >= params.min_tokens:
                 if token == request.eos_token_id and not params.ignore_eos:
                     request.status = RequestStatus.FINISHED_STOPPED
                     break
@@ -504,33 +582,12 @@ class Scheduler:
                     request.stop_reason = token
                     break
             if (
-                request.num_output_tokens >= request.max_tokens
-                or request.num_tokens >= self.max_model_len
+                len(output_token_ids) >= request.max_tokens
+                or len(all_token_ids) >= self.max_model_len
             ):
                 request.status = RequestStatus.FINISHED_LENGTH_CAPPED
                 break
-        return accepted
-
-    @staticmethod
-    def _make_output_item(
-        request: Request, new_ids: list[int], runner_output: ModelRunnerOutput, i: int
-    ) -> EngineCoreOutput:
-        out = EngineCoreOutput(
-            request.request_id,
-            new_ids,
-            finish_reason=RequestStatus.finish_reason(request.status),
-            stop_reason=request.stop_reason,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
-        )
-        extras = runner_output.extras.get(request.request_id)
-        if extras:
-            out.extras = extras
-        if runner_output.logprobs is not None and runner_output.logprobs[i] is not None:
-            n = len(new_ids)
-            out.new_logprob_token_ids = runner_output.logprob_token_ids[i][:n]
-            out.new_logprobs = runner_output.logprobs[i][:n]
-            out.new_logprob_ranks = runner_output.logprob_ranks[i][:n]
-        return out
+        return new_ids if num_accepted == len(new_ids) else new_ids[:num_accepted]
 
     def _finish(self, request: Request) -> None:
         self.running.remove(request)

@@ -68,7 +68,21 @@ class FreeKVCacheBlockQueue:
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
         if n > self.num_free_blocks:
             raise ValueError(f"cannot pop {n} blocks, only {self.num_free_blocks} are free")
-        return [self.popleft() for _ in range(n)]
+        # n times popleft, unlinking the first n blocks at once.
+        head = self._head
+        blocks = []
+        block = head.next_free_block
+        for _ in range(n):
+            assert block is not None and block is not self._tail
+            blocks.append(block)
+            nxt = block.next_free_block
+            block.prev_free_block = block.next_free_block = None
+            block = nxt
+        assert block is not None
+        head.next_free_block = block
+        block.prev_free_block = head
+        self.num_free_blocks -= n
+        return blocks
 
     def remove(self, block: KVCacheBlock) -> None:
         prev, nxt = block.prev_free_block, block.next_free_block
@@ -183,7 +197,8 @@ class BlockPool:
             )
         blocks = self.free_block_queue.popleft_n(num_blocks)
         for block in blocks:
-            self._maybe_evict_cached_block(block)
+            if block.block_hash is not None:
+                self._maybe_evict_cached_block(block)
             assert block.ref_cnt == 0 and not block.is_null
             block.ref_cnt = 1
         return blocks

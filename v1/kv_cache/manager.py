@@ -81,6 +81,8 @@ class KVCacheManager:
             for group_id, group in enumerate(kv_cache_config.groups)
         )
         self._full_managers = [m for m in self.managers if isinstance(m, FullAttentionManager)]
+        self._full_tables = tuple((m.req_to_blocks, m.block_size) for m in self._full_managers)
+        """(block tables, block size) of each full-attention group, for the per-step checks."""
         self._encoder_entry_managers = [
             m for m in self.managers if isinstance(m, CrossAttentionManager)
         ]
@@ -94,6 +96,9 @@ class KVCacheManager:
         """Block size of the chained hashes in request.block_hashes (0: no prefix caching)."""
         self.NO_NEW_BLOCKS = self._empty()
         """What allocate_slots returns when it added nothing (shared: never mutate it)."""
+        self._deferred_caching: list[tuple[Request, int]] = []
+        """(request, tokens to cache) of tables grown by allocate_slots(defer_caching=True)
+        whose filled blocks wait for cache_deferred_blocks."""
         self.prefix_cache_queries = 0
         """Prompt tokens looked up in the prefix cache."""
         self.prefix_cache_hits = 0
@@ -134,17 +139,6 @@ class KVCacheManager:
             {req_id for m in self.managers for req_id, blocks in m.req_to_blocks.items() if blocks}
         )
 
-    def _holds_room_for(self, req_id: str, num_tokens: int) -> bool:
-        """Whether every full-attention table holds slots for `num_tokens` tokens (other kinds
-        of groups never grow after admission)."""
-        if not self._full_managers:
-            return False
-        num_tokens = min(num_tokens, self.max_model_len)
-        for manager in self._full_managers:
-            if len(manager.req_to_blocks.get(req_id, ())) * manager.block_size < num_tokens:
-                return False
-        return True
-
     def _empty(self) -> KVCacheBlocks:
         return KVCacheBlocks.empty(len(self.managers))
 
@@ -156,6 +150,7 @@ class KVCacheManager:
         step has logits to sample from. Does not take references; pass the result to
         `allocate_slots`, in the same step, before anything is freed.
         """
+        self.cache_deferred_blocks()
         if not self.enable_caching or request.is_pooling or not self._full_managers:
             return self._empty(), 0
         request_block_hashes(request, self.hash_block_size)
@@ -176,6 +171,7 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached blocks; False (and nothing done) while any request holds blocks."""
+        self.cache_deferred_blocks()
         return self.block_pool.reset_prefix_cache()
 
     # ---- allocation ----
@@ -186,6 +182,7 @@ class KVCacheManager:
         num_new_computed_tokens: int = 0,
         new_computed_blocks: KVCacheBlocks | None = None,
         num_encoder_tokens: int = 0,
+        defer_caching: bool = False,
     ) -> KVCacheBlocks | None:
         """Make room for `num_new_tokens` more tokens of `request`, all groups or none.
 
@@ -198,19 +195,30 @@ class KVCacheManager:
         Returns the blocks added to the request's block tables by this call, per group and in
         table order (prefix hits first, then fresh blocks): the delta to send to the worker.
         Returns None, changing nothing, when the pool has too few free blocks.
+
+        `defer_caching` (a step's running requests): blocks a grown table filled are registered
+        in the prefix cache by `cache_deferred_blocks`, which the caller runs after its loop,
+        so that the step's hashing runs together (any other call runs it first).
         """
         if not self.managers:
             return self._empty()  # encoder-only models: no paged layers, nothing to allocate
-        if (
-            new_computed_blocks is None
-            and not num_encoder_tokens
-            and self._holds_room_for(
-                request.request_id, request.num_computed_tokens + num_new_tokens
-            )
-        ):
-            # The decode fast path: the tables already cover the new tokens. Blocks filled
-            # meanwhile are registered in the prefix cache by the next call that grows them.
-            return self.NO_NEW_BLOCKS
+        if new_computed_blocks is None and not num_encoder_tokens and self._full_tables:
+            # The decode fast path (this runs for every running request each step): every
+            # full-attention table already covers the new tokens (other kinds of groups never
+            # grow after admission). Blocks filled meanwhile are registered in the prefix
+            # cache by the next call that grows them.
+            req_id = request.request_id
+            num_tokens = request.num_computed_tokens + num_new_tokens
+            if num_tokens > self.max_model_len:
+                num_tokens = self.max_model_len
+            for req_to_blocks, block_size in self._full_tables:
+                if len(req_to_blocks.get(req_id, ())) * block_size < num_tokens:
+                    break
+            else:
+                return self.NO_NEW_BLOCKS
+            if not num_new_computed_tokens and req_id in self._full_tables[0][0]:
+                return self._grow(request, num_new_tokens, defer_caching)
+        self.cache_deferred_blocks()
         if new_computed_blocks is None:
             new_computed_blocks = self._empty()
         assert len(new_computed_blocks.blocks) == len(self.managers), "blocks of another config"
@@ -224,6 +232,57 @@ class KVCacheManager:
             _Allocation(num_new_tokens, num_new_computed_tokens, num_encoder_tokens),
             new_computed_blocks,
         )
+
+    def _grow(
+        self, request: Request, num_new_tokens: int, defer_caching: bool
+    ) -> KVCacheBlocks | None:
+        """`_allocate` for a request already admitted (it holds a table in every group), without
+        prefix hits, encoder tokens or a fork: only its full-attention tables can grow (a
+        cross-attention or encoder-states table is allocated once, at admission, and its entry
+        registered then; an encoder-only group holds nothing), then the filled blocks are
+        registered in the prefix cache (now, or with `defer_caching` by the next
+        `cache_deferred_blocks`)."""
+        req_id = request.request_id
+        num_tokens = request.num_computed_tokens + num_new_tokens
+        num_tokens_need_slot = min(num_tokens, self.max_model_len)
+        grow = []  # (table, blocks it needs, its group), per full-attention group
+        num_blocks_to_allocate = 0
+        for manager in self._full_managers:
+            table = manager.req_to_blocks[req_id]
+            num_new = -(-num_tokens_need_slot // manager.block_size) - len(table)
+            grow.append((table, num_new, manager.group_id))
+            num_blocks_to_allocate += max(0, num_new)
+        if num_blocks_to_allocate > self.block_pool.free_block_queue.num_free_blocks:
+            return None
+        # FullAttentionManager.allocate_new_blocks per group, spelled out.
+        added: list[list[KVCacheBlock]] = [[] for _ in self.managers]
+        for table, num_new, group_id in grow:
+            if num_new > 0:
+                new_blocks = self.block_pool.get_new_blocks(num_new)
+                table.extend(new_blocks)
+                added[group_id] = new_blocks
+        if self.enable_caching and request.pooling_params is None:
+            # Cache only blocks whose tokens exist and will be computed by this step.
+            num_tokens_to_cache = min(num_tokens, len(request.all_token_ids))
+            self._deferred_caching.append((request, num_tokens_to_cache))
+            if not defer_caching:
+                self.cache_deferred_blocks()
+        self._update_num_kv_slots(request)
+        return KVCacheBlocks(tuple(added))
+
+    def cache_deferred_blocks(self) -> None:
+        """Registers the filled blocks of tables grown with `defer_caching` in the prefix cache,
+        in the order they grew. Equivalent to registering each as it grew: in between, only
+        other tables grew (taking free blocks, never these held ones), and every other call
+        that reads or frees blocks runs this first."""
+        deferred = self._deferred_caching
+        if not deferred:
+            return
+        self._deferred_caching = []
+        for request, num_tokens in deferred:
+            request_block_hashes(request, self.hash_block_size)
+            for manager in self._full_managers:
+                manager.cache_blocks(request, num_tokens)
 
     def fork_slots(
         self,
@@ -245,6 +304,7 @@ class KVCacheManager:
         hash, full-attention tables grow for `num_new_tokens`. Returns the request's new block
         tables, or None, changing nothing, when the pool has too few free blocks.
         """
+        self.cache_deferred_blocks()
         req_id = request.request_id
         num_forked = parent.num_computed_tokens
         assert request.num_computed_tokens == 0 and not self.get_blocks(req_id).num_blocks
@@ -263,7 +323,10 @@ class KVCacheManager:
             request.block_hashes = parent.block_hashes[: num_forked // self.hash_block_size]
         fork = _Fork(parent.request_id, move_last_block)
         allocation = _Allocation(num_new_tokens, num_forked, num_encoder_tokens, fork)
-        return self._allocate(request, allocation, forked)
+        blocks = self._allocate(request, allocation, forked)
+        if blocks is not None and move_last_block:
+            self._update_num_kv_slots(parent)  # its partial last block moved to `request`
+        return blocks
 
     def _allocate(
         self, request: Request, allocation: _Allocation, computed: KVCacheBlocks
@@ -322,7 +385,18 @@ class KVCacheManager:
             request_block_hashes(request, self.hash_block_size)
             for manager in self._full_managers:
                 manager.cache_blocks(request, num_tokens_to_cache)
+        self._update_num_kv_slots(request)
         return KVCacheBlocks(added)
+
+    def _update_num_kv_slots(self, request: Request) -> None:
+        req_id = request.request_id
+        num_slots = -1
+        for req_to_blocks, block_size in self._full_tables:
+            n = len(req_to_blocks[req_id]) * block_size
+            if num_slots < 0 or n < num_slots:
+                num_slots = n
+        if num_slots >= 0:
+            request.num_kv_slots = num_slots
 
     def _fork_tables(self, req_id: str, fork: _Fork, num_tokens: int) -> None:
         copies = [
@@ -348,6 +422,7 @@ class KVCacheManager:
         request's encoder input (held by another request, or freed and still cached), so that
         admitting it attaches to filled blocks: its encoder output need not be projected (or
         even computed) again. False for a request without encoder input or that holds blocks."""
+        self.cache_deferred_blocks()
         content_hash = request.encoder_hash
         if content_hash is None or not self._encoder_entry_managers:
             return False
@@ -379,6 +454,7 @@ class KVCacheManager:
     def cache_computed_blocks(self, request: Request) -> None:
         """Registers the request's full blocks of known, computed tokens in the prefix cache
         (the decode fast path defers that registration)."""
+        self.cache_deferred_blocks()
         if self.enable_caching and not request.is_pooling and self._full_managers:
             num_tokens = min(request.num_computed_tokens, request.num_tokens)
             if num_tokens >= self.hash_block_size and self._full_managers[0].get_blocks(
@@ -396,9 +472,11 @@ class KVCacheManager:
         self._block_copies.pop(request.request_id, None)
         for manager in self.managers:
             manager.free(request.request_id)
+        request.num_kv_slots = 0
 
     # ---- lookups ----
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        self.cache_deferred_blocks()
         return KVCacheBlocks(tuple(list(m.get_blocks(request_id)) for m in self.managers))
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
