@@ -79,6 +79,15 @@ class RequestState:
     encoder_prompt_token_ids: list[int] | None = None
     num_logprobs: int | None = None
     logprobs: SampleLogprobs = field(default_factory=list)
+    """The sample logprobs built so far; `cumulative_logprob` sums exactly these entries."""
+    pending_ids: list[list[int]] = field(default_factory=list)
+    """Per token whose logprobs are not in `logprobs` yet: its `new_logprob_token_ids` item.
+    Entries (Logprob objects, decoded token strings) are built only when a completion reports
+    them (a FINAL_ONLY request: once, at the end), not per token per step."""
+    pending_lps: list[list[float]] = field(default_factory=list)
+    """The matching `new_logprobs` items."""
+    pending_ranks: list[int] = field(default_factory=list)
+    """The matching `new_logprob_ranks` items."""
     prompt_logprobs: PromptLogprobs | None = None
     """Set with the first token of a request with prompt_logprobs."""
     queue_time: float | None = None
@@ -179,34 +188,47 @@ class OutputProcessor:
         """(user outputs to report now, core request ids to abort: stop-string hits)."""
         results: list[AnyRequestOutput] = []
         reqs_to_abort: list[str] = []
+        request_states = self.request_states
         for out in engine_core_outputs:
-            state = self.request_states.get(out.request_id)
+            state = request_states.get(out.request_id)
             if state is None:
                 continue  # aborted, or finished by a stop string while the core ran on
-            state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+            if out.num_cached_tokens > state.num_cached_tokens:
+                state.num_cached_tokens = out.num_cached_tokens
             if out.queue_time is not None:
                 state.queue_time = out.queue_time
             if out.extras:
                 state.extras.update(out.extras)
-            if state.detokenizer is None:
+            detokenizer = state.detokenizer
+            if detokenizer is None:
                 results.append(self._pooling_output(state, out))
-                del self.request_states[out.request_id]
+                del request_states[out.request_id]
                 continue
             finish_reason, stop_reason = out.finish_reason, out.stop_reason
-            stop_str = state.detokenizer.update(
-                out.new_token_ids, finish_reason == FinishReason.STOP
+            stop_str = detokenizer.update(
+                out.new_token_ids, finish_reason is not None and finish_reason == FinishReason.STOP
             )
             if stop_str is not None:
                 if finish_reason is None:
                     reqs_to_abort.append(out.request_id)
                 finish_reason, stop_reason = FinishReason.STOP, stop_str
-            self._update_logprobs(state, out)
+            if state.num_logprobs is not None and out.new_logprobs is not None:
+                assert out.new_logprob_token_ids is not None and out.new_logprob_ranks is not None
+                state.pending_ids.extend(out.new_logprob_token_ids)
+                state.pending_lps.extend(out.new_logprobs)
+                state.pending_ranks.extend(out.new_logprob_ranks)
             if out.prompt_logprobs is not None:
                 state.prompt_logprobs = self._prompt_logprobs(out)
             finished = finish_reason is not None
+            if (
+                not finished
+                and state.parent is None
+                and state.output_kind == RequestOutputKind.FINAL_ONLY
+            ):
+                continue  # the common decode step of a batch run: nothing to report yet
             completion = self._completion(state, finish_reason, stop_reason, finished)
             if finished:
-                del self.request_states[out.request_id]
+                del request_states[out.request_id]
             result = self._request_output(state, completion, finished, out.error)
             if result is not None:
                 results.append(result)
@@ -223,20 +245,29 @@ class OutputProcessor:
             queue_time=state.queue_time,
         )
 
-    def _update_logprobs(self, state: RequestState, out: EngineCoreOutput) -> None:
-        if state.num_logprobs is None or out.new_logprobs is None:
-            return
-        assert out.new_logprob_token_ids is not None and out.new_logprob_ranks is not None
-        for ids, lps, rank in zip(
-            out.new_logprob_token_ids, out.new_logprobs, out.new_logprob_ranks, strict=True
-        ):
+    def _flush_logprobs(self, state: RequestState) -> None:
+        """Builds the `logprobs` entries of the pending tokens (and adds them to
+        `cumulative_logprob`) in arrival order: the same entries and the same float sum as
+        building them as each output came."""
+        pending = zip(state.pending_ids, state.pending_lps, state.pending_ranks, strict=True)
+        state.pending_ids, state.pending_lps, state.pending_ranks = [], [], []
+        entries = state.logprobs
+        cumulative = state.cumulative_logprob
+        decoded = self._decoded_tokens
+        for ids, lps, rank in pending:
             # ids = [sampled, top-1, ..., top-N]; the sampled token keeps its own rank.
-            entry = {ids[0]: Logprob(lps[0], rank, self._decoded_token(ids[0]))}
-            for k, (tid, lp) in enumerate(zip(ids[1:], lps[1:], strict=True), start=1):
-                if tid not in entry:
-                    entry[tid] = Logprob(lp, k, self._decoded_token(tid))
-            state.logprobs.append(entry)
-            state.cumulative_logprob += lps[0]
+            sampled = ids[0]
+            text = decoded.get(sampled)
+            if text is None:
+                text = self._decoded_token(sampled)
+            entry = {sampled: Logprob(lps[0], rank, text)}
+            if len(ids) > 1 or len(lps) > 1:
+                for k, (tid, lp) in enumerate(zip(ids[1:], lps[1:], strict=True), start=1):
+                    if tid not in entry:
+                        entry[tid] = Logprob(lp, k, self._decoded_token(tid))
+            entries.append(entry)
+            cumulative += lps[0]
+        state.cumulative_logprob = cumulative
 
     def _prompt_logprobs(self, out: EngineCoreOutput) -> PromptLogprobs:
         """None for the first prompt token (nothing predicts it), then {token id: Logprob} of
@@ -278,6 +309,8 @@ class OutputProcessor:
         if delta:
             state.sent_tokens = len(detok.token_ids)
         want_logprobs = state.num_logprobs is not None
+        if state.pending_ids:
+            self._flush_logprobs(state)
         return CompletionOutput(
             index=state.index,
             text=text,
