@@ -9,6 +9,10 @@ Variants: `final` (FINAL_ONLY, detokenize=False: how transcription windows run),
 
     python benchmarks/host_frontend.py
     python benchmarks/host_frontend.py --num-requests 256 --steps 100 --variants final,delta
+
+Per variant two workloads: synced (every request ends on the last step: the median step is
+the common decode step) and staggered (a transcription's steady state: requests end and start
+every step); `µs/output` is the total time over the number of EngineCoreOutputs processed.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import gc
 import random
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from v1.core.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
@@ -41,54 +46,85 @@ VARIANTS = {
 """name -> (output kind, detokenize)."""
 
 
-def make_batches(num_requests: int, num_steps: int, seed: int = 0) -> list[list[EngineCoreOutput]]:
-    """One EngineCoreOutput per request per step, logprobs=0 as the scheduler fills them."""
+@dataclass
+class Workload:
+    """Per step: the requests to add before it (id, max_tokens) and the outputs the core
+    sends."""
+
+    adds: list[list[tuple[str, int]]]
+    batches: list[list[EngineCoreOutput]]
+
+    @property
+    def num_outputs(self) -> int:
+        return sum(len(b) for b in self.batches)
+
+
+def make_workload(num_requests: int, num_steps: int, staggered: bool, seed: int = 0) -> Workload:
+    """`num_requests` slots decoding one token per step with logprobs=0 (the fields as the
+    scheduler fills them). Not staggered: every request runs `num_steps` tokens, all ending
+    on the last step. Staggered (a transcription's steady state): lengths are uniform in
+    [num_steps / 2, 3 num_steps / 2] and a finished slot starts a new request on the next
+    step, for 3 num_steps steps, then the slots drain."""
     rng = random.Random(seed)
     vocab = rng.sample(range(NUM_TEXT_TOKENS), NUM_DISTINCT_TOKENS)
-    batches = []
-    for step in range(num_steps):
-        last = step == num_steps - 1
-        batch = []
-        for i in range(num_requests):
+    lo, hi = (num_steps, num_steps) if not staggered else (num_steps // 2, 3 * num_steps // 2)
+    last_start = 0 if not staggered else 3 * num_steps
+    next_id = 0
+    slots: list[tuple[str, int, int] | None] = [None] * num_requests
+    """Per slot: (request id, tokens done, length) or None when free."""
+    workload = Workload([], [])
+    step = 0
+    while step <= last_start or any(slots):
+        adds, batch = [], []
+        for j, slot in enumerate(slots):
+            if slot is None and step <= last_start:
+                slot = (f"req-{next_id}", 0, rng.randint(lo, hi))
+                next_id += 1
+                adds.append((slot[0], slot[2]))
+            if slot is None:
+                continue
+            req_id, done, length = slot
             token = rng.choice(vocab)
+            finished = done + 1 == length
             batch.append(
                 EngineCoreOutput(
-                    f"req-{i}",
+                    req_id,
                     [token],
                     new_logprob_token_ids=[[token]],
                     new_logprobs=[[-rng.random() * 3.0]],
                     new_logprob_ranks=[rng.randrange(1, 4)],
-                    finish_reason=FinishReason.LENGTH if last else None,
-                    queue_time=0.001 if step == 0 else None,
+                    finish_reason=FinishReason.LENGTH if finished else None,
+                    queue_time=0.001 if done == 0 else None,
                 )
             )
-        batches.append(batch)
-    return batches
+            slots[j] = None if finished else (req_id, done + 1, length)
+        workload.adds.append(adds)
+        workload.batches.append(batch)
+        step += 1
+    return workload
 
 
-def add_requests(
-    processor: OutputProcessor, num_requests: int, num_steps: int, variant: str
-) -> None:
+def add_request(processor: OutputProcessor, req_id: str, max_tokens: int, variant: str) -> None:
     output_kind, detokenize = VARIANTS[variant]
     params = SamplingParams(
-        max_tokens=num_steps, temperature=0.0, logprobs=0, ignore_eos=True, detokenize=detokenize
+        max_tokens=max_tokens, temperature=0.0, logprobs=0, ignore_eos=True, detokenize=detokenize
     )
-    for i in range(num_requests):
-        request = EngineCoreRequest(
-            request_id=f"req-{i}", prompt_token_ids=list(WHISPER_PROMPT), sampling_params=params
-        )
-        processor.add_request(request, None, output_kind=output_kind)
+    request = EngineCoreRequest(
+        request_id=req_id, prompt_token_ids=list(WHISPER_PROMPT), sampling_params=params
+    )
+    processor.add_request(request, None, output_kind=output_kind)
 
 
 def time_steps(
-    processor: OutputProcessor, batches: list[list[EngineCoreOutput]], variant: str
+    processor: OutputProcessor, workload: Workload, variant: str
 ) -> tuple[list[float], int]:
-    """Seconds of `process_outputs` per step of one run of the batches (its requests added
-    first), and the number of RequestOutputs produced."""
-    add_requests(processor, len(batches[0]), len(batches), variant)
+    """Seconds of `process_outputs` per step of one run of the workload (requests are added
+    between steps, untimed), and the number of RequestOutputs produced."""
     gc.collect()
     times, num_results = [], 0
-    for batch in batches:
+    for adds, batch in zip(workload.adds, workload.batches, strict=True):
+        for req_id, max_tokens in adds:
+            add_request(processor, req_id, max_tokens, variant)
         start = time.perf_counter()
         results, to_abort = processor.process_outputs(batch)
         times.append(time.perf_counter() - start)
@@ -129,28 +165,42 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-    batches = make_batches(args.num_requests, args.steps)
+    n = args.num_requests
+    workloads = {
+        False: make_workload(n, args.steps, staggered=False),
+        True: make_workload(n, args.steps, staggered=True),
+    }
     gc.collect()
     gc.freeze()  # as LLMEngine does after start-up
-    n = args.num_requests
-    print(f"{n} requests x {args.steps} steps, 1 token per step, logprobs=0; medians of runs")
-    print(f"{'variant':<11} {'µs/step':>9} {'µs/req':>8} {'last step µs':>13} {'total ms':>9}")
+    print(
+        f"{n} requests, 1 token per step, logprobs=0. synced: all run {args.steps} tokens and "
+        f"end together; staggered: lengths {args.steps // 2}-{3 * args.steps // 2}, a new "
+        "request takes each finished one's place. Medians of runs."
+    )
+    print(
+        f"{'variant':<22} {'median µs/step':>14} {'µs/req':>7} {'mean µs/step':>12} "
+        f"{'max µs/step':>11} {'µs/output':>9}"
+    )
     for variant in args.variants.split(","):
-        processor = OutputProcessor(tokenizer)
-        time_steps(processor, batches, variant)  # warm-up: token strings cached, as in a server
-        medians, lasts, totals = [], [], []
-        for _ in range(args.repeats):
-            times, num_results = time_steps(processor, batches, variant)
-            medians.append(statistics.median(times))
-            lasts.append(times[-1])
-            totals.append(sum(times))
-        step = statistics.median(medians)
-        print(
-            f"{variant:<11} {step * 1e6:9.1f} {step * 1e6 / n:8.2f} "
-            f"{statistics.median(lasts) * 1e6:13.1f} {statistics.median(totals) * 1e3:9.2f}"
-            f"   ({num_results} outputs per run)"
-        )
-    enc, dec, size = time_serialization(batches[1], args.serial_iters)
+        for staggered, workload in workloads.items():
+            processor = OutputProcessor(tokenizer)
+            time_steps(processor, workload, variant)  # warm-up: token strings cached
+            medians, means, maxes, totals = [], [], [], []
+            for _ in range(args.repeats):
+                times, num_results = time_steps(processor, workload, variant)
+                medians.append(statistics.median(times))
+                means.append(statistics.mean(times))
+                maxes.append(max(times))
+                totals.append(sum(times))
+            name = f"{variant} {'staggered' if staggered else 'synced'}"
+            step = statistics.median(medians)
+            per_output = statistics.median(totals) / workload.num_outputs
+            print(
+                f"{name:<22} {step * 1e6:14.1f} {step * 1e6 / n:7.2f} "
+                f"{statistics.median(means) * 1e6:12.1f} {statistics.median(maxes) * 1e6:11.1f} "
+                f"{per_output * 1e6:9.2f}"
+            )
+    enc, dec, size = time_serialization(workloads[False].batches[1], args.serial_iters)
     print(
         f"msgspec, one step of {n} outputs ({size} bytes): encode {enc * 1e6:.1f} µs, "
         f"decode {dec * 1e6:.1f} µs"
