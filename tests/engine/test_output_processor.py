@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from v1.core.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
-from v1.engine.output_processor import OutputProcessor, ParentRequest
+from v1.engine.output_processor import LazySampleLogprobs, OutputProcessor, ParentRequest
 from v1.outputs import Logprob, PoolingRequestOutput, RequestOutputKind
 from v1.pooling_params import PoolingParams
 from v1.sampling_params import SamplingParams
@@ -256,14 +256,21 @@ def _eager_logprobs(processor: OutputProcessor, steps: list[EngineCoreOutput]) -
     return entries
 
 
+@pytest.mark.parametrize("lazy", [False, True])
 @pytest.mark.parametrize("num_logprobs", [0, 2])
 @pytest.mark.parametrize("kind", list(RequestOutputKind))
-def test_lazy_logprobs_equal_the_per_token_entries(processor, kind, num_logprobs) -> None:
-    """Logprob entries are built only when an output reports them; every kind reports the
-    entries (and the float sum, bit for bit) that building them per token gives."""
+def test_lazy_logprobs_equal_the_per_token_entries(processor, kind, num_logprobs, lazy) -> None:
+    """Logprob entries are built only when an output reports them (or, with lazy_logprobs,
+    when read); every kind reports the entries (and the float sum, bit for bit) that building
+    them per token gives."""
     steps = _logprob_steps(num_logprobs)
     expected = _eager_logprobs(processor, steps)
-    add(processor, "a", SamplingParams(logprobs=num_logprobs), kind)
+    request = EngineCoreRequest(
+        request_id="a",
+        prompt_token_ids=PROMPT,
+        sampling_params=SamplingParams(logprobs=num_logprobs),
+    )
+    processor.add_request(request, "prompt text", output_kind=kind, lazy_logprobs=lazy)
     reported, num_tokens, cumulative = [], 0, 0.0
     for o in steps:
         (result,) = processor.process_outputs([o])[0] or [None]
@@ -274,6 +281,12 @@ def test_lazy_logprobs_equal_the_per_token_entries(processor, kind, num_logprobs
             assert kind == RequestOutputKind.FINAL_ONLY and not o.finished
             continue
         (c,) = result.outputs
+        assert isinstance(c.logprobs, LazySampleLogprobs if lazy else list)
+        if lazy:
+            sampled = [lps[0] for o in steps for lps in o.new_logprobs][:num_tokens]
+            assert c.logprobs.sampled_logprobs() == sampled[num_tokens - len(c.logprobs) :]
+            assert c.logprobs[1:] == list(c.logprobs)[1:]
+            assert not c.logprobs or c.logprobs[-1] == list(c.logprobs)[-1]
         if kind == RequestOutputKind.DELTA:
             reported += c.logprobs
         else:
@@ -332,3 +345,38 @@ def test_lazy_logprobs_of_n_children(processor) -> None:
         {51: Logprob(-0.25, 1, dec([51]))},
     ]
     assert (first.cumulative_logprob, second.cumulative_logprob) == (-1.5, -2.25)
+
+
+def test_window_collector_reads_lazy_logprobs_as_the_entries(tiny_tokenizer) -> None:
+    """Transcription windows run with lazy_logprobs: their WindowOutput (tokens, per-token
+    logprobs that avg_logprob and best_of ranking use) equals the one read from entries."""
+    from v1.engine.transcription import WindowCollector
+
+    windows = []
+    for lazy in (False, True):
+        processor = OutputProcessor(tiny_tokenizer)
+        parent = ParentRequest("w", SamplingParams(n=2, logprobs=0, temperature=0.4))
+        for i in range(2):
+            request = EngineCoreRequest(
+                request_id=f"{i}_w", prompt_token_ids=PROMPT, sampling_params=parent.child_params(i)
+            )
+            processor.add_request(request, None, parent, i, lazy_logprobs=lazy)
+        collector = WindowCollector("audio input 0")
+        for step, finish in enumerate([None, None, FinishReason.STOP]):
+            outputs = [
+                out(
+                    f"{i}_w",
+                    [40 + step + i],
+                    finish,
+                    new_logprob_token_ids=[[40 + step + i]],
+                    new_logprobs=[[-0.3 * (step + 1) - 0.7 * i]],
+                    new_logprob_ranks=[1],
+                )
+                for i in range(2)
+            ]
+            for result in processor.process_outputs(outputs)[0]:
+                collector.add(result)
+        windows.append(collector.result())
+    eager, lazy_window = windows
+    assert lazy_window == eager
+    assert eager.logprobs == [-0.3, -0.6, -0.8999999999999999]  # sample 0 ranks higher

@@ -7,9 +7,9 @@ into one RequestOutput here. Requests that hit a stop string are returned for ab
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 from v1.core.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
 from v1.engine.detokenizer import IncrementalDetokenizer, make_detokenizer
@@ -26,6 +26,65 @@ from v1.outputs import (
 from v1.sampling_params import SamplingParams
 
 AnyRequestOutput = RequestOutput | PoolingRequestOutput
+
+
+def logprob_entry(
+    ids: list[int], lps: list[float], rank: int, decode: Callable[[int], str | None]
+) -> dict[int, Logprob]:
+    """{token id: Logprob} of one sampled token: `ids` = [sampled, top-1, ..., top-N] and
+    their logprobs; the sampled token keeps its own `rank`, the top ones rank 1..N."""
+    sampled = ids[0]
+    entry = {sampled: Logprob(lps[0], rank, decode(sampled))}
+    if len(ids) > 1 or len(lps) > 1:
+        for k, (tid, lp) in enumerate(zip(ids[1:], lps[1:], strict=True), start=1):
+            if tid not in entry:
+                entry[tid] = Logprob(lp, k, decode(tid))
+    return entry
+
+
+class LazySampleLogprobs(Sequence[dict[int, Logprob]]):
+    """Sample logprobs as the core sent them; an entry is built when it is read. Given to
+    requests added with `lazy_logprobs=True`, whose consumer reads `sampled_logprobs()`: the
+    sampled tokens' logprobs, without an object per token."""
+
+    def __init__(
+        self,
+        token_ids: list[list[int]],
+        logprobs: list[list[float]],
+        ranks: list[int],
+        decode: Callable[[int], str | None],
+    ) -> None:
+        assert len(token_ids) == len(logprobs) == len(ranks)
+        self._token_ids, self._logprobs, self._ranks = token_ids, logprobs, ranks
+        self._decode = decode
+
+    def sampled_logprobs(self) -> list[float]:
+        """Per token: the logprob of the sampled token (its entry's first value)."""
+        return [lps[0] for lps in self._logprobs]
+
+    def __len__(self) -> int:
+        return len(self._ranks)
+
+    @overload
+    def __getitem__(self, index: int) -> dict[int, Logprob]: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[dict[int, Logprob]]: ...
+
+    def __getitem__(self, index: int | slice) -> Any:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        return logprob_entry(
+            self._token_ids[index], self._logprobs[index], self._ranks[index], self._decode
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, str):
+            return NotImplemented
+        return list(self) == list(other)
+
+    def __repr__(self) -> str:
+        return repr(list(self))
 
 
 @dataclass
@@ -78,16 +137,22 @@ class RequestState:
     encoder_prompt: str | None = None
     encoder_prompt_token_ids: list[int] | None = None
     num_logprobs: int | None = None
+    lazy_logprobs: bool = False
+    """Report sample logprobs as a `LazySampleLogprobs` view of what the core sent instead of
+    built entries: for consumers that read only the sampled tokens' values (transcription
+    windows)."""
     logprobs: SampleLogprobs = field(default_factory=list)
-    """The sample logprobs built so far; `cumulative_logprob` sums exactly these entries."""
-    pending_ids: list[list[int]] = field(default_factory=list)
-    """Per token whose logprobs are not in `logprobs` yet: its `new_logprob_token_ids` item.
-    Entries (Logprob objects, decoded token strings) are built only when a completion reports
-    them (a FINAL_ONLY request: once, at the end), not per token per step."""
-    pending_lps: list[list[float]] = field(default_factory=list)
+    """The entries built so far (none for a lazy_logprobs request)."""
+    raw_ids: list[list[int]] = field(default_factory=list)
+    """Per token the core sent logprobs for: its `new_logprob_token_ids` item. Entries (Logprob
+    objects, decoded token strings) are built from these only when a completion reports them
+    (a FINAL_ONLY request: once, at the end), not per token per step."""
+    raw_lps: list[list[float]] = field(default_factory=list)
     """The matching `new_logprobs` items."""
-    pending_ranks: list[int] = field(default_factory=list)
+    raw_ranks: list[int] = field(default_factory=list)
     """The matching `new_logprob_ranks` items."""
+    num_summed: int = 0
+    """Tokens `cumulative_logprob` has summed (in order, as the core sent them)."""
     prompt_logprobs: PromptLogprobs | None = None
     """Set with the first token of a request with prompt_logprobs."""
     queue_time: float | None = None
@@ -123,8 +188,10 @@ class OutputProcessor:
         *,
         output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
         encoder_prompt: str | None = None,
+        lazy_logprobs: bool = False,
     ) -> None:
-        """Tracks a request sent to the core; children of an n>1 request pass their parent."""
+        """Tracks a request sent to the core; children of an n>1 request pass their parent.
+        `lazy_logprobs`: its completions carry `LazySampleLogprobs` (see RequestState)."""
         req_id = request.request_id
         if req_id in self.request_states:
             raise ValueError(f"request id {req_id!r} is already in use")
@@ -149,6 +216,7 @@ class OutputProcessor:
             encoder_prompt=encoder_prompt,
             encoder_prompt_token_ids=enc.token_ids if enc is not None else None,
             num_logprobs=params.logprobs if params is not None else None,
+            lazy_logprobs=lazy_logprobs,
         )
         if parent is not None:
             self.parent_requests[parent.request_id] = parent
@@ -214,9 +282,9 @@ class OutputProcessor:
                 finish_reason, stop_reason = FinishReason.STOP, stop_str
             if state.num_logprobs is not None and out.new_logprobs is not None:
                 assert out.new_logprob_token_ids is not None and out.new_logprob_ranks is not None
-                state.pending_ids.extend(out.new_logprob_token_ids)
-                state.pending_lps.extend(out.new_logprobs)
-                state.pending_ranks.extend(out.new_logprob_ranks)
+                state.raw_ids.extend(out.new_logprob_token_ids)
+                state.raw_lps.extend(out.new_logprobs)
+                state.raw_ranks.extend(out.new_logprob_ranks)
             if out.prompt_logprobs is not None:
                 state.prompt_logprobs = self._prompt_logprobs(out)
             finished = finish_reason is not None
@@ -245,29 +313,34 @@ class OutputProcessor:
             queue_time=state.queue_time,
         )
 
-    def _flush_logprobs(self, state: RequestState) -> None:
-        """Builds the `logprobs` entries of the pending tokens (and adds them to
-        `cumulative_logprob`) in arrival order: the same entries and the same float sum as
-        building them as each output came."""
-        pending = zip(state.pending_ids, state.pending_lps, state.pending_ranks, strict=True)
-        state.pending_ids, state.pending_lps, state.pending_ranks = [], [], []
-        entries = state.logprobs
+    def _sample_logprobs(self, state: RequestState, start: int) -> SampleLogprobs:
+        """The entries of tokens `start`... (a lazy view for a lazy_logprobs request); first
+        adds the new tokens to `cumulative_logprob`, one by one in order, as the core sent
+        them (the same float sum as adding each as it came)."""
         cumulative = state.cumulative_logprob
-        decoded = self._decoded_tokens
-        for ids, lps, rank in pending:
-            # ids = [sampled, top-1, ..., top-N]; the sampled token keeps its own rank.
-            sampled = ids[0]
-            text = decoded.get(sampled)
-            if text is None:
-                text = self._decoded_token(sampled)
-            entry = {sampled: Logprob(lps[0], rank, text)}
-            if len(ids) > 1 or len(lps) > 1:
-                for k, (tid, lp) in enumerate(zip(ids[1:], lps[1:], strict=True), start=1):
-                    if tid not in entry:
-                        entry[tid] = Logprob(lp, k, self._decoded_token(tid))
-            entries.append(entry)
+        for lps in state.raw_lps[state.num_summed :]:
             cumulative += lps[0]
         state.cumulative_logprob = cumulative
+        state.num_summed = len(state.raw_lps)
+        if state.lazy_logprobs:
+            return LazySampleLogprobs(  # type: ignore[return-value]
+                state.raw_ids[start:],
+                state.raw_lps[start:],
+                state.raw_ranks[start:],
+                self._decoded_token,
+            )
+        entries = state.logprobs
+        num_built = len(entries)
+        if num_built < len(state.raw_ranks):
+            rows = zip(
+                state.raw_ids[num_built:],
+                state.raw_lps[num_built:],
+                state.raw_ranks[num_built:],
+                strict=True,
+            )
+            decode = self._decoded_token
+            entries.extend(logprob_entry(ids, lps, rank, decode) for ids, lps, rank in rows)
+        return entries[start:]
 
     def _prompt_logprobs(self, out: EngineCoreOutput) -> PromptLogprobs:
         """None for the first prompt token (nothing predicts it), then {token id: Logprob} of
@@ -309,14 +382,13 @@ class OutputProcessor:
         if delta:
             state.sent_tokens = len(detok.token_ids)
         want_logprobs = state.num_logprobs is not None
-        if state.pending_ids:
-            self._flush_logprobs(state)
+        logprobs = self._sample_logprobs(state, start) if want_logprobs else None
         return CompletionOutput(
             index=state.index,
             text=text,
             token_ids=detok.token_ids[start:],
             cumulative_logprob=state.cumulative_logprob if want_logprobs else None,
-            logprobs=state.logprobs[start:] if want_logprobs else None,
+            logprobs=logprobs,
             finish_reason=str(finish_reason) if finish_reason is not None else None,
             stop_reason=stop_reason,
         )
