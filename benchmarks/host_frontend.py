@@ -2,13 +2,14 @@
 
 A real `OutputProcessor` with a real tokenizer (only the tokenizer is loaded) holds N requests,
 each decoding one token per step with logprobs=0 (what the transcription path asks for), and is
-fed the EngineCoreOutputs the scheduler would make; the last step ends every request (length).
-Variants: `final` (FINAL_ONLY, detokenize=False: how transcription windows run), `delta` and
-`cumulative` (detokenizing, streamed). Also times the msgspec encode (core process) and decode
-(client) of one such step's EngineCoreOutputs with the engine's own encoder and decoder.
+fed the EngineCoreOutputs the scheduler would make (ending on length).
+Variants: `window` (FINAL_ONLY, detokenize=False, lazy_logprobs: how `LLM.transcribe` runs
+its windows), `final` (FINAL_ONLY with text and Logprob entries: `LLM.generate` with
+logprobs=0), `delta` and `cumulative` (streamed). Also times the msgspec encode (core process)
+and decode (client) of one such step's EngineCoreOutputs with the engine's own encoder and decoder.
 
     python benchmarks/host_frontend.py
-    python benchmarks/host_frontend.py --num-requests 256 --steps 100 --variants final,delta
+    python benchmarks/host_frontend.py --num-requests 256 --steps 100 --variants window,delta
 
 Per variant two workloads: synced (every request ends on the last step: the median step is
 the common decode step) and staggered (a transcription's steady state: requests end and start
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import inspect
 import random
 import statistics
 import time
@@ -39,11 +41,14 @@ NUM_DISTINCT_TOKENS = 2000
 cached after a warm-up run, as speech uses a small part of the vocabulary."""
 
 VARIANTS = {
-    "final": (RequestOutputKind.FINAL_ONLY, False),
-    "delta": (RequestOutputKind.DELTA, True),
-    "cumulative": (RequestOutputKind.CUMULATIVE, True),
+    "window": (RequestOutputKind.FINAL_ONLY, False, True),
+    "final": (RequestOutputKind.FINAL_ONLY, True, False),
+    "delta": (RequestOutputKind.DELTA, True, False),
+    "cumulative": (RequestOutputKind.CUMULATIVE, True, False),
 }
-"""name -> (output kind, detokenize)."""
+"""name -> (output kind, detokenize, lazy_logprobs)."""
+HAS_LAZY_LOGPROBS = "lazy_logprobs" in inspect.signature(OutputProcessor.add_request).parameters
+"""False on code from before lazy_logprobs (to measure a baseline): windows get entries."""
 
 
 @dataclass
@@ -105,14 +110,17 @@ def make_workload(num_requests: int, num_steps: int, staggered: bool, seed: int 
 
 
 def add_request(processor: OutputProcessor, req_id: str, max_tokens: int, variant: str) -> None:
-    output_kind, detokenize = VARIANTS[variant]
+    output_kind, detokenize, lazy_logprobs = VARIANTS[variant]
     params = SamplingParams(
         max_tokens=max_tokens, temperature=0.0, logprobs=0, ignore_eos=True, detokenize=detokenize
     )
     request = EngineCoreRequest(
         request_id=req_id, prompt_token_ids=list(WHISPER_PROMPT), sampling_params=params
     )
-    processor.add_request(request, None, output_kind=output_kind)
+    if HAS_LAZY_LOGPROBS:
+        processor.add_request(request, None, output_kind=output_kind, lazy_logprobs=lazy_logprobs)
+    else:
+        processor.add_request(request, None, output_kind=output_kind)
 
 
 def time_steps(
@@ -158,7 +166,7 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--variants", default="final,delta,cumulative")
+    parser.add_argument("--variants", default="window,final,delta,cumulative")
     parser.add_argument("--serial-iters", type=int, default=200)
     args = parser.parse_args()
 
