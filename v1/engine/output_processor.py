@@ -142,17 +142,19 @@ class RequestState:
     built entries: for consumers that read only the sampled tokens' values (transcription
     windows)."""
     logprobs: SampleLogprobs = field(default_factory=list)
-    """The entries built so far (none for a lazy_logprobs request)."""
+    """The entries built so far (none for a lazy_logprobs request); `cumulative_logprob` sums
+    their sampled tokens."""
     raw_ids: list[list[int]] = field(default_factory=list)
-    """Per token the core sent logprobs for: its `new_logprob_token_ids` item. Entries (Logprob
-    objects, decoded token strings) are built from these only when a completion reports them
-    (a FINAL_ONLY request: once, at the end), not per token per step."""
+    """Per token whose logprobs are not in `logprobs` yet (for a lazy_logprobs request: every
+    token): its `new_logprob_token_ids` item. Entries (Logprob objects, decoded token strings)
+    are built only when a completion reports them (a FINAL_ONLY request: once, at the end), not
+    per token per step."""
     raw_lps: list[list[float]] = field(default_factory=list)
     """The matching `new_logprobs` items."""
     raw_ranks: list[int] = field(default_factory=list)
     """The matching `new_logprob_ranks` items."""
     num_summed: int = 0
-    """Tokens `cumulative_logprob` has summed (in order, as the core sent them)."""
+    """lazy_logprobs: the raw tokens `cumulative_logprob` has summed (in arrival order)."""
     prompt_logprobs: PromptLogprobs | None = None
     """Set with the first token of a request with prompt_logprobs."""
     queue_time: float | None = None
@@ -314,33 +316,36 @@ class OutputProcessor:
         )
 
     def _sample_logprobs(self, state: RequestState, start: int) -> SampleLogprobs:
-        """The entries of tokens `start`... (a lazy view for a lazy_logprobs request); first
-        adds the new tokens to `cumulative_logprob`, one by one in order, as the core sent
-        them (the same float sum as adding each as it came)."""
+        """The entries of tokens `start`... (a lazy view for a lazy_logprobs request). The new
+        tokens are added to `cumulative_logprob` one by one in arrival order: the same float
+        sum as adding each as it came."""
+        if not state.lazy_logprobs:
+            if state.raw_ranks:
+                self._build_entries(state)
+            return state.logprobs[start:]
         cumulative = state.cumulative_logprob
         for lps in state.raw_lps[state.num_summed :]:
             cumulative += lps[0]
         state.cumulative_logprob = cumulative
         state.num_summed = len(state.raw_lps)
-        if state.lazy_logprobs:
-            return LazySampleLogprobs(  # type: ignore[return-value]
-                state.raw_ids[start:],
-                state.raw_lps[start:],
-                state.raw_ranks[start:],
-                self._decoded_token,
-            )
+        return LazySampleLogprobs(  # type: ignore[return-value]
+            state.raw_ids[start:],
+            state.raw_lps[start:],
+            state.raw_ranks[start:],
+            self._decoded_token,
+        )
+
+    def _build_entries(self, state: RequestState) -> None:
+        """Moves the raw logprobs into `logprobs` entries and `cumulative_logprob`."""
+        rows = zip(state.raw_ids, state.raw_lps, state.raw_ranks, strict=True)
+        state.raw_ids, state.raw_lps, state.raw_ranks = [], [], []
         entries = state.logprobs
-        num_built = len(entries)
-        if num_built < len(state.raw_ranks):
-            rows = zip(
-                state.raw_ids[num_built:],
-                state.raw_lps[num_built:],
-                state.raw_ranks[num_built:],
-                strict=True,
-            )
-            decode = self._decoded_token
-            entries.extend(logprob_entry(ids, lps, rank, decode) for ids, lps, rank in rows)
-        return entries[start:]
+        cumulative = state.cumulative_logprob
+        decode = self._decoded_token
+        for ids, lps, rank in rows:
+            entries.append(logprob_entry(ids, lps, rank, decode))
+            cumulative += lps[0]
+        state.cumulative_logprob = cumulative
 
     def _prompt_logprobs(self, out: EngineCoreOutput) -> PromptLogprobs:
         """None for the first prompt token (nothing predicts it), then {token id: Logprob} of
