@@ -24,7 +24,7 @@ import inspect
 import random
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from v1.core.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
@@ -58,6 +58,9 @@ class Workload:
 
     adds: list[list[tuple[str, int]]]
     batches: list[list[EngineCoreOutput]]
+    messages: list[list[bytes]] = field(default_factory=list)
+    """Each step's outputs as the core process sends them (EngineCoreOutputs frames): decoded
+    afresh before the step, so the frontend sees new objects as in a running engine."""
 
     @property
     def num_outputs(self) -> int:
@@ -78,6 +81,7 @@ def make_workload(num_requests: int, num_steps: int, staggered: bool, seed: int 
     slots: list[tuple[str, int, int] | None] = [None] * num_requests
     """Per slot: (request id, tokens done, length) or None when free."""
     workload = Workload([], [])
+    encoder = MsgpackEncoder()
     step = 0
     while step <= last_start or any(slots):
         adds, batch = [], []
@@ -105,6 +109,7 @@ def make_workload(num_requests: int, num_steps: int, staggered: bool, seed: int 
             slots[j] = None if finished else (req_id, done + 1, length)
         workload.adds.append(adds)
         workload.batches.append(batch)
+        workload.messages.append(encoder.encode(EngineCoreOutputs(outputs=batch)))
         step += 1
     return workload
 
@@ -126,13 +131,16 @@ def add_request(processor: OutputProcessor, req_id: str, max_tokens: int, varian
 def time_steps(
     processor: OutputProcessor, workload: Workload, variant: str
 ) -> tuple[list[float], int]:
-    """Seconds of `process_outputs` per step of one run of the workload (requests are added
-    between steps, untimed), and the number of RequestOutputs produced."""
+    """Seconds of `process_outputs` per step of one run of the workload (requests are added and
+    the step's outputs decoded between steps, untimed), and the number of RequestOutputs
+    produced."""
     gc.collect()
+    decoder = MsgpackDecoder(EngineCoreOutputs)
     times, num_results = [], 0
-    for adds, batch in zip(workload.adds, workload.batches, strict=True):
+    for adds, message in zip(workload.adds, workload.messages, strict=True):
         for req_id, max_tokens in adds:
             add_request(processor, req_id, max_tokens, variant)
+        batch = decoder.decode(message).outputs
         start = time.perf_counter()
         results, to_abort = processor.process_outputs(batch)
         times.append(time.perf_counter() - start)
