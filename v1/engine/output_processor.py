@@ -3,6 +3,9 @@
 One `RequestState` per request the core runs; a user request with n > 1 is a `ParentRequest`
 whose n children (ids f"{i}_{parent_id}") the core runs independently and which is merged back
 into one RequestOutput here. Requests that hit a stop string are returned for aborting in the core.
+Sample logprobs stay as the core sent them until an output reports them (Logprob entries are
+built then, or never for `lazy_logprobs` requests): a FINAL_ONLY decode step costs no object
+per token.
 """
 
 from __future__ import annotations
