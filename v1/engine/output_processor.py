@@ -151,7 +151,8 @@ class RequestState:
     """Per token whose logprobs are not in `logprobs` yet (for a lazy_logprobs request: every
     token): its `new_logprob_token_ids` item. Entries (Logprob objects, decoded token strings)
     are built only when a completion reports them (a FINAL_ONLY request: once, at the end), not
-    per token per step."""
+    per token per step. The rows are the output's own lists: nothing writes to them after the
+    step (the scheduler's contract)."""
     raw_lps: list[list[float]] = field(default_factory=list)
     """The matching `new_logprobs` items."""
     raw_ranks: list[int] = field(default_factory=list)
