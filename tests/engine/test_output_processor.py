@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from v1.core.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
-from v1.engine.output_processor import OutputProcessor, ParentRequest
-from v1.outputs import PoolingRequestOutput, RequestOutputKind
+from v1.engine.output_processor import LazySampleLogprobs, OutputProcessor, ParentRequest
+from v1.outputs import Logprob, PoolingRequestOutput, RequestOutputKind
 from v1.pooling_params import PoolingParams
 from v1.sampling_params import SamplingParams
 
@@ -222,3 +222,161 @@ def test_pooling_output(processor) -> None:
     assert isinstance(res, PoolingRequestOutput) and res.finished and res.error is None
     assert res.prompt_token_ids == [2, 5, 3]
     np.testing.assert_array_equal(res.outputs.data, vector)
+
+
+def _logprob_steps(num_logprobs: int) -> list[EngineCoreOutput]:
+    """Outputs of one request over several steps: one token, none (a prompt chunk), two."""
+    steps = []
+    for step, tokens in enumerate([[50], [], [60, 61], [70], [80]]):
+        ids = [[t, *(t + 1 + k for k in range(num_logprobs))] for t in tokens]
+        ids = [[row[0], row[0], *row[2:]] if step == 3 else row for row in ids]  # sampled = top-1
+        steps.append(
+            out(
+                "a",
+                tokens,
+                FinishReason.LENGTH if step == 4 else None,
+                new_logprob_token_ids=ids,
+                new_logprobs=[[-0.1 * (step + 1) - 0.01 * k for k in range(len(r))] for r in ids],
+                new_logprob_ranks=[step + 1 for _ in tokens],
+            )
+        )
+    return steps
+
+
+def _eager_logprobs(processor: OutputProcessor, steps: list[EngineCoreOutput]) -> list[dict]:
+    """The entries built token by token as each output arrives (the reference)."""
+    entries = []
+    for o in steps:
+        rows = zip(o.new_logprob_token_ids, o.new_logprobs, o.new_logprob_ranks, strict=True)
+        for ids, lps, rank in rows:
+            entry = {ids[0]: Logprob(lps[0], rank, processor.tokenizer.decode([ids[0]]))}
+            for k, (tid, lp) in enumerate(zip(ids[1:], lps[1:], strict=True), start=1):
+                entry.setdefault(tid, Logprob(lp, k, processor.tokenizer.decode([tid])))
+            entries.append(entry)
+    return entries
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+@pytest.mark.parametrize("num_logprobs", [0, 2])
+@pytest.mark.parametrize("kind", list(RequestOutputKind))
+def test_lazy_logprobs_equal_the_per_token_entries(processor, kind, num_logprobs, lazy) -> None:
+    """Logprob entries are built only when an output reports them (or, with lazy_logprobs,
+    when read); every kind reports the entries (and the float sum, bit for bit) that building
+    them per token gives."""
+    steps = _logprob_steps(num_logprobs)
+    expected = _eager_logprobs(processor, steps)
+    request = EngineCoreRequest(
+        request_id="a",
+        prompt_token_ids=PROMPT,
+        sampling_params=SamplingParams(logprobs=num_logprobs),
+    )
+    processor.add_request(request, "prompt text", output_kind=kind, lazy_logprobs=lazy)
+    reported, num_tokens, cumulative = [], 0, 0.0
+    for o in steps:
+        (result,) = processor.process_outputs([o])[0] or [None]
+        num_tokens += len(o.new_token_ids)
+        for lps in o.new_logprobs:
+            cumulative += lps[0]  # token by token, in order
+        if result is None:
+            assert kind == RequestOutputKind.FINAL_ONLY and not o.finished
+            continue
+        (c,) = result.outputs
+        assert isinstance(c.logprobs, LazySampleLogprobs if lazy else list)
+        if lazy:
+            sampled = [lps[0] for o in steps for lps in o.new_logprobs][:num_tokens]
+            assert c.logprobs.sampled_logprobs() == sampled[num_tokens - len(c.logprobs) :]
+            assert c.logprobs[1:] == list(c.logprobs)[1:]
+            assert not c.logprobs or c.logprobs[-1] == list(c.logprobs)[-1]
+        if kind == RequestOutputKind.DELTA:
+            reported += c.logprobs
+        else:
+            reported = c.logprobs
+            assert c.logprobs == expected[:num_tokens]
+        assert c.cumulative_logprob == cumulative
+    assert reported == expected
+    assert [next(iter(e)) for e in reported] == [t for o in steps for t in o.new_token_ids]
+
+
+def test_lazy_logprobs_of_n_children(processor) -> None:
+    """FINAL_ONLY children keep their logprobs raw until the parent's merged output."""
+    params = SamplingParams(n=2, logprobs=0)
+    parent = ParentRequest("p", params)
+    for i in range(2):
+        add(processor, f"{i}_p", parent.child_params(i), parent=parent, index=i)
+    steps = {
+        i: [
+            out(
+                f"{i}_p",
+                [40 + i],
+                new_logprob_token_ids=[[40 + i]],
+                new_logprobs=[[-1.0 - i]],
+                new_logprob_ranks=[i + 1],
+            )
+        ]
+        for i in range(2)
+    }
+    assert processor.process_outputs([steps[0][0], steps[1][0]]) == ([], [])
+    results, _ = processor.process_outputs(
+        [
+            out(
+                "0_p",
+                [50],
+                FinishReason.LENGTH,
+                new_logprob_token_ids=[[50]],
+                new_logprobs=[[-0.5]],
+                new_logprob_ranks=[3],
+            ),
+            out(
+                "1_p",
+                [51],
+                FinishReason.STOP,
+                new_logprob_token_ids=[[51]],
+                new_logprobs=[[-0.25]],
+                new_logprob_ranks=[1],
+            ),
+        ]
+    )
+    (res,) = results
+    first, second = res.outputs
+    dec = processor.tokenizer.decode
+    assert first.logprobs == [{40: Logprob(-1.0, 1, dec([40]))}, {50: Logprob(-0.5, 3, dec([50]))}]
+    assert second.logprobs == [
+        {41: Logprob(-2.0, 2, dec([41]))},
+        {51: Logprob(-0.25, 1, dec([51]))},
+    ]
+    assert (first.cumulative_logprob, second.cumulative_logprob) == (-1.5, -2.25)
+
+
+def test_window_collector_reads_lazy_logprobs_as_the_entries(tiny_tokenizer) -> None:
+    """Transcription windows run with lazy_logprobs: their WindowOutput (tokens, per-token
+    logprobs that avg_logprob and best_of ranking use) equals the one read from entries."""
+    from v1.engine.transcription import WindowCollector
+
+    windows = []
+    for lazy in (False, True):
+        processor = OutputProcessor(tiny_tokenizer)
+        parent = ParentRequest("w", SamplingParams(n=2, logprobs=0, temperature=0.4))
+        for i in range(2):
+            request = EngineCoreRequest(
+                request_id=f"{i}_w", prompt_token_ids=PROMPT, sampling_params=parent.child_params(i)
+            )
+            processor.add_request(request, None, parent, i, lazy_logprobs=lazy)
+        collector = WindowCollector("audio input 0")
+        for step, finish in enumerate([None, None, FinishReason.STOP]):
+            outputs = [
+                out(
+                    f"{i}_w",
+                    [40 + step + i],
+                    finish,
+                    new_logprob_token_ids=[[40 + step + i]],
+                    new_logprobs=[[-0.3 * (step + 1) - 0.7 * i]],
+                    new_logprob_ranks=[1],
+                )
+                for i in range(2)
+            ]
+            for result in processor.process_outputs(outputs)[0]:
+                collector.add(result)
+        windows.append(collector.result())
+    eager, lazy_window = windows
+    assert lazy_window == eager
+    assert eager.logprobs == [-0.3, -0.6, -0.8999999999999999]  # sample 0 ranks higher

@@ -110,10 +110,18 @@ class RecordingEngine:
         self.added: list[tuple[str, dict[str, Any], SamplingParams]] = []
 
     def add_processed_request(
-        self, request_id: str, prompt: dict[str, Any], params: SamplingParams, core_requests: Any
+        self,
+        request_id: str,
+        prompt: dict[str, Any],
+        params: SamplingParams,
+        core_requests: Any,
+        *,
+        lazy_logprobs: bool = False,
     ) -> None:
         self.added.append((request_id, prompt, params))
-        self.engine.add_processed_request(request_id, prompt, params, core_requests)
+        self.engine.add_processed_request(
+            request_id, prompt, params, core_requests, lazy_logprobs=lazy_logprobs
+        )
 
     def step(self) -> list[Any]:
         return self.engine.step()

@@ -67,7 +67,13 @@ class ScriptedEngine:
         self.input_processor = InputProcessor(self.model_config, self.tokenizer)
 
     def add_processed_request(
-        self, request_id: str, prompt: dict[str, Any], params: SamplingParams, core_requests: Any
+        self,
+        request_id: str,
+        prompt: dict[str, Any],
+        params: SamplingParams,
+        core_requests: Any,
+        *,
+        lazy_logprobs: bool = False,
     ) -> None:
         samples = prompt["multi_modal_data"]["audio"].samples  # an AudioClip (16 kHz)
         assert core_requests[0].encoder_input.audio is samples  # the request carries them as is

@@ -78,7 +78,7 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
     many sequences do not queue ahead of everyone else. None: a group of its own."""
 
 
-class EngineCoreOutput(msgspec.Struct, omit_defaults=True, array_like=True):
+class EngineCoreOutput(msgspec.Struct, omit_defaults=True, array_like=True, gc=False):
     request_id: str
     new_token_ids: list[int]
     new_logprob_token_ids: list[list[int]] | None = None
@@ -140,7 +140,7 @@ class UtilityOutput(msgspec.Struct, omit_defaults=True):
     failure_message: str | None = None
 
 
-class EngineCoreOutputs(msgspec.Struct, omit_defaults=True, array_like=True):
+class EngineCoreOutputs(msgspec.Struct, omit_defaults=True, array_like=True, gc=False):
     outputs: list[EngineCoreOutput] = []
     timestamp: float = 0.0
     scheduler_stats: SchedulerStats | None = None

@@ -23,8 +23,11 @@ class IncrementalDetokenizer:
     """Accumulates output token ids and (unless detokenize=False) their text.
 
     Subclasses implement `_decode_next(token_id) -> str`: the text that token adds, "" while it
-    ends an incomplete character.
+    ends an incomplete character. This base class itself keeps no text (detokenize=False).
     """
+
+    decodes_text = False
+    """Whether `_decode_next` yields text; without text no stop string can match."""
 
     def __init__(self, params: SamplingParams | None) -> None:
         self.token_ids: list[int] = []
@@ -52,6 +55,8 @@ class IncrementalDetokenizer:
         if not new_token_ids:
             return None
         self.token_ids.extend(new_token_ids)
+        if not self.decodes_text:
+            return None
         to_decode = new_token_ids
         if stop_terminated and not self.include_stop_str_in_output:
             to_decode = new_token_ids[:-1]
@@ -99,6 +104,8 @@ class IncrementalDetokenizer:
 
 class FastIncrementalDetokenizer(IncrementalDetokenizer):
     """Steps the fast tokenizer's `DecodeStream`."""
+
+    decodes_text = True
 
     def __init__(
         self,
@@ -183,6 +190,8 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
 class SlowIncrementalDetokenizer(IncrementalDetokenizer):
     """vLLM's `detokenize_incrementally`: decode tokens[prefix:] and keep what lies past
     tokens[prefix:read], so decoders that look at neighbours (spaces, "##") stay right."""
+
+    decodes_text = True
 
     def __init__(
         self,

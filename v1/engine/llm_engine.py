@@ -85,8 +85,11 @@ class LLMEngine:
         core_requests: list[Any],
         *,
         output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
+        lazy_logprobs: bool = False,
     ) -> None:
-        """Queues what `process_request` returned (lets a caller validate a batch first)."""
+        """Queues what `process_request` returned (lets a caller validate a batch first).
+        `lazy_logprobs`: completions carry a `LazySampleLogprobs` view (for callers that read
+        only the sampled tokens' logprobs)."""
         if request_id in self.output_processor.parent_requests or any(
             r.request_id in self.output_processor.request_states for r in core_requests
         ):
@@ -103,6 +106,7 @@ class LLMEngine:
                 index,
                 output_kind=output_kind,
                 encoder_prompt=encoder_text,
+                lazy_logprobs=lazy_logprobs,
             )
             self.engine_core.add_request(request)
 

@@ -3,13 +3,16 @@
 One `RequestState` per request the core runs; a user request with n > 1 is a `ParentRequest`
 whose n children (ids f"{i}_{parent_id}") the core runs independently and which is merged back
 into one RequestOutput here. Requests that hit a stop string are returned for aborting in the core.
+Sample logprobs stay as the core sent them until an output reports them (Logprob entries are
+built then, or never for `lazy_logprobs` requests): a FINAL_ONLY decode step costs no object
+per token.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 from v1.core.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
 from v1.engine.detokenizer import IncrementalDetokenizer, make_detokenizer
@@ -26,6 +29,65 @@ from v1.outputs import (
 from v1.sampling_params import SamplingParams
 
 AnyRequestOutput = RequestOutput | PoolingRequestOutput
+
+
+def logprob_entry(
+    ids: list[int], lps: list[float], rank: int, decode: Callable[[int], str | None]
+) -> dict[int, Logprob]:
+    """{token id: Logprob} of one sampled token: `ids` = [sampled, top-1, ..., top-N] and
+    their logprobs; the sampled token keeps its own `rank`, the top ones rank 1..N."""
+    sampled = ids[0]
+    entry = {sampled: Logprob(lps[0], rank, decode(sampled))}
+    if len(ids) > 1 or len(lps) > 1:
+        for k, (tid, lp) in enumerate(zip(ids[1:], lps[1:], strict=True), start=1):
+            if tid not in entry:
+                entry[tid] = Logprob(lp, k, decode(tid))
+    return entry
+
+
+class LazySampleLogprobs(Sequence[dict[int, Logprob]]):
+    """Sample logprobs as the core sent them; an entry is built when it is read. Given to
+    requests added with `lazy_logprobs=True`, whose consumer reads `sampled_logprobs()`: the
+    sampled tokens' logprobs, without an object per token."""
+
+    def __init__(
+        self,
+        token_ids: list[list[int]],
+        logprobs: list[list[float]],
+        ranks: list[int],
+        decode: Callable[[int], str | None],
+    ) -> None:
+        assert len(token_ids) == len(logprobs) == len(ranks)
+        self._token_ids, self._logprobs, self._ranks = token_ids, logprobs, ranks
+        self._decode = decode
+
+    def sampled_logprobs(self) -> list[float]:
+        """Per token: the logprob of the sampled token (its entry's first value)."""
+        return [lps[0] for lps in self._logprobs]
+
+    def __len__(self) -> int:
+        return len(self._ranks)
+
+    @overload
+    def __getitem__(self, index: int) -> dict[int, Logprob]: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[dict[int, Logprob]]: ...
+
+    def __getitem__(self, index: int | slice) -> Any:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        return logprob_entry(
+            self._token_ids[index], self._logprobs[index], self._ranks[index], self._decode
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, str):
+            return NotImplemented
+        return list(self) == list(other)
+
+    def __repr__(self) -> str:
+        return repr(list(self))
 
 
 @dataclass
@@ -78,7 +140,25 @@ class RequestState:
     encoder_prompt: str | None = None
     encoder_prompt_token_ids: list[int] | None = None
     num_logprobs: int | None = None
+    lazy_logprobs: bool = False
+    """Report sample logprobs as a `LazySampleLogprobs` view of what the core sent instead of
+    built entries: for consumers that read only the sampled tokens' values (transcription
+    windows)."""
     logprobs: SampleLogprobs = field(default_factory=list)
+    """The entries built so far (none for a lazy_logprobs request); `cumulative_logprob` sums
+    their sampled tokens."""
+    raw_ids: list[list[int]] = field(default_factory=list)
+    """Per token whose logprobs are not in `logprobs` yet (for a lazy_logprobs request: every
+    token): its `new_logprob_token_ids` item. Entries (Logprob objects, decoded token strings)
+    are built only when a completion reports them (a FINAL_ONLY request: once, at the end), not
+    per token per step. The rows are the output's own lists: nothing writes to them after the
+    step (the scheduler's contract)."""
+    raw_lps: list[list[float]] = field(default_factory=list)
+    """The matching `new_logprobs` items."""
+    raw_ranks: list[int] = field(default_factory=list)
+    """The matching `new_logprob_ranks` items."""
+    num_summed: int = 0
+    """lazy_logprobs: the raw tokens `cumulative_logprob` has summed (in arrival order)."""
     prompt_logprobs: PromptLogprobs | None = None
     """Set with the first token of a request with prompt_logprobs."""
     queue_time: float | None = None
@@ -114,8 +194,10 @@ class OutputProcessor:
         *,
         output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
         encoder_prompt: str | None = None,
+        lazy_logprobs: bool = False,
     ) -> None:
-        """Tracks a request sent to the core; children of an n>1 request pass their parent."""
+        """Tracks a request sent to the core; children of an n>1 request pass their parent.
+        `lazy_logprobs`: its completions carry `LazySampleLogprobs` (see RequestState)."""
         req_id = request.request_id
         if req_id in self.request_states:
             raise ValueError(f"request id {req_id!r} is already in use")
@@ -140,6 +222,7 @@ class OutputProcessor:
             encoder_prompt=encoder_prompt,
             encoder_prompt_token_ids=enc.token_ids if enc is not None else None,
             num_logprobs=params.logprobs if params is not None else None,
+            lazy_logprobs=lazy_logprobs,
         )
         if parent is not None:
             self.parent_requests[parent.request_id] = parent
@@ -179,34 +262,47 @@ class OutputProcessor:
         """(user outputs to report now, core request ids to abort: stop-string hits)."""
         results: list[AnyRequestOutput] = []
         reqs_to_abort: list[str] = []
+        request_states = self.request_states
         for out in engine_core_outputs:
-            state = self.request_states.get(out.request_id)
+            state = request_states.get(out.request_id)
             if state is None:
                 continue  # aborted, or finished by a stop string while the core ran on
-            state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+            if out.num_cached_tokens > state.num_cached_tokens:
+                state.num_cached_tokens = out.num_cached_tokens
             if out.queue_time is not None:
                 state.queue_time = out.queue_time
             if out.extras:
                 state.extras.update(out.extras)
-            if state.detokenizer is None:
+            detokenizer = state.detokenizer
+            if detokenizer is None:
                 results.append(self._pooling_output(state, out))
-                del self.request_states[out.request_id]
+                del request_states[out.request_id]
                 continue
             finish_reason, stop_reason = out.finish_reason, out.stop_reason
-            stop_str = state.detokenizer.update(
-                out.new_token_ids, finish_reason == FinishReason.STOP
+            stop_str = detokenizer.update(
+                out.new_token_ids, finish_reason is not None and finish_reason == FinishReason.STOP
             )
             if stop_str is not None:
                 if finish_reason is None:
                     reqs_to_abort.append(out.request_id)
                 finish_reason, stop_reason = FinishReason.STOP, stop_str
-            self._update_logprobs(state, out)
+            if state.num_logprobs is not None and out.new_logprobs is not None:
+                assert out.new_logprob_token_ids is not None and out.new_logprob_ranks is not None
+                state.raw_ids.extend(out.new_logprob_token_ids)
+                state.raw_lps.extend(out.new_logprobs)
+                state.raw_ranks.extend(out.new_logprob_ranks)
             if out.prompt_logprobs is not None:
                 state.prompt_logprobs = self._prompt_logprobs(out)
             finished = finish_reason is not None
+            if (
+                not finished
+                and state.parent is None
+                and state.output_kind == RequestOutputKind.FINAL_ONLY
+            ):
+                continue  # the common decode step of a batch run: nothing to report yet
             completion = self._completion(state, finish_reason, stop_reason, finished)
             if finished:
-                del self.request_states[out.request_id]
+                del request_states[out.request_id]
             result = self._request_output(state, completion, finished, out.error)
             if result is not None:
                 results.append(result)
@@ -223,20 +319,37 @@ class OutputProcessor:
             queue_time=state.queue_time,
         )
 
-    def _update_logprobs(self, state: RequestState, out: EngineCoreOutput) -> None:
-        if state.num_logprobs is None or out.new_logprobs is None:
-            return
-        assert out.new_logprob_token_ids is not None and out.new_logprob_ranks is not None
-        for ids, lps, rank in zip(
-            out.new_logprob_token_ids, out.new_logprobs, out.new_logprob_ranks, strict=True
-        ):
-            # ids = [sampled, top-1, ..., top-N]; the sampled token keeps its own rank.
-            entry = {ids[0]: Logprob(lps[0], rank, self._decoded_token(ids[0]))}
-            for k, (tid, lp) in enumerate(zip(ids[1:], lps[1:], strict=True), start=1):
-                if tid not in entry:
-                    entry[tid] = Logprob(lp, k, self._decoded_token(tid))
-            state.logprobs.append(entry)
-            state.cumulative_logprob += lps[0]
+    def _sample_logprobs(self, state: RequestState, start: int) -> SampleLogprobs:
+        """The entries of tokens `start`... (a lazy view for a lazy_logprobs request). The new
+        tokens are added to `cumulative_logprob` one by one in arrival order: the same float
+        sum as adding each as it came."""
+        if not state.lazy_logprobs:
+            if state.raw_ranks:
+                self._build_entries(state)
+            return state.logprobs[start:]
+        cumulative = state.cumulative_logprob
+        for lps in state.raw_lps[state.num_summed :]:
+            cumulative += lps[0]
+        state.cumulative_logprob = cumulative
+        state.num_summed = len(state.raw_lps)
+        return LazySampleLogprobs(  # type: ignore[return-value]
+            state.raw_ids[start:],
+            state.raw_lps[start:],
+            state.raw_ranks[start:],
+            self._decoded_token,
+        )
+
+    def _build_entries(self, state: RequestState) -> None:
+        """Moves the raw logprobs into `logprobs` entries and `cumulative_logprob`."""
+        rows = zip(state.raw_ids, state.raw_lps, state.raw_ranks, strict=True)
+        state.raw_ids, state.raw_lps, state.raw_ranks = [], [], []
+        entries = state.logprobs
+        cumulative = state.cumulative_logprob
+        decode = self._decoded_token
+        for ids, lps, rank in rows:
+            entries.append(logprob_entry(ids, lps, rank, decode))
+            cumulative += lps[0]
+        state.cumulative_logprob = cumulative
 
     def _prompt_logprobs(self, out: EngineCoreOutput) -> PromptLogprobs:
         """None for the first prompt token (nothing predicts it), then {token id: Logprob} of
@@ -278,12 +391,13 @@ class OutputProcessor:
         if delta:
             state.sent_tokens = len(detok.token_ids)
         want_logprobs = state.num_logprobs is not None
+        logprobs = self._sample_logprobs(state, start) if want_logprobs else None
         return CompletionOutput(
             index=state.index,
             text=text,
             token_ids=detok.token_ids[start:],
             cumulative_logprob=state.cumulative_logprob if want_logprobs else None,
-            logprobs=state.logprobs[start:] if want_logprobs else None,
+            logprobs=logprobs,
             finish_reason=str(finish_reason) if finish_reason is not None else None,
             stop_reason=stop_reason,
         )

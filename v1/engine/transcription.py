@@ -31,6 +31,7 @@ from v1.engine.beam_search import (
     take_step_request_ids,
 )
 from v1.engine.inputs.whisper import WINDOW_SECONDS
+from v1.engine.output_processor import LazySampleLogprobs
 from v1.engine.transcription_plan import (
     FileProgress,
     Plan,
@@ -119,6 +120,10 @@ class WindowCollector:
             logprobs = self.logprobs.setdefault(k, [])
             if completion.logprobs is None or logprobs is None:
                 self.logprobs[k] = None
+            elif isinstance(completion.logprobs, LazySampleLogprobs):
+                values = completion.logprobs.sampled_logprobs()
+                assert len(values) == len(completion.token_ids)
+                logprobs += values
             else:
                 logprobs += [
                     entry[token].logprob
@@ -318,8 +323,13 @@ class _SyncRun:
             self.beams[request.request_id] = (window_beam_search(request), i, [])
             self._step_beam(request.request_id)
             return
+        # The collector reads only the sampled tokens' logprobs: no Logprob entry per token.
         self.engine.add_processed_request(
-            request.request_id, request.prompt, request.params, request.core_requests
+            request.request_id,
+            request.prompt,
+            request.params,
+            request.core_requests,
+            lazy_logprobs=True,
         )
         self.pending[request.request_id] = (
             i,
