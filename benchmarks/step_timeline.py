@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import numpy as np
 import torch
-from profile_step import build
+from profile_step import build, clip_maker, make_engine
 
 
 def main():
@@ -30,29 +30,14 @@ def main():
     p.add_argument("--cross-attention", default=None)
     p.add_argument("--profile", action="store_true")
     args = p.parse_args()
-    from v1 import LLM, SamplingParams
+    from v1 import SamplingParams
 
-    path = build(args)
     kw = {"quantization": args.quantization} if args.quantization else {}
     if args.cross_attention:
         kw["cross_attention"] = args.cross_attention
-    llm = LLM(
-        path,
-        dtype="float16",
-        multiprocess=False,
-        max_num_seqs=256,
-        max_num_batched_tokens=8192,
-        max_num_encoder_input_tokens=1500 * 32,
-        **kw,
-    )
+    llm = make_engine(build(args), **kw)
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
-    rng = np.random.default_rng(0)
-
-    def clips():
-        return [
-            (a, 16_000)
-            for a in rng.standard_normal((args.clips, 480_000), dtype=np.float32) * np.float32(0.1)
-        ]
+    clips = clip_maker(args.clips)
 
     llm.transcribe(clips(), params, language="en", temperature=0.0, use_tqdm=False)
     core = llm.llm_engine.engine_core.engine_core

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from sample_factories import MAX_MODEL_LEN, Req
+from sample_factories import Req, make_state
 
 from v1.sample import Sampler, SamplingState, WhisperTokenInfo
 from v1.sample.graphed import SamplerGraphs, capture_sizes, dense_sample, row_inputs
@@ -44,16 +44,7 @@ REQS = [
 
 
 def fill(reqs: list[Req], slots: list[int]) -> SamplingState:
-    state = SamplingState(8, MAX_MODEL_LEN, VOCAB, torch.device("cpu"), whisper=WHISPER)
-    for slot, req in zip(slots, reqs, strict=True):
-        state.add_request(
-            slot,
-            req.params,
-            req.prompt,
-            req.outputs,
-            req.eos_token_id,
-            max_output_tokens=req.max_output_tokens,
-        )
+    state, _ = make_state(reqs, slots=slots, vocab_size=VOCAB, max_num_reqs=8, whisper=WHISPER)
     return state
 
 
@@ -124,21 +115,9 @@ def test_runs_on_the_rows_it_is_given_and_pads_to_a_size() -> None:
 
 @pytest.fixture
 def tiny_llama(tmp_path) -> str:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.utils import make_tiny_llama_dir
 
-    from tests.utils import make_tiny_model_dir
-
-    return make_tiny_model_dir(
-        LlamaConfig,
-        LlamaForCausalLM,
-        tmp_path,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
+    return make_tiny_llama_dir(tmp_path)
 
 
 def generate(
