@@ -113,6 +113,8 @@ def main() -> None:
     wrap(timings, runner.state, "finish_step")
     wrap(timings, core, "step")
     wrap(timings, llm.llm_engine.input_processor, "process")
+    wrap(timings, llm.llm_engine, "process_request")  # per request, before the first step
+    wrap(timings, llm.llm_engine, "add_processed_request")  # per request: core admission
     wrap(timings, llm.llm_engine.output_processor, "process_outputs")
     batch = inputs()
     torch.cuda.synchronize()
