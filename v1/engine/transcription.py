@@ -222,12 +222,11 @@ class Transcriber:
         each has one window in flight)."""
         self.engine = engine
         self.builder = engine.input_processor.whisper_builder
+        config = getattr(engine, "config", None)
         if max_active_files is None:
-            config = getattr(engine, "config", None)
             max_num_seqs = config.scheduler_config.max_num_seqs if config is not None else 128
             max_active_files = 2 * max_num_seqs
         self.max_active_files = max(1, max_active_files)
-        config = getattr(engine, "config", None)
         self.files_per_step = (
             max(1, config.encoder_budget // config.model_config.max_encoder_len)
             if config is not None

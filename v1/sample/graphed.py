@@ -19,17 +19,14 @@ order, the same float32 arithmetic (tests/sample/test_graphed_sampler.py).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from v1.logger import init_logger
-from v1.sample.logits_processors import _token_mask, apply_forced_tokens, whisper_timestamp_rules_
+from v1.sample.logits_processors import apply_forced_tokens, token_mask, whisper_timestamp_rules_
 from v1.sample.sampler import SamplerOutput, gather_logprobs
-
-if TYPE_CHECKING:
-    from v1.sample.state import SamplingState
+from v1.sample.state import SamplingState, next_whisper_state, whisper_rule_metadata
 
 logger = init_logger(__name__)
 
@@ -64,6 +61,7 @@ def dense_sample(
     logits = logits.to(torch.float32, copy=True)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if num_logprobs is not None else None
     first = (flags & FIRST) != 0
+    is_ts = (flags & TIMESTAMPS) != 0
     bans = []
     if state.suppress_token_ids.dev.shape[1]:
         bans.append(state.suppress_token_ids.dev[slots])
@@ -74,13 +72,10 @@ def dense_sample(
         if table.dev.shape[1]:
             bans.append(torch.where(active.unsqueeze(1), table.dev[slots], -1))
     if bans:
-        banned = _token_mask(torch.cat(bans, dim=1), logits.shape[1])
+        banned = token_mask(torch.cat(bans, dim=1), logits.shape[1])
         logits.masked_fill_(banned, _NEG_INF)
     if timestamps:
-        from v1.sample.state import whisper_rule_metadata
-
         assert state.whisper is not None
-        is_ts = (flags & TIMESTAMPS) != 0
         rows = torch.arange(len(slots), device=logits.device)
         rule_inputs = whisper_rule_metadata(state.iparams_dev[slots], rows, first, state.whisper)
         whisper_timestamp_rules_(logits, rule_inputs, active=is_ts)
@@ -88,8 +83,6 @@ def dense_sample(
         apply_forced_tokens(logits, forced)
     sampled = logits.argmax(dim=-1)
     if timestamps:
-        from v1.sample.state import next_whisper_state
-
         assert state.whisper is not None
         writes = ((flags & VALID) != 0) & is_ts
         spare = state.iparams_dev.shape[0] - 1  # rows that must not write write here
@@ -112,7 +105,7 @@ def row_inputs(
     flags += (num_output == 0) * FIRST
     flags += (num_output < state.min_tokens[slots]) * UNDER_MIN
     flags += state.whisper_timestamps[slots] * TIMESTAMPS
-    return flags, state._forced_tokens(slots, num_output)
+    return flags, state.step_forced_tokens(slots, num_output)
 
 
 def capture_sizes(max_rows: int) -> list[int]:

@@ -54,7 +54,7 @@ def apply_logits_processors(logits: torch.Tensor, metadata: SamplingMetadata) ->
     return logits
 
 
-def _token_mask(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def token_mask(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[k, width] ids (-1 padding) -> [k, vocab] bool; ids outside the vocabulary are dropped."""
     spare = torch.where((token_ids < 0) | (token_ids >= vocab_size), vocab_size, token_ids)
     mask = torch.zeros(
@@ -66,7 +66,7 @@ def _token_mask(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 def apply_allowed_token_ids(logits: torch.Tensor, allowed: RowTokenIds) -> None:
     """Only the listed tokens stay possible on the listed rows."""
-    disallowed = ~_token_mask(allowed.token_ids, logits.shape[1])
+    disallowed = ~token_mask(allowed.token_ids, logits.shape[1])
     logits[allowed.rows] = logits[allowed.rows].masked_fill(disallowed, _NEG_INF)
 
 
@@ -96,7 +96,7 @@ def apply_token_bitmask(logits: torch.Tensor, grammar: RowBitmask) -> None:
 
 def apply_banned_token_ids(logits: torch.Tensor, banned: RowTokenIds) -> None:
     """The listed tokens become impossible on the listed rows."""
-    mask = _token_mask(banned.token_ids, logits.shape[1])
+    mask = token_mask(banned.token_ids, logits.shape[1])
     logits[banned.rows] = logits[banned.rows].masked_fill(mask, _NEG_INF)
 
 

@@ -421,7 +421,7 @@ class SamplingState:
         i_num_output = packer.add(num_output)
         rules = self._token_rule_rows(slots, num_output)
         i_rules = {name: packer.add(rows) for name, rows in rules.items()}
-        forced = self._forced_tokens(slots, num_output)
+        forced = self.step_forced_tokens(slots, num_output)
         i_forced = packer.add(forced) if forced is not None else None
         ts_rows = np.flatnonzero(self.whisper_timestamps[slots]) if self.whisper else None
         use_whisper = ts_rows is not None and len(ts_rows) > 0
@@ -513,7 +513,7 @@ class SamplingState:
                 out[name] = rows
         return out
 
-    def _forced_tokens(self, slots: np.ndarray, num_output: np.ndarray) -> np.ndarray | None:
+    def step_forced_tokens(self, slots: np.ndarray, num_output: np.ndarray) -> np.ndarray | None:
         """[n] the only token allowed this step (-1: none), or None when no row has one."""
         forced = np.full(len(slots), -1, dtype=np.int64)
         has_forced = self.forced_positions.lengths[slots] > 0

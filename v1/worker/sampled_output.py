@@ -24,9 +24,8 @@ class HostCopy:
 
     def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
         self._event: torch.cuda.Event | None = None
-        self._host: dict[str, torch.Tensor] = {}
         on_device = {n: t for n, t in tensors.items() if t.is_cuda}
-        self._host = {n: t for n, t in tensors.items() if not t.is_cuda}
+        self._host: dict[str, torch.Tensor] = {n: t for n, t in tensors.items() if not t.is_cuda}
         if not on_device:
             return
         # One pinned allocation (each costs host time), 8-byte aligned slices of it.
