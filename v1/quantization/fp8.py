@@ -37,7 +37,9 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     row's largest magnitude maps to the fp8 maximum (448)."""
     amax = x.abs().amax(dim=-1).float()
     scale = (amax / FP8_MAX).clamp(min=_MIN_SCALE)
-    q = (x.float() / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    # A multiply by the (correctly rounded) reciprocal, as the Triton quantizer does: a
+    # division per element made that kernel compute-bound at twice the time.
+    q = (x.float() * scale.reciprocal()[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
 
 

@@ -5,17 +5,20 @@ Every head of every query token attends over the same E (multi-query attention o
 d_model), so a program takes a tile of BLOCK_R (token, head) rows of one request and streams
 that request's E once: scores = q' E^T, online softmax, P E, for all its rows together. The
 query projection q' = q W_k^T and W_v after run as batched GEMMs around the kernel
-(`ops/absorbed_cross_attention.py`, whose torch path is this kernel's reference). The width d
-is covered by two power-of-two chunks (1280 = 1024 + 256, 768 = 512 + 256), so no lane of a
-1280-wide model is padded to 2048.
+(`ops/absorbed_cross_attention.py`, whose torch path is this kernel's reference).
+
+The width d is cut into up to MAX_CHUNKS power-of-two column chunks (1280 = 5 x 256), each with
+its own accumulator: the scores sum the chunks' q'[:, c] E[:, c]^T, then P E updates each
+chunk's accumulator from the same block of E. No dot operand is d wide: the earlier kernel's
+[N, 1024] + [N, 256] operands took all 255 registers a thread and spilled.
 
 The grid is one-dimensional with the row tiles of a work item adjacent, so the tiles of one
 request (large-v3's 20 heads are two tiles of 16 rows) run at the same time and the second
 reads E from L2, not HBM. fp8 encoder states load as fp8 and convert to the query's dtype; their
 per-position scales fold into the scores and the softmax weights (no [N, d] multiply).
-Measured on an H100 (256 requests x 1500 positions x 1280, bf16;
-`benchmarks/absorbed_kernel.py`): 639 us per call, 1,538 GB/s of E, against 1,143 us for the
-previous grid order with BLOCK_N 32; one read of E takes 330 us.
+Measured on an H100 (256 requests, bf16, one query token each): large-v3 (1500 x 1280, 20
+heads) 610 us per call against 649 us for the whole-width kernel (one read of E: 330 us);
+BART-large (512 x 1024, 16 heads) 129 against 166 us, 2.0 TB/s of E.
 
 Cache layout: states [2, num_blocks, rows_per_half, d] (+ scales [2, num_blocks,
 rows_per_half]); position p of a request: block table entry p // (2 * rows_per_half), offset
@@ -32,25 +35,81 @@ import triton.language as tl
 
 BLOCK_R = 16
 """(token, head) rows per program: 16 is tl.dot's smallest M."""
-BLOCK_N = 64
-"""Encoder positions per inner step (64 beat 16 and 32 by 1.5x at large-v3 shapes; 128 does
-not fit shared memory at d = 1280)."""
-NUM_WARPS, NUM_STAGES = 8, 3
-"""Best of 4/8/16 warps and 2/3/4 stages at large-v3 decode shapes on an H100."""
+CHUNK = 256
+"""Columns of E per dot operand (128 and 256 tie at BART's d = 1024; 256 keeps 1280 in 5)."""
+MAX_CHUNKS = 5
+"""Accumulators a program keeps (d <= 1280 at CHUNK; wider models take wider chunks)."""
+NUM_WARPS, NUM_STAGES = 8, 2
+"""Best of 8/16 warps, 1/2 stages, 16/32-row tiles, 32/64 positions and 128/256-column chunks
+at large-v3 and BART decode shapes on an H100 (benchmarks/RESULTS.md, session 8)."""
 
 
 @triton.jit
-def _load_states(
+def _states_chunk(
+    States, base, n_mask, c: tl.constexpr, CHUNK: tl.constexpr, D_MODEL: tl.constexpr, dtype
+):
+    """Columns [c * CHUNK, (c + 1) * CHUNK) of a block of encoder states, [N, CHUNK]."""
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    e = tl.load(
+        States + base[:, None] + offs[None, :],
+        mask=n_mask[:, None] & (offs < D_MODEL)[None, :],
+        other=0.0,
+    )
+    return e.to(dtype)
+
+
+@triton.jit
+def _score_chunk(
+    Q,
+    q_rows,
+    r_mask,
     States,
     base,
-    offs_d,
     n_mask,
+    c: tl.constexpr,
+    CHUNK: tl.constexpr,
     D_MODEL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    return tl.load(
-        States + base[:, None] + offs_d[None, :],
-        mask=n_mask[:, None] & (offs_d < D_MODEL)[None, :],
+    """Chunk c's share of the scores, q'[:, c] E[:, c]^T: [R, N]."""
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    q = tl.load(
+        Q + q_rows[:, None] + offs[None, :],
+        mask=r_mask[:, None] & (offs < D_MODEL)[None, :],
         other=0.0,
+    )
+    e = _states_chunk(States, base, n_mask, c, CHUNK, D_MODEL, q.dtype)
+    return tl.dot(q, tl.trans(e), input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _update_chunk(
+    acc,
+    alpha,
+    p,
+    States,
+    base,
+    n_mask,
+    c: tl.constexpr,
+    CHUNK: tl.constexpr,
+    D_MODEL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Chunk c of the context [R, CHUNK], rescaled by alpha, plus P E[:, c]. The load repeats
+    the scores' load of the same block, which the pipeline keeps on chip."""
+    e = _states_chunk(States, base, n_mask, c, CHUNK, D_MODEL, p.dtype)
+    return acc * alpha[:, None] + tl.dot(p, e, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _store_chunk(
+    Out, o_rows, r_mask, acc, inv_l, c: tl.constexpr, CHUNK: tl.constexpr, D_MODEL: tl.constexpr
+):
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    tl.store(
+        Out + o_rows[:, None] + offs[None, :],
+        (acc * inv_l[:, None]).to(Out.dtype.element_ty),
+        mask=r_mask[:, None] & (offs < D_MODEL)[None, :],
     )
 
 
@@ -77,9 +136,8 @@ def _absorbed_attention_kernel(
     stride_bt,
     NUM_HEADS: tl.constexpr,
     D_MODEL: tl.constexpr,
-    BLOCK_DA: tl.constexpr,
-    BLOCK_DB: tl.constexpr,
-    HAS_B: tl.constexpr,
+    CHUNK: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
     ROWS_PER_HALF: tl.constexpr,
     QUERY_BLOCK: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -87,6 +145,7 @@ def _absorbed_attention_kernel(
     NUM_TILES: tl.constexpr,
     FP8: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
 ):
     # Row tiles of one work item are adjacent programs: they share E through L2.
     pid = tl.program_id(0) // NUM_TILES
@@ -107,22 +166,22 @@ def _absorbed_attention_kernel(
     token = (q_start + first_token + g // NUM_HEADS).to(tl.int64)
     head = g % NUM_HEADS
     q_rows = token * stride_qt + head * stride_qh
-    offs_a = tl.arange(0, BLOCK_DA)
-    a_mask = r_mask[:, None] & (offs_a < D_MODEL)[None, :]
-    q_a = tl.load(Q + q_rows[:, None] + offs_a[None, :], mask=a_mask, other=0.0)
-    acc_a = tl.zeros([BLOCK_R, BLOCK_DA], tl.float32)
-    if HAS_B:
-        offs_b = BLOCK_DA + tl.arange(0, BLOCK_DB)
-        b_mask = r_mask[:, None] & (offs_b < D_MODEL)[None, :]
-        q_b = tl.load(Q + q_rows[:, None] + offs_b[None, :], mask=b_mask, other=0.0)
-        acc_b = tl.zeros([BLOCK_R, BLOCK_DB], tl.float32)
+    # One accumulator per column chunk (constexpr branches: the unused ones are never built).
+    acc0 = tl.zeros([BLOCK_R, CHUNK], tl.float32)
+    if NUM_CHUNKS > 1:
+        acc1 = tl.zeros([BLOCK_R, CHUNK], tl.float32)
+    if NUM_CHUNKS > 2:
+        acc2 = tl.zeros([BLOCK_R, CHUNK], tl.float32)
+    if NUM_CHUNKS > 3:
+        acc3 = tl.zeros([BLOCK_R, CHUNK], tl.float32)
+    if NUM_CHUNKS > 4:
+        acc4 = tl.zeros([BLOCK_R, CHUNK], tl.float32)
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_R], tl.float32)
 
-    n_hi = tl.minimum(tl.cdiv(kv_len, BLOCK_N) * BLOCK_N, kv_len)
-    for start_n in range(0, n_hi, BLOCK_N):
+    for start_n in tl.range(0, kv_len, BLOCK_N, num_stages=LOOP_STAGES):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < n_hi
+        n_mask = offs_n < kv_len
         block = tl.load(
             block_table + req * stride_bt + offs_n // (2 * ROWS_PER_HALF), mask=n_mask, other=0
         ).to(tl.int64)
@@ -130,11 +189,23 @@ def _absorbed_attention_kernel(
         half = (offset // ROWS_PER_HALF).to(tl.int64)  # int64: pools exceed 2^31 elements
         row = (offset % ROWS_PER_HALF).to(tl.int64)
         base = half * stride_s_half + block * stride_s_block + row * stride_s_row
-        e_a = _load_states(States, base, offs_a, n_mask, D_MODEL).to(q_a.dtype)  # [N, DA]
-        s = tl.dot(q_a, tl.trans(e_a), input_precision=DOT_PRECISION)  # [R, N]
-        if HAS_B:
-            e_b = _load_states(States, base, offs_b, n_mask, D_MODEL).to(q_b.dtype)  # [N, DB]
-            s += tl.dot(q_b, tl.trans(e_b), input_precision=DOT_PRECISION)
+        s = _score_chunk(Q, q_rows, r_mask, States, base, n_mask, 0, CHUNK, D_MODEL, DOT_PRECISION)
+        if NUM_CHUNKS > 1:
+            s += _score_chunk(
+                Q, q_rows, r_mask, States, base, n_mask, 1, CHUNK, D_MODEL, DOT_PRECISION
+            )
+        if NUM_CHUNKS > 2:
+            s += _score_chunk(
+                Q, q_rows, r_mask, States, base, n_mask, 2, CHUNK, D_MODEL, DOT_PRECISION
+            )
+        if NUM_CHUNKS > 3:
+            s += _score_chunk(
+                Q, q_rows, r_mask, States, base, n_mask, 3, CHUNK, D_MODEL, DOT_PRECISION
+            )
+        if NUM_CHUNKS > 4:
+            s += _score_chunk(
+                Q, q_rows, r_mask, States, base, n_mask, 4, CHUNK, D_MODEL, DOT_PRECISION
+            )
         if FP8:
             # E[n] = scale[n] * stored[n]: the scale multiplies column n of the scores, and
             # the weight of row n in P E.
@@ -152,34 +223,45 @@ def _absorbed_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         if FP8:
             p = p * scale[None, :]
-        acc_a = acc_a * alpha[:, None] + tl.dot(p.to(e_a.dtype), e_a, input_precision=DOT_PRECISION)
-        if HAS_B:
-            acc_b = acc_b * alpha[:, None] + tl.dot(
-                p.to(e_b.dtype), e_b, input_precision=DOT_PRECISION
-            )
+        p = p.to(Q.dtype.element_ty)
         m_i = m_new
+        acc0 = _update_chunk(acc0, alpha, p, States, base, n_mask, 0, CHUNK, D_MODEL, DOT_PRECISION)
+        if NUM_CHUNKS > 1:
+            acc1 = _update_chunk(
+                acc1, alpha, p, States, base, n_mask, 1, CHUNK, D_MODEL, DOT_PRECISION
+            )
+        if NUM_CHUNKS > 2:
+            acc2 = _update_chunk(
+                acc2, alpha, p, States, base, n_mask, 2, CHUNK, D_MODEL, DOT_PRECISION
+            )
+        if NUM_CHUNKS > 3:
+            acc3 = _update_chunk(
+                acc3, alpha, p, States, base, n_mask, 3, CHUNK, D_MODEL, DOT_PRECISION
+            )
+        if NUM_CHUNKS > 4:
+            acc4 = _update_chunk(
+                acc4, alpha, p, States, base, n_mask, 4, CHUNK, D_MODEL, DOT_PRECISION
+            )
 
     o_rows = token * stride_ot + head * stride_oh
     inv_l = 1.0 / tl.where(l_i == 0.0, 1.0, l_i)  # no keys (graph padding): zeros
-    tl.store(
-        Out + o_rows[:, None] + offs_a[None, :],
-        (acc_a * inv_l[:, None]).to(Out.dtype.element_ty),
-        mask=a_mask,
-    )
-    if HAS_B:
-        tl.store(
-            Out + o_rows[:, None] + offs_b[None, :],
-            (acc_b * inv_l[:, None]).to(Out.dtype.element_ty),
-            mask=b_mask,
-        )
+    _store_chunk(Out, o_rows, r_mask, acc0, inv_l, 0, CHUNK, D_MODEL)
+    if NUM_CHUNKS > 1:
+        _store_chunk(Out, o_rows, r_mask, acc1, inv_l, 1, CHUNK, D_MODEL)
+    if NUM_CHUNKS > 2:
+        _store_chunk(Out, o_rows, r_mask, acc2, inv_l, 2, CHUNK, D_MODEL)
+    if NUM_CHUNKS > 3:
+        _store_chunk(Out, o_rows, r_mask, acc3, inv_l, 3, CHUNK, D_MODEL)
+    if NUM_CHUNKS > 4:
+        _store_chunk(Out, o_rows, r_mask, acc4, inv_l, 4, CHUNK, D_MODEL)
 
 
-def width_chunks(d_model: int) -> tuple[int, int]:
-    """(BLOCK_DA, BLOCK_DB): the largest power of two <= d_model, and a second power-of-two
-    chunk (>= 16, tl.dot's smallest K) covering the rest; 0 when the first covers it all."""
-    first = 1 << (d_model.bit_length() - 1)
-    rest = d_model - first
-    return max(first, 16), (max(triton.next_power_of_2(rest), 16) if rest else 0)
+def column_chunks(d_model: int) -> tuple[int, int]:
+    """(chunk, num_chunks): power-of-two column chunks, 16 to CHUNK wide (wider past
+    MAX_CHUNKS * CHUNK columns), covering d_model in at most MAX_CHUNKS."""
+    chunk = max(16, min(CHUNK, triton.next_power_of_2(d_model)))
+    chunk = max(chunk, triton.next_power_of_2(triton.cdiv(d_model, MAX_CHUNKS)))
+    return chunk, triton.cdiv(d_model, chunk)
 
 
 def attend_encoder_states_triton(
@@ -188,7 +270,7 @@ def attend_encoder_states_triton(
     scales: torch.Tensor | None,
     metadata: Any,
     block_r: int = BLOCK_R,
-    block_n: int = BLOCK_N,
+    block_n: int | None = None,
 ) -> torch.Tensor:
     """q' [T, H, d] (scale folded in) over each request's encoder states -> context [T, H, d].
     `metadata` is the Triton backend's (work items of `block_m` query rows per request),
@@ -200,10 +282,11 @@ def attend_encoder_states_triton(
     work_req, work_mblock = metadata.work
     if work_req.numel() == 0:
         return out
-    block_da, block_db = width_chunks(d_model)
-    num_stages = NUM_STAGES
+    chunk, num_chunks = column_chunks(d_model)
+    if block_n is None:
+        block_n = 64 if d_model > 1024 else 32
     if q_abs.element_size() * d_model > 2 * 1280:  # fp32 wide models: fit shared memory
-        block_n, num_stages = min(block_n, 16), 2
+        block_n = min(block_n, 16)
     num_tiles = triton.cdiv(metadata.block_m * num_heads, block_r)
     grid = (work_req.numel() * num_tiles,)
     fp8 = scales is not None
@@ -229,9 +312,8 @@ def attend_encoder_states_triton(
         common.block_table.stride(0),
         NUM_HEADS=num_heads,
         D_MODEL=d_model,
-        BLOCK_DA=block_da,
-        BLOCK_DB=max(block_db, 16),
-        HAS_B=block_db > 0,
+        CHUNK=chunk,
+        NUM_CHUNKS=num_chunks,
         ROWS_PER_HALF=states.shape[2],
         QUERY_BLOCK=metadata.block_m,
         BLOCK_R=block_r,
@@ -239,7 +321,8 @@ def attend_encoder_states_triton(
         NUM_TILES=num_tiles,
         FP8=fp8,
         DOT_PRECISION="ieee" if q_abs.dtype == torch.float32 else "tf32",
+        LOOP_STAGES=NUM_STAGES,
         num_warps=NUM_WARPS,
-        num_stages=num_stages,
+        num_stages=NUM_STAGES,
     )
     return out
