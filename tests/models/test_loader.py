@@ -133,3 +133,35 @@ def test_registry_lazy_classes_and_errors(monkeypatch) -> None:
     monkeypatch.setitem(registry.MODEL_REGISTRY, "Ghost", "v1.models.no_such_module:Ghost")
     with pytest.raises(ImportError, match="no_such_module"):
         registry.get_model_class("Ghost")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_padded_lm_head_gives_the_same_logits_and_keeps_the_tie(bias: bool) -> None:
+    """`LMHead.pad_vocab_` (the loader calls it on CUDA): an odd vocabulary moves into
+    storage padded to 64 rows; logits, the tied embedding's lookups and the parameters'
+    shapes stay the same."""
+    from v1.models.layers.embedding import LMHead, VocabEmbedding
+
+    gen = torch.Generator().manual_seed(0)
+    embed = VocabEmbedding(101, 24)
+    embed.weight.data = torch.randn(101, 24, generator=gen)
+    head = LMHead(101, 24, bias=bias, tie_to=embed)
+    if bias:
+        head.bias.data = torch.randn(101, generator=gen)
+    hidden = torch.randn(5, 24, generator=gen)
+    ids = torch.tensor([0, 57, 100])
+    logits, rows = head(hidden), embed(ids)
+
+    assert head.pad_vocab_(64)
+    assert not head.pad_vocab_(64)  # once
+    padded, padded_bias = head._padded
+    assert padded.shape == (128, 24) and head.weight.shape == (101, 24)
+    assert head.weight.data_ptr() == padded.data_ptr() and embed.weight is head.weight
+    assert not padded[101:].any()
+    if bias:
+        assert head.bias.shape == (101,) and head.bias.data_ptr() == padded_bias.data_ptr()
+    out = head(hidden)
+    assert out.shape == (5, 101) and out.is_contiguous()
+    torch.testing.assert_close(out, logits, rtol=0, atol=1e-6)
+    torch.testing.assert_close(embed(ids), rows, rtol=0, atol=0)
+    assert not LMHead(128, 24).pad_vocab_(64)  # already a multiple

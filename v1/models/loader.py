@@ -192,6 +192,12 @@ def load_model_from_weights(
         quantize_model_fp8(model, fp8_ignored_modules(model, fp8_ignore))
     elif quantization is not None:
         raise ValueError(f"unknown quantization {quantization!r}")
+    if torch.device(device).type == "cuda":
+        from v1.models.layers.embedding import LMHead
+
+        for module in model.modules():
+            if isinstance(module, LMHead):
+                module.pad_vocab_()
     return model.eval()
 
 

@@ -79,8 +79,36 @@ class LMHead(nn.Module):
             self.bias.weight_loader = default_weight_loader
         else:
             self.register_parameter("bias", None)
+        self._padded: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        """(weight, bias) with the vocabulary padded (`pad_vocab_`); the parameters view them."""
+
+    def pad_vocab_(self, multiple: int = 64) -> bool:
+        """Move the loaded weight (and bias) into storage padded to a multiple of `multiple`
+        vocabulary rows; the parameters (and a tied embedding, which shares the Parameter)
+        become views of its first rows. A GEMM whose output rows are not 16-byte aligned
+        (BART's 50,265 or Whisper's 51,866 logits in 16 bits) takes a slow cuBLAS kernel:
+        BART-large's head took 276 us a step on an H100 (6% of its decode). Returns whether
+        it padded."""
+        rows = self.weight.shape[0]
+        if self.tp is not None or rows % multiple == 0 or self._padded is not None:
+            return False
+        padded_rows = -(-rows // multiple) * multiple
+        weight = self.weight.new_zeros(padded_rows, self.weight.shape[1])
+        weight[:rows] = self.weight.data
+        self.weight.data = weight[:rows]
+        bias = None
+        if self.bias is not None:
+            bias = self.bias.new_zeros(padded_rows)
+            bias[:rows] = self.bias.data
+            self.bias.data = bias[:rows]
+        self._padded = (weight, bias)
+        return True
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self._padded is not None:
+            weight, bias = self._padded
+            logits = F.linear(hidden_states, weight, bias)[:, : self.weight.shape[0]]
+            return logits.float().contiguous()
         logits = F.linear(hidden_states, self.weight, self.bias)  # [N, vocab rows held]
         if self.tp is not None:
             logits = self.tp.all_gather(logits)[:, : self.vocab_size]  # drop the padding rows
