@@ -1,7 +1,8 @@
 """Triton kernel of the per-row fp8 quantizer: one read of x, one write of its fp8 rows and
 float32 scales, where `quantize_rows` (the torch reference, v1/quantization/fp8.py) launches
-abs, amax, a reciprocal multiply, clamp and the cast as separate passes over x. An fp8 Linear quantizes its
-input per token on every call, so those passes cost more than fp8 GEMMs saved (session 4)."""
+abs, amax, a reciprocal multiply, clamp and the cast as separate passes over x. An fp8 Linear
+quantizes its input per token on every call, so those passes cost more than fp8 GEMMs saved
+(session 4)."""
 
 from __future__ import annotations
 

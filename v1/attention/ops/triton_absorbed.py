@@ -45,17 +45,15 @@ at large-v3 and BART decode shapes on an H100 (benchmarks/RESULTS.md, session 8)
 
 
 @triton.jit
-def _states_chunk(
-    States, base, n_mask, c: tl.constexpr, CHUNK: tl.constexpr, D_MODEL: tl.constexpr, dtype
-):
-    """Columns [c * CHUNK, (c + 1) * CHUNK) of a block of encoder states, [N, CHUNK]."""
+def _load_chunk(Ptr, rows, row_mask, c: tl.constexpr, CHUNK: tl.constexpr, D_MODEL: tl.constexpr):
+    """Columns [c * CHUNK, (c + 1) * CHUNK) of the rows starting at `rows` (element offsets
+    into Ptr: query rows, or a block of encoder-state rows), [M, CHUNK]."""
     offs = c * CHUNK + tl.arange(0, CHUNK)
-    e = tl.load(
-        States + base[:, None] + offs[None, :],
-        mask=n_mask[:, None] & (offs < D_MODEL)[None, :],
+    return tl.load(
+        Ptr + rows[:, None] + offs[None, :],
+        mask=row_mask[:, None] & (offs < D_MODEL)[None, :],
         other=0.0,
     )
-    return e.to(dtype)
 
 
 @triton.jit
@@ -72,13 +70,8 @@ def _score_chunk(
     DOT_PRECISION: tl.constexpr,
 ):
     """Chunk c's share of the scores, q'[:, c] E[:, c]^T: [R, N]."""
-    offs = c * CHUNK + tl.arange(0, CHUNK)
-    q = tl.load(
-        Q + q_rows[:, None] + offs[None, :],
-        mask=r_mask[:, None] & (offs < D_MODEL)[None, :],
-        other=0.0,
-    )
-    e = _states_chunk(States, base, n_mask, c, CHUNK, D_MODEL, q.dtype)
+    q = _load_chunk(Q, q_rows, r_mask, c, CHUNK, D_MODEL)
+    e = _load_chunk(States, base, n_mask, c, CHUNK, D_MODEL).to(q.dtype)
     return tl.dot(q, tl.trans(e), input_precision=DOT_PRECISION)
 
 
@@ -97,7 +90,7 @@ def _update_chunk(
 ):
     """Chunk c of the context [R, CHUNK], rescaled by alpha, plus P E[:, c]. The load repeats
     the scores' load of the same block, which the pipeline keeps on chip."""
-    e = _states_chunk(States, base, n_mask, c, CHUNK, D_MODEL, p.dtype)
+    e = _load_chunk(States, base, n_mask, c, CHUNK, D_MODEL).to(p.dtype)
     return acc * alpha[:, None] + tl.dot(p, e, input_precision=DOT_PRECISION)
 
 
