@@ -108,6 +108,7 @@ def main() -> None:
     parser.add_argument("--clips", type=int, default=256)
     parser.add_argument("--tokens", type=int, default=60)
     parser.add_argument("--trace", default=None, help="write a chrome trace here")
+    parser.add_argument("--quantization", default=None, help="e.g. fp8")
     parser.add_argument(
         "--cprofile", action="store_true", help="also one run under cProfile (host functions)"
     )
@@ -115,7 +116,7 @@ def main() -> None:
 
     from v1 import SamplingParams
 
-    llm = make_engine(build(args))
+    llm = make_engine(build(args), quantization=args.quantization)
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     clips = clip_maker(args.clips)
 
