@@ -36,17 +36,17 @@ def median_us(fn, calls: int = 10, repeats: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def run(batch: int, fp8: bool) -> dict[str, float]:
+def run(batch: int, fp8: bool, model_dtype: torch.dtype = torch.bfloat16) -> dict[str, float]:
     dev = "cuda"
     block = 2 * ROWS_PER_HALF
     per_req = -(-POSITIONS // block)
     num_blocks = 1 + batch * per_req
-    dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    dtype = torch.float8_e4m3fn if fp8 else model_dtype
     states = (torch.randn(2, num_blocks, ROWS_PER_HALF, D_MODEL, device=dev) * 0.5).to(dtype)
     scales = torch.rand(2, num_blocks, ROWS_PER_HALF, device=dev) + 0.5 if fp8 else None
     table = (torch.randperm(num_blocks - 1, device=dev) + 1)[: batch * per_req]
     table = table.view(batch, per_req).to(torch.int32)
-    q = (torch.randn(batch, HEADS, D_MODEL, device=dev) * 0.03).to(torch.bfloat16)
+    q = (torch.randn(batch, HEADS, D_MODEL, device=dev) * 0.03).to(model_dtype)
     common = SimpleNamespace(
         query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=dev),
         seq_lens=torch.full((batch,), POSITIONS, dtype=torch.int32, device=dev),
@@ -82,11 +82,13 @@ def run(batch: int, fp8: bool) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--dtype", default="bfloat16", help="the model's: bfloat16 or float16")
     args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
     for fp8 in (False, True):
-        row = run(args.batch, fp8)
+        row = run(args.batch, fp8, dtype)
         print(
-            f"{'fp8 ' if fp8 else 'bf16'} batch {args.batch}: {row['kernel_us']:.0f} us/call "
+            f"{'fp8 E' if fp8 else args.dtype} batch {args.batch}: {row['kernel_us']:.0f} us/call "
             f"({row['kernel_GBps']:.0f} GB/s of E), one read of E {row['read_floor_us']:.0f} us, "
             f"max abs error {row['max_abs_error']:.1e}"
         )

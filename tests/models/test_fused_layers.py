@@ -78,6 +78,31 @@ def test_fused_add_layer_norm_matches_torch(dtype: torch.dtype, rows: int, d: in
 @requires_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "d"), [(4096, 1280), (5003, 768)])
+def test_fused_add_layer_norm_quantizes_its_output_for_fp8_linears(
+    dtype: torch.dtype, rows: int, d: int
+) -> None:
+    """`fp8_output`: the kernel's fp8 rows and scales are quantize_rows of its own 16-bit
+    output (bit for bit), and the residual stream is unchanged."""
+    from v1.quantization.fp8 import Fp8Rows, quantize_rows
+
+    torch.manual_seed(0)
+    norm = _norm(d, "cuda", dtype)
+    x = torch.randn(rows, d, device="cuda", dtype=dtype)
+    r = torch.randn(rows, d, device="cuda", dtype=dtype) * 4
+    out, h = add_layer_norm(x, r, norm, clamp=10.0)
+    norm.fp8_output = True
+    rows_q, h_q = add_layer_norm(x, r, norm, clamp=10.0)
+    assert isinstance(rows_q, Fp8Rows) and rows_q.dtype == dtype
+    torch.testing.assert_close(h_q, h, rtol=0, atol=0)
+    q, scale = quantize_rows(out)
+    torch.testing.assert_close(rows_q.scale, scale, rtol=0, atol=0)
+    assert torch.equal(rows_q.q.view(torch.uint8), q.view(torch.uint8))
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gelu_epilogue_matches_unfused(dtype: torch.dtype) -> None:
     torch.manual_seed(0)
     layer, act = _linear(768, 3072, "cuda", dtype), GELU()

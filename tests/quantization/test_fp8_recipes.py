@@ -161,3 +161,40 @@ def test_fp8_ignore_from_the_command_line(bart_dir: str) -> None:
     }
     empty = make_parser().parse_args(["serve", bart_dir, "--fp8-ignore"])
     assert engine_kwargs(empty) == {"fp8_ignore": []}
+
+
+@needs_assets(WHISPER_BASE)
+def test_encoder_norms_hand_fp8_linears_their_output_quantized(tmp_path: Path) -> None:
+    """With every Linear in fp8, each pre-norm encoder layer's two norms quantize their output
+    for qkv_proj and fc1 (`Fp8Rows`; one kernel on a GPU); the transcripts and logprobs are
+    exactly those of the same model whose Linears quantize their input themselves. Under the
+    default recipe (encoder layers 0-1 kept) no norm of this 2-layer encoder does."""
+    from tests.models.test_whisper import make_builder, make_waves, run_all
+    from v1.models.layers.norm import LayerNorm
+    from v1.sampling_params import SamplingParams
+
+    path = make_tiny_whisper_dir(tmp_path)
+
+    def norms(core: EngineCore) -> list[LayerNorm]:
+        layers = runner_of(core).model.model.encoder.layers
+        return [n for layer in layers for n in (layer.self_attn_layer_norm, layer.final_layer_norm)]
+
+    default = make_whisper_core(path, quantization="fp8")
+    assert not any(n.fp8_output for n in norms(default))
+    results = []
+    for linked in (True, False):
+        core = make_whisper_core(path, quantization="fp8", fp8_ignore=[])
+        assert all(n.fp8_output for n in norms(core))
+        for n in norms(core):
+            n.fp8_output = linked
+        builder = make_builder(core)
+        params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2)
+        requests = [
+            builder.build(
+                f"r{i}", {"prompt": "", "language": "en", "multi_modal_data": {"audio": (w, 16_000)}}, params
+            )
+            for i, w in enumerate(make_waves(3, seed=7))
+        ]
+        results.append(run_all(core, requests))
+    assert results[0] == results[1]
+    assert len({tuple(r["tokens"]) for r in results[0].values()}) > 1, "outputs ignore the audio"

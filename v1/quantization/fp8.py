@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -46,6 +46,43 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The inverse of `quantize_rows` (up to fp8 rounding), in `dtype`."""
     return (q.float() * scale[..., None]).to(dtype)
+
+
+class Fp8Rows(NamedTuple):
+    """Activations already quantized per row, handed to an fp8 Linear instead of a tensor: what
+    a LayerNorm whose output feeds only fp8 Linears returns (`LayerNorm.fp8_output`), so the
+    norm's kernel writes 8-bit rows once and the Linear skips its quantizer pass."""
+
+    q: torch.Tensor
+    """[..., K] float8_e4m3fn."""
+    scale: torch.Tensor
+    """[...] float32, one per row."""
+    dtype: torch.dtype
+    """The activations' own dtype: the Linear's output dtype."""
+
+
+def fp8_rows(x: torch.Tensor) -> Fp8Rows:
+    """`quantize_activations` of x [..., K] as an `Fp8Rows`."""
+    q, scale = quantize_activations(x.reshape(-1, x.shape[-1]))
+    return Fp8Rows(q.view(x.shape), scale.view(x.shape[:-1]), x.dtype)
+
+
+def is_fp8_linear(layer: nn.Module) -> bool:
+    """Whether `layer` computes in fp8 (takes `Fp8Rows` inputs)."""
+    return isinstance(getattr(layer, "quant_method", None), Fp8LinearMethod)
+
+
+def link_fp8_norms(model: nn.Module) -> int:
+    """After quantizing: let every module that knows which norms feed which Linears (a
+    `link_fp8_norms` method, e.g. a pre-norm encoder layer) mark the norms whose consumers
+    are all fp8; returns how many norms hand over `Fp8Rows`."""
+    from v1.models.layers.norm import LayerNorm
+
+    for module in model.modules():
+        link = getattr(module, "link_fp8_norms", None)
+        if link is not None:
+            link()
+    return sum(isinstance(m, LayerNorm) and m.fp8_output for m in model.modules())
 
 
 # ---- GEMMs ----
@@ -155,30 +192,36 @@ class Fp8LinearMethod:
         """CPU only: id(layer) -> its dequantized float32 weight (the reference's right operand
         does not change, and recomputing it every call makes CPU tests slow)."""
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, gelu: bool = False) -> torch.Tensor:
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor | Fp8Rows, gelu: bool = False
+    ) -> torch.Tensor:
         """layer(x), or layer(GELU(x)) with `gelu` (an MLP's activation fused into this
-        layer's input quantizer)."""
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])  # [M, K]
-        x_q, x_scale = quantize_activations(x2, gelu)
+        layer's input quantizer); x may come quantized already (`Fp8Rows`)."""
+        if isinstance(x, Fp8Rows):
+            assert not gelu
+            shape, dtype, on_gpu = x.q.shape, x.dtype, x.q.is_cuda
+            x_q, x_scale = x.q.reshape(-1, shape[-1]), x.scale.reshape(-1)
+        else:
+            shape, dtype, on_gpu = x.shape, x.dtype, x.is_cuda
+            x_q, x_scale = quantize_activations(x.reshape(-1, shape[-1]), gelu)  # [M, K], [M]
         weight, weight_scale = layer.weight, layer.weight_scale
         n, k = weight.shape
         bias = layer.bias
-        if self.scaled_mm_out is not None and x2.is_cuda and n % 16 == 0 and k % 16 == 0:
+        if self.scaled_mm_out is not None and on_gpu and n % 16 == 0 and k % 16 == 0:
             fuse = self.fused_bias and bias is not None and bias.dtype == self.scaled_mm_out
             out = _scaled_mm(
                 x_q, x_scale, weight, weight_scale, self.scaled_mm_out, bias if fuse else None
             )
             if fuse:
                 bias = None
-        elif x2.is_cuda:
+        elif on_gpu:
             out = fp8_gemm_reference(x_q, x_scale, weight, weight_scale)
         else:
             w = self._dequantized.get(id(layer))
             if w is None:
                 w = self._dequantized[id(layer)] = weight.float() * weight_scale[:, None]
             out = (x_q.float() * x_scale[:, None]) @ w.T
-        out = out.to(x.dtype)
+        out = out.to(dtype)
         if bias is not None:
             out = out + bias
         return out.view(*shape[:-1], n)
@@ -207,12 +250,15 @@ def quantize_model_fp8(model: nn.Module, skip: set[str] | frozenset[str] = froze
     method = Fp8LinearMethod(out_dtype, fused_bias)
     for _, layer in layers:
         quantize_linear_(layer, method)
+    linked = link_fp8_norms(model)
     kept = [name for name, _ in linears if name in skip]
     logger.info(
-        "fp8: %d of %d Linear layers quantized (%s GEMM); kept in %s: %s",
+        "fp8: %d of %d Linear layers quantized (%s GEMM; %d norms quantize their output); "
+        "kept in %s: %s",
         len(layers),
         len(linears),
         "torch._scaled_mm" if method.scaled_mm_out is not None else "dequantize reference",
+        linked,
         param.dtype,
         _abbreviate(kept) if kept else "none",
     )

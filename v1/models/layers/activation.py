@@ -72,12 +72,12 @@ def linear_act(layer: Linear, act: nn.Module, x: torch.Tensor) -> torch.Tensor:
     the unfused path: within 0.004 at |y| < 8, the rounding of the GEMM output itself).
     `V1_GELU_EPILOGUE=0` turns it off; float32 and CPU always take the exact path."""
     if (
-        isinstance(act, GELU)
+        layer.quant_method is None  # first: an fp8 layer's x may be `Fp8Rows`, not a tensor
+        and isinstance(act, GELU)
         and envs.V1_GELU_EPILOGUE
         and x.is_cuda
         and x.dtype in (torch.float16, torch.bfloat16)
         and x.dim() == 2
-        and layer.quant_method is None
         and layer.bias is not None
     ):
         return torch._addmm_activation(layer.bias, x, layer.weight.t(), use_gelu=True)

@@ -3,10 +3,14 @@ LayerNorm (GPT-2, BERT, BART, Whisper). Both normalize in float32 and cast back.
 
 `add_layer_norm` is the residual add followed by a LayerNorm; on CUDA, for 16-bit batches of
 many rows (or inside a CUDA-graph capture), it runs as one Triton kernel
-(`v1/models/layers/triton_norm.py`), whose reference is the unfused torch path here.
+(`v1/models/layers/triton_norm.py`), whose reference is the unfused torch path here. A LayerNorm
+whose output feeds only fp8 Linears (`fp8_output`) hands it over quantized per row
+(`v1.quantization.fp8.Fp8Rows`), from the same kernel.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +49,9 @@ class LayerNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(hidden_size), requires_grad=False) if bias else None
         self.eps = eps
+        self.fp8_output = False
+        """Every consumer of the output is an fp8 Linear (set after quantizing, by the layer
+        that owns the norm): `add_layer_norm` and `linear_input` return `Fp8Rows`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
@@ -74,23 +81,47 @@ def _fused(x: torch.Tensor) -> bool:
     )
 
 
+def linear_input(norm: LayerNorm, y: torch.Tensor) -> Any:
+    """A norm's output y as its Linears take it: y, or `Fp8Rows` of y (`norm.fp8_output`)."""
+    if not norm.fp8_output:
+        return y
+    from v1.quantization.fp8 import fp8_rows
+
+    return fp8_rows(y)
+
+
 def add_layer_norm(
     x: torch.Tensor,
     residual: torch.Tensor,
     norm: LayerNorm,
     store_residual: bool = True,
     clamp: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> tuple[Any, torch.Tensor | None]:
     """(norm(h), h) with h = x + residual, clamped to +-clamp when given (h is None unless
     `store_residual`): a pre-norm block's residual stream and the next sub-block's input, or
-    (store_residual=False) a post-norm block's output."""
+    (store_residual=False) a post-norm block's output. norm(h) comes as `linear_input` gives
+    it (quantized in the same kernel when fused)."""
     if _fused(x) and residual.stride(-1) == 1:
         from v1.models.layers.triton_norm import add_layer_norm_triton
 
-        return add_layer_norm_triton(
-            x, residual, norm.weight, norm.bias, norm.eps, store_residual, clamp
+        if not norm.fp8_output:
+            return add_layer_norm_triton(
+                x, residual, norm.weight, norm.bias, norm.eps, store_residual, clamp
+            )
+        from v1.quantization.fp8 import _MIN_SCALE, FP8_DTYPE, FP8_MAX, Fp8Rows
+
+        (q, scale), h = add_layer_norm_triton(
+            x,
+            residual,
+            norm.weight,
+            norm.bias,
+            norm.eps,
+            store_residual,
+            clamp,
+            fp8=(FP8_DTYPE, FP8_MAX, _MIN_SCALE),
         )
+        return Fp8Rows(q, scale, x.dtype), h
     h = x + residual
     if clamp is not None:
         h = h.clamp(-clamp, clamp)
-    return norm(h), (h if store_residual else None)
+    return linear_input(norm, norm(h)), (h if store_residual else None)

@@ -6,6 +6,10 @@ one write).
                                    clamped to +-clamp when asked (fp16 encoder layers)
     y = LayerNorm(h) * weight + b  computed in float32 from the rounded h
 
+With `fp8` the kernel also quantizes y per row for an fp8 Linear (`quantize_rows` of y rounded
+to x's dtype): one write of 8-bit rows and their scales instead of a 16-bit write, a quantizer
+read and its write.
+
 The torch reference is the unfused path of `v1.models.layers.norm.add_layer_norm`.
 """
 
@@ -24,6 +28,7 @@ def _add_layer_norm_kernel(
     NormBias,
     Out,
     ResidualOut,
+    Scale,
     num_rows,
     stride_x,
     stride_r,
@@ -31,12 +36,15 @@ def _add_layer_norm_kernel(
     stride_ro,
     eps,
     clamp,
+    fp8_max,
+    min_scale,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     ROWS: tl.constexpr,
     CLAMP: tl.constexpr,
     HAS_NORM_BIAS: tl.constexpr,
     STORE_RESIDUAL: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_D)
@@ -60,6 +68,13 @@ def _add_layer_norm_kernel(
     y = centered * rstd[:, None] * w[None, :]
     if HAS_NORM_BIAS:
         y += tl.load(NormBias + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    if FP8:
+        # quantize_rows of y in x's dtype: the reciprocal of the scale correctly rounded.
+        y = y.to(X.dtype.element_ty).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(y), axis=1) / fp8_max, min_scale)
+        inv = tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), scale)
+        y = tl.minimum(tl.maximum(y * inv[:, None], -fp8_max), fp8_max)
+        tl.store(Scale + rows64, scale, mask=row_mask)
     tl.store(
         Out + rows64[:, None] * stride_o + cols[None, :], y.to(Out.dtype.element_ty), mask=mask
     )
@@ -73,17 +88,23 @@ def add_layer_norm_triton(
     eps: float,
     store_residual: bool = True,
     clamp: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    fp8: tuple[torch.dtype, float, float] | None = None,
+) -> tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]:
     """x, residual [T, D] (same dtype; rows may be strided, columns contiguous) ->
     (LayerNorm(h), h) with h = x + residual (clamped to +-clamp); h is None unless
-    `store_residual`."""
+    `store_residual`. With `fp8` = (fp8 dtype, its max, the smallest scale), LayerNorm(h)
+    comes quantized per row: (q [T, D], float32 scales [T])."""
     assert x.shape == residual.shape and x.dim() == 2, (x.shape, residual.shape)
     assert x.stride(1) == 1 and residual.stride(1) == 1
     num_rows, d = x.shape
-    out = torch.empty((num_rows, d), dtype=x.dtype, device=x.device)
-    residual_out = torch.empty_like(out) if store_residual else None
+    out = torch.empty((num_rows, d), dtype=fp8[0] if fp8 else x.dtype, device=x.device)
+    scale = torch.empty(num_rows, dtype=torch.float32, device=x.device) if fp8 else None
+    residual_out = (
+        torch.empty((num_rows, d), dtype=x.dtype, device=x.device) if store_residual else None
+    )
+    normed = (out, scale) if scale is not None else out
     if num_rows == 0:
-        return out, residual_out
+        return normed, residual_out
     block_d = triton.next_power_of_2(d)
     # About 4K elements per program: several rows for narrow models.
     rows = max(1, min(16, 4096 // block_d))
@@ -96,6 +117,7 @@ def add_layer_norm_triton(
         norm_bias if norm_bias is not None else weight,
         out,
         residual_out if residual_out is not None else out,
+        scale if scale is not None else weight,  # an unused pointer without fp8
         num_rows,
         x.stride(0),
         residual.stride(0),
@@ -103,12 +125,15 @@ def add_layer_norm_triton(
         residual_out.stride(0) if residual_out is not None else 0,
         eps,
         clamp if clamp is not None else 0.0,
+        fp8[1] if fp8 else 0.0,
+        fp8[2] if fp8 else 0.0,
         D=d,
         BLOCK_D=block_d,
         ROWS=rows,
         CLAMP=clamp is not None,
         HAS_NORM_BIAS=norm_bias is not None,
         STORE_RESIDUAL=store_residual,
+        FP8=fp8 is not None,
         num_warps=num_warps,
     )
-    return out, residual_out
+    return normed, residual_out
