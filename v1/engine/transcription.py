@@ -269,8 +269,9 @@ class _SyncRun:
     the host prepares the next files' requests, and every step() finds the next step's files
     already queued, so it launches step N+1 before it reads back step N. With one step's worth
     at a time the engine had nothing to launch ahead: the device idled between encoder steps
-    while the host read back, started the next files and scheduled them (~37 ms of each
-    ~180 ms step at large-v3 turbo's shape, 256 clips, H100)."""
+    while the host read back, started the next files and scheduled them (H100, large-v3-turbo
+    shape, 256 clips x 1 token, `benchmarks/profile_step.py --tokens 1`: 1.53 -> 1.32 s; at
+    100 tokens the decode steps already kept the pipeline full)."""
 
     def __init__(
         self, engine: Any, plans: list[Plan], max_active: int, files_per_step: int = 1 << 30
