@@ -420,13 +420,20 @@ def test_absorbed_cross_attention_reads_fp8_projections(bart_dir: str) -> None:
         bart_dir, quantization="fp8", fp8_ignore=only_kv, cross_attention="absorbed"
     )
     decoder = runner_of(absorbed_core).model.model.decoder
-    assert decoder.layers[0].encoder_attn.kv_proj.weight.dtype == FP8_DTYPE
+    kv_proj = decoder.layers[0].encoder_attn.kv_proj
+    assert kv_proj.weight.dtype == FP8_DTYPE
+    # Absorbed multiplies per token with W_k, W_v: dequantized once, not every step.
+    assert torch.equal(
+        kv_proj.absorbed_weight,
+        dequantize_rows(kv_proj.weight, kv_proj.weight_scale, torch.float32),
+    )
     assert decoder.layers[0].encoder_attn.out_proj.weight.dtype == torch.float32
     reference_core = make_core(
         bart_dir, quantization="fp8", fp8_ignore=only_kv, cross_attention="per_layer"
     )
     for layer in runner_of(reference_core).model.model.decoder.layers:
         proj = layer.encoder_attn.kv_proj
+        assert getattr(proj, "absorbed_weight", None) is None  # per_layer: the fp8 GEMM
         weight = dequantize_rows(proj.weight, proj.weight_scale, torch.float32)
         proj.weight = torch.nn.Parameter(weight, requires_grad=False)
         proj.quant_method = None

@@ -191,7 +191,9 @@ def test_encoder_norms_hand_fp8_linears_their_output_quantized(tmp_path: Path) -
         params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2)
         requests = [
             builder.build(
-                f"r{i}", {"prompt": "", "language": "en", "multi_modal_data": {"audio": (w, 16_000)}}, params
+                f"r{i}",
+                {"prompt": "", "language": "en", "multi_modal_data": {"audio": (w, 16_000)}},
+                params,
             )
             for i, w in enumerate(make_waves(3, seed=7))
         ]

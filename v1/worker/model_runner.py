@@ -33,11 +33,14 @@ from v1.kv_cache.spec import (
     KVCacheSpec,
     encoder_states_spec_in_pool,
 )
+from v1.logger import init_logger
 from v1.worker.attn_metadata import AttentionMetadataFactory
 from v1.worker.input_batch import InputBatch
 from v1.worker.kv_cache_views import KVBlockCopier, LayerCache, allocate_kv_cache
 from v1.worker.model_states import ModelState, StateContext, make_model_state
 from v1.worker.step_inputs import StepInputs, padded_num_tokens, pads_tokens
+
+logger = init_logger(__name__)
 
 
 class ModelRunner:
@@ -104,6 +107,12 @@ class ModelRunner:
         for layer in self.attn_layers.values():
             if isinstance(layer, EncoderDecoderAttention):
                 layer.absorbed = mode == "absorbed"
+        if self.model is not None:
+            from v1.attention.ops.absorbed_cross_attention import dequantize_for_absorbed
+
+            absorbed = mode == "absorbed" and self.has_cross_attention
+            if dequantize_for_absorbed(self.model, self.dtype if absorbed else None):
+                logger.info("absorbed cross-attention: fp8 K/V projections dequantized once")
 
     @property
     def has_cross_attention(self) -> bool:
