@@ -462,13 +462,21 @@ def test_fp8_mlp_takes_its_gelu_in_the_input_quantizer() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_triton_quantizer_applies_gelu_first(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("epilogue", [True, False])
+def test_triton_quantizer_applies_gelu_first(
+    dtype: torch.dtype, epilogue: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tanh form of GELU, as the 16-bit GEMM epilogue; the erf form with
+    V1_GELU_EPILOGUE=0."""
+    from v1 import envs
     from v1.quantization.fp8 import quantize_activations
 
+    monkeypatch.setattr(envs, "V1_GELU_EPILOGUE", epilogue)
     gen = torch.Generator().manual_seed(3)
     x = (torch.randn(257, 5120, generator=gen) * 3).to("cuda", dtype)
     q, scale = quantize_activations(x, gelu=True)
-    q_ref, scale_ref = quantize_rows(torch.nn.functional.gelu(x))
+    form = "tanh" if epilogue else "none"
+    q_ref, scale_ref = quantize_rows(torch.nn.functional.gelu(x, approximate=form))
     torch.testing.assert_close(scale, scale_ref, rtol=1e-2, atol=0)
     diff = (q.float() * scale[:, None] - q_ref.float() * scale_ref[:, None]).abs()
     assert float((diff / (q_ref.float() * scale_ref[:, None]).abs().clamp(min=1e-2)).max()) < 0.15
