@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from v1.core.admission import checked_ids
 from v1.core.protocol import EngineCoreRequest, now
 from v1.engine.inputs.base import TokenInputBuilder, check_keys, check_text, opt_list
 from v1.pooling_params import PoolingParams, PoolingParamsError
@@ -91,9 +92,11 @@ class EncoderOnlyInputBuilder(TokenInputBuilder):
             )
         if type_ids is not None:
             limit = self.type_vocab_size
-            if len(type_ids) != len(ids) or any(not 0 <= t < limit for t in type_ids):
+            checked = checked_ids(type_ids, limit)
+            if checked is None or len(checked) != len(ids):
                 raise ValueError(
                     f"token_type_ids must be one id in [0, {limit}) per input token "
                     f"({len(ids)} tokens, {len(type_ids)} type ids)"
                 )
+            type_ids = checked
         return self.fit_encoder(ids, type_ids, truncate, pair=pair)
