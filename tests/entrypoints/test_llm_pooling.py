@@ -271,3 +271,19 @@ def test_invalid_prompt_in_a_pooling_batch_aborts_the_queued_ones(scorer: LLM) -
     assert stats["num_running_reqs"] == 0 and stats["num_waiting_reqs"] == 0
     (ok,) = scorer.embed(prompts[:1], use_tqdm=False)
     assert ok.error is None and len(ok.outputs.embedding) == 32
+
+
+def test_per_prompt_pooling_params_stay_per_prompt(scorer: LLM) -> None:
+    """A batch shares one clone of a shared params object; distinct ones keep their options."""
+    raw, unit = PoolingParams(normalize=False), PoolingParams()
+    texts = ["the quick brown fox", "hello world", "gold"]
+    outputs = scorer.embed(texts, [raw, unit, raw], use_tqdm=False)
+    norms = [np.linalg.norm(o.outputs.embedding) for o in outputs]
+    assert norms[1] == pytest.approx(1.0, abs=1e-5)
+    assert abs(norms[0] - 1.0) > 1e-3 and abs(norms[2] - 1.0) > 1e-3
+    shared = scorer.embed(texts, unit, use_tqdm=False)
+    assert [o.outputs.embedding for o in shared][1] == outputs[1].outputs.embedding
+    assert raw.task == "embed" and raw.truncate_prompt_tokens is None  # the caller's untouched
+    clipped = scorer.embed(texts, raw, truncate_prompt_tokens=2, use_tqdm=False)
+    assert [len(o.prompt_token_ids) for o in clipped] == [2, 2, 2]
+    assert raw.truncate_prompt_tokens is None

@@ -322,15 +322,21 @@ class LLM:
         if "embed" not in self.model_info.supported_tasks:
             raise ValueError(f"{mc.architecture} is a generative model: use generate, not {task}")
         count = len(_as_list(prompts))
-        params = _per_prompt(
-            pooling_params, count, lambda: PoolingParams(task=task), PoolingParams, "pooling_params"
-        )
+        if pooling_params is None:
+            pooling_params = PoolingParams(task=task)
+        params = _per_prompt(pooling_params, count, PoolingParams, PoolingParams, "pooling_params")
         changes: dict[str, Any] = {}
         if truncate_prompt_tokens is not None:
             if truncate_prompt_tokens == -1:
                 truncate_prompt_tokens = mc.max_encoder_len
             changes["truncate_prompt_tokens"] = truncate_prompt_tokens
-        return [p.clone(task=task, **changes) for p in params]
+        # One clone per distinct object: a batch sharing one params object (the default, or
+        # one passed for all) shares its clone, as `generate` shares SamplingParams.
+        clones: dict[int, PoolingParams] = {}
+        for p in params:
+            if id(p) not in clones:
+                clones[id(p)] = p.clone(task=task, **changes)
+        return [clones[id(p)] for p in params]
 
     def _run(
         self,
