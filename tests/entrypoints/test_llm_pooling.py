@@ -271,6 +271,11 @@ def test_invalid_prompt_in_a_pooling_batch_aborts_the_queued_ones(scorer: LLM) -
     assert stats["num_running_reqs"] == 0 and stats["num_waiting_reqs"] == 0
     (ok,) = scorer.embed(prompts[:1], use_tqdm=False)
     assert ok.error is None and len(ok.outputs.embedding) == 32
+    texts = ["the quick brown fox"] * 100
+    texts[70] = ""  # in the second chunk of texts tokenized together
+    with pytest.raises(ValueError, match=r"prompt 70: .*empty"):
+        scorer.embed(texts, use_tqdm=False)
+    assert not scorer.llm_engine.has_unfinished_requests()
 
 
 def test_per_prompt_pooling_params_stay_per_prompt(scorer: LLM) -> None:

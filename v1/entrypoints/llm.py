@@ -395,6 +395,10 @@ class LLM:
         return outputs
 
 
+PRETOKENIZE_CHUNK = 64
+"""Pooling prompts tokenized together (the feed processes prompts as the steps need them)."""
+
+
 class _Feed:
     """A batch's requests, handed to the engine in input order as its steps need them.
 
@@ -425,6 +429,9 @@ class _Feed:
         self.pooling_depth = pooling_depth
         self.processed: list[list[Any] | None] = [None] * len(items)
         """Core requests of prompts processed but not added yet."""
+        self.to_build = [prompt for _, prompt, _, _ in items]
+        """The prompts as `process_request` takes them (pooling: pretokenized a chunk ahead)."""
+        self.num_pretokenized = 0
         self.next = 0
         self.added: list[str] = []
         self.unfinished: dict[str, int] = {}
@@ -466,9 +473,13 @@ class _Feed:
         return len(self.unfinished) >= self.window
 
     def _process(self, i: int) -> list[Any]:
-        req_id, prompt, params, priority = self.items[i]
+        req_id, _, params, priority = self.items[i]
+        if self.pooling_depth is not None and i >= self.num_pretokenized:
+            end = min(i + PRETOKENIZE_CHUNK, len(self.items))
+            self.to_build[i:end] = self.engine.pretokenize(self.to_build[i:end])
+            self.num_pretokenized = end
         try:
-            return self.engine.process_request(req_id, prompt, params, priority)
+            return self.engine.process_request(req_id, self.to_build[i], params, priority)
         except ValueError as e:
             if len(self.items) == 1:
                 raise

@@ -78,6 +78,11 @@ class InputBuilder(ABC):
         """Another n > 1 child of the prompt `first` was built from (`params`: its seed)."""
         return self.build(request_id, prompt, params, priority=priority)
 
+    def pretokenize(self, prompts: list[Any]) -> list[Any]:
+        """`prompts` for `build`, with the texts this builder tokenizes one by one tokenized in
+        one call (a fast tokenizer runs a batch on its own threads). The default: unchanged."""
+        return prompts
+
     def prompt_texts(self, prompt: Any) -> tuple[str | None, str | None]:
         """(decoder prompt text, encoder prompt text) of a prompt, for RequestOutput."""
         if isinstance(prompt, dict) and "encoder_prompt" in prompt:
