@@ -479,11 +479,13 @@ class _Feed:
             self.to_build[i:end] = self.engine.pretokenize(self.to_build[i:end])
             self.num_pretokenized = end
         try:
-            return self.engine.process_request(req_id, self.to_build[i], params, priority)
+            core_requests = self.engine.process_request(req_id, self.to_build[i], params, priority)
         except ValueError as e:
             if len(self.items) == 1:
                 raise
             raise ValueError(f"prompt {i}: {e}") from e
+        self.to_build[i] = None  # its tokens live on in the request
+        return core_requests
 
 
 def _as_list(prompts: Any) -> list[Any]:
