@@ -5,6 +5,7 @@ that neither blocks behind a request that cannot run now nor starves it."""
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 import pytest
 
 from tests.core.fakes import (
@@ -16,6 +17,7 @@ from tests.core.fakes import (
     to_core_request,
 )
 from v1.core import scheduler as scheduler_module
+from v1.core.admission import checked_ids
 from v1.core.protocol import EncoderInput, EngineCoreRequest, FinishReason
 from v1.core.scheduler import MAX_SKIPS_PER_STEP
 from v1.kv_cache.capacity import max_tokens_that_fit, num_blocks_needed
@@ -104,6 +106,28 @@ def test_out_of_range_numbers_fail_only_their_request(changes):
     for r in honest:
         assert sum(len(o.new_token_ids) for o in outs if o.request_id == r.request_id) == 4
     assert core.get_stats()["num_kv_requests"] == 0
+
+
+@pytest.mark.parametrize(
+    ("ids", "expected"),
+    [
+        ([0, 5, 9], [0, 5, 9]),
+        ((1, 2), [1, 2]),
+        ([], []),
+        ([0, 10], None),
+        ([-1], None),
+        ([True], None),
+        ([1.0], None),
+        ([np.int64(1)], None),
+        (["1"], None),
+        ([None], None),
+        ([2**70], None),
+    ],
+)
+def test_checked_ids_takes_plain_ints_in_range_only(ids, expected):
+    checked = checked_ids(ids, 10)
+    assert checked == expected
+    assert checked is None or (type(checked) is list and checked is not ids)
 
 
 def test_out_of_vocab_prompt_and_encoder_ids_fail_alone():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -436,6 +437,10 @@ def test_encoder_only_inputs(bert: InputProcessor, wordpiece) -> None:
     [
         ({"prompt_token_ids": [2, 100, 3], "token_type_ids": [0, 0]}, "token_type_ids"),
         ({"prompt_token_ids": [2, 100, 3], "token_type_ids": [0, 5, 0]}, "token_type_ids"),
+        ({"prompt_token_ids": [2, 100, 3], "token_type_ids": [0, "1", 0]}, "token_type_ids"),
+        ({"prompt_token_ids": [2, 100, 3], "token_type_ids": [0, True, 0]}, "token_type_ids"),
+        ({"prompt_token_ids": [2, np.int64(100), 3]}, "ints"),
+        ({"prompt_token_ids": (2, 100, None)}, "ints"),
         ({"text": "hello", "text_pair": ""}, "empty"),
         ({"text": "hello", "text_pair": 3}, "string"),
         ({"encoder_prompt": "a", "decoder_prompt": "b"}, "encoder-decoder"),
@@ -445,6 +450,35 @@ def test_encoder_only_inputs(bert: InputProcessor, wordpiece) -> None:
 def test_invalid_encoder_only_inputs(bert: InputProcessor, prompt: Any, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         bert.process("r", prompt, PoolingParams())
+
+
+def test_pretokenized_encoder_only_prompts_build_the_same_requests(bert: InputProcessor) -> None:
+    """`pretokenize` tokenizes a batch's texts and text pairs together; each request it builds
+    is the one its own prompt builds (truncation of long texts and pairs included), and a
+    prompt that fails fails with the same error."""
+    prompts: list[Any] = [
+        "hello world",
+        {"text": "hello", "text_pair": "the dog"},
+        {"prompt_token_ids": [2, 100, 3]},
+        "the " * 30,
+        {"text": "the quick brown fox " * 4, "text_pair": "the lazy dog " * 4},
+        "gold",
+        "",
+        {"text": "hello", "text_pair": ""},
+        {"prompt": "a query document"},
+        {"text": "all that glitters", "text_pair": "is not gold"},
+    ]
+    pre = bert.builder.pretokenize(prompts)
+    assert sum(p is not q for p, q in zip(prompts, pre, strict=True)) == 6
+    for params in (PoolingParams(), PoolingParams(truncate_prompt_tokens=10)):
+        for prompt, built in zip(prompts, pre, strict=True):
+            try:
+                expected = bert.process("r", prompt, params, arrival_time=1.0)
+            except ValueError as e:
+                with pytest.raises(ValueError, match=re.escape(str(e))):
+                    bert.process("r", built, params, arrival_time=1.0)
+                continue
+            assert bert.process("r", built, params, arrival_time=1.0) == expected
 
 
 def test_encoder_only_truncation(bert: InputProcessor, wordpiece) -> None:

@@ -172,3 +172,123 @@ def test_async_scheduling_gives_the_same_results(scorer_dir: str, multiprocess: 
     # Equal up to float rounding: steps are composed differently when some run in flight.
     np.testing.assert_allclose(np.array(results[0][0]), np.array(results[1][0]), atol=1e-6)
     np.testing.assert_allclose(results[0][1], results[1][1], atol=1e-6)
+
+
+# ---- a batch fed as the steps go ----
+def _token_prompts(num: int, seed: int = 0) -> list[dict[str, list[int]]]:
+    """Token-id inputs of 3-64 tokens: some do not fit a step's remaining budget and are
+    passed over for later ones that do."""
+    rng = np.random.default_rng(seed)
+    return [
+        {"prompt_token_ids": [2, *rng.integers(5, 60, size=int(n) - 2).tolist(), 3]}
+        for n in rng.integers(3, 65, size=num)
+    ]
+
+
+def _record_steps(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """The request ids of each step the in-process core schedules from now on."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    schedule = scheduler.schedule
+    steps: list[list[str]] = []
+
+    def recording() -> Any:
+        so = schedule()
+        if so.total_num_scheduled_tokens:
+            steps.append(list(so.num_scheduled_tokens))
+        return so
+
+    monkeypatch.setattr(scheduler, "schedule", recording)
+    return steps
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("max_num_seqs", [4, 64])
+def test_embed_runs_the_steps_of_the_whole_batch_queued(
+    scorer_dir: str, async_scheduling: bool, max_num_seqs: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`embed` adds its inputs as the steps need them, yet every step holds the requests it
+    would hold with the whole batch queued at once, so the embeddings are those, to the bit
+    (they are not under other step compositions: float sums in other orders), in input
+    order. max_num_seqs=4: the feed is bounded by its number of requests; 64: by tokens."""
+    prompts = _token_prompts(60)
+    args = dict(
+        ENGINE_ARGS,
+        max_num_batched_tokens=64,
+        max_num_seqs=max_num_seqs,
+        async_scheduling=async_scheduling,
+    )
+    with LLM(scorer_dir, **args) as llm:
+        engine = llm.llm_engine
+        steps = _record_steps(llm, monkeypatch)
+        for i, prompt in enumerate(prompts):  # the reference: everything queued first
+            engine.add_request(f"ref-{i}", prompt, PoolingParams(task="embed"))
+        reference: dict[int, np.ndarray] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                reference[int(out.request_id.removeprefix("ref-"))] = out.outputs.data
+        ref_steps = [[int(r.removeprefix("ref-")) for r in step] for step in steps]
+        steps.clear()
+        outputs = llm.embed(prompts, use_tqdm=False)
+        index = {o.request_id: i for i, o in enumerate(outputs)}
+        assert [[index[r] for r in step] for step in steps] == ref_steps
+    # Many steps, some of which took later inputs past one that did not fit.
+    assert len(ref_steps) > 10 and any(s != list(range(s[0], s[0] + len(s))) for s in ref_steps)
+    for i, out in enumerate(outputs):
+        assert out.prompt_token_ids == prompts[i]["prompt_token_ids"]
+        np.testing.assert_array_equal(np.asarray(out.outputs.embedding), reference[i])
+
+
+def test_embed_starts_the_device_before_processing_the_whole_batch(
+    scorer: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = scorer.llm_engine
+    process = engine.process_request
+    processed: list[int] = []
+    monkeypatch.setattr(
+        engine,
+        "process_request",
+        lambda *a, **k: processed.append(1) or process(*a, **k),
+    )
+    scheduler = engine.engine_core.engine_core.scheduler
+    schedule = scheduler.schedule
+    at_first_step: list[int] = []
+    monkeypatch.setattr(
+        scheduler, "schedule", lambda: at_first_step.append(len(processed)) or schedule()
+    )
+    prompts = _token_prompts(200, seed=1)
+    outputs = scorer.embed(prompts, use_tqdm=False)
+    assert len(processed) == len(prompts) and len(outputs) == len(prompts)
+    # max_num_seqs=4: 4 + MAX_SKIPS_PER_STEP unfinished requests feed any step.
+    assert 0 < at_first_step[0] <= 20
+
+
+def test_invalid_prompt_in_a_pooling_batch_aborts_the_queued_ones(scorer: LLM) -> None:
+    prompts = [*_token_prompts(40, seed=2), {"prompt_token_ids": [2, 10**6, 3]}]
+    with pytest.raises(ValueError, match=r"prompt 40: .*vocabulary"):
+        scorer.embed(prompts, use_tqdm=False)
+    assert not scorer.llm_engine.has_unfinished_requests()
+    stats = scorer.llm_engine.get_stats()
+    assert stats["num_running_reqs"] == 0 and stats["num_waiting_reqs"] == 0
+    (ok,) = scorer.embed(prompts[:1], use_tqdm=False)
+    assert ok.error is None and len(ok.outputs.embedding) == 32
+    texts = ["the quick brown fox"] * 100
+    texts[70] = ""  # in the second chunk of texts tokenized together
+    with pytest.raises(ValueError, match=r"prompt 70: .*empty"):
+        scorer.embed(texts, use_tqdm=False)
+    assert not scorer.llm_engine.has_unfinished_requests()
+
+
+def test_per_prompt_pooling_params_stay_per_prompt(scorer: LLM) -> None:
+    """A batch shares one clone of a shared params object; distinct ones keep their options."""
+    raw, unit = PoolingParams(normalize=False), PoolingParams()
+    texts = ["the quick brown fox", "hello world", "gold"]
+    outputs = scorer.embed(texts, [raw, unit, raw], use_tqdm=False)
+    norms = [np.linalg.norm(o.outputs.embedding) for o in outputs]
+    assert norms[1] == pytest.approx(1.0, abs=1e-5)
+    assert abs(norms[0] - 1.0) > 1e-3 and abs(norms[2] - 1.0) > 1e-3
+    shared = scorer.embed(texts, unit, use_tqdm=False)
+    assert [o.outputs.embedding for o in shared][1] == outputs[1].outputs.embedding
+    assert raw.task == "embed" and raw.truncate_prompt_tokens is None  # the caller's untouched
+    clipped = scorer.embed(texts, raw, truncate_prompt_tokens=2, use_tqdm=False)
+    assert [len(o.prompt_token_ids) for o in clipped] == [2, 2, 2]
+    assert raw.truncate_prompt_tokens is None

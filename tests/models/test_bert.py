@@ -461,6 +461,44 @@ def test_pooler_mixes_tasks_in_one_batch() -> None:
     assert all(o.dtype == np.float32 for o in out)
 
 
+def test_pooler_results_of_a_mixed_step_are_each_requests_own() -> None:
+    """Every task and option in one step, interleaved: each request gets what the pooler gives
+    it alone, in its place (the results travel stacked per group of equal options)."""
+    config = ModelPoolingConfig(
+        pooling_modes=("mean", "cls"),
+        hidden_size=4,
+        num_labels=2,
+        classifier_activation="softmax",
+        is_matryoshka=True,
+    )
+    weight = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))
+    pooler = Pooler(config, classify=lambda h: h @ weight.T)
+    params = [
+        PoolingParams(task="score"),
+        PoolingParams(task="encode", normalize=True),
+        PoolingParams(dimensions=3),
+        PoolingParams(task="classify", activation=False),
+        PoolingParams(),
+        PoolingParams(task="encode"),
+        PoolingParams(task="classify"),
+        PoolingParams(normalize=False),
+    ]
+    lengths = [3, 1, 4, 2, 5, 3, 2, 1]
+    hidden = torch.randn(sum(lengths), 4, generator=torch.Generator().manual_seed(0))
+    out = pooler(hidden, PoolingSegments.from_lengths(np.array(lengths), hidden.device), params)
+    assert len(out) == len(params)
+    start = 0
+    for n, p, result in zip(lengths, params, out, strict=True):
+        seg = PoolingSegments.from_lengths(np.array([n]), hidden.device)
+        (alone,) = pooler(hidden[start : start + n], seg, [p])
+        start += n
+        assert result.dtype == np.float32 and result.shape == alone.shape
+        np.testing.assert_allclose(result, alone, rtol=0, atol=1e-6)
+    assert out[1].shape == (1, 4) and out[5].shape == (3, 4)  # encode: per token
+    assert out[2].shape == (3,) and out[4].shape == (8,)  # dimensions; two pooling modes
+    np.testing.assert_array_equal(out[5], hidden[15:18].numpy())
+
+
 # ---- sentence-transformers folders ----
 @pytest.mark.skipif(not MINILM.is_dir(), reason="needs ../shared/assets/all-MiniLM-L6-v2")
 def test_minilm_pooling_config() -> None:

@@ -8,7 +8,10 @@ failed step for everyone.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import functools
+from typing import TYPE_CHECKING, Annotated, Any
+
+import msgspec
 
 from v1.config import EngineConfig
 from v1.core.protocol import EngineCoreRequest
@@ -156,9 +159,23 @@ def _in_range(value: object, limit: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < limit
 
 
+def checked_ids(ids: Any, limit: int) -> list[int] | None:
+    """A new list of `ids` (a list or tuple) if every one is a plain int in [0, limit) (no
+    bools), else None: the caller looks for the culprit to name it. One pass at C speed
+    (msgspec), where a type pass, min and max took 4x longer per request."""
+    try:
+        return msgspec.convert(ids, _ids_type(limit))
+    except msgspec.ValidationError:
+        return None
+
+
+@functools.lru_cache(maxsize=16)
+def _ids_type(limit: int) -> Any:
+    return list[Annotated[int, msgspec.Meta(ge=0, lt=limit)]]
+
+
 def _check_ids(ids: list[int], limit: int, what: str) -> None:
-    # Fast path at C speed: all plain ints inside the range.
-    if set(map(type, ids)) <= {int} and (not ids or (min(ids) >= 0 and max(ids) < limit)):
+    if checked_ids(ids, limit) is not None:
         return
     for t in ids:
         if not _in_range(t, limit):

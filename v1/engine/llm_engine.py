@@ -58,6 +58,12 @@ class LLMEngine:
         completion). Raises ValueError on invalid input."""
         return self.input_processor.process_all(request_id, prompt, params, priority=priority)
 
+    def pretokenize(self, prompts: list[Any]) -> list[Any]:
+        """`prompts` with the texts the model's input builder tokenizes tokenized in one call
+        (a fast tokenizer runs a batch on its threads); `process_request` takes each result as
+        it takes the prompt it came from."""
+        return self.input_processor.builder.pretokenize(prompts)
+
     def add_request(
         self,
         request_id: str,

@@ -1,8 +1,10 @@
 """The offline API: `LLM(model).generate(...)`, `.embed`, `.classify`, `.score`, `.rerank`.
 
-Every prompt of a batch is validated before any is queued (invalid input raises ValueError and
-the engine keeps serving); results come back in input order. A request the engine fails makes
-the call raise `RequestFailedError` at the end, carrying every output.
+Invalid input raises ValueError naming the prompt, and the engine keeps serving: `generate`
+validates every prompt of a batch before any is queued; the pooling calls process each prompt
+as the steps need it (the device starts at once) and abort what was queued. Results come back
+in input order. A request the engine fails makes the call raise `RequestFailedError` at the
+end, carrying every output.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from tqdm.auto import tqdm
 
 from v1 import envs
 from v1.config import EngineConfig, make_engine_config
+from v1.core.queue_depth import PoolingQueueDepth
 from v1.engine.beam_search import (
     BeamSearchOutput,
     BeamSearchParams,
@@ -319,15 +322,21 @@ class LLM:
         if "embed" not in self.model_info.supported_tasks:
             raise ValueError(f"{mc.architecture} is a generative model: use generate, not {task}")
         count = len(_as_list(prompts))
-        params = _per_prompt(
-            pooling_params, count, lambda: PoolingParams(task=task), PoolingParams, "pooling_params"
-        )
+        if pooling_params is None:
+            pooling_params = PoolingParams(task=task)
+        params = _per_prompt(pooling_params, count, PoolingParams, PoolingParams, "pooling_params")
         changes: dict[str, Any] = {}
         if truncate_prompt_tokens is not None:
             if truncate_prompt_tokens == -1:
                 truncate_prompt_tokens = mc.max_encoder_len
             changes["truncate_prompt_tokens"] = truncate_prompt_tokens
-        return [p.clone(task=task, **changes) for p in params]
+        # One clone per distinct object: a batch sharing one params object (the default, or
+        # one passed for all) shares its clone, as `generate` shares SamplingParams.
+        clones: dict[int, PoolingParams] = {}
+        for p in params:
+            if id(p) not in clones:
+                clones[id(p)] = p.clone(task=task, **changes)
+        return [clones[id(p)] for p in params]
 
     def _run(
         self,
@@ -336,33 +345,25 @@ class LLM:
         use_tqdm: bool,
         priority: Sequence[int] | None,
     ) -> list[Any]:
-        """Validates every prompt, queues them all, steps until done; outputs in input order."""
+        """Feeds the batch to the engine (see _Feed) and steps until done; outputs in input
+        order."""
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts")
         engine = self.llm_engine
         req_ids = [str(next(self._counter)) for _ in prompts]
-        processed = []
-        for i, (req_id, prompt, p) in enumerate(zip(req_ids, prompts, params, strict=True)):
-            try:
-                processed.append(
-                    engine.process_request(req_id, prompt, p, priority[i] if priority else 0)
-                )
-            except ValueError as e:
-                if len(prompts) == 1:
-                    raise
-                raise ValueError(f"prompt {i}: {e}") from e
-        feed = _Feed(engine, list(zip(req_ids, prompts, params, processed, strict=True)))
-        # Requests enter the engine a window at a time so that adding them overlaps the
-        # device's work (pipelined steps); with priorities every request must compete at once.
-        window = (
-            len(req_ids) if priority is not None else 2 * self.config.scheduler_config.max_num_seqs
-        )
-        try:
-            feed.top_up(window)
-        except BaseException:
-            engine.abort_request(feed.added)
-            raise
-        outputs = self._run_engine(set(req_ids), use_tqdm and len(prompts) > 1, feed, window)
+        items = list(zip(req_ids, prompts, params, priority or [0] * len(prompts), strict=True))
+        if isinstance(params[0], PoolingParams):
+            feed = _Feed(engine, items, pooling_depth=PoolingQueueDepth.of(self.config))
+        else:
+            # Requests enter a window at a time so that adding them overlaps the device's work
+            # (pipelined steps); with priorities every request must compete at once.
+            window = (
+                len(prompts)
+                if priority is not None
+                else 2 * self.config.scheduler_config.max_num_seqs
+            )
+            feed = _Feed(engine, items, window=window)
+        outputs = self._run_engine(set(req_ids), use_tqdm and len(prompts) > 1, feed)
         ordered = [outputs[r] for r in req_ids]
         failed = [(i, o.error) for i, o in enumerate(ordered) if o.error is not None]
         if failed:
@@ -370,22 +371,21 @@ class LLM:
             raise RequestFailedError(f"{len(failed)} request(s) failed: {details}", ordered)
         return ordered
 
-    def _run_engine(
-        self, req_ids: set[str], use_tqdm: bool, feed: _Feed, window: int
-    ) -> dict[str, Any]:
+    def _run_engine(self, req_ids: set[str], use_tqdm: bool, feed: _Feed) -> dict[str, Any]:
         outputs: dict[str, RequestOutput | PoolingRequestOutput] = {}
         bar = tqdm(
             total=len(req_ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm
         )
         try:
             while len(outputs) < len(req_ids):
-                feed.top_up(window - (len(feed.added) - len(outputs)))
+                feed.top_up()
                 if not self.llm_engine.has_unfinished_requests():
                     missing = sorted(req_ids - outputs.keys())
                     raise RuntimeError(f"requests {missing} ended without an output")
                 for out in self.llm_engine.step():
                     if out.finished and out.request_id in req_ids:
                         outputs[out.request_id] = out
+                        feed.finished(out.request_id)
                         bar.update(1)
         except BaseException:
             self.llm_engine.abort_request(sorted(set(feed.added) - outputs.keys()))
@@ -395,22 +395,97 @@ class LLM:
         return outputs
 
 
-class _Feed:
-    """Validated requests not yet handed to the engine, added in order a few at a time."""
+PRETOKENIZE_CHUNK = 64
+"""Pooling prompts tokenized together (the feed processes prompts as the steps need them)."""
 
-    def __init__(self, engine: LLMEngine, items: list[tuple[str, Any, Any, Any]]) -> None:
+
+class _Feed:
+    """A batch's requests, handed to the engine in input order as its steps need them.
+
+    Generation (`window`): every prompt is validated before any is queued, so a long run cannot
+    fail at its last prompt; then at most `window` requests are unfinished at a time.
+    Pooling (`pooling_depth`): each request is one step of work, so the batch is processed as
+    it goes: each top-up processes and adds prompts only until the unfinished ones are enough
+    for the next step's scheduling to choose as with the whole batch queued. The device starts
+    on the first step's inputs at once, the rest of the processing overlaps the steps, and
+    the steps, hence the results, are those of the batch queued at once. An invalid prompt
+    raises ValueError (naming it) when its turn comes, and the caller aborts what was queued.
+    """
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        items: list[tuple[str, Any, Any, int]],
+        *,
+        window: int | None = None,
+        pooling_depth: PoolingQueueDepth | None = None,
+    ) -> None:
+        """`items`: (request id, prompt, params, priority) in input order; exactly one of
+        `window` and `pooling_depth`."""
+        assert (window is None) != (pooling_depth is None)
         self.engine = engine
         self.items = items
+        self.window = window
+        self.pooling_depth = pooling_depth
+        self.processed: list[list[Any] | None] = [None] * len(items)
+        """Core requests of prompts processed but not added yet."""
+        self.to_build = [prompt for _, prompt, _, _ in items]
+        """The prompts as `process_request` takes them (pooling: pretokenized a chunk ahead)."""
+        self.num_pretokenized = 0
         self.next = 0
         self.added: list[str] = []
+        self.unfinished: dict[str, int] = {}
+        """Added requests without a final output -> their tokens."""
+        self.unfinished_tokens = 0
+        self.max_input_len = 0
+        """The most tokens of one added request."""
+        if window is not None:
+            for i in range(len(items)):
+                self.processed[i] = self._process(i)
 
-    def top_up(self, count: int) -> None:
-        """Adds up to `count` more requests."""
-        stop = min(len(self.items), self.next + max(count, 0))
-        for req_id, prompt, params, core_requests in self.items[self.next : stop]:
-            self.engine.add_processed_request(req_id, prompt, params, core_requests)
+    def top_up(self) -> None:
+        """Adds the next requests until the unfinished ones are enough (or none are left)."""
+        engine, items, processed = self.engine, self.items, self.processed
+        while self.next < len(items) and not self._enough():
+            i = self.next
+            core_requests = processed[i]
+            if core_requests is None:
+                core_requests = self._process(i)
+            processed[i] = None
+            req_id, prompt, params, _ = items[i]
+            engine.add_processed_request(req_id, prompt, params, core_requests)
             self.added.append(req_id)
-        self.next = stop
+            self.next = i + 1
+            tokens = sum(len(r.prompt_token_ids) for r in core_requests)
+            self.unfinished[req_id] = tokens
+            self.unfinished_tokens += tokens
+            self.max_input_len = max(self.max_input_len, tokens)
+
+    def finished(self, req_id: str) -> None:
+        """`req_id` (added) has its final output."""
+        self.unfinished_tokens -= self.unfinished.pop(req_id)
+
+    def _enough(self) -> bool:
+        if self.pooling_depth is not None:
+            return self.pooling_depth.reached(
+                len(self.unfinished), self.unfinished_tokens, self.max_input_len
+            )
+        return len(self.unfinished) >= self.window
+
+    def _process(self, i: int) -> list[Any]:
+        req_id, _, params, priority = self.items[i]
+        if self.pooling_depth is not None and i >= self.num_pretokenized:
+            end = min(i + PRETOKENIZE_CHUNK, len(self.items))
+            self.to_build[i:end] = self.engine.pretokenize(self.to_build[i:end])
+            self.num_pretokenized = end
+        try:
+            core_requests = self.engine.process_request(req_id, self.to_build[i], params, priority)
+        except ValueError as e:
+            if len(self.items) == 1:
+                raise
+            raise ValueError(f"prompt {i}: {e}") from e
+        self.to_build[i] = None  # its tokens live on in the request
+        return core_requests
 
 
 def _as_list(prompts: Any) -> list[Any]:

@@ -62,11 +62,15 @@ class InputBatch:
             raise AssertionError(f"request {data.req_id} already in the batch")
         slot = self._free_slots.pop()
         self.slot_generations[slot] += 1
-        tokens = data.prompt_token_ids + data.output_token_ids
-        if len(tokens) > self.max_model_len:
-            raise ValueError(f"{len(tokens)} tokens exceed max_model_len={self.max_model_len}")
-        self.token_ids[slot, : len(tokens)] = tokens
-        self.num_tokens[slot] = len(tokens)
+        prompt, output = data.prompt_token_ids, data.output_token_ids
+        num_prompt, num_tokens = len(prompt), len(prompt) + len(output)
+        if num_tokens > self.max_model_len:
+            raise ValueError(f"{num_tokens} tokens exceed max_model_len={self.max_model_len}")
+        # Two row writes instead of joining the lists first (most requests have no outputs).
+        self.token_ids[slot, :num_prompt] = prompt
+        if output:
+            self.token_ids[slot, num_prompt:num_tokens] = output
+        self.num_tokens[slot] = num_tokens
         self.num_computed_tokens[slot] = data.num_computed_tokens
         enc = data.encoder_input
         self.num_encoder_tokens[slot] = enc.num_encoder_tokens if enc is not None else 0
@@ -77,7 +81,7 @@ class InputBatch:
             pooling_params=data.pooling_params,
             encoder_input=data.encoder_input,
             token_type_ids=data.token_type_ids,
-            num_prompt_tokens=len(data.prompt_token_ids),
+            num_prompt_tokens=num_prompt,
         )
         self.requests[data.req_id] = state
         return state

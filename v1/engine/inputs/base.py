@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from v1.core.admission import checked_ids
 from v1.core.protocol import EncoderInput, EngineCoreRequest
 from v1.sampling_params import SamplingParams
 
@@ -26,7 +27,6 @@ PROMPT_KEYS = {
     "encoder_prompt": {"encoder_prompt", "decoder_prompt"},
     "text": {"text", "text_pair"},
 }
-_INT_TYPE = {int}
 
 
 class InputBuilder(ABC):
@@ -77,6 +77,11 @@ class InputBuilder(ABC):
     ) -> EngineCoreRequest:
         """Another n > 1 child of the prompt `first` was built from (`params`: its seed)."""
         return self.build(request_id, prompt, params, priority=priority)
+
+    def pretokenize(self, prompts: list[Any]) -> list[Any]:
+        """`prompts` for `build`, with the texts this builder tokenizes one by one tokenized in
+        one call (a fast tokenizer runs a batch on its own threads). The default: unchanged."""
+        return prompts
 
     def prompt_texts(self, prompt: Any) -> tuple[str | None, str | None]:
         """(decoder prompt text, encoder prompt text) of a prompt, for RequestOutput."""
@@ -199,9 +204,9 @@ class TokenInputBuilder(InputBuilder):
             raise ValueError(f"prompt_token_ids of the {what} must be a list of ints")
         if not ids:
             raise ValueError(f"the {what} is empty (prompt_token_ids=[])")
-        # Fast path (C speed): all plain ints inside the vocabulary.
-        if set(map(type, ids)) == _INT_TYPE and min(ids) >= 0 and max(ids) < vocab_size:
-            return list(ids)
+        checked = checked_ids(ids, vocab_size)
+        if checked is not None:
+            return checked
         for t in ids:
             if isinstance(t, bool) or not isinstance(t, int):
                 raise ValueError(f"prompt_token_ids of the {what} must be ints, got {t!r}")

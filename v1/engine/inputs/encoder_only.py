@@ -7,8 +7,10 @@ and the per-step token budget; truncate_prompt_tokens keeps the FIRST tokens.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from v1.core.admission import checked_ids
 from v1.core.protocol import EngineCoreRequest, now
 from v1.engine.inputs.base import TokenInputBuilder, check_keys, check_text, opt_list
 from v1.pooling_params import PoolingParams, PoolingParamsError
@@ -16,6 +18,16 @@ from v1.pooling_params import PoolingParams, PoolingParamsError
 if TYPE_CHECKING:
     from v1.config import ModelConfig
     from v1.model_info import ModelInfo
+
+
+@dataclass(frozen=True)
+class TokenizedText:
+    """A text (or text pair) prompt as `pretokenize` tokenized it with others."""
+
+    input_ids: list[int]
+    token_type_ids: list[int] | None
+    pair: tuple[str, str] | None
+    """The text pair (truncation tokenizes it again); None for one text."""
 
 
 class EncoderOnlyInputBuilder(TokenInputBuilder):
@@ -75,10 +87,41 @@ class EncoderOnlyInputBuilder(TokenInputBuilder):
     def decoder_prompt_len(self, prompt: Any, truncate_prompt_tokens: int | None = None) -> int:
         return 0  # no decoder: the input runs once and is pooled
 
+    def pretokenize(self, prompts: list[Any]) -> list[Any]:
+        """Texts and text pairs (those `input_ids` would tokenize without an error first) become
+        TokenizedText, two tokenizer calls for all: what one call per prompt would give."""
+        out = list(prompts)
+        texts = [i for i, p in enumerate(prompts) if isinstance(p, str) and p]
+        pairs = [
+            i
+            for i, p in enumerate(prompts)
+            if isinstance(p, dict)
+            and p.keys() == {"text", "text_pair"}
+            and all(isinstance(t, str) and t for t in p.values())
+        ]
+        if len(texts) > 1:
+            enc = self.tokenizer([prompts[i] for i in texts], add_special_tokens=True)
+            type_ids = enc.get("token_type_ids") or [None] * len(texts)
+            for i, ids, types in zip(texts, enc["input_ids"], type_ids, strict=True):
+                out[i] = TokenizedText(list(ids), opt_list(types), None)
+        if len(pairs) > 1:
+            firsts = [prompts[i]["text"] for i in pairs]
+            enc = self.tokenizer(firsts, [prompts[i]["text_pair"] for i in pairs])
+            type_ids = enc.get("token_type_ids") or [None] * len(pairs)
+            for i, ids, types in zip(pairs, enc["input_ids"], type_ids, strict=True):
+                pair = (prompts[i]["text"], prompts[i]["text_pair"])
+                out[i] = TokenizedText(list(ids), opt_list(types), pair)
+        return out
+
     def input_ids(self, prompt: Any, truncate: int | None) -> tuple[list[int], list[int] | None]:
-        """(input ids, token type ids or None) of a text, text pair or token ids."""
+        """(input ids, token type ids or None) of a text, text pair, token ids or
+        TokenizedText."""
         pair: tuple[str, str] | None = None
-        if isinstance(prompt, dict) and "text" in prompt:
+        if isinstance(prompt, TokenizedText):
+            ids, type_ids, pair = prompt.input_ids, prompt.token_type_ids, prompt.pair
+            if not ids:
+                raise ValueError("the input is empty after tokenization")
+        elif isinstance(prompt, dict) and "text" in prompt:
             check_keys(prompt)
             pair = (check_text(prompt["text"]), check_text(prompt.get("text_pair")))
             enc = self.tokenizer(*pair)
@@ -91,9 +134,11 @@ class EncoderOnlyInputBuilder(TokenInputBuilder):
             )
         if type_ids is not None:
             limit = self.type_vocab_size
-            if len(type_ids) != len(ids) or any(not 0 <= t < limit for t in type_ids):
+            checked = checked_ids(type_ids, limit)
+            if checked is None or len(checked) != len(ids):
                 raise ValueError(
                     f"token_type_ids must be one id in [0, {limit}) per input token "
                     f"({len(ids)} tokens, {len(type_ids)} type ids)"
                 )
+            type_ids = checked
         return self.fit_encoder(ids, type_ids, truncate, pair=pair)

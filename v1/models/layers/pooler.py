@@ -141,21 +141,21 @@ class Pooler:
     def launch(
         self, hidden: torch.Tensor, seg: PoolingSegments, params: list[PoolingParams]
     ) -> PendingPooledOutput:
-        """Enqueues the pooling and the copy of its results to the host; no host sync."""
-        results: list[torch.Tensor | None] = [None] * len(params)
+        """Enqueues the pooling and the copy of its results to the host; no host sync. The
+        results stay stacked per group of requests with equal options (one tensor for a
+        usual step) until the host splits them: no tensor op per request."""
+        blocks: list[PooledBlock] = []
         by_task: dict[str, list[int]] = {}
         for i, p in enumerate(params):
             by_task.setdefault(p.task, []).append(i)
         if "embed" in by_task:
-            self._embed(hidden, seg, params, by_task["embed"], results)
+            self._embed(hidden, seg, params, by_task["embed"], blocks)
         heads = by_task.get("classify", []) + by_task.get("score", [])
         if heads:
-            self._classify(hidden, seg, params, heads, results)
+            self._classify(hidden, seg, params, heads, blocks)
         if "encode" in by_task:
-            tokens = hidden.float().split(seg.lengths_cpu)
-            for i in by_task["encode"]:
-                results[i] = l2_normalize(tokens[i]) if params[i].normalize else tokens[i]
-        return PendingPooledOutput(results)
+            self._encode(hidden, seg, params, by_task["encode"], blocks)
+        return PendingPooledOutput(len(params), blocks)
 
     def _embed(
         self,
@@ -163,7 +163,7 @@ class Pooler:
         seg: PoolingSegments,
         params: list[PoolingParams],
         reqs: list[int],
-        results: list[torch.Tensor | None],
+        blocks: list[PooledBlock],
     ) -> None:
         pooled = pool(hidden, seg, self.config.pooling_modes)  # [R, E]
         groups: dict[tuple[int | None, bool], list[int]] = {}
@@ -175,9 +175,7 @@ class Pooler:
             # Row selection by a device index (a Python list index would copy it synchronously).
             x = pooled if len(idx) == len(pooled) else pooled[_device_index(idx, pooled.device)]
             x = x if dims is None else x[:, :dims]
-            x = l2_normalize(x) if normalize else x
-            for row, i in enumerate(idx):
-                results[i] = x[row]
+            blocks.append(PooledBlock(l2_normalize(x) if normalize else x, idx))
 
     def _classify(
         self,
@@ -185,40 +183,88 @@ class Pooler:
         seg: PoolingSegments,
         params: list[PoolingParams],
         reqs: list[int],
-        results: list[torch.Tensor | None],
+        blocks: list[PooledBlock],
     ) -> None:
         assert self.classify is not None
         first = seg.first_token_indices[_device_index(reqs, hidden.device)]
         logits = self.classify(hidden[first]).float()  # [N, num_labels]
         activated = apply_classifier_activation(logits, self.config.classifier_activation)
+        rows: dict[bool, list[int]] = {True: [], False: []}  # activation on -> rows of `logits`
         for row, i in enumerate(reqs):
-            use_act = params[i].activation is not False
-            results[i] = activated[row] if use_act else logits[row]
+            rows[params[i].activation is not False].append(row)
+        for use_act, picked in rows.items():
+            if not picked:
+                continue
+            values = activated if use_act else logits
+            if len(picked) < len(reqs):
+                values = values[_device_index(picked, values.device)]
+            blocks.append(PooledBlock(values, [reqs[r] for r in picked]))
+
+    def _encode(
+        self,
+        hidden: torch.Tensor,
+        seg: PoolingSegments,
+        params: list[PoolingParams],
+        reqs: list[int],
+        blocks: list[PooledBlock],
+    ) -> None:
+        """Per-token hidden states: the token rows of the requests with equal `normalize`,
+        gathered into one fresh tensor (never a view of the model's buffers)."""
+        lengths = np.asarray(seg.lengths_cpu, dtype=np.int64)
+        starts = np.cumsum(lengths) - lengths
+        for normalize in (False, True):
+            idx = [i for i in reqs if bool(params[i].normalize) == normalize]
+            if not idx:
+                continue
+            counts = lengths[idx]
+            # token rows of the requests in `idx`, in order
+            offsets = np.cumsum(counts) - counts
+            rows = np.arange(int(counts.sum())) + np.repeat(starts[idx] - offsets, counts)
+            tokens = hidden[_device_index(rows, hidden.device)].float()  # [n, H]
+            blocks.append(
+                PooledBlock(l2_normalize(tokens) if normalize else tokens, idx, counts.tolist())
+            )
 
 
-def _device_index(rows: list[int], device: torch.device) -> torch.Tensor:
-    return to_device(torch.tensor(rows, dtype=torch.int64), device)
+def _device_index(rows: list[int] | np.ndarray, device: torch.device) -> torch.Tensor:
+    return to_device(torch.as_tensor(rows, dtype=torch.int64), device)
+
+
+@dataclass
+class PooledBlock:
+    """Results of some of a step's requests, stacked in one tensor."""
+
+    values: torch.Tensor
+    """[rows, ...]: row j is request reqs[j]'s result, or (`sizes`) its rows."""
+    reqs: list[int]
+    """Request indices in the step."""
+    sizes: list[int] | None = None
+    """Rows of each request (per-token results); None: one row each."""
 
 
 class PendingPooledOutput:
-    """One step's pooled results on their way to the host: concatenated and copied into pinned
-    memory with one non-blocking copy when created; `result()` waits for that copy only."""
+    """One step's pooled results on their way to the host: their blocks concatenated and
+    copied into pinned memory with one non-blocking copy when created; `result()` waits for
+    that copy only and splits it per request with numpy views."""
 
-    def __init__(self, results: list[torch.Tensor | None]) -> None:
-        assert all(r is not None for r in results)
-        self._shapes = [tuple(r.shape) for r in results]
+    def __init__(self, num_reqs: int, blocks: list[PooledBlock]) -> None:
+        self._num_reqs = num_reqs
+        self._blocks = [(b.reqs, b.sizes, tuple(b.values.shape)) for b in blocks]
+        self._in_order = len(blocks) == 1 and blocks[0].reqs == list(range(num_reqs))
+        """One block of every request in order (a usual step): its rows are the result."""
         self._event: torch.cuda.Event | None = None
         self._host: torch.Tensor | None = None
-        if not results:
+        if not blocks:
             return
-        flat = torch.cat([r.reshape(-1) for r in results]).float()
+        parts = [b.values.float().reshape(-1) for b in blocks]
+        flat = parts[0] if len(parts) == 1 else torch.cat(parts)
         if flat.is_cuda:
             self._host = torch.empty(flat.shape, dtype=torch.float32, pin_memory=True)
             self._host.copy_(flat, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
         else:
-            self._host = flat.cpu()
+            self._host = flat
 
     def result(self) -> list[np.ndarray]:
         """float32 numpy arrays, one per request, in launch order."""
@@ -229,9 +275,20 @@ class PendingPooledOutput:
         # A copy: the pinned buffer goes back to torch's host cache instead of living as
         # long as the caller keeps the arrays.
         flat = self._host.numpy().copy() if self._event is not None else self._host.numpy()
-        out, start = [], 0
-        for shape in self._shapes:
+        out: list[np.ndarray | None] = [None] * self._num_reqs
+        start = 0
+        for reqs, sizes, shape in self._blocks:
             n = int(np.prod(shape))
-            out.append(flat[start : start + n].reshape(shape))
+            values = flat[start : start + n].reshape(shape)
             start += n
-        return out
+            if sizes is None:
+                rows = list(values)  # row views, made at C speed
+            else:
+                ends = np.cumsum(sizes).tolist()
+                rows = [values[e - k : e] for k, e in zip(sizes, ends, strict=True)]
+            if self._in_order:
+                return rows
+            for i, row in zip(reqs, rows, strict=True):
+                out[i] = row
+        assert all(o is not None for o in out)
+        return out  # type: ignore[return-value]

@@ -82,7 +82,8 @@ class EncoderOnlyState(ModelState):
                     f"request {data.req_id}: {len(data.token_type_ids)} token_type_ids for "
                     f"{len(data.prompt_token_ids)} tokens"
                 )
-            row[: len(data.token_type_ids)] = data.token_type_ids
+            if any(data.token_type_ids):  # all zeros (a text's, usually): the row already is
+                row[: len(data.token_type_ids)] = data.token_type_ids
 
     @property
     def max_profile_position(self) -> int:
