@@ -264,14 +264,15 @@ class Transcriber:
 class _SyncRun:
     """Many files' plans over one synchronous engine: each file has one window in flight, and
     at most `max_active` files run at once; their windows share the engine's steps. Files
-    start `files_per_step` (one step's encoder budget) between two steps, and two steps' worth
-    before the first: a launched step (pipelined on CUDA) runs the first windows' encoder while
-    the host prepares the next files' requests, and every step() finds the next step's files
-    already queued, so it launches step N+1 before it reads back step N. With one step's worth
-    at a time the engine had nothing to launch ahead: the device idled between encoder steps
-    while the host read back, started the next files and scheduled them (H100, large-v3-turbo
-    shape, 256 clips x 1 token, `benchmarks/profile_step.py --tokens 1`: 1.53 -> 1.32 s; at
-    100 tokens the decode steps already kept the pipeline full)."""
+    start `files_per_step` (one step's encoder budget) between two steps, and one more before
+    the first: a launched step (pipelined on CUDA) runs the first windows' encoder while the
+    host prepares the next files' requests, and the one file the step could not take keeps a
+    request unscheduled, so every step() launches step N+1 before it reads back step N. With
+    exactly one step's worth at a time the engine had nothing to launch ahead: the device
+    idled between encoder steps while the host read back, started the next files and
+    scheduled them (H100, large-v3-turbo shape, 256 clips x 1 token,
+    `benchmarks/profile_step.py --tokens 1`: 1.53 -> 1.32 s; at 100 tokens the decode steps
+    already kept the pipeline full)."""
 
     def __init__(
         self, engine: Any, plans: list[Plan], max_active: int, files_per_step: int = 1 << 30
@@ -291,7 +292,7 @@ class _SyncRun:
     def run(self, on_progress: Callable[[], None]) -> list[TranscriptionResult]:
         engine = self.engine
         try:
-            self._start_waiting(steps=2)
+            self._start_waiting(extra=1)
             while self.pending or self.beams or self.waiting:
                 for output in engine.step():
                     entry = self.pending.get(output.request_id)
@@ -367,12 +368,12 @@ class _SyncRun:
         del self.beams[req_id]
         self._advance(i, beam_window_output(search))
 
-    def _start_waiting(self, steps: int = 1) -> None:
-        """Starts up to `steps` steps' encoder budget of waiting files (as `max_active`
-        allows)."""
+    def _start_waiting(self, extra: int = 0) -> None:
+        """Starts up to one step's encoder budget of waiting files, and `extra` more (as
+        `max_active` allows)."""
         started = 0
         while self.waiting and len(self.active) < self.max_active:
-            if started == steps * self.files_per_step:
+            if started == self.files_per_step + extra:
                 return  # the rest after the next step (launched meanwhile)
             started += 1
             i = self.waiting.popleft()
