@@ -290,11 +290,6 @@ class ModelRunner:
         self.state.dummy_run(self.config.scheduler_config.max_num_batched_tokens)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
-        # The dummy step's activations stay cached in the allocator's segments, which can hold
-        # more than the peak (fragmentation) and fit no KV tensor: give them back, so the
-        # KV allocation finds the memory this budget counts on (a second engine in one
-        # process ran out of memory allocating its KV cache with 16 GiB cached, unused).
-        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         # Memory held outside PyTorch's allocator (CUDA context, other processes).
         non_torch = total - free - torch.cuda.memory_reserved(self.device)
