@@ -69,7 +69,13 @@ import time
 import traceback
 from collections.abc import Callable
 
-import torch
+# Expandable segments, set before torch starts CUDA: with fixed ones, the second engine of one
+# process (e.g. --quantization default,fp8) ran out of memory allocating its KV cache while
+# 16 GiB sat reserved in segments that no KV tensor fit (H100, whisper-turbo). Both sides of
+# every row run under the same allocator.
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+import torch  # noqa: E402
 from _context import Context, ModelStore
 from _harness import Device, Machine, measure_machine
 from _report import Row, markdown_table, notes_markdown
