@@ -463,3 +463,25 @@ def test_files_start_a_step_budget_at_a_time_with_the_same_results(tiny_llm: LLM
     assert [s.tokens for r in chunked for s in r.segments] == [
         s.tokens for r in whole for s in r.segments
     ]
+
+
+def test_many_inputs_load_on_threads_and_report_the_first_bad_one(tmp_path: Path) -> None:
+    """Past a few inputs `load_audio_inputs` loads on threads: the waveforms keep input order
+    (arrays at 16 kHz come back as views, no copy) and, of several bad inputs, the error names
+    the first in input order."""
+    from v1.engine import transcription
+
+    rng = np.random.default_rng(3)
+    waves = [rng.standard_normal(SR + i).astype(np.float32) for i in range(20)]
+    loaded = transcription.load_audio_inputs([(w, SR) for w in waves])
+    assert len(waves) >= transcription._PARALLEL_LOAD_MIN
+    assert all(
+        np.shares_memory(a, w) and a.shape == w.shape for a, w in zip(loaded, waves, strict=True)
+    )
+    nan = waves[5].copy()
+    nan[7] = np.nan
+    sources = [(w, SR) for w in waves]
+    sources[5] = (nan, SR)
+    sources[12] = str(tmp_path / "missing.wav")
+    with pytest.raises(AudioError, match=r"^audio input 5: audio contains NaN"):
+        transcription.load_audio_inputs(sources)

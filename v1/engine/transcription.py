@@ -13,10 +13,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import os
 import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +66,11 @@ TOKEN_TIMES = "token_times"
 """Keys of a Whisper request's `RequestOutput.extras`."""
 
 
+_PARALLEL_LOAD_MIN = 8
+"""Inputs below which `load_audio_inputs` loads on the calling thread."""
+_LOAD_THREADS = min(8, os.cpu_count() or 1)
+
+
 def load_audio_inputs(audio: Any) -> list[np.ndarray]:
     """One source or a list of them (path, bytes, `(samples, sample_rate)`) -> float32 16 kHz
     waveforms; every input is checked before any request is made. The one `load_audio` of a
@@ -71,14 +78,21 @@ def load_audio_inputs(audio: Any) -> list[np.ndarray]:
     sources = audio if isinstance(audio, list) else [audio]
     if not sources:
         raise AudioError("no audio given (an empty list)")
-    waveforms = []
-    for i, source in enumerate(sources):
+
+    def load(i: int) -> np.ndarray:
         try:
-            waveforms.append(load_audio(source))
+            return load_audio(sources[i])
         except AudioError as e:
             where = f"audio input {i}: " if len(sources) > 1 else ""
             raise AudioError(f"{where}{e}") from e
-    return waveforms
+
+    if len(sources) < _PARALLEL_LOAD_MIN:
+        return [load(i) for i in range(len(sources))]
+    # Threads: decoding and the finiteness check of in-memory samples (a sum over every
+    # sample) release the GIL. One thread checked 256 clips of 30 s in ~45 ms, all before the
+    # first engine step. map() raises the first failing input's error, in input order.
+    with ThreadPoolExecutor(min(_LOAD_THREADS, len(sources))) as pool:
+        return list(pool.map(load, range(len(sources))))
 
 
 def advance_plan(
