@@ -61,8 +61,26 @@ def test_fp8_ignore_keeps_the_named_layers_and_quantizes_the_rest(bart_dir: str)
     assert all(len(t) == 6 for t, _ in tokens.values())
 
 
-def test_other_architectures_quantize_every_linear_by_default(bart_dir: str) -> None:
-    assert all(is_fp8(layer) for layer in linears(make_core(bart_dir, quantization="fp8")).values())
+def test_encoder_decoder_default_keeps_the_decoder_per_token_linears(bart_dir: str) -> None:
+    """BART: the encoder and the cross-attention K/V projections in fp8, the decoder's
+    per-token GEMMs (self-attention, cross q/out, fc1/fc2) not."""
+    layers = linears(make_core(bart_dir, quantization="fp8"))
+    fp8 = {name for name, layer in layers.items() if is_fp8(layer)}
+    assert {name for name in layers if name.startswith("model.encoder.")} <= fp8
+    assert {f"model.decoder.layers.{i}.encoder_attn.kv_proj" for i in range(2)} <= fp8
+    kept = layers.keys() - fp8
+    assert kept == {
+        f"model.decoder.layers.{i}.{m}"
+        for i in range(2)
+        for m in ("self_attn.qkv_proj", "self_attn.out_proj", "encoder_attn.q_proj")
+        + ("encoder_attn.out_proj", "fc1", "fc2")
+    }
+    assert all(is_unquantized(layers[name]) for name in kept)
+
+
+def test_decoder_only_models_quantize_every_linear_by_default(tiny_llama_dir: str) -> None:
+    layers = linears(make_core(tiny_llama_dir, quantization="fp8"))
+    assert layers and all(is_fp8(layer) for layer in layers.values())
 
 
 @needs_assets(WHISPER_BASE)
