@@ -1,7 +1,7 @@
 """Absorbed cross-attention kernel alone at Whisper large-v3 decode shapes (CUDA only).
 
 B requests x 1 token, 20 heads, d = 1280, 1500 encoder positions in the engine's paged layout
-(blocks of 32 positions, random block order): microseconds per call of
+(blocks of 32 positions in each of `--span` pool tensors, random block order): microseconds per call of
 `attend_encoder_states_triton`, the GB/s of E it reaches, and one plain read of the same bytes
 (the floor), for bf16 and fp8 encoder states. Checks three requests against a torch reference.
 
@@ -15,9 +15,12 @@ from types import SimpleNamespace
 
 import torch
 
+from v1.attention.ops.absorbed_cross_attention import states_index
 from v1.attention.ops.triton_absorbed import attend_encoder_states_triton
 
 HEADS, D_MODEL, POSITIONS, ROWS_PER_HALF = 20, 1280, 1500, 16
+SPAN = 32
+"""Pool tensors a states block spreads over: large-v3's 32 decoder layers."""
 
 
 def median_us(fn, calls: int = 10, repeats: int = 5) -> float:
@@ -36,14 +39,17 @@ def median_us(fn, calls: int = 10, repeats: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def run(batch: int, fp8: bool, model_dtype: torch.dtype = torch.bfloat16) -> dict[str, float]:
+def run(
+    batch: int, fp8: bool, model_dtype: torch.dtype = torch.bfloat16, span: int = SPAN
+) -> dict[str, float]:
     dev = "cuda"
-    block = 2 * ROWS_PER_HALF
+    block = span * 2 * ROWS_PER_HALF
     per_req = -(-POSITIONS // block)
     num_blocks = 1 + batch * per_req
     dtype = torch.float8_e4m3fn if fp8 else model_dtype
-    states = (torch.randn(2, num_blocks, ROWS_PER_HALF, D_MODEL, device=dev) * 0.5).to(dtype)
-    scales = torch.rand(2, num_blocks, ROWS_PER_HALF, device=dev) + 0.5 if fp8 else None
+    shape = (span, 2, num_blocks, ROWS_PER_HALF)
+    states = (torch.randn(*shape, D_MODEL, device=dev) * 0.5).to(dtype)
+    scales = torch.rand(*shape, device=dev) + 0.5 if fp8 else None
     table = (torch.randperm(num_blocks - 1, device=dev) + 1)[: batch * per_req]
     table = table.view(batch, per_req).to(torch.int32)
     q = (torch.randn(batch, HEADS, D_MODEL, device=dev) * 0.03).to(model_dtype)
@@ -61,10 +67,10 @@ def run(batch: int, fp8: bool, model_dtype: torch.dtype = torch.bfloat16) -> dic
     pos = torch.arange(POSITIONS, device=dev)
     error = 0.0
     for r in (0, batch // 2, batch - 1):
-        blk, off = table[r, pos // block].long(), pos % block
-        e = states[off // ROWS_PER_HALF, blk, off % ROWS_PER_HALF].float()
+        index = states_index(table[r, pos // block].long() * block + pos % block, states)
+        e = states[index].float()
         if scales is not None:
-            e = e * scales[off // ROWS_PER_HALF, blk, off % ROWS_PER_HALF][:, None]
+            e = e * scales[index][:, None]
         ref = torch.softmax(q[r].float() @ e.T, -1) @ e
         error = max(error, float((out[r].float() - ref).abs().max()))
     kernel_us = median_us(lambda: attend_encoder_states_triton(q, states, scales, metadata))
@@ -83,10 +89,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--dtype", default="bfloat16", help="the model's: bfloat16 or float16")
+    parser.add_argument("--span", type=int, default=SPAN, help="pool tensors a block spans")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     for fp8 in (False, True):
-        row = run(args.batch, fp8, dtype)
+        row = run(args.batch, fp8, dtype, args.span)
         print(
             f"{'fp8 E' if fp8 else args.dtype} batch {args.batch}: {row['kernel_us']:.0f} us/call "
             f"({row['kernel_GBps']:.0f} GB/s of E), one read of E {row['read_floor_us']:.0f} us, "

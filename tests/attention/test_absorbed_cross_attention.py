@@ -37,6 +37,8 @@ class AbsorbedShape:
     block_size: int = 16
     """Tokens per self-attention block (the encoder-states block holds its share of the page)."""
     num_pad_tokens: int = 0
+    span: int = 1
+    """Pool tensors (decoder layers) an encoder-states block spreads over."""
 
 
 SHAPES = {
@@ -44,6 +46,8 @@ SHAPES = {
     for s in [
         # Whisper-like decode: one token per request, 1500 encoder positions scaled to 75.
         AbsorbedShape("decode", (1,) * 6, (75, 75, 40, 1, 33, 75)),
+        # The same, each states block spread over 3 pool tensors (3 decoder layers).
+        AbsorbedShape("decode_span3", (1,) * 6, (75, 75, 40, 1, 33, 75), span=3),
         # First steps (Whisper's 3-4 prompt tokens) mixed with decodes, padded like a graph.
         AbsorbedShape("first_steps", (4, 1, 3, 1), (75, 75, 20, 64), num_pad_tokens=3),
         # BART-like prefill of longer decoder prompts over short encoder inputs.
@@ -53,6 +57,10 @@ SHAPES = {
         # Large-v3-like proportions (20 heads x 64 = 1280 wide) scaled to 10 heads x 8 = 80.
         AbsorbedShape(
             "wide_heads", (1,) * 3 + (4,), (40, 40, 17, 40), num_heads=10, head_size=8, d_model=80
+        ),
+        # Large-v3's layout: blocks over 32 pool tensors, a request in two blocks or fewer.
+        AbsorbedShape(
+            "wide_span32", (1, 1, 4), (75, 40, 17), num_heads=10, head_size=8, d_model=80, span=32
         ),
     ]
 }
@@ -86,12 +94,14 @@ def make_absorbed_batch(
 
     cache_dtype = "float8_e4m3fn" if fp8_states else str(dtype).removeprefix("torch.")
     pool_spec = FullAttentionSpec(shape.block_size, heads, dim, cache_dtype)
-    spec = encoder_states_spec_in_pool(pool_spec, d)
+    spec = encoder_states_spec_in_pool(pool_spec, d, span=shape.span)
     block_size = spec.block_size
     blocks_per_req = [-(-n // block_size) for n in shape.encoder_lens]
     num_blocks = 1 + sum(blocks_per_req) + NUM_SPARE_BLOCKS
     perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
-    buffer = torch.zeros(num_blocks * spec.page_size_bytes, dtype=torch.uint8, device=device)
+    buffer = torch.zeros(
+        shape.span * num_blocks * spec.page_size_bytes, dtype=torch.uint8, device=device
+    )
     cache = encoder_states_views(buffer, spec, num_blocks, PoolLayout.of(pool_spec))
     # Poison every row: a read outside a request's own rows shows up as a wrong output.
     cache.values.copy_((torch.randn(cache.values.shape, generator=gen) * 30).to(cache.values.dtype))

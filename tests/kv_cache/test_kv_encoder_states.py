@@ -63,6 +63,17 @@ def test_states_block_holds_twice_the_tokens_in_the_self_attention_page() -> Non
     assert states.real_page_size_bytes == states.page_size_bytes == self_spec.page_size_bytes
 
 
+def test_a_states_block_spreads_over_the_pool_tensors() -> None:
+    """span = the self-attention layers: a block id's page in each of their tensors holds
+    states, span x 8 positions a block (8 per page here)."""
+    self_spec = FullAttentionSpec(4, **SPEC_KWARGS)
+    states = encoder_states_spec_in_pool(self_spec, D_MODEL, span=3)
+    assert states.span == 3 and states.block_size == 3 * 8
+    assert states.real_page_size_bytes == states.page_size_bytes == self_spec.page_size_bytes
+    with pytest.raises(ValueError, match="span must be at least 1"):
+        encoder_states_spec_in_pool(self_spec, D_MODEL, span=0)
+
+
 def test_wider_model_dim_pads_the_states_page() -> None:
     # T5-like: d_model (24) wider than heads x head size (16): 2 rows per half, 8 bytes unused.
     self_spec = FullAttentionSpec(4, **SPEC_KWARGS)

@@ -120,6 +120,28 @@ def test_bart_absorbed_matches_per_layer_under_preemption(bart_dir: str) -> None
     assert len({tuple(r["tokens"]) for r in absorbed.values()}) > 1, "outputs ignore the input"
 
 
+def test_a_requests_states_fill_every_pool_tensor_of_their_blocks(bart_dir: str) -> None:
+    """The tiny BART has 2 decoder layers: a states block spans both layers' pool tensors,
+    twice the positions of one page, so a request's encoder output takes half the block ids
+    it would take in the first tensor alone."""
+    core = make_core(bart_dir, cross_attention="absorbed", num_kv_blocks=64, block_size=4)
+    groups = [g.spec for g in core.kv_cache_config.groups]
+    index = next(i for i, spec in enumerate(groups) if isinstance(spec, EncoderStatesSpec))
+    states = groups[index]
+    assert states.span == len(runner_of(core).model.model.decoder.layers) == 2
+    page_rows = states.block_size // states.span
+    encoder_ids = list(range(5, 5 + 3 * page_rows + 1))  # 3 pages and one position
+    request = decoder_request(0, bart_inputs(1)[0][1], encoder_ids)
+    request.sampling_params = SamplingParams(temperature=0.0, max_tokens=2)
+    core.add_request(request)
+    core.step()
+    held = core.scheduler.kv_cache_manager.get_block_ids("r0")[index]
+    assert len(held) == -(-len(encoder_ids) // states.block_size) == 2  # not 4 one-page blocks
+    while core.has_work():
+        core.step()
+    assert core.get_stats()["num_used_blocks"] == 0
+
+
 def test_same_encoder_input_shares_one_states_entry(bart_dir: str) -> None:
     core = make_core(bart_dir, cross_attention="absorbed", num_kv_blocks=64)
     inputs = bart_inputs(3)

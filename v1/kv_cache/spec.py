@@ -61,13 +61,18 @@ class EncoderStatesSpec(KVCacheSpec):
     page_size_padded: int | None = None
     """Pool page size when the encoder states share a pool with larger pages (the decoder's
     self-attention): a block uses its first `real_page_size_bytes`, the rest stays unused."""
+    span: int = 1
+    """Pool tensors one block spreads over. A block id of the pool owns one page in each of its
+    tensors (one per layer of the largest group); the states, one pseudo-layer, fill the pages
+    of the first `span` tensors (`block_size / span` positions each) instead of leaving all
+    but the first unused."""
 
     @property
     def real_page_size_bytes(self) -> int:
         row = self.head_size * _DTYPE_BYTES[self.dtype]
         if self.has_scales:
             row += SCALE_BYTES
-        return self.block_size * row
+        return self.block_size // self.span * row
 
     @property
     def page_size_bytes(self) -> int:
@@ -78,15 +83,19 @@ class EncoderStatesSpec(KVCacheSpec):
         return self.page_size_padded
 
 
-def encoder_states_spec_in_pool(pool_spec: KVCacheSpec, d_model: int) -> EncoderStatesSpec:
+def encoder_states_spec_in_pool(
+    pool_spec: KVCacheSpec, d_model: int, span: int = 1
+) -> EncoderStatesSpec:
     """The encoder-states spec that shares the pool of `pool_spec` (the decoder's
-    self-attention, same dtype), with its page size.
+    self-attention, same dtype), with its page size, a block spread over `span` pool tensors
+    (the self-attention layers: every tensor of the pool).
 
     A pool block of an attention layer is two halves (K and V) of `block_size * Hkv * D`
     values, and in fp8 two halves of `block_size * Hkv` scales after all the values. Encoder
     states use the same halves: `rows_per_half` positions of d_model values (and one scale each)
-    in each, so the block holds `2 * rows_per_half` positions and no byte of it overlaps
-    another block."""
+    in each, so a page holds `2 * rows_per_half` positions, a block `span` such pages, and no
+    byte of it overlaps another block. Whisper large-v3 (32 decoder layers, 16-token blocks of
+    20 x 64): 1,024 positions a block, so a request's 1500 take two block ids instead of 47."""
     half_values = pool_spec.block_size * pool_spec.num_kv_heads * pool_spec.head_size
     rows_per_half = half_values // d_model
     if pool_spec.has_scales:
@@ -97,12 +106,15 @@ def encoder_states_spec_in_pool(pool_spec: KVCacheSpec, d_model: int) -> Encoder
             f"{pool_spec.head_size} cannot hold one encoder position of {d_model} values: raise "
             "block_size or use cross_attention='per_layer'"
         )
+    if span < 1:
+        raise ValueError(f"span must be at least 1, got {span}")
     return EncoderStatesSpec(
-        block_size=2 * rows_per_half,
+        block_size=span * 2 * rows_per_half,
         num_kv_heads=1,
         head_size=d_model,
         dtype=pool_spec.dtype,
         page_size_padded=pool_spec.page_size_bytes,
+        span=span,
     )
 
 

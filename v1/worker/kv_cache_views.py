@@ -6,8 +6,10 @@ then, for fp8 caches, two halves of `num_blocks` chunks of float32 scales:
     [values: half 0 | half 1][scales: half 0 | half 1], each half [num_blocks, chunk].
 An attention layer sees values [2, num_blocks, block_size, Hkv, D] (+ scales [2, num_blocks,
 block_size, Hkv]); the encoder states of absorbed cross-attention see the first
-`rows_per_half * d` values of each chunk as [2, num_blocks, rows_per_half, d] (+ scales [2,
-num_blocks, rows_per_half]). `KVBlockCopier` copies whole blocks inside the pool (forks).
+`rows_per_half * d` values of each chunk, in each of the first `span` buffers, as [span, 2,
+num_blocks, rows_per_half, d] (+ scales [span, 2, num_blocks, rows_per_half]): the buffers are
+slices of one allocation, so that view is a strided tensor. `KVBlockCopier` copies whole blocks
+inside the pool (forks).
 """
 
 from __future__ import annotations
@@ -86,22 +88,31 @@ def attention_views(
 def encoder_states_views(
     buffer: torch.Tensor, spec: EncoderStatesSpec, num_blocks: int, layout: PoolLayout | None
 ) -> LayerCache:
-    """values [2, num_blocks, rows_per_half, d] and (fp8) scales [2, num_blocks, rows_per_half]
-    inside the chunks of `layout` (the attention layers' that share the buffer; None: the
-    encoder states alone, chunks exactly their size)."""
+    """values [span, 2, num_blocks, rows_per_half, d] and (fp8) scales [span, 2, num_blocks,
+    rows_per_half] inside the chunks of `layout` (the attention layers' that share the
+    buffers; None: the encoder states alone, chunks exactly their size). `buffer`: the first
+    `spec.span` pool buffers back to back (one allocation), uint8."""
     dtype = torch_dtype(spec.dtype)
-    rows, dim = spec.block_size // 2, spec.head_size
+    span = spec.span
+    rows, dim = spec.block_size // (2 * span), spec.head_size
     if layout is None:
         layout = PoolLayout(rows * dim * dtype.itemsize, rows * SCALE_BYTES * spec.has_scales)
-    assert rows * dim * dtype.itemsize <= layout.value_chunk
-    values = _halves(buffer, 0, num_blocks, layout.value_chunk)[:, :, : rows * dim * dtype.itemsize]
-    values = values.view(dtype).view(2, num_blocks, rows, dim)
+    buffers = buffer.view(span, -1)  # [span, bytes of one pool buffer]
+
+    def region(start: int, chunk: int, used: int) -> torch.Tensor:
+        # [span, 2, num_blocks, used] of each buffer's two halves of num_blocks chunks
+        raw = buffers[:, start : start + 2 * num_blocks * chunk].view(span, 2, num_blocks, chunk)
+        return raw[..., :used]
+
+    value_bytes = rows * dim * dtype.itemsize
+    assert value_bytes <= layout.value_chunk
+    values = region(0, layout.value_chunk, value_bytes).view(dtype)
+    values = values.view(span, 2, num_blocks, rows, dim)
     scales = None
     if spec.has_scales:
         assert rows * SCALE_BYTES <= layout.scale_chunk
         start = 2 * num_blocks * layout.value_chunk
-        raw = _halves(buffer, start, num_blocks, layout.scale_chunk)[:, :, : rows * SCALE_BYTES]
-        scales = raw.view(torch.float32)
+        scales = region(start, layout.scale_chunk, rows * SCALE_BYTES).view(torch.float32)
     return LayerCache(values, scales)
 
 
@@ -110,8 +121,12 @@ def allocate_kv_cache(config: KVCacheConfig, device: torch.device) -> dict[str, 
     under their pseudo-layer name), by layer name."""
     spec_of = {name: group.spec for group in config.groups for name in group.layer_names}
     views: dict[str, LayerCache] = {}
-    for tensor in config.tensors:
-        buffer = torch.zeros(tensor.size_bytes, dtype=torch.uint8, device=device)
+    # One allocation, one slice per tensor: encoder states spread a block over several.
+    sizes = [tensor.size_bytes for tensor in config.tensors]
+    pool = torch.zeros(sum(sizes), dtype=torch.uint8, device=device)
+    starts = np.cumsum([0, *sizes]).tolist()
+    for j, tensor in enumerate(config.tensors):
+        buffer = pool[starts[j] : starts[j + 1]]
         attention_specs = [
             spec_of[name]
             for name in tensor.shared_by
@@ -121,7 +136,14 @@ def allocate_kv_cache(config: KVCacheConfig, device: torch.device) -> dict[str, 
         for name in tensor.shared_by:
             spec = spec_of[name]
             if isinstance(spec, EncoderStatesSpec):
-                views[name] = encoder_states_views(buffer, spec, config.num_blocks, layout)
+                span = spec.span
+                assert j == 0 and span <= len(sizes) and len(set(sizes[:span])) == 1, (
+                    f"{name}: a states block spreads over the first {span} of {len(sizes)} "
+                    "equal pool tensors"
+                )
+                views[name] = encoder_states_views(
+                    pool[: starts[span]], spec, config.num_blocks, layout
+                )
             else:
                 assert layout is not None and PoolLayout.of(spec) == layout, (
                     f"{name}: layers sharing a KV tensor must lay blocks out alike"

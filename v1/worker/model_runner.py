@@ -136,10 +136,13 @@ class ModelRunner:
             for name, layer in self.attn_layers.items()
         }
         if (cross_attention or self.cross_attention) == "absorbed" and self.has_cross_attention:
-            pool_spec = next(s for s in specs.values() if isinstance(s, FullAttentionSpec))
+            self_attention = [s for s in specs.values() if isinstance(s, FullAttentionSpec)]
             specs = {n: s for n, s in specs.items() if not isinstance(s, CrossAttentionSpec)}
             d_model = self.model_config.hf_config.d_model
-            specs[ENCODER_STATES_LAYER] = encoder_states_spec_in_pool(pool_spec, d_model)
+            # A states block fills the page of every self-attention layer's tensor.
+            specs[ENCODER_STATES_LAYER] = encoder_states_spec_in_pool(
+                self_attention[0], d_model, span=len(self_attention)
+            )
         return specs
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:

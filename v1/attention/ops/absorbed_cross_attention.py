@@ -7,11 +7,13 @@ So a step projects the query into model space (`absorb_query`: q' = q W_k^T, [T,
 attends over the paged E (`attend_encoder_states`: a torch reference here, a Triton kernel in
 `triton_absorbed.py`), and applies W_v and b_v to the [T, H, d] context (`project_values`).
 
-Cache layout: a pool block of an attention layer is two halves (K and V) of rows; encoder states
-use both halves, `rows_per_half` encoder positions each: `states` [2, num_blocks, rows_per_half,
-d] and, for fp8, `scales` [2, num_blocks, rows_per_half]. Encoder position p of a request lives in
-block table entry p // block_size at offset o = p % block_size: half o // rows_per_half, row
-o % rows_per_half (block_size = 2 * rows_per_half).
+Cache layout: a pool block of an attention layer is two halves (K and V) of rows in each of the
+pool's tensors; encoder states use both halves of the block's page in `span` tensors,
+`rows_per_half` encoder positions each: `states` [span, 2, num_blocks, rows_per_half, d] and,
+for fp8, `scales` [span, 2, num_blocks, rows_per_half]. Encoder position p of a request lives in
+block table entry p // block_size at offset o = p % block_size: tensor o // page_rows, then
+within it half (o % page_rows) // rows_per_half, row o % rows_per_half (page_rows = 2 *
+rows_per_half, block_size = span * page_rows).
 """
 
 from __future__ import annotations
@@ -131,13 +133,20 @@ def project_values(context: torch.Tensor, proj: CrossProjection) -> torch.Tensor
 
 
 def states_index(
-    slots: torch.Tensor, rows_per_half: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Flat slots (block_id * block_size + offset) -> (half, block, row) indices into
-    `states` [2, num_blocks, rows_per_half, d]."""
-    block_size = 2 * rows_per_half
-    block, offset = slots // block_size, slots % block_size
-    return offset // rows_per_half, block, offset % rows_per_half
+    slots: torch.Tensor, states: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Flat slots (block_id * block_size + offset) -> (tensor, half, block, row) indices into
+    `states` [span, 2, num_blocks, rows_per_half, d]."""
+    span, rows_per_half = states.shape[0], states.shape[3]
+    page_rows = 2 * rows_per_half
+    block, offset = slots // (span * page_rows), slots % (span * page_rows)
+    in_page = offset % page_rows
+    return offset // page_rows, in_page // rows_per_half, block, in_page % rows_per_half
+
+
+def states_block_size(states: torch.Tensor) -> int:
+    """Encoder positions per block id of `states` [span, 2, num_blocks, rows_per_half, d]."""
+    return states.shape[0] * 2 * states.shape[3]
 
 
 def write_encoder_states(
@@ -152,14 +161,14 @@ def write_encoder_states(
     No host sync: a skipped row is written to slot 0 instead, which belongs to the block pool's
     null block (never handed out, never read unmasked), rather than selected out by a boolean
     mask (whose size the host would have to wait for)."""
-    half, block, row = states_index(slot_mapping.clamp(min=0), states.shape[2])
+    index = states_index(slot_mapping.clamp(min=0), states)
     values = rows[: slot_mapping.shape[0]]
     if scales is None:
-        states[half, block, row] = values.to(states.dtype)
+        states[index] = values.to(states.dtype)
         return
     q, s = quantize_rows(values)
-    states[half, block, row] = q
-    scales[half, block, row] = s
+    states[index] = q
+    scales[index] = s
 
 
 def attend_encoder_states_torch(
@@ -178,7 +187,7 @@ def attend_encoder_states_torch(
 
     if not isinstance(metadata, SDPAMetadata):
         builder = SDPAMetadataBuilder(
-            AttentionType.ENCODER_DECODER, q_abs.device, 2 * states.shape[2]
+            AttentionType.ENCODER_DECODER, q_abs.device, states_block_size(states)
         )
         metadata = builder.build(metadata.common)
     md, common = metadata, metadata.common
@@ -186,10 +195,10 @@ def attend_encoder_states_torch(
     num_tokens = common.num_actual_tokens
     num_reqs = common.num_reqs
     max_q = md.mask.shape[2]
-    half, block, row = states_index(md.key_gather, states.shape[2])
-    keys = states[half, block, row]  # [R, max_k, d]
+    index = states_index(md.key_gather, states)
+    keys = states[index]  # [R, max_k, d]
     if scales is not None:
-        keys = keys.float() * scales[half, block, row][..., None]
+        keys = keys.float() * scales[index][..., None]
     keys = keys.to(q_abs.dtype)[:, None]  # [R, 1, max_k, d]
     q = q_abs.new_zeros(num_reqs, max_q, num_heads, dim)
     q[md.token_req, md.token_local] = q_abs[:num_tokens]

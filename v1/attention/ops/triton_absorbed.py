@@ -20,9 +20,10 @@ Measured on an H100 (256 requests, bf16, one query token each): large-v3 (1500 x
 heads) 610 us per call against 649 us for the whole-width kernel (one read of E: 330 us);
 BART-large (512 x 1024, 16 heads) 129 against 166 us, 2.0 TB/s of E.
 
-Cache layout: states [2, num_blocks, rows_per_half, d] (+ scales [2, num_blocks,
-rows_per_half]); position p of a request: block table entry p // (2 * rows_per_half), offset
-o = p % (2 * rows_per_half) in half o // rows_per_half, row o % rows_per_half.
+Cache layout: states [span, 2, num_blocks, rows_per_half, d] (+ scales [span, 2, num_blocks,
+rows_per_half]); position p of a request: block table entry p // (span * 2 * rows_per_half),
+offset o = p % (span * 2 * rows_per_half) in pool tensor o // (2 * rows_per_half), and there in
+half (o // rows_per_half) % 2, row o % rows_per_half.
 """
 
 from __future__ import annotations
@@ -121,9 +122,11 @@ def _absorbed_attention_kernel(
     stride_qh,
     stride_ot,
     stride_oh,
+    stride_s_tensor,
     stride_s_half,
     stride_s_block,
     stride_s_row,
+    stride_sc_tensor,
     stride_sc_half,
     stride_sc_block,
     stride_bt,
@@ -132,6 +135,7 @@ def _absorbed_attention_kernel(
     CHUNK: tl.constexpr,
     NUM_CHUNKS: tl.constexpr,
     ROWS_PER_HALF: tl.constexpr,
+    SPAN: tl.constexpr,
     QUERY_BLOCK: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -176,12 +180,21 @@ def _absorbed_attention_kernel(
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_len
         block = tl.load(
-            block_table + req * stride_bt + offs_n // (2 * ROWS_PER_HALF), mask=n_mask, other=0
+            block_table + req * stride_bt + offs_n // (SPAN * 2 * ROWS_PER_HALF),
+            mask=n_mask,
+            other=0,
         ).to(tl.int64)
-        offset = offs_n % (2 * ROWS_PER_HALF)
-        half = (offset // ROWS_PER_HALF).to(tl.int64)  # int64: pools exceed 2^31 elements
+        offset = offs_n % (SPAN * 2 * ROWS_PER_HALF)
+        # int64: pools exceed 2^31 elements
+        pool_tensor = (offset // (2 * ROWS_PER_HALF)).to(tl.int64)
+        half = ((offset // ROWS_PER_HALF) % 2).to(tl.int64)
         row = (offset % ROWS_PER_HALF).to(tl.int64)
-        base = half * stride_s_half + block * stride_s_block + row * stride_s_row
+        base = (
+            pool_tensor * stride_s_tensor
+            + half * stride_s_half
+            + block * stride_s_block
+            + row * stride_s_row
+        )
         s = _score_chunk(Q, q_rows, r_mask, States, base, n_mask, 0, CHUNK, D_MODEL, DOT_PRECISION)
         if NUM_CHUNKS > 1:
             s += _score_chunk(
@@ -203,7 +216,11 @@ def _absorbed_attention_kernel(
             # E[n] = scale[n] * stored[n]: the scale multiplies column n of the scores, and
             # the weight of row n in P E.
             scale = tl.load(
-                Scales + half * stride_sc_half + block * stride_sc_block + row,
+                Scales
+                + pool_tensor * stride_sc_tensor
+                + half * stride_sc_half
+                + block * stride_sc_block
+                + row,
                 mask=n_mask,
                 other=0.0,
             )
@@ -270,7 +287,7 @@ def attend_encoder_states_triton(
     built with the encoder-states block size."""
     common = metadata.common
     num_heads, d_model = q_abs.shape[1], q_abs.shape[2]
-    assert q_abs.stride(2) == 1 and states.stride(3) == 1
+    assert q_abs.stride(2) == 1 and states.stride(4) == 1
     out = torch.zeros_like(q_abs)
     work_req, work_mblock = metadata.work
     if work_req.numel() == 0:
@@ -300,14 +317,17 @@ def attend_encoder_states_triton(
         states.stride(0),
         states.stride(1),
         states.stride(2),
+        states.stride(3),
         scales.stride(0) if fp8 else 0,
         scales.stride(1) if fp8 else 0,
+        scales.stride(2) if fp8 else 0,
         common.block_table.stride(0),
         NUM_HEADS=num_heads,
         D_MODEL=d_model,
         CHUNK=chunk,
         NUM_CHUNKS=num_chunks,
-        ROWS_PER_HALF=states.shape[2],
+        ROWS_PER_HALF=states.shape[3],
+        SPAN=states.shape[0],
         QUERY_BLOCK=metadata.block_m,
         BLOCK_R=block_r,
         BLOCK_N=block_n,
