@@ -88,15 +88,25 @@ def clip_maker(num_clips: int) -> Callable[[], list[tuple[np.ndarray, int]]]:
     return clips
 
 
-def wrap(timings: dict[str, list[float]], obj: Any, name: str) -> None:
+def wrap(
+    timings: dict[str, list[float]],
+    obj: Any,
+    name: str,
+    label: str | None = None,
+    enabled: Callable[[], bool] | None = None,
+) -> None:
+    """Times every call of `obj.name` (an instance's or a class's method) into
+    timings[label or name], while `enabled()` holds (always without it)."""
     fn = getattr(obj, name)
+    key = label or name
 
     def timed(*a: Any, **k: Any) -> Any:
         start = time.perf_counter()
         try:
             return fn(*a, **k)
         finally:
-            timings[name].append(time.perf_counter() - start)
+            if enabled is None or enabled():
+                timings[key].append(time.perf_counter() - start)
 
     setattr(obj, name, timed)
 

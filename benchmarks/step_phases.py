@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import numpy as np
 import torch
-from profile_step import build, clip_maker, make_engine
+from profile_step import build, clip_maker, make_engine, wrap
 
 
 def main():
@@ -43,19 +43,8 @@ def main():
     T = collections.defaultdict(list)
     active = [False]
 
-    def wrap(obj, name, label=None):
-        fn = getattr(obj, name)
-        label = label or f"{type(obj).__name__}.{name}"
-
-        def timed(*a, **k):
-            s = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                if active[0]:
-                    T[label].append(time.perf_counter() - s)
-
-        setattr(obj, name, timed)
+    def timed(obj, name, label=None):
+        wrap(T, obj, name, label or f"{type(obj).__name__}.{name}", lambda: active[0])
 
     from v1.worker.sampled_output import HostCopy, PendingSampledStep
 
@@ -77,39 +66,13 @@ def main():
         (llm.llm_engine.output_processor, "process_outputs"),
         (llm.llm_engine, "step"),
     ]:
-        wrap(o, n)
+        timed(o, n)
     if runner.cuda_graphs is not None:
-        wrap(runner.cuda_graphs, "prepare")
-        wrap(runner.cuda_graphs, "run")
-    orig_init = HostCopy.__init__
-
-    def hc_init(self, *a, **k):
-        s = time.perf_counter()
-        orig_init(self, *a, **k)
-        if active[0]:
-            T["HostCopy.__init__"].append(time.perf_counter() - s)
-
-    HostCopy.__init__ = hc_init
-    orig_get = PendingSampledStep.get_output
-
-    def go(self):
-        s = time.perf_counter()
-        r = orig_get(self)
-        if active[0]:
-            T["PendingSampledStep.get_output"].append(time.perf_counter() - s)
-        return r
-
-    PendingSampledStep.get_output = go
-    orig_hget = HostCopy.get
-
-    def hg(self):
-        s = time.perf_counter()
-        r = orig_hget(self)
-        if active[0]:
-            T["HostCopy.get(wait)"].append(time.perf_counter() - s)
-        return r
-
-    HostCopy.get = hg
+        timed(runner.cuda_graphs, "prepare")
+        timed(runner.cuda_graphs, "run")
+    timed(HostCopy, "__init__", "HostCopy.__init__")
+    timed(PendingSampledStep, "get_output", "PendingSampledStep.get_output")
+    timed(HostCopy, "get", "HostCopy.get(wait)")
     # Steady window: profile only while the running batch is full.
     sched = core.scheduler
     step_fn = core.step

@@ -103,24 +103,13 @@ def add_layer_norm(
     it (quantized in the same kernel when fused)."""
     if _fused(x) and residual.stride(-1) == 1:
         from v1.models.layers.triton_norm import add_layer_norm_triton
-
-        if not norm.fp8_output:
-            return add_layer_norm_triton(
-                x, residual, norm.weight, norm.bias, norm.eps, store_residual, clamp
-            )
         from v1.quantization.fp8 import _MIN_SCALE, FP8_DTYPE, FP8_MAX, Fp8Rows
 
-        (q, scale), h = add_layer_norm_triton(
-            x,
-            residual,
-            norm.weight,
-            norm.bias,
-            norm.eps,
-            store_residual,
-            clamp,
-            fp8=(FP8_DTYPE, FP8_MAX, _MIN_SCALE),
+        fp8 = (FP8_DTYPE, FP8_MAX, _MIN_SCALE) if norm.fp8_output else None
+        normed, h = add_layer_norm_triton(
+            x, residual, norm.weight, norm.bias, norm.eps, store_residual, clamp, fp8
         )
-        return Fp8Rows(q, scale, x.dtype), h
+        return (Fp8Rows(*normed, x.dtype) if fp8 else normed), h
     h = x + residual
     if clamp is not None:
         h = h.clamp(-clamp, clamp)
