@@ -2,10 +2,11 @@
 
 B requests x 1 token, 20 heads, d = 1280, 1500 encoder positions in the engine's paged layout
 (blocks of 32 positions in each of `--span` pool tensors, random block order): microseconds per call of
-`attend_encoder_states_triton`, the GB/s of E it reaches, and one plain read of the same bytes
-(the floor), for bf16 and fp8 encoder states. Checks three requests against a torch reference.
+the CUDA kernel (`cuda_absorbed.py`, 16-bit states; `--cuda-configs` sweeps its positions per
+step and stages) and the Triton kernel (16-bit and fp8 states), the GB/s of E each reaches, and
+one plain read of the same bytes (the floor). Checks three requests against a torch reference.
 
-    python3 benchmarks/absorbed_kernel.py --batch 256
+    python3 benchmarks/absorbed_kernel.py --batch 256 --dtype float16 --cuda-configs 32x2,16x4
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from types import SimpleNamespace
 import torch
 
 from v1.attention.ops.absorbed_cross_attention import states_index
+from v1.attention.ops.cuda_absorbed import attend_encoder_states_cuda, kernel_for
 from v1.attention.ops.triton_absorbed import attend_encoder_states_triton
 
 HEADS, D_MODEL, POSITIONS, ROWS_PER_HALF = 20, 1280, 1500, 16
@@ -40,8 +42,13 @@ def median_us(fn, calls: int = 10, repeats: int = 5) -> float:
 
 
 def run(
-    batch: int, fp8: bool, model_dtype: torch.dtype = torch.bfloat16, span: int = SPAN
+    batch: int,
+    fp8: bool,
+    model_dtype: torch.dtype = torch.bfloat16,
+    span: int = SPAN,
+    cuda_config: tuple[int, int] | None = None,
 ) -> dict[str, float]:
+    """One kernel: Triton, or the CUDA one at (positions per step, stages)."""
     dev = "cuda"
     block = span * 2 * ROWS_PER_HALF
     per_req = -(-POSITIONS // block)
@@ -63,7 +70,18 @@ def run(
         torch.zeros(batch, dtype=torch.int32, device=dev),
     )
     metadata = SimpleNamespace(common=common, work=work, block_m=1)
-    out = attend_encoder_states_triton(q, states, scales, metadata)
+    if cuda_config is None:
+
+        def attend():
+            return attend_encoder_states_triton(q, states, scales, metadata)
+    else:
+        built = kernel_for(q, states, scales, *cuda_config)
+        assert built is not None, f"the CUDA kernel does not take {cuda_config}"
+
+        def attend():
+            return attend_encoder_states_cuda(q, states, metadata, *built)
+
+    out = attend()
     pos = torch.arange(POSITIONS, device=dev)
     error = 0.0
     for r in (0, batch // 2, batch - 1):
@@ -73,7 +91,7 @@ def run(
             e = e * scales[index][:, None]
         ref = torch.softmax(q[r].float() @ e.T, -1) @ e
         error = max(error, float((out[r].float() - ref).abs().max()))
-    kernel_us = median_us(lambda: attend_encoder_states_triton(q, states, scales, metadata))
+    kernel_us = median_us(attend)
     flat = states.view(-1).view(torch.uint8).view(torch.float32)
     floor_us = median_us(lambda: flat.sum())
     e_bytes = batch * POSITIONS * D_MODEL * states.element_size()
@@ -90,14 +108,22 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--dtype", default="bfloat16", help="the model's: bfloat16 or float16")
     parser.add_argument("--span", type=int, default=SPAN, help="pool tensors a block spans")
+    parser.add_argument(
+        "--cuda-configs",
+        default="32x2,16x2,16x3,16x4",
+        help="CUDA kernel builds to time: positions per step x stages, comma-separated",
+    )
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
-    for fp8 in (False, True):
-        row = run(args.batch, fp8, dtype, args.span)
+    cuda_configs = [tuple(map(int, c.split("x"))) for c in args.cuda_configs.split(",") if c]
+    variants = [("triton", False, None), ("triton", True, None)]
+    variants += [(f"cuda {n}x{s}", False, (n, s)) for n, s in cuda_configs]
+    for name, fp8, config in variants:
+        row = run(args.batch, fp8, dtype, args.span, config)
         print(
-            f"{'fp8 E' if fp8 else args.dtype} batch {args.batch}: {row['kernel_us']:.0f} us/call "
-            f"({row['kernel_GBps']:.0f} GB/s of E), one read of E {row['read_floor_us']:.0f} us, "
-            f"max abs error {row['max_abs_error']:.1e}"
+            f"{name}, {'fp8 E' if fp8 else args.dtype} batch {args.batch}: "
+            f"{row['kernel_us']:.0f} us/call ({row['kernel_GBps']:.0f} GB/s of E), "
+            f"one read of E {row['read_floor_us']:.0f} us, max abs error {row['max_abs_error']:.1e}"
         )
 
 

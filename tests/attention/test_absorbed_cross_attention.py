@@ -257,3 +257,65 @@ def test_k_bias_cancels_and_v_bias_is_added_once() -> None:
     for new_bias, delta in ((torch.cat([b_k + 7.0, b_v]), 0.0), (torch.cat([b_k, b_v + 1.5]), 1.5)):
         batch.proj = CrossProjection(batch.proj.weight, None, new_bias, shape.head_size)
         torch.testing.assert_close(run_absorbed(batch, shape, "torch_sdpa"), base + delta)
+
+
+CUDA_SHAPES = [
+    *SHAPES,
+    # Whisper large-v3's real width: 20 heads x 64 = d 1280 (8 warps x 160 columns), blocks
+    # over 32 pool tensors: a full 1500-position request, shorter ones, a 4-token first step.
+    "large_v3",
+]
+LARGE_V3 = AbsorbedShape(
+    "large_v3", (1, 4, 1, 1), (1500, 700, 1, 33), num_heads=20, head_size=64, d_model=1280, span=32
+)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("shape_name", CUDA_SHAPES)
+def test_cuda_kernel_matches_per_layer_and_triton(
+    shape_name: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The NVRTC-compiled kernel runs (not a fallback) for 16-bit states on every shape, and
+    agrees with per-layer attention and with the Triton kernel."""
+    from v1.attention.ops.cuda_absorbed import KERNEL_ENV, kernel_for
+
+    shape = LARGE_V3 if shape_name == "large_v3" else SHAPES[shape_name]
+    batch = make_absorbed_batch(shape, "cuda", dtype=dtype, seed=6)
+    assert kernel_for(batch.query.new_zeros(1, 1, shape.d_model), batch.states, None)
+    out = run_absorbed(batch, shape, "triton").float()
+    tol = 1e-2 if dtype == torch.float16 else 5e-2
+    torch.testing.assert_close(out, per_layer_reference(batch, shape), atol=tol, rtol=tol)
+    monkeypatch.setenv(KERNEL_ENV, "triton")
+    torch.testing.assert_close(
+        out, run_absorbed(batch, shape, "triton").float(), atol=tol, rtol=tol
+    )
+
+
+def test_cuda_kernel_plan_fits_shared_memory_and_declines_what_it_cannot_take() -> None:
+    """The build plan (pure host logic, so it runs without a GPU): whole 16-column k-steps a
+    warp, the most stages that fit the device's shared memory, None for fp32 or odd widths."""
+    from v1.attention.ops.cuda_absorbed import plan, warps_for
+
+    assert [warps_for(d) for d in (1280, 1024, 768, 512, 384, 80, 64, 2048)] == [
+        8,
+        8,
+        6,
+        4,
+        4,
+        5,
+        4,
+        16,
+    ]
+    assert warps_for(72) is None and warps_for(4096) is None
+    h100 = 227 * 1024
+    large_v3 = plan(1280, torch.float16, 32, 16, h100)
+    assert large_v3 is not None and (large_v3.warps, large_v3.warp_columns) == (8, 160)
+    assert large_v3.stages == 2 and large_v3.smem_bytes <= h100  # a third stage does not fit
+    assert plan(1280, torch.float16, 32, 16, h100, block_n=16).stages == 4
+    assert plan(512, torch.bfloat16, 6, 16, h100).stages == 4
+    assert plan(1280, torch.float16, 32, 16, 100 * 1024) is None
+    assert plan(1280, torch.float32, 32, 16, h100) is None
+    source = large_v3.source()
+    assert "#define DW 160" in source and "absorbed_attention_kernel" in source

@@ -4,8 +4,9 @@ Per layer and head h, with E [S, d] a request's encoder output (exact algebra):
     scores_h = q_h (E W_k,h + b_k,h)^T = (q_h W_k,h^T) E^T + const   (const cancels in softmax)
     out_h    = softmax(scores_h) (E W_v,h + b_v,h) = (softmax(scores_h) E) W_v,h + b_v,h
 So a step projects the query into model space (`absorb_query`: q' = q W_k^T, [T, H, d]),
-attends over the paged E (`attend_encoder_states`: a torch reference here, a Triton kernel in
-`triton_absorbed.py`), and applies W_v and b_v to the [T, H, d] context (`project_values`).
+attends over the paged E (`attend_encoder_states_*`: a torch reference here, a CUDA kernel in
+`cuda_absorbed.py` for 16-bit states, a Triton kernel in `triton_absorbed.py` for the rest),
+and applies W_v and b_v to the [T, H, d] context (`project_values`).
 
 Cache layout: a pool block of an attention layer is two halves (K and V) of rows in each of the
 pool's tensors; encoder states use both halves of the block's page in `span` tensors,
@@ -224,9 +225,23 @@ def absorbed_cross_attention(
     [T, H * D] (the input of the layer's output projection)."""
     q_abs = absorb_query(query, proj, num_heads, scale)  # [T, H, d]
     if q_abs.is_cuda and hasattr(metadata, "work"):  # the Triton backend's work items
-        from v1.attention.ops.triton_absorbed import attend_encoder_states_triton
-
-        context = attend_encoder_states_triton(q_abs, states, scales, metadata)
+        context = attend_encoder_states_gpu(q_abs, states, scales, metadata)
     else:
         context = attend_encoder_states_torch(q_abs, states, scales, metadata)
     return project_values(context, proj)
+
+
+def attend_encoder_states_gpu(
+    q_abs: torch.Tensor, states: torch.Tensor, scales: torch.Tensor | None, metadata: Any
+) -> torch.Tensor:
+    """The CUDA kernel where it takes the inputs (16-bit states, int32 metadata), else the
+    Triton kernel."""
+    from v1.attention.ops.cuda_absorbed import attend_encoder_states_cuda, kernel_for
+    from v1.attention.ops.triton_absorbed import attend_encoder_states_triton
+
+    built = kernel_for(q_abs, states, scales)
+    common = metadata.common
+    indices = (common.query_start_loc, common.seq_lens, common.block_table, *metadata.work)
+    if built is not None and all(t.dtype == torch.int32 for t in indices):
+        return attend_encoder_states_cuda(q_abs, states, metadata, *built)
+    return attend_encoder_states_triton(q_abs, states, scales, metadata)
