@@ -1,7 +1,8 @@
 """Absorbed cross-attention kernel alone at Whisper large-v3 decode shapes (CUDA only).
 
 B requests x 1 token, 20 heads, d = 1280, 1500 encoder positions in the engine's paged layout
-(blocks of 32 positions in each of `--span` pool tensors, random block order): microseconds per call of
+(blocks of 32 positions in each of `--span` pool tensors, random block order), with the engine's
+decode metadata (16-token work items) and replayed from a CUDA graph: microseconds per call of
 the CUDA kernel (`cuda_absorbed.py`, 16-bit states; `--cuda-configs` sweeps its positions per
 step and stages) and the Triton kernel (16-bit and fp8 states), the GB/s of E each reaches, and
 one plain read of the same bytes (the floor). Checks three requests against a torch reference.
@@ -16,6 +17,7 @@ from types import SimpleNamespace
 
 import torch
 
+from v1.attention.backends.triton import DECODE_BLOCK_M
 from v1.attention.ops.absorbed_cross_attention import states_index
 from v1.attention.ops.cuda_absorbed import attend_encoder_states_cuda, kernel_for
 from v1.attention.ops.triton_absorbed import attend_encoder_states_triton
@@ -47,8 +49,10 @@ def run(
     model_dtype: torch.dtype = torch.bfloat16,
     span: int = SPAN,
     cuda_config: tuple[int, int] | None = None,
+    heads: int = HEADS,
 ) -> dict[str, float]:
-    """One kernel: Triton, or the CUDA one at (positions per step, stages)."""
+    """One kernel: Triton, or the CUDA one at (positions per step, stages); `heads` query rows
+    per request (more than 16 take the CUDA kernel's 32-row tiles)."""
     dev = "cuda"
     block = span * 2 * ROWS_PER_HALF
     per_req = -(-POSITIONS // block)
@@ -59,23 +63,26 @@ def run(
     scales = torch.rand(*shape, device=dev) + 0.5 if fp8 else None
     table = (torch.randperm(num_blocks - 1, device=dev) + 1)[: batch * per_req]
     table = table.view(batch, per_req).to(torch.int32)
-    q = (torch.randn(batch, HEADS, D_MODEL, device=dev) * 0.03).to(model_dtype)
+    q = (torch.randn(batch, heads, D_MODEL, device=dev) * 0.03).to(model_dtype)
     common = SimpleNamespace(
         query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=dev),
         seq_lens=torch.full((batch,), POSITIONS, dtype=torch.int32, device=dev),
         block_table=table,
+        max_query_len=1,
     )
     work = (
         torch.arange(batch, dtype=torch.int32, device=dev),
         torch.zeros(batch, dtype=torch.int32, device=dev),
     )
-    metadata = SimpleNamespace(common=common, work=work, block_m=1)
+    # The engine's decode metadata: work items of up to 16 query tokens (one used), replayed
+    # from a CUDA graph.
+    metadata = SimpleNamespace(common=common, work=work, block_m=DECODE_BLOCK_M)
     if cuda_config is None:
 
         def attend():
             return attend_encoder_states_triton(q, states, scales, metadata)
     else:
-        built = kernel_for(q, states, scales, *cuda_config)
+        built = kernel_for(q, states, scales, cuda_config)
         assert built is not None, f"the CUDA kernel does not take {cuda_config}"
 
         def attend():
@@ -91,7 +98,12 @@ def run(
             e = e * scales[index][:, None]
         ref = torch.softmax(q[r].float() @ e.T, -1) @ e
         error = max(error, float((out[r].float() - ref).abs().max()))
-    kernel_us = median_us(attend)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out = attend()
+    graph.replay()
+    assert torch.equal(graph_out, out), "graph replay differs from the eager call"
+    kernel_us = median_us(graph.replay)
     flat = states.view(-1).view(torch.uint8).view(torch.float32)
     floor_us = median_us(lambda: flat.sum())
     e_bytes = batch * POSITIONS * D_MODEL * states.element_size()
@@ -110,18 +122,20 @@ def main() -> None:
     parser.add_argument("--span", type=int, default=SPAN, help="pool tensors a block spans")
     parser.add_argument(
         "--cuda-configs",
-        default="32x2,16x2,16x3,16x4",
+        default="16x2",
         help="CUDA kernel builds to time: positions per step x stages, comma-separated",
     )
+    parser.add_argument("--heads", type=int, default=HEADS, help="query rows per request")
+    parser.add_argument("--no-triton", action="store_true", help="time the CUDA kernel only")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     cuda_configs = [tuple(map(int, c.split("x"))) for c in args.cuda_configs.split(",") if c]
-    variants = [("triton", False, None), ("triton", True, None)]
+    variants = [] if args.no_triton else [("triton", False, None), ("triton", True, None)]
     variants += [(f"cuda {n}x{s}", False, (n, s)) for n, s in cuda_configs]
     for name, fp8, config in variants:
-        row = run(args.batch, fp8, dtype, args.span, config)
+        row = run(args.batch, fp8, dtype, args.span, config, args.heads)
         print(
-            f"{name}, {'fp8 E' if fp8 else args.dtype} batch {args.batch}: "
+            f"{name}, {'fp8 E' if fp8 else args.dtype} batch {args.batch} x {args.heads} heads: "
             f"{row['kernel_us']:.0f} us/call ({row['kernel_GBps']:.0f} GB/s of E), "
             f"one read of E {row['read_floor_us']:.0f} us, max abs error {row['max_abs_error']:.1e}"
         )

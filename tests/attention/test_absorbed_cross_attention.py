@@ -261,10 +261,15 @@ def test_k_bias_cancels_and_v_bias_is_added_once() -> None:
 
 CUDA_SHAPES = [
     *SHAPES,
+    # More than 16 heads (32-row tiles) at a small width, with a multi-token first step.
+    "many_heads",
     # Whisper large-v3's real width: 20 heads x 64 = d 1280 (8 warps x 160 columns), blocks
     # over 32 pool tensors: a full 1500-position request, shorter ones, a 4-token first step.
     "large_v3",
 ]
+MANY_HEADS = AbsorbedShape(
+    "many_heads", (1, 3, 1), (40, 17, 75), num_heads=20, head_size=4, d_model=80, span=3
+)
 LARGE_V3 = AbsorbedShape(
     "large_v3", (1, 4, 1, 1), (1500, 700, 1, 33), num_heads=20, head_size=64, d_model=1280, span=32
 )
@@ -281,9 +286,9 @@ def test_cuda_kernel_matches_per_layer_and_triton(
     agrees with per-layer attention and with the Triton kernel."""
     from v1.attention.ops.cuda_absorbed import KERNEL_ENV, kernel_for
 
-    shape = LARGE_V3 if shape_name == "large_v3" else SHAPES[shape_name]
+    shape = {"large_v3": LARGE_V3, "many_heads": MANY_HEADS}.get(shape_name) or SHAPES[shape_name]
     batch = make_absorbed_batch(shape, "cuda", dtype=dtype, seed=6)
-    assert kernel_for(batch.query.new_zeros(1, 1, shape.d_model), batch.states, None)
+    assert kernel_for(batch.query.new_zeros(1, 20, shape.d_model), batch.states, None)
     out = run_absorbed(batch, shape, "triton").float()
     tol = 1e-2 if dtype == torch.float16 else 5e-2
     torch.testing.assert_close(out, per_layer_reference(batch, shape), atol=tol, rtol=tol)
@@ -293,9 +298,27 @@ def test_cuda_kernel_matches_per_layer_and_triton(
     )
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("shape", [MANY_HEADS, LARGE_V3], ids=lambda s: s.name)
+def test_cuda_kernel_in_a_graph_loops_over_multi_token_rows(shape: AbsorbedShape) -> None:
+    """Captured, the kernel gives a work item one block that loops over its row tiles (the
+    rows are known on the device only): a replay with 3- and 4-token queries equals eager."""
+    batch = make_absorbed_batch(shape, "cuda", dtype=torch.float16, seed=7)
+    eager = run_absorbed(batch, shape, "triton")
+    run_absorbed(batch, shape, "triton")  # compiled before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run_absorbed(batch, shape, "triton")
+    captured.fill_(float("nan"))
+    graph.replay()
+    torch.testing.assert_close(captured, eager, atol=0, rtol=0)
+
+
 def test_cuda_kernel_plan_fits_shared_memory_and_declines_what_it_cannot_take() -> None:
     """The build plan (pure host logic, so it runs without a GPU): whole 16-column k-steps a
-    warp, the most stages that fit the device's shared memory, None for fp32 or odd widths."""
+    warp, 32-row tiles past 16 heads, the first step shape that fits the device's shared
+    memory, None for fp32 or odd widths."""
     from v1.attention.ops.cuda_absorbed import plan, warps_for
 
     assert [warps_for(d) for d in (1280, 1024, 768, 512, 384, 80, 64, 2048)] == [
@@ -310,12 +333,13 @@ def test_cuda_kernel_plan_fits_shared_memory_and_declines_what_it_cannot_take() 
     ]
     assert warps_for(72) is None and warps_for(4096) is None
     h100 = 227 * 1024
-    large_v3 = plan(1280, torch.float16, 32, 16, h100)
+    large_v3 = plan(1280, torch.float16, 32, 16, 20, h100)  # 20 heads, one token
     assert large_v3 is not None and (large_v3.warps, large_v3.warp_columns) == (8, 160)
-    assert large_v3.stages == 2 and large_v3.smem_bytes <= h100  # a third stage does not fit
-    assert plan(1280, torch.float16, 32, 16, h100, block_n=16).stages == 4
-    assert plan(512, torch.bfloat16, 6, 16, h100).stages == 4
-    assert plan(1280, torch.float16, 32, 16, 100 * 1024) is None
-    assert plan(1280, torch.float32, 32, 16, h100) is None
+    assert (large_v3.m_tiles, large_v3.block_n, large_v3.stages) == (2, 16, 2)
+    assert large_v3.smem_bytes <= h100
+    bart = plan(1024, torch.float16, 12, 16, 16, h100)  # 16 heads: one 16-row tile
+    assert (bart.m_tiles, bart.block_n, bart.stages) == (1, 32, 2)
+    assert plan(1280, torch.float16, 32, 16, 20, 100 * 1024) is None
+    assert plan(1280, torch.float32, 32, 16, 20, h100) is None
     source = large_v3.source()
-    assert "#define DW 160" in source and "absorbed_attention_kernel" in source
+    assert "#define DW 160" in source and "#define M_TILES 2" in source

@@ -28,6 +28,10 @@ typedef long long i64;
 #define KSTEPS (DW / 16)       // k-steps of the score product
 #define NT_S (BN / 8)          // 8-position tiles of the scores
 #define NT_O (DW / 8)          // 8-column tiles of the context
+#define ROWS (16 * M_TILES)    // (token, head) rows a block computes
+#define D (NW * DW)            // d_model
+#define Q_PITCH (D + 8)        // q' rows in shared memory, padded like E's
+#define SC (M_TILES * NT_S * 4)  // score accumulators a thread holds
 #define BLOCK_POS (SPAN * 2 * RPH)
 #define LOG2E 1.4426950408889634f
 #define NEG_INF __int_as_float(0xff800000)
@@ -103,18 +107,24 @@ __device__ __forceinline__ i64 join64(int lo, int hi) {
     return (i64)(((unsigned long long)(u32)hi << 32) | (unsigned long long)(u32)lo);
 }
 
+// Where a work item's E lives: its block table row and the states' strides (elements).
+struct StatesView {
+    const u16* __restrict__ base;
+    const int* __restrict__ table_row;
+    i64 s_tensor, s_half, s_block, s_row;
+    int kv_len;
+};
+
 // Queue one step's [BN, DW] slice of E (this warp's columns) into stage `dst`. Lane l finds the
 // address of position start + l; rows past kv_len are zero-filled (so P E never meets garbage).
-__device__ __forceinline__ void load_step(
-    u16* dst, const u16* __restrict__ states, const int* __restrict__ table_row, int start,
-    int kv_len, int col0, i64 s_tensor, i64 s_half, i64 s_block, i64 s_row, int lane) {
+__device__ __forceinline__ void load_step(u16* dst, const StatesView& e, int start, int col0, int lane) {
     const int pos = start + lane;
-    const bool ok = lane < BN && pos < kv_len;
+    const bool ok = lane < BN && pos < e.kv_len;
     i64 off = 0;
     if (ok) {
         const int o = pos % BLOCK_POS;
-        off = (i64)(o / (2 * RPH)) * s_tensor + (i64)((o / RPH) & 1) * s_half +
-              (i64)table_row[pos / BLOCK_POS] * s_block + (i64)(o % RPH) * s_row + col0;
+        off = (i64)(o / (2 * RPH)) * e.s_tensor + (i64)((o / RPH) & 1) * e.s_half +
+              (i64)e.table_row[pos / BLOCK_POS] * e.s_block + (i64)(o % RPH) * e.s_row + col0;
     }
 #pragma unroll
     for (int i = 0; i < BN * CPR / 32; ++i) {
@@ -122,11 +132,230 @@ __device__ __forceinline__ void load_step(
         const int r = c / CPR, ch = c % CPR;
         const i64 row_off = __shfl_sync(0xffffffffu, off, r);
         const int row_ok = __shfl_sync(0xffffffffu, (int)ok, r);
-        cp_async16(smem_addr(dst + r * PITCH + ch * 8), states + (row_ok ? row_off + ch * 8 : 0),
+        cp_async16(smem_addr(dst + r * PITCH + ch * 8), e.base + (row_ok ? row_off + ch * 8 : 0),
                    row_ok ? 16 : 0);
     }
 }
 
+// Rows of a tile: row g is token first + g / H, head g % H; rows at or past `rows` are absent.
+struct TileRows {
+    int first_token, rows, num_heads, stride_t, stride_h;
+    __device__ __forceinline__ i64 offset(int g) const {
+        return (i64)(first_token + g / num_heads) * stride_t + (g % num_heads) * stride_h;
+    }
+};
+
+// Copy the tile's q' rows into shared memory (zeros for absent rows), all threads.
+__device__ __forceinline__ void stage_queries(u16* q_s, const u16* __restrict__ q, const TileRows& t, int row0) {
+    for (int i = threadIdx.x; i < ROWS * (D / 8); i += NW * 32) {
+        const int r = i / (D / 8), ch = i % (D / 8), g = row0 + r;
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (g < t.rows) v = *(const uint4*)(q + t.offset(g) + ch * 8);
+        *(uint4*)(q_s + r * Q_PITCH + ch * 8) = v;
+    }
+}
+
+// This warp's partial scores q'[:, slice] E[:, slice]^T: [ROWS, BN] as M_TILES x NT_S tiles.
+__device__ __forceinline__ void partial_scores(float (&sc)[M_TILES][NT_S][4], u32 q_addr, u32 e_base, int lane) {
+#pragma unroll
+    for (int m = 0; m < M_TILES; ++m)
+#pragma unroll
+        for (int n = 0; n < NT_S; ++n) sc[m][n][0] = sc[m][n][1] = sc[m][n][2] = sc[m][n][3] = 0.f;
+    // E rows of n-tiles (n, n + 1): lanes 0-15 tile n, 16-31 tile n + 1; k half (lane / 8) % 2.
+    const u32 e_addr = e_base + (((lane >> 4) * 8 + (lane & 7)) * PITCH + ((lane >> 3) & 1) * 8) * 2;
+#pragma unroll
+    for (int ks = 0; ks < KSTEPS; ++ks) {
+        u32 a[M_TILES][4];
+#pragma unroll
+        for (int m = 0; m < M_TILES; ++m)
+            ldmatrix_x4(a[m][0], a[m][1], a[m][2], a[m][3], q_addr + (m * 16 * Q_PITCH + ks * 16) * 2);
+#pragma unroll
+        for (int n = 0; n < NT_S; n += 2) {
+            u32 b0, b1, b2, b3;
+            ldmatrix_x4(b0, b1, b2, b3, e_addr + (n * 8 * PITCH + ks * 16) * 2);
+#pragma unroll
+            for (int m = 0; m < M_TILES; ++m) {
+                mma16816(sc[m][n], a[m], b0, b1);
+                mma16816(sc[m][n + 1], a[m], b2, b3);
+            }
+        }
+    }
+}
+
+// Sum the warps' partial scores into sc (every warp gets the whole sums): write, barrier, each
+// thread adds up a share, barrier, read back. Buffers alternate by step parity, so the next
+// step's writes never meet this step's reads.
+__device__ __forceinline__ void sum_scores(float (&sc)[M_TILES][NT_S][4], float* partial, float* summed,
+                                           int parity, int warp, int lane) {
+    float* mine = partial + (parity * NW + warp) * (SC * 32);
+#pragma unroll
+    for (int m = 0; m < M_TILES; ++m)
+#pragma unroll
+        for (int n = 0; n < NT_S; ++n)
+#pragma unroll
+            for (int k = 0; k < 4; ++k) mine[((m * NT_S + n) * 4 + k) * 32 + lane] = sc[m][n][k];
+    __syncthreads();
+    float* total = summed + parity * (SC * 32);
+    for (int i = threadIdx.x; i < SC * 32; i += NW * 32) {
+        const float* src = partial + parity * NW * (SC * 32) + i;
+        float s = 0.f;
+#pragma unroll
+        for (int w = 0; w < NW; ++w) s += src[w * (SC * 32)];
+        total[i] = s;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int m = 0; m < M_TILES; ++m)
+#pragma unroll
+        for (int n = 0; n < NT_S; ++n)
+#pragma unroll
+            for (int k = 0; k < 4; ++k) sc[m][n][k] = total[((m * NT_S + n) * 4 + k) * 32 + lane];
+}
+
+// Per-thread online-softmax state of its two rows (lane / 4 and lane / 4 + 8) in each m-tile.
+struct RowState {
+    float acc[M_TILES][NT_O][4];  // context slice, unnormalized
+    float m_run[M_TILES][2];      // running max, log2 domain
+    float l_run[M_TILES][2];      // this thread's share of the running sum (the quad adds them)
+};
+
+// Online softmax of one step's summed scores (positions n * 8 + tig * 2 + {0, 1} past
+// `n_base`; those at or past kv_len are masked): rescales the state, returns P as the A operand
+// of P E (the scores' accumulator layout is the A layout of k-step n / 2).
+__device__ __forceinline__ void softmax_step(RowState& st, float (&sc)[M_TILES][NT_S][4],
+                                             u32 (&pa)[M_TILES][BN / 16][4], int n_base, int kv_len) {
+#pragma unroll
+    for (int m = 0; m < M_TILES; ++m) {
+        float mx[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+        for (int n = 0; n < NT_S; ++n)
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const float s = n_base + n * 8 + (k & 1) < kv_len ? sc[m][n][k] * LOG2E : NEG_INF;
+                sc[m][n][k] = s;
+                mx[k / 2] = fmaxf(mx[k / 2], s);
+            }
+        float alpha[2], sum[2] = {0.f, 0.f};
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+            const float m_new = fmaxf(st.m_run[m][h], mx[h]);  // finite: a step has a key
+            alpha[h] = exp2_approx(st.m_run[m][h] - m_new);
+            st.m_run[m][h] = m_new;
+        }
+#pragma unroll
+        for (int n = 0; n < NT_S; ++n) {
+            float p[4];
+#pragma unroll
+            for (int k = 0; k < 4; ++k) p[k] = exp2_approx(sc[m][n][k] - st.m_run[m][k / 2]);
+            sum[0] += p[0] + p[1];
+            sum[1] += p[2] + p[3];
+            pa[m][n / 2][(n % 2) * 2] = pack2(p[0], p[1]);
+            pa[m][n / 2][(n % 2) * 2 + 1] = pack2(p[2], p[3]);
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) st.l_run[m][h] = st.l_run[m][h] * alpha[h] + sum[h];
+#pragma unroll
+        for (int j = 0; j < NT_O; ++j)
+#pragma unroll
+            for (int k = 0; k < 4; ++k) st.acc[m][j][k] *= alpha[k / 2];
+    }
+}
+
+// Context slice += P E[:, slice]: E rows are the k dimension (ldmatrix .trans).
+__device__ __forceinline__ void update_context(RowState& st, const u32 (&pa)[M_TILES][BN / 16][4],
+                                               u32 e_base, int lane) {
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+        // Lanes 0-7 / 8-15 address rows kk*16 + 0-7 / 8-15 of column tile j, 16-31 tile j + 1.
+        const u32 addr = e_base + ((kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * PITCH + (lane >> 4) * 8) * 2;
+#pragma unroll
+        for (int j = 0; j < NT_O; j += 2) {
+            u32 b0, b1, b2, b3;
+            ldmatrix_x4_trans(b0, b1, b2, b3, addr + j * 8 * 2);
+#pragma unroll
+            for (int m = 0; m < M_TILES; ++m) {
+                mma16816(st.acc[m][j], pa[m][kk], b0, b1);
+                mma16816(st.acc[m][j + 1], pa[m][kk], b2, b3);
+            }
+        }
+    }
+}
+
+// Normalize and store this thread's rows of the context slice.
+__device__ __forceinline__ void store_rows(const RowState& st, u16* __restrict__ out, const TileRows& t,
+                                           int row0, int col0, int lane) {
+#pragma unroll
+    for (int m = 0; m < M_TILES; ++m)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float l = st.l_run[m][h];
+            l += __shfl_xor_sync(0xffffffffu, l, 1);
+            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            const float inv = l > 0.f ? 1.f / l : 0.f;  // no keys: zeros
+            const int g = row0 + m * 16 + h * 8 + (lane >> 2);
+            if (g >= t.rows) continue;
+            u16* o = out + t.offset(g) + col0 + (lane & 3) * 2;
+#pragma unroll
+            for (int j = 0; j < NT_O; ++j)
+                *(u32*)(o + j * 8) = pack2(st.acc[m][j][2 * h] * inv, st.acc[m][j][2 * h + 1] * inv);
+        }
+}
+
+// One tile of ROWS rows of a work item over all of its E.
+__device__ __forceinline__ void attend_tile(unsigned char* smem, const u16* __restrict__ q, u16* __restrict__ out,
+                                            const TileRows& qr, const TileRows& orow, const StatesView& e, int row0) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int col0 = warp * DW;
+    u16* e_warp = (u16*)smem + warp * (STAGES * BN * PITCH);
+    u16* q_s = (u16*)smem + NW * STAGES * BN * PITCH;  // [ROWS][D + 8]
+    float* partial = (float*)(q_s + ROWS * Q_PITCH);    // [2][NW][SC][32]
+    float* summed = partial + 2 * NW * SC * 32;         // [2][SC][32]
+
+    const int num_steps = (e.kv_len + BN - 1) / BN;
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < num_steps) load_step(e_warp + s * BN * PITCH, e, s * BN, col0, lane);
+        cp_async_commit();
+    }
+    __syncthreads();  // the previous tile's last reads of q' are done
+    stage_queries(q_s, q, qr, row0);
+    __syncthreads();
+    // q' rows m * 16 + lane % 16 at column half lane / 16 (ldmatrix A operand).
+    const u32 q_addr = smem_addr(q_s) + ((lane & 15) * Q_PITCH + col0 + (lane >> 4) * 8) * 2;
+
+    RowState st;
+#pragma unroll
+    for (int m = 0; m < M_TILES; ++m) {
+#pragma unroll
+        for (int j = 0; j < NT_O; ++j) st.acc[m][j][0] = st.acc[m][j][1] = st.acc[m][j][2] = st.acc[m][j][3] = 0.f;
+        st.m_run[m][0] = st.m_run[m][1] = NEG_INF;
+        st.l_run[m][0] = st.l_run[m][1] = 0.f;
+    }
+    for (int step = 0; step < num_steps; ++step) {
+        const int ahead = step + STAGES - 1;
+        if (ahead < num_steps) load_step(e_warp + (ahead % STAGES) * BN * PITCH, e, ahead * BN, col0, lane);
+        cp_async_commit();
+        cp_async_wait<STAGES - 1>();
+        __syncwarp();
+        const u32 e_base = smem_addr(e_warp + (step % STAGES) * BN * PITCH);
+        float sc[M_TILES][NT_S][4];
+        partial_scores(sc, q_addr, e_base, lane);
+        sum_scores(sc, partial, summed, step & 1, warp, lane);
+        u32 pa[M_TILES][BN / 16][4];
+        softmax_step(st, sc, pa, step * BN + (lane & 3) * 2, e.kv_len);
+        update_context(st, pa, e_base, lane);
+        __syncwarp();  // this stage is refilled next step
+    }
+    cp_async_wait<0>();
+    store_rows(st, out, orow, row0, col0, lane);
+}
+
+// Grid: work items x `grid_tiles` blocks; block b of an item takes its row tiles b, b +
+// grid_tiles, ... up to the item's rows (known on the device only). Eager launches give each
+// tile a block; CUDA graphs, captured for up to 16 query tokens a request but mostly replayed
+// with one, give an item one block, so no block of a graph launch is empty.
 extern "C" __global__ void __launch_bounds__(NW * 32, 1) absorbed_attention_kernel(
     const u16* __restrict__ q,          // [T, H, d], scale folded in
     const u16* __restrict__ states,     // [SPAN, 2, num_blocks, RPH, d]
@@ -136,184 +365,18 @@ extern "C" __global__ void __launch_bounds__(NW * 32, 1) absorbed_attention_kern
     const int* __restrict__ work_mblock, int stride_qt, int stride_qh, int stride_ot,
     int stride_oh, int s_tensor_lo, int s_tensor_hi, int s_half_lo, int s_half_hi,
     int s_block_lo, int s_block_hi, int s_row, int stride_bt, int num_heads, int query_block,
-    int num_tiles) {
+    int grid_tiles) {
     extern __shared__ __align__(16) unsigned char smem[];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int gid = lane >> 2, tig = lane & 3;
-
-    // Row tiles of one work item are adjacent blocks: they read the same E, the later from L2.
-    const int item = blockIdx.x / num_tiles, tile = blockIdx.x % num_tiles;
+    const int item = blockIdx.x / grid_tiles;
     const int req = work_req[item];
     const int q_start = query_start_loc[req];
     const int first_token = work_mblock[item] * query_block;
     const int num_tokens = min(query_start_loc[req + 1] - q_start - first_token, query_block);
     const int rows = num_tokens * num_heads;
-    if (tile * 16 >= rows) return;  // fewer (token, head) rows than the grid allows for
-    const int kv_len = seq_lens[req];
-
-    // This thread's two rows of the tile: g0 = gid and g1 = gid + 8 (token g / H, head g % H).
-    const int g0 = tile * 16 + gid, g1 = g0 + 8;
-    const bool v0 = g0 < rows, v1 = g1 < rows;
-    const int t0 = q_start + first_token + g0 / num_heads, t1 = q_start + first_token + g1 / num_heads;
-    const int col0 = warp * DW;
-
-    // q'[:, slice] as the A operand of every k-step, kept in registers for the whole pass.
-    u32 qa[KSTEPS][4];
-    {
-        const u16* q0 = q + (i64)t0 * stride_qt + (g0 % num_heads) * stride_qh + col0 + tig * 2;
-        const u16* q1 = q + (i64)t1 * stride_qt + (g1 % num_heads) * stride_qh + col0 + tig * 2;
-#pragma unroll
-        for (int ks = 0; ks < KSTEPS; ++ks) {
-            qa[ks][0] = v0 ? *(const u32*)(q0 + ks * 16) : 0u;
-            qa[ks][1] = v1 ? *(const u32*)(q1 + ks * 16) : 0u;
-            qa[ks][2] = v0 ? *(const u32*)(q0 + ks * 16 + 8) : 0u;
-            qa[ks][3] = v1 ? *(const u32*)(q1 + ks * 16 + 8) : 0u;
-        }
-    }
-
-    u16* e_warp = (u16*)smem + warp * (STAGES * BN * PITCH);
-    float* partial = (float*)(smem + NW * STAGES * BN * PITCH * 2);  // [2][NW][NT_S * 4][32]
-    float* summed = partial + 2 * NW * NT_S * 4 * 32;                // [2][NT_S * 4][32]
-    const int* table_row = block_table + (i64)req * stride_bt;
-    const i64 s_tensor = join64(s_tensor_lo, s_tensor_hi), s_half = join64(s_half_lo, s_half_hi);
-    const i64 s_block = join64(s_block_lo, s_block_hi);
-
-    float acc[NT_O][4];
-#pragma unroll
-    for (int j = 0; j < NT_O; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-    float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;  // per row (log2 domain max)
-
-    const int num_steps = (kv_len + BN - 1) / BN;
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < num_steps)
-            load_step(e_warp + s * BN * PITCH, states, table_row, s * BN, kv_len, col0, s_tensor,
-                      s_half, s_block, s_row, lane);
-        cp_async_commit();
-    }
-
-    for (int step = 0; step < num_steps; ++step) {
-        {
-            const int ahead = step + STAGES - 1;
-            if (ahead < num_steps)
-                load_step(e_warp + (ahead % STAGES) * BN * PITCH, states, table_row, ahead * BN,
-                          kv_len, col0, s_tensor, s_half, s_block, s_row, lane);
-            cp_async_commit();
-        }
-        cp_async_wait<STAGES - 1>();
-        __syncwarp();
-        const u16* e = e_warp + (step % STAGES) * BN * PITCH;
-        const u32 e_base = smem_addr(e);
-
-        // Partial scores over this warp's columns: [16, BN] as NT_S accumulator tiles.
-        float sc[NT_S][4];
-#pragma unroll
-        for (int n = 0; n < NT_S; ++n) {
-            sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
-            // Lane l addresses row n*8 + l%8; columns (l/8)*8 within two k-steps.
-            const u32 row_addr = e_base + ((n * 8 + (lane & 7)) * PITCH + (lane >> 3) * 8) * 2;
-#pragma unroll
-            for (int ks = 0; ks + 1 < KSTEPS; ks += 2) {
-                u32 b0, b1, b2, b3;
-                ldmatrix_x4(b0, b1, b2, b3, row_addr + ks * 16 * 2);
-                mma16816(sc[n], qa[ks], b0, b1);
-                mma16816(sc[n], qa[ks + 1], b2, b3);
-            }
-            if (KSTEPS % 2) {
-                u32 b0, b1;
-                ldmatrix_x2(b0, b1, row_addr + (KSTEPS - 1) * 16 * 2);
-                mma16816(sc[n], qa[KSTEPS - 1], b0, b1);
-            }
-        }
-
-        // Sum the warps' partial scores: write, barrier, each thread sums a share, barrier.
-        float* mine = partial + ((step & 1) * NW + warp) * (NT_S * 4 * 32);
-#pragma unroll
-        for (int n = 0; n < NT_S; ++n)
-#pragma unroll
-            for (int k = 0; k < 4; ++k) mine[(n * 4 + k) * 32 + lane] = sc[n][k];
-        __syncthreads();
-        float* total = summed + (step & 1) * (NT_S * 4 * 32);
-        for (int i = threadIdx.x; i < NT_S * 4 * 32; i += NW * 32) {
-            const float* src = partial + (step & 1) * NW * (NT_S * 4 * 32) + i;
-            float s = 0.f;
-#pragma unroll
-            for (int w = 0; w < NW; ++w) s += src[w * (NT_S * 4 * 32)];
-            total[i] = s;
-        }
-        __syncthreads();
-
-        // Online softmax (every warp the same, on the same sums), log2 domain.
-        const int n_base = step * BN + tig * 2;
-        float mx0 = NEG_INF, mx1 = NEG_INF;
-#pragma unroll
-        for (int n = 0; n < NT_S; ++n)
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                const bool valid = n_base + n * 8 + (k & 1) < kv_len;
-                const float s = valid ? total[(n * 4 + k) * 32 + lane] * LOG2E : NEG_INF;
-                sc[n][k] = s;
-                if (k < 2) mx0 = fmaxf(mx0, s);
-                else mx1 = fmaxf(mx1, s);
-            }
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-        const float new0 = fmaxf(m0, mx0), new1 = fmaxf(m1, mx1);  // finite: a step has a key
-        const float alpha0 = exp2_approx(m0 - new0), alpha1 = exp2_approx(m1 - new1);
-        m0 = new0;
-        m1 = new1;
-        u32 pa[BN / 16][4];
-        float sum0 = 0.f, sum1 = 0.f;
-#pragma unroll
-        for (int n = 0; n < NT_S; ++n) {
-            const float p0 = exp2_approx(sc[n][0] - new0), p1 = exp2_approx(sc[n][1] - new0);
-            const float p2 = exp2_approx(sc[n][2] - new1), p3 = exp2_approx(sc[n][3] - new1);
-            sum0 += p0 + p1;
-            sum1 += p2 + p3;
-            // The scores' accumulator layout is the A operand layout of P E's k-step n / 2.
-            pa[n / 2][(n % 2) * 2] = pack2(p0, p1);
-            pa[n / 2][(n % 2) * 2 + 1] = pack2(p2, p3);
-        }
-        l0 = l0 * alpha0 + sum0;  // per-thread partial sums; the quad adds them at the end
-        l1 = l1 * alpha1 + sum1;
-#pragma unroll
-        for (int j = 0; j < NT_O; ++j) {
-            acc[j][0] *= alpha0;
-            acc[j][1] *= alpha0;
-            acc[j][2] *= alpha1;
-            acc[j][3] *= alpha1;
-        }
-
-        // Context slice += P E[:, slice]: E rows are the k dimension (ldmatrix .trans).
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
-            // Lanes 0-7 / 8-15 address rows kk*16 + 0-7 / 8-15 of column tile j, 16-31 tile j+1.
-            const u32 addr = e_base + ((kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * PITCH +
-                                       (lane >> 4) * 8) * 2;
-#pragma unroll
-            for (int j = 0; j < NT_O; j += 2) {
-                u32 b0, b1, b2, b3;
-                ldmatrix_x4_trans(b0, b1, b2, b3, addr + j * 8 * 2);
-                mma16816(acc[j], pa[kk], b0, b1);
-                mma16816(acc[j + 1], pa[kk], b2, b3);
-            }
-        }
-        __syncwarp();  // this stage is refilled next step
-    }
-    cp_async_wait<0>();
-
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-    const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
-    u16* o0 = out + (i64)t0 * stride_ot + (g0 % num_heads) * stride_oh + col0 + tig * 2;
-    u16* o1 = out + (i64)t1 * stride_ot + (g1 % num_heads) * stride_oh + col0 + tig * 2;
-#pragma unroll
-    for (int j = 0; j < NT_O; ++j) {
-        if (v0) *(u32*)(o0 + j * 8) = pack2(acc[j][0] * inv0, acc[j][1] * inv0);
-        if (v1) *(u32*)(o1 + j * 8) = pack2(acc[j][2] * inv1, acc[j][3] * inv1);
-    }
+    const TileRows qr = {q_start + first_token, rows, num_heads, stride_qt, stride_qh};
+    const TileRows orow = {q_start + first_token, rows, num_heads, stride_ot, stride_oh};
+    const StatesView e = {states, block_table + (i64)req * stride_bt, join64(s_tensor_lo, s_tensor_hi),
+                          join64(s_half_lo, s_half_hi), join64(s_block_lo, s_block_hi), s_row, seq_lens[req]};
+    for (int tile = blockIdx.x % grid_tiles; tile * ROWS < rows; tile += grid_tiles)
+        attend_tile(smem, q, out, qr, orow, e, tile * ROWS);
 }

@@ -28,9 +28,10 @@ SOURCE = Path(__file__).with_name("absorbed_attention.cu")
 KERNEL_ENV = "V1_ABSORBED_KERNEL"
 """`cuda` (the default where it applies) or `triton`."""
 MAX_WARP_COLUMNS = 160
-"""Columns of d a warp owns at most: 40 registers of q' and 80 of accumulators a thread."""
-BLOCK_N, MAX_STAGES = 32, 4
-"""Encoder positions a step and cp.async stages at most (more stages where shared memory lets)."""
+"""Columns of d a warp owns at most: 80 accumulator registers a thread per 16-row tile."""
+STEP_SHAPES = ((32, 4), (32, 3), (32, 2), (16, 4), (16, 3), (16, 2))
+"""(encoder positions a step, cp.async stages), fastest first (H100, large-v3 shape): the first
+that fits shared memory is built."""
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,9 @@ class KernelConfig:
     """The compile-time shape of one kernel build (the .cu file's macros)."""
 
     bf16: bool
+    m_tiles: int
+    """16-row tiles of (token, head) rows a block computes: 2 past 16 heads (Whisper's 20), so a
+    decode step reads E once for all of a token's heads."""
     warps: int
     warp_columns: int
     block_n: int
@@ -47,14 +51,17 @@ class KernelConfig:
 
     @property
     def smem_bytes(self) -> int:
-        """E stages (16-byte padded rows) + two buffers of partial and summed scores."""
+        """E stages and q' (16-byte padded rows) + two buffers of partial and summed scores."""
         stages = self.warps * self.stages * self.block_n * (self.warp_columns + 8) * 2
-        scores = 2 * (self.warps + 1) * self.block_n * 16 * 4
-        return stages + scores
+        rows = 16 * self.m_tiles
+        queries = rows * (self.warps * self.warp_columns + 8) * 2
+        scores = 2 * (self.warps + 1) * self.block_n * rows * 4
+        return stages + queries + scores
 
     def source(self) -> str:
         macros = {
             "BF16": int(self.bf16),
+            "M_TILES": self.m_tiles,
             "NW": self.warps,
             "DW": self.warp_columns,
             "BN": self.block_n,
@@ -83,21 +90,28 @@ def plan(
     dtype: torch.dtype,
     span: int,
     rows_per_half: int,
+    num_heads: int,
     smem_limit: int,
-    block_n: int = BLOCK_N,
-    stages: int | None = None,
+    step_shape: tuple[int, int] | None = None,
 ) -> KernelConfig | None:
-    """The build for these states, with the most stages (2 to MAX_STAGES) that fit
-    `smem_limit`, or the given count; None where nothing fits."""
+    """The build for these states and heads (the rows of one query token): the first of
+    STEP_SHAPES (or the given one) that fits `smem_limit`; None where nothing fits."""
     warps = warps_for(d_model)
-    if warps is None or dtype not in (torch.float16, torch.bfloat16) or block_n not in (16, 32):
+    if warps is None or dtype not in (torch.float16, torch.bfloat16):
         return None
-    counts = [stages] if stages is not None else range(MAX_STAGES, 1, -1)
-    for count in counts:
+    m_tiles = 2 if num_heads > 16 else 1
+    for block_n, stages in [step_shape] if step_shape else STEP_SHAPES:
         config = KernelConfig(
-            dtype == torch.bfloat16, warps, d_model // warps, block_n, count, span, rows_per_half
+            dtype == torch.bfloat16,
+            m_tiles,
+            warps,
+            d_model // warps,
+            block_n,
+            stages,
+            span,
+            rows_per_half,
         )
-        if config.smem_bytes <= smem_limit:
+        if block_n in (16, 32) and stages >= 2 and config.smem_bytes <= smem_limit:
             return config
     return None
 
@@ -106,8 +120,7 @@ def kernel_for(
     q_abs: torch.Tensor,
     states: torch.Tensor,
     scales: torch.Tensor | None,
-    block_n: int = BLOCK_N,
-    stages: int | None = None,
+    step_shape: tuple[int, int] | None = None,
 ) -> tuple[KernelConfig, Any] | None:
     """(config, kernel) where the CUDA kernel takes these inputs, else None."""
     if (
@@ -115,11 +128,14 @@ def kernel_for(
         or not q_abs.is_cuda
         or scales is not None
         or states.dtype != q_abs.dtype
+        or q_abs.data_ptr() % 16
+        or q_abs.stride(0) % 8
+        or q_abs.stride(1) % 8
     ):
         return None
     device = q_abs.device.index if q_abs.device.index is not None else torch.cuda.current_device()
-    shape = (q_abs.shape[2], states.shape[0], states.shape[3])
-    return _build(device, q_abs.dtype, *shape, block_n, stages)
+    shape = (q_abs.shape[2], states.shape[0], states.shape[3], q_abs.shape[1])
+    return _build(device, q_abs.dtype, *shape, step_shape)
 
 
 @functools.cache
@@ -129,8 +145,8 @@ def _build(
     d_model: int,
     span: int,
     rows_per_half: int,
-    block_n: int,
-    stages: int | None,
+    num_heads: int,
+    step_shape: tuple[int, int] | None,
 ) -> tuple[KernelConfig, Any] | None:
     """Plan and compile once per device and shape; None (logged) where NVRTC or the driver
     refuses the kernel, so the caller keeps the Triton kernel."""
@@ -138,7 +154,7 @@ def _build(
     if (props.major, props.minor) < (8, 0) or not hasattr(torch.cuda, "_compile_kernel"):
         return None
     smem_limit = int(getattr(props, "shared_memory_per_block_optin", 48 * 1024))
-    config = plan(d_model, dtype, span, rows_per_half, smem_limit, block_n, stages)
+    config = plan(d_model, dtype, span, rows_per_half, num_heads, smem_limit, step_shape)
     if config is None:
         return None
     try:
@@ -157,6 +173,18 @@ def _split64(value: int) -> list[int]:
     return [lo - (1 << 32) if lo >= 1 << 31 else lo, value >> 32]
 
 
+def _grid_tiles(metadata: Any, num_heads: int, tile_rows: int) -> int:
+    """Blocks a work item gets: one per row tile of the step's longest query block, or one in
+    all while a CUDA graph is captured. A graph's metadata allows 16 query tokens a request
+    (the rows are known on the device only), and a block needs most of an SM's shared memory, so
+    the 9 empty blocks per request of a one-token replay would each hold an SM while they exit;
+    one block loops over the item's tiles instead."""
+    if torch.cuda.is_current_stream_capturing():
+        return 1
+    rows = min(metadata.block_m, metadata.common.max_query_len) * num_heads
+    return max(1, -(-rows // tile_rows))
+
+
 def attend_encoder_states_cuda(
     q_abs: torch.Tensor,
     states: torch.Tensor,
@@ -173,9 +201,9 @@ def attend_encoder_states_cuda(
     work_req, work_mblock = metadata.work
     if work_req.numel() == 0:
         return out
-    num_tiles = -(-metadata.block_m * num_heads // 16)
+    grid_tiles = _grid_tiles(metadata, num_heads, 16 * config.m_tiles)
     kernel(
-        grid=(work_req.numel() * num_tiles, 1, 1),
+        grid=(work_req.numel() * grid_tiles, 1, 1),
         block=(config.warps * 32, 1, 1),
         args=[
             q_abs,
@@ -197,7 +225,7 @@ def attend_encoder_states_cuda(
             common.block_table.stride(0),
             num_heads,
             metadata.block_m,
-            num_tiles,
+            grid_tiles,
         ],
         shared_mem=config.smem_bytes,
     )
