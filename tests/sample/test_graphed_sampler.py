@@ -176,3 +176,53 @@ def test_sampler_graphs_on_the_gpu_give_the_general_samplers_outputs(
                 assert a.keys() == b.keys()
                 for t in a:
                     assert a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("num_logprobs", [None, 0])
+def test_fused_greedy_kernel_gives_the_general_samplers_outputs(dtype, num_logprobs) -> None:
+    """On CUDA, steps without timestamp rules or top-N logprobs sample in one Triton kernel
+    (bans, forced tokens, argmax, the sampled token's logprob and rank). Whisper's vocabulary,
+    padded rows as the LM head leaves them, the general Sampler on the CPU as the reference."""
+    vocab = 51_866
+    no_ts = [
+        Req(params=SamplingParams(temperature=0.0, suppress_tokens=[1, 2, 3], logprobs=0)),
+        Req(
+            params=SamplingParams(
+                temperature=0.0, begin_suppress_tokens=[4, 5], min_tokens=3, stop_token_ids=[7]
+            ),
+            eos_token_id=50,
+        ),
+        Req(params=SamplingParams(temperature=0.0, forced_token_ids=[[0, 9], [2, 11]])),
+        Req(params=SamplingParams(temperature=0.0, forced_eos_token_id=50), max_output_tokens=2),
+    ]
+    slots = np.array([3, 0, 1, 2])
+    general, _ = make_state(no_ts, slots=slots.tolist(), vocab_size=vocab, max_num_reqs=4)
+    dense, _ = make_state(
+        no_ts, slots=slots.tolist(), vocab_size=vocab, max_num_reqs=4, device="cuda"
+    )
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(4):
+        padded = (torch.randn(len(slots), vocab + 38, generator=gen) * 4).to(dtype)
+        padded[:, [1, 4, 7]] += 30.0  # banned ids would win: the bans must hold
+        logits = padded[:, :vocab]  # the LM head's rows are padded to 64 columns
+        want = Sampler()(logits.float().clone(), general.make_metadata(slots))
+        flags, forced = row_inputs(dense, slots, np.ones(len(slots), dtype=bool))
+        dense.flush()
+        got = dense_sample(
+            logits.cuda(),
+            torch.from_numpy(slots).cuda(),
+            torch.from_numpy(flags).cuda(),
+            None if forced is None else torch.from_numpy(forced).cuda(),
+            dense,
+            num_logprobs,
+            False,
+        )
+        assert torch.equal(got.sampled_token_ids.cpu(), want.sampled_token_ids)
+        if num_logprobs is not None:
+            assert torch.equal(got.ranks.cpu(), want.ranks)
+            torch.testing.assert_close(got.logprobs.cpu(), want.logprobs, rtol=0, atol=1e-5)
+        general.append_output_tokens(slots, want.sampled_token_ids)
+        dense.count_output_tokens(slots)

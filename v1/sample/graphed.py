@@ -13,7 +13,10 @@ merged ban list per row, built on the device); Whisper's timestamp rules; forced
 (forced_token_ids, forced_eos_token_id); raw logprobs (top-N and the sampled token's rank). A
 step with any other rule (`SamplingState.needs_general_sampler`), prompt logprobs or a grammar
 takes the general Sampler. The results are the general Sampler's: the same rules in the same
-order, the same float32 arithmetic (tests/sample/test_graphed_sampler.py).
+order, the same float32 arithmetic (tests/sample/test_graphed_sampler.py). On CUDA, a step
+without timestamp rules or top-N logprobs runs the rules, argmax and the sampled token's logprob
+and rank as one Triton kernel over the 16-bit logits (`triton_greedy.py`): same tokens and
+ranks, the logprob up to the order of float32 additions.
 """
 
 from __future__ import annotations
@@ -58,21 +61,14 @@ def dense_sample(
     """One token per row of `logits` [n, vocab]: row i belongs to `slots[i]` with `flags[i]`
     and `forced[i]` (-1: none). Fixed kernel sequence (what a CUDA graph captures). Updates the
     Whisper timestamp state of VALID rows with TIMESTAMPS in place."""
+    if logits.is_cuda and not timestamps and num_logprobs in (None, 0):
+        return _fused_greedy(logits, _banned(logits, slots, flags, state), forced, num_logprobs)
     logits = logits.to(torch.float32, copy=True)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if num_logprobs is not None else None
     first = (flags & FIRST) != 0
     is_ts = (flags & TIMESTAMPS) != 0
-    bans = []
-    if state.suppress_token_ids.dev.shape[1]:
-        bans.append(state.suppress_token_ids.dev[slots])
-    for table, active in (
-        (state.begin_suppress_token_ids, first),
-        (state.min_tokens_stop_ids, (flags & UNDER_MIN) != 0),
-    ):
-        if table.dev.shape[1]:
-            bans.append(torch.where(active.unsqueeze(1), table.dev[slots], -1))
-    if bans:
-        banned = token_mask(torch.cat(bans, dim=1), logits.shape[1])
+    banned = _banned(logits, slots, flags, state)
+    if banned is not None:
         logits.masked_fill_(banned, _NEG_INF)
     if timestamps:
         assert state.whisper is not None
@@ -94,6 +90,39 @@ def dense_sample(
     assert num_logprobs is not None
     token_ids, logprobs, ranks = gather_logprobs(raw_logprobs, num_logprobs, sampled)
     return SamplerOutput(sampled, token_ids, logprobs, ranks)
+
+
+def _banned(
+    logits: torch.Tensor, slots: torch.Tensor, flags: torch.Tensor, state: SamplingState
+) -> torch.Tensor | None:
+    """[n, vocab] bool: each row's suppress_tokens, begin_suppress_tokens on its first step and
+    min_tokens' stop ids while under min_tokens (None when no table has a column)."""
+    bans = []
+    if state.suppress_token_ids.dev.shape[1]:
+        bans.append(state.suppress_token_ids.dev[slots])
+    for table, active in (
+        (state.begin_suppress_token_ids, (flags & FIRST) != 0),
+        (state.min_tokens_stop_ids, (flags & UNDER_MIN) != 0),
+    ):
+        if table.dev.shape[1]:
+            bans.append(torch.where(active.unsqueeze(1), table.dev[slots], -1))
+    return token_mask(torch.cat(bans, dim=1), logits.shape[1]) if bans else None
+
+
+def _fused_greedy(
+    logits: torch.Tensor,
+    banned: torch.Tensor | None,
+    forced: torch.Tensor | None,
+    num_logprobs: int | None,
+) -> SamplerOutput:
+    """The rules, argmax and the sampled token's logprob in one kernel over the 16-bit logits
+    (`triton_greedy.py`), for steps without timestamp rules or top-N logprobs."""
+    from v1.sample.triton_greedy import greedy_sample
+
+    sampled, logprob, rank = greedy_sample(logits, banned, forced, num_logprobs is not None)
+    if num_logprobs is None:
+        return SamplerOutput(sampled_token_ids=sampled)
+    return SamplerOutput(sampled, sampled.unsqueeze(1), logprob, rank)
 
 
 def row_inputs(
