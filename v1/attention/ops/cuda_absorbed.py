@@ -1,6 +1,7 @@
 """CUDA kernel of absorbed cross-attention (`absorbed_attention.cu`), compiled at run time by
-NVRTC through `torch.cuda._compile_kernel`: no build step and no compiler on the user's machine
-beyond the NVRTC library CUDA builds of torch ship.
+NVRTC to a cubin and loaded with torch's driver helpers: no build step, no CUDA toolkit, only
+the NVRTC library that CUDA builds of torch ship (the source includes no headers, so unlike
+`torch.cuda._compile_kernel` it needs no CUDA_HOME).
 
 It computes what `triton_absorbed.attend_encoder_states_triton` computes (the torch reference is
 `absorbed_cross_attention.attend_encoder_states_torch`) for 16-bit encoder states: each warp
@@ -12,6 +13,7 @@ widths it cannot slice and GPUs without mma.sync (sm_80+) stay on the Triton ker
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 from dataclasses import dataclass
@@ -25,6 +27,7 @@ from v1.logger import init_logger
 logger = init_logger(__name__)
 
 SOURCE = Path(__file__).with_name("absorbed_attention.cu")
+KERNEL_NAME = "absorbed_attention_kernel"
 KERNEL_ENV = "V1_ABSORBED_KERNEL"
 """`cuda` (the default where it applies) or `triton`."""
 MAX_WARP_COLUMNS = 160
@@ -151,20 +154,57 @@ def _build(
     """Plan and compile once per device and shape; None (logged) where NVRTC or the driver
     refuses the kernel, so the caller keeps the Triton kernel."""
     props = torch.cuda.get_device_properties(device)
-    if (props.major, props.minor) < (8, 0) or not hasattr(torch.cuda, "_compile_kernel"):
+    if (props.major, props.minor) < (8, 0):
         return None
     smem_limit = int(getattr(props, "shared_memory_per_block_optin", 48 * 1024))
     config = plan(d_model, dtype, span, rows_per_half, num_heads, smem_limit, step_shape)
     if config is None:
         return None
     try:
+        from torch.cuda._utils import _cuda_load_module
+
+        cubin = nvrtc_cubin(config.source(), KERNEL_NAME, f"{props.major}{props.minor}")
         with torch.cuda.device(device):
-            kernel = torch.cuda._compile_kernel(config.source(), "absorbed_attention_kernel")
+            kernel = _cuda_load_module(cubin, [KERNEL_NAME])[KERNEL_NAME]
             kernel.set_shared_memory_config(config.smem_bytes)
     except Exception as exc:  # noqa: BLE001 - any failure falls back to the Triton kernel
         logger.warning("absorbed CUDA kernel unavailable (%s); using the Triton kernel", exc)
         return None
     return config, kernel
+
+
+def nvrtc_cubin(source: str, name: str, arch: str) -> bytes:
+    """NVRTC compiles `source` (no #include) for sm_`arch` to a cubin; its log on failure."""
+    from torch.cuda._utils import _get_gpu_rtc_library
+
+    nvrtc = _get_gpu_rtc_library()
+
+    def check(result: int) -> None:
+        if result != 0:
+            raise RuntimeError(f"NVRTC error {result}")
+
+    prog = ctypes.c_void_p()
+    check(
+        nvrtc.nvrtcCreateProgram(
+            ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), 0, None, None
+        )
+    )
+    try:
+        options = [f"--gpu-architecture=sm_{arch}".encode(), b"-std=c++17"]
+        array = (ctypes.c_char_p * len(options))(*options)
+        if nvrtc.nvrtcCompileProgram(prog, len(options), array) != 0:
+            size = ctypes.c_size_t()
+            nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value)
+            nvrtc.nvrtcGetProgramLog(prog, log)
+            raise RuntimeError(f"NVRTC could not compile {name}: {log.value.decode()}")
+        size = ctypes.c_size_t()
+        check(nvrtc.nvrtcGetCUBINSize(prog, ctypes.byref(size)))
+        cubin = ctypes.create_string_buffer(size.value)
+        check(nvrtc.nvrtcGetCUBIN(prog, cubin))
+        return cubin.raw
+    finally:
+        nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
 def _split64(value: int) -> list[int]:
