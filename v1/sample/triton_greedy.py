@@ -48,33 +48,38 @@ def _chunk_kernel(
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     logits = Logits + row * stride_row
-    best = tl.full([], float("-inf"), tl.float32)
-    best_idx = tl.full([], 0, tl.int64) + chunk * CHUNK
-    run_max = tl.full([], float("-inf"), tl.float32)
-    run_sum = tl.full([], 0.0, tl.float32)
+    # Per-lane running values, reduced once after the loop (a block-wide reduction per loop
+    # step would make the kernel latency-bound).
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_idx = tl.full([BLOCK], 0, tl.int64) + chunk * CHUNK
+    run_max = tl.full([BLOCK], float("-inf"), tl.float32)
+    run_sum = tl.full([BLOCK], 0.0, tl.float32)
     for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         inside = offs < vocab
         x = tl.load(logits + offs, mask=inside, other=float("-inf")).to(tl.float32)
         if LOGPROBS:
-            new_max = tl.maximum(run_max, tl.max(x, 0))
-            safe = tl.where(new_max == float("-inf"), 0.0, new_max)  # a chunk of padding only
-            run_sum = run_sum * tl.exp(run_max - safe) + tl.sum(tl.exp(x - safe), 0)
+            new_max = tl.maximum(run_max, x)
+            safe = tl.where(new_max == float("-inf"), 0.0, new_max)  # padding lanes so far
+            run_sum = run_sum * tl.exp(run_max - safe) + tl.exp(x - safe)
             run_max = new_max
         y = x
         if HAS_BANS:
             banned = tl.load(Banned + row * stride_banned + offs, mask=inside, other=1)
             y = tl.where(banned != 0, float("-inf"), y)
-        block_best = tl.max(y, 0)
-        if block_best > best:  # strict: an earlier block keeps a tie (torch's first index)
-            best = block_best
-            best_idx = start + tl.argmax(y, 0).to(tl.int64)
+        better = y > best  # strict: a lane keeps its earlier index on a tie
+        best_idx = tl.where(better, offs.to(tl.int64), best_idx)
+        best = tl.where(better, y, best)
+    top = tl.max(best, 0)
+    top_idx = tl.min(tl.where(best == top, best_idx, vocab + CHUNK), 0)  # torch's first index
     part = row * num_chunks + chunk
-    tl.store(PartBest + part, best)
-    tl.store(PartIdx + part, best_idx)
+    tl.store(PartBest + part, top)
+    tl.store(PartIdx + part, top_idx)
     if LOGPROBS:
-        tl.store(PartMax + part, run_max)
-        tl.store(PartSum + part, run_sum)
+        chunk_max = tl.max(run_max, 0)
+        safe = tl.where(chunk_max == float("-inf"), 0.0, chunk_max)
+        tl.store(PartMax + part, chunk_max)
+        tl.store(PartSum + part, tl.sum(run_sum * tl.exp(run_max - safe), 0))
 
 
 @triton.jit
@@ -119,12 +124,12 @@ def _combine_kernel(
         sums = tl.load(PartSum + parts, mask=used, other=0.0)
         log_sum = tl.log(tl.sum(sums * tl.exp(maxes - run_max), 0))
         chosen = (tl.load(logits + sampled).to(tl.float32) - run_max) - log_sum
-        count = tl.full([], 0, tl.int64)
+        count = tl.zeros([BLOCK], tl.int32)
         for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             x = tl.load(logits + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
-            count += tl.sum(((x - run_max) - log_sum >= chosen).to(tl.int64), 0)
-        tl.atomic_add(Rank + row, count)
+            count += ((x - run_max) - log_sum >= chosen).to(tl.int32)
+        tl.atomic_add(Rank + row, tl.sum(count, 0).to(tl.int64))
     if chunk == 0:
         tl.store(Sampled + row, sampled)
         if LOGPROBS:
