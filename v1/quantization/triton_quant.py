@@ -49,10 +49,15 @@ def _load_chunk(
         xf = x.to(tl.float32)
         x = (0.5 * xf * (1.0 + tl.math.erf(xf * 0.7071067811865476))).to(x.dtype)
     if GELU == 2:
-        # 0.5 x (1 + tanh(u)) = x sigmoid(2u), u = sqrt(2 / pi) (x + 0.044715 x^3): one exp.
+        # 0.5 x (1 + tanh(u)), u = sqrt(2 / pi) (x + 0.044715 x^3), with the GPU's tanh
+        # instruction (relative error ~2^-11, under the 16-bit rounding that follows; the
+        # exp-and-divide form made this kernel compute-bound: 389 us at 48,000 x 5120).
         xf = x.to(tl.float32)
         u = 0.7978845608028654 * (xf + 0.044715 * xf * xf * xf)
-        x = (xf / (1.0 + tl.exp(-2.0 * u))).to(x.dtype)
+        t = tl.inline_asm_elementwise(
+            "tanh.approx.f32 $0, $1;", "=r,r", [u], dtype=tl.float32, is_pure=True, pack=1
+        )
+        x = (0.5 * xf * (1.0 + t)).to(x.dtype)
     return x.to(tl.float32)
 
 
