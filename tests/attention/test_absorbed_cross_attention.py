@@ -277,21 +277,26 @@ LARGE_V3 = AbsorbedShape(
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fp8_states", [False, True], ids=["16bit_states", "fp8_states"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("shape_name", CUDA_SHAPES)
 def test_cuda_kernel_matches_per_layer_and_triton(
-    shape_name: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+    shape_name: str, dtype: torch.dtype, fp8_states: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The NVRTC-compiled kernel runs (not a fallback) for 16-bit states on every shape, and
-    agrees with per-layer attention and with the Triton kernel."""
+    """The NVRTC-compiled kernel runs (not a fallback) for 16-bit models over 16-bit or fp8
+    states on every shape, and agrees with per-layer attention (over the rows the cache holds)
+    and with the Triton kernel."""
     from v1.attention.ops.cuda_absorbed import KERNEL_ENV, kernel_for
 
     shape = {"large_v3": LARGE_V3, "many_heads": MANY_HEADS}.get(shape_name) or SHAPES[shape_name]
-    batch = make_absorbed_batch(shape, "cuda", dtype=dtype, seed=6)
-    assert kernel_for(batch.query.new_zeros(1, 20, shape.d_model), batch.states, None)
+    batch = make_absorbed_batch(shape, "cuda", dtype=dtype, fp8_states=fp8_states, seed=6)
+    assert kernel_for(batch.query.new_zeros(1, 20, shape.d_model), batch.states, batch.scales)
     out = run_absorbed(batch, shape, "triton").float()
+    held = batch.encoder_outputs
+    if fp8_states:  # E as the cache holds it: each row rounded to fp8 with its scale
+        held = [dequantize_rows(*quantize_rows(e.float()), torch.float32) for e in held]
     tol = 1e-2 if dtype == torch.float16 else 5e-2
-    torch.testing.assert_close(out, per_layer_reference(batch, shape), atol=tol, rtol=tol)
+    torch.testing.assert_close(out, per_layer_reference(batch, shape, held), atol=tol, rtol=tol)
     monkeypatch.setenv(KERNEL_ENV, "triton")
     torch.testing.assert_close(
         out, run_absorbed(batch, shape, "triton").float(), atol=tol, rtol=tol
@@ -339,6 +344,9 @@ def test_cuda_kernel_plan_fits_shared_memory_and_declines_what_it_cannot_take() 
     assert large_v3.smem_bytes <= h100
     bart = plan(1024, torch.float16, 12, 16, 16, h100)  # 16 heads: one 16-row tile
     assert (bart.m_tiles, bart.block_n, bart.stages) == (1, 32, 2)
+    fp8 = plan(1280, torch.float16, 32, 16, 20, h100, fp8=True)  # fp8 rows + a 16-bit copy
+    assert fp8.fp8 and (fp8.m_tiles, fp8.block_n, fp8.stages) == (2, 16, 3)
+    assert fp8.smem_bytes <= h100 and "#define FP8 1" in fp8.source()
     assert plan(1280, torch.float16, 32, 16, 20, 100 * 1024) is None
     assert plan(1280, torch.float32, 32, 16, 20, h100) is None
     source = large_v3.source()

@@ -300,8 +300,8 @@ def test_absorbed_needs_an_encoder_decoder_model(tiny_llama_dir: str) -> None:
 
 def test_auto_rule_picks_absorbed_on_a_gpu_and_per_layer_on_cpu(bart_dir: str) -> None:
     """The rule itself (CPU-testable; measurements in docs/architecture.md): absorbed on a GPU
-    for a model with cross-attention unless the KV cache is fp8, per_layer on CPU; an explicit
-    mode is kept as given."""
+    for a model with cross-attention unless the KV cache is fp8 and only the Triton kernel takes
+    fp8 states, per_layer on CPU; an explicit mode is kept as given."""
     from v1.config import make_engine_config
     from v1.worker.cross_attention_mode import choose_cross_attention
 
@@ -310,7 +310,8 @@ def test_auto_rule_picks_absorbed_on_a_gpu_and_per_layer_on_cpu(bart_dir: str) -
     assert choose_cross_attention(auto, True, "cpu") == "per_layer"
     assert choose_cross_attention(auto, False, "cuda") == "per_layer"
     fp8 = make_engine_config(bart_dir, device="cpu", cross_attention="auto", kv_cache_dtype="fp8")
-    assert choose_cross_attention(fp8, True, "cuda") == "per_layer"
+    assert choose_cross_attention(fp8, True, "cuda") == "per_layer"  # Triton's fp8 states
+    assert choose_cross_attention(fp8, True, "cuda", fast_fp8_states=True) == "absorbed"
     per_layer = make_engine_config(bart_dir, device="cpu", cross_attention="per_layer")
     assert choose_cross_attention(per_layer, True, "cuda") == "per_layer"
     absorbed = make_engine_config(bart_dir, device="cpu", cross_attention="absorbed")

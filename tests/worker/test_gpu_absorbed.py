@@ -73,14 +73,18 @@ def test_absorbed_kernel_matches_per_layer_on_gpu(tmp_path, enforce_eager):
         assert ours == pytest.approx(theirs, abs=1e-4)
 
 
-def test_auto_picks_absorbed_on_a_gpu_unless_the_kv_cache_is_fp8(tmp_path):
+def test_auto_picks_absorbed_on_a_gpu_unless_the_kv_cache_is_fp8_in_fp32(tmp_path):
+    """fp8 KV cache: absorbed where the CUDA kernel takes fp8 states (a 16-bit model, sm_89+),
+    per_layer for an fp32 model (only the slower Triton kernel takes those)."""
     path = make_tiny_bart_dir(tmp_path)
     _, _, info = bart_outputs(path, num_kv_blocks=2000, max_num_seqs=8, cross_attention="auto")
     assert info["cross_attention"] == "absorbed"
-    _, _, info = bart_outputs(
-        path, num_kv_blocks=2000, max_num_seqs=8, cross_attention="auto", kv_cache_dtype="fp8"
-    )
+    fp8 = dict(num_kv_blocks=2000, max_num_seqs=8, cross_attention="auto", kv_cache_dtype="fp8")
+    _, _, info = bart_outputs(path, dtype="float32", **fp8)
     assert info["cross_attention"] == "per_layer"
+    _, _, info = bart_outputs(path, dtype="float16", **fp8)
+    sm89 = torch.cuda.get_device_capability() >= (8, 9)
+    assert info["cross_attention"] == ("absorbed" if sm89 else "per_layer")
 
 
 def whisper_tokens(**kwargs) -> list[list[int]]:

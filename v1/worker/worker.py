@@ -88,10 +88,16 @@ class Worker:
         if self.config.cache_config.cross_attention == "auto" and runner.has_cross_attention:
             from v1.worker.cross_attention_mode import choose_cross_attention
 
-            mode = choose_cross_attention(self.config, True, self.device.type)
+            fast_fp8 = self.device.type == "cuda" and self._cuda_takes_fp8_states()
+            mode = choose_cross_attention(self.config, True, self.device.type, fast_fp8)
             logger.info("cross_attention=auto: %s", mode)
             runner.set_cross_attention(mode)
         return runner.get_kv_cache_specs()
+
+    def _cuda_takes_fp8_states(self) -> bool:
+        from v1.attention.ops.cuda_absorbed import takes_fp8_states
+
+        return takes_fp8_states(self.device, self.model_runner.dtype)
 
     def determine_available_kv_bytes(self) -> int:
         cache_config = self.config.cache_config

@@ -6,6 +6,9 @@
 //   DW     columns a warp owns (a multiple of 16)             [w * DW, (w + 1) * DW) of d
 //   BN     encoder positions per step (16 or 32)      STAGES  cp.async stages per warp
 //   SPAN, RPH  the states layout: pool tensors a block spreads over, rows per half-page.
+//   FP8    1 for float8_e4m3 states with a float32 scale per position (sm_89+): a step's fp8
+//          slice is converted to 16-bit in shared memory; the scale multiplies the position's
+//          score and its softmax weight in P E (no [BN, d] multiply).
 //
 // Why by hand: the Triton kernel cannot keep a step's E tile in shared memory for both of its
 // products, so it loads E twice and runs at about half the copy bandwidth. Here each warp
@@ -32,6 +35,9 @@ typedef long long i64;
 #define D (NW * DW)            // d_model
 #define Q_PITCH (D + 8)        // q' rows in shared memory, padded like E's
 #define SC (M_TILES * NT_S * 4)  // score accumulators a thread holds
+#define ESIZE (FP8 ? 1 : 2)      // bytes of a stored E element
+#define RAW_PITCH (DW * ESIZE + 16)  // bytes per row of a stage as loaded (16 bytes of padding)
+#define RAW_CPR (DW * ESIZE / 16)    // 16-byte chunks per row of a warp's slice
 #define BLOCK_POS (SPAN * 2 * RPH)
 #define LOG2E 1.4426950408889634f
 #define NEG_INF __int_as_float(0xff800000)
@@ -109,33 +115,70 @@ __device__ __forceinline__ i64 join64(int lo, int hi) {
 
 // Where a work item's E lives: its block table row and the states' strides (elements).
 struct StatesView {
-    const u16* __restrict__ base;
+    const unsigned char* __restrict__ base;
+    const float* __restrict__ scales;  // FP8: [SPAN, 2, num_blocks, RPH]
     const int* __restrict__ table_row;
     i64 s_tensor, s_half, s_block, s_row;
+    i64 sc_tensor, sc_half, sc_block;
     int kv_len;
 };
 
-// Queue one step's [BN, DW] slice of E (this warp's columns) into stage `dst`. Lane l finds the
-// address of position start + l; rows past kv_len are zero-filled (so P E never meets garbage).
-__device__ __forceinline__ void load_step(u16* dst, const StatesView& e, int start, int col0, int lane) {
+// Queue one step's [BN, DW] slice of E (this warp's columns) into stage `dst` (RAW_PITCH bytes
+// a row) and, for fp8, the positions' scales into `scale_dst`. Lane l finds the address of
+// position start + l; rows past kv_len are zero-filled (so P E never meets garbage).
+__device__ __forceinline__ void load_step(unsigned char* dst, float* scale_dst, const StatesView& e, int start,
+                                          int col0, int lane) {
     const int pos = start + lane;
     const bool ok = lane < BN && pos < e.kv_len;
     i64 off = 0;
     if (ok) {
         const int o = pos % BLOCK_POS;
-        off = (i64)(o / (2 * RPH)) * e.s_tensor + (i64)((o / RPH) & 1) * e.s_half +
-              (i64)e.table_row[pos / BLOCK_POS] * e.s_block + (i64)(o % RPH) * e.s_row + col0;
+        const i64 block = e.table_row[pos / BLOCK_POS];
+        const i64 tensor = o / (2 * RPH), half = (o / RPH) & 1, row = o % RPH;
+        off = (tensor * e.s_tensor + half * e.s_half + block * e.s_block + row * e.s_row + col0) * ESIZE;
+#if FP8
+        const float* src = e.scales + tensor * e.sc_tensor + half * e.sc_half + block * e.sc_block + row;
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_addr(scale_dst + lane)), "l"(src));
+#endif
     }
+#if FP8
+    else if (lane < BN) scale_dst[lane] = 0.f;
+#endif
 #pragma unroll
-    for (int i = 0; i < BN * CPR / 32; ++i) {
+    for (int i = 0; i < (BN * RAW_CPR + 31) / 32; ++i) {
         const int c = i * 32 + lane;
-        const int r = c / CPR, ch = c % CPR;
+        const int r = min(c / RAW_CPR, BN - 1), ch = c % RAW_CPR;
         const i64 row_off = __shfl_sync(0xffffffffu, off, r);
         const int row_ok = __shfl_sync(0xffffffffu, (int)ok, r);
-        cp_async16(smem_addr(dst + r * PITCH + ch * 8), e.base + (row_ok ? row_off + ch * 8 : 0),
-                   row_ok ? 16 : 0);
+        if (c < BN * RAW_CPR)
+            cp_async16(smem_addr(dst + r * RAW_PITCH + ch * 16), e.base + (row_ok ? row_off + ch * 16 : 0),
+                       row_ok ? 16 : 0);
     }
 }
+
+#if FP8
+// 16-bit E rows from a stage of fp8 rows (this warp's slice): four values a lane at a time.
+__device__ __forceinline__ void convert_step(u16* dst, const unsigned char* src, int lane) {
+    for (int i = lane; i < BN * DW / 4; i += 32) {
+        const int r = i / (DW / 4), c = (i % (DW / 4)) * 4;
+        const u32 v = *(const u32*)(src + r * RAW_PITCH + c);
+        u32 lo, hi;
+        asm("{ .reg .b16 a, b; mov.b32 {a, b}, %2; cvt.rn.f16x2.e4m3x2 %0, a; cvt.rn.f16x2.e4m3x2 %1, b; }"
+            : "=r"(lo), "=r"(hi)
+            : "r"(v));
+#if BF16
+        float f[4];
+        asm("{ .reg .f16 a, b, c, d; mov.b32 {a, b}, %4; mov.b32 {c, d}, %5; cvt.f32.f16 %0, a; cvt.f32.f16 %1, b;"
+            " cvt.f32.f16 %2, c; cvt.f32.f16 %3, d; }"
+            : "=f"(f[0]), "=f"(f[1]), "=f"(f[2]), "=f"(f[3])
+            : "r"(lo), "r"(hi));
+        lo = pack2(f[0], f[1]);
+        hi = pack2(f[2], f[3]);
+#endif
+        *(uint2*)(dst + r * PITCH + c) = make_uint2(lo, hi);
+    }
+}
+#endif
 
 // Rows of a tile: row g is token first + g / H, head g % H; rows at or past `rows` are absent.
 struct TileRows {
@@ -223,7 +266,14 @@ struct RowState {
 // `n_base`; those at or past kv_len are masked): rescales the state, returns P as the A operand
 // of P E (the scores' accumulator layout is the A layout of k-step n / 2).
 __device__ __forceinline__ void softmax_step(RowState& st, float (&sc)[M_TILES][NT_S][4],
-                                             u32 (&pa)[M_TILES][BN / 16][4], int n_base, int kv_len) {
+                                             u32 (&pa)[M_TILES][BN / 16][4], int n_base, int kv_len,
+                                             const float* step_scales) {
+    // fp8: E[n] = scale[n] * stored[n] multiplies score n and its weight in P E.
+    float scale[NT_S][2];
+#pragma unroll
+    for (int n = 0; n < NT_S; ++n)
+#pragma unroll
+        for (int k = 0; k < 2; ++k) scale[n][k] = FP8 ? step_scales[n * 8 + (n_base & 7) + k] : 1.f;
 #pragma unroll
     for (int m = 0; m < M_TILES; ++m) {
         float mx[2] = {NEG_INF, NEG_INF};
@@ -231,7 +281,7 @@ __device__ __forceinline__ void softmax_step(RowState& st, float (&sc)[M_TILES][
         for (int n = 0; n < NT_S; ++n)
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
-                const float s = n_base + n * 8 + (k & 1) < kv_len ? sc[m][n][k] * LOG2E : NEG_INF;
+                const float s = n_base + n * 8 + (k & 1) < kv_len ? sc[m][n][k] * scale[n][k & 1] * LOG2E : NEG_INF;
                 sc[m][n][k] = s;
                 mx[k / 2] = fmaxf(mx[k / 2], s);
             }
@@ -251,6 +301,8 @@ __device__ __forceinline__ void softmax_step(RowState& st, float (&sc)[M_TILES][
             for (int k = 0; k < 4; ++k) p[k] = exp2_approx(sc[m][n][k] - st.m_run[m][k / 2]);
             sum[0] += p[0] + p[1];
             sum[1] += p[2] + p[3];
+#pragma unroll
+            for (int k = 0; k < 4; ++k) p[k] *= scale[n][k & 1];
             pa[m][n / 2][(n % 2) * 2] = pack2(p[0], p[1]);
             pa[m][n / 2][(n % 2) * 2 + 1] = pack2(p[2], p[3]);
         }
@@ -308,15 +360,26 @@ __device__ __forceinline__ void attend_tile(unsigned char* smem, const u16* __re
                                             const TileRows& qr, const TileRows& orow, const StatesView& e, int row0) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int col0 = warp * DW;
-    u16* e_warp = (u16*)smem + warp * (STAGES * BN * PITCH);
-    u16* q_s = (u16*)smem + NW * STAGES * BN * PITCH;  // [ROWS][D + 8]
-    float* partial = (float*)(q_s + ROWS * Q_PITCH);    // [2][NW][SC][32]
-    float* summed = partial + 2 * NW * SC * 32;         // [2][SC][32]
+    // Shared memory: each warp's stages of E as loaded, [fp8: each warp's stages of scales and
+    // its 16-bit copy of one stage], q', partial and summed scores.
+    unsigned char* raw_warp = smem + warp * (STAGES * BN * RAW_PITCH);
+    unsigned char* next = smem + NW * STAGES * BN * RAW_PITCH;
+#if FP8
+    float* scale_warp = (float*)next + warp * (STAGES * BN);
+    next += NW * STAGES * BN * 4;
+    u16* converted = (u16*)next + warp * (BN * PITCH);
+    next += NW * BN * PITCH * 2;
+#else
+    float* scale_warp = nullptr;
+#endif
+    u16* q_s = (u16*)next;                            // [ROWS][D + 8]
+    float* partial = (float*)(q_s + ROWS * Q_PITCH);  // [2][NW][SC][32]
+    float* summed = partial + 2 * NW * SC * 32;       // [2][SC][32]
 
     const int num_steps = (e.kv_len + BN - 1) / BN;
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < num_steps) load_step(e_warp + s * BN * PITCH, e, s * BN, col0, lane);
+        if (s < num_steps) load_step(raw_warp + s * BN * RAW_PITCH, scale_warp + s * BN, e, s * BN, col0, lane);
         cp_async_commit();
     }
     __syncthreads();  // the previous tile's last reads of q' are done
@@ -335,16 +398,25 @@ __device__ __forceinline__ void attend_tile(unsigned char* smem, const u16* __re
     }
     for (int step = 0; step < num_steps; ++step) {
         const int ahead = step + STAGES - 1;
-        if (ahead < num_steps) load_step(e_warp + (ahead % STAGES) * BN * PITCH, e, ahead * BN, col0, lane);
+        if (ahead < num_steps)
+            load_step(raw_warp + (ahead % STAGES) * BN * RAW_PITCH, scale_warp + (ahead % STAGES) * BN, e,
+                      ahead * BN, col0, lane);
         cp_async_commit();
         cp_async_wait<STAGES - 1>();
         __syncwarp();
-        const u32 e_base = smem_addr(e_warp + (step % STAGES) * BN * PITCH);
+        const unsigned char* raw = raw_warp + (step % STAGES) * BN * RAW_PITCH;
+#if FP8
+        convert_step(converted, raw, lane);
+        __syncwarp();
+        const u32 e_base = smem_addr(converted);
+#else
+        const u32 e_base = smem_addr(raw);
+#endif
         float sc[M_TILES][NT_S][4];
         partial_scores(sc, q_addr, e_base, lane);
         sum_scores(sc, partial, summed, step & 1, warp, lane);
         u32 pa[M_TILES][BN / 16][4];
-        softmax_step(st, sc, pa, step * BN + (lane & 3) * 2, e.kv_len);
+        softmax_step(st, sc, pa, step * BN + (lane & 3) * 2, e.kv_len, scale_warp + (step % STAGES) * BN);
         update_context(st, pa, e_base, lane);
         __syncwarp();  // this stage is refilled next step
     }
@@ -358,14 +430,16 @@ __device__ __forceinline__ void attend_tile(unsigned char* smem, const u16* __re
 // with one, give an item one block, so no block of a graph launch is empty.
 extern "C" __global__ void __launch_bounds__(NW * 32, 1) absorbed_attention_kernel(
     const u16* __restrict__ q,          // [T, H, d], scale folded in
-    const u16* __restrict__ states,     // [SPAN, 2, num_blocks, RPH, d]
+    const unsigned char* __restrict__ states,  // [SPAN, 2, num_blocks, RPH, d], 16-bit or fp8
     u16* __restrict__ out,              // [T, H, d], zeroed
     const int* __restrict__ query_start_loc, const int* __restrict__ seq_lens,
     const int* __restrict__ block_table, const int* __restrict__ work_req,
     const int* __restrict__ work_mblock, int stride_qt, int stride_qh, int stride_ot,
     int stride_oh, int s_tensor_lo, int s_tensor_hi, int s_half_lo, int s_half_hi,
-    int s_block_lo, int s_block_hi, int s_row, int stride_bt, int num_heads, int query_block,
-    int grid_tiles) {
+    int s_block_lo, int s_block_hi, int s_row,
+    const float* __restrict__ scales,   // FP8: [SPAN, 2, num_blocks, RPH], row stride 1
+    int sc_tensor_lo, int sc_tensor_hi, int sc_half_lo, int sc_half_hi, int sc_block_lo, int sc_block_hi,
+    int stride_bt, int num_heads, int query_block, int grid_tiles) {
     extern __shared__ __align__(16) unsigned char smem[];
     const int item = blockIdx.x / grid_tiles;
     const int req = work_req[item];
@@ -375,8 +449,17 @@ extern "C" __global__ void __launch_bounds__(NW * 32, 1) absorbed_attention_kern
     const int rows = num_tokens * num_heads;
     const TileRows qr = {q_start + first_token, rows, num_heads, stride_qt, stride_qh};
     const TileRows orow = {q_start + first_token, rows, num_heads, stride_ot, stride_oh};
-    const StatesView e = {states, block_table + (i64)req * stride_bt, join64(s_tensor_lo, s_tensor_hi),
-                          join64(s_half_lo, s_half_hi), join64(s_block_lo, s_block_hi), s_row, seq_lens[req]};
+    const StatesView e = {states,
+                          scales,
+                          block_table + (i64)req * stride_bt,
+                          join64(s_tensor_lo, s_tensor_hi),
+                          join64(s_half_lo, s_half_hi),
+                          join64(s_block_lo, s_block_hi),
+                          s_row,
+                          join64(sc_tensor_lo, sc_tensor_hi),
+                          join64(sc_half_lo, sc_half_hi),
+                          join64(sc_block_lo, sc_block_hi),
+                          seq_lens[req]};
     for (int tile = blockIdx.x % grid_tiles; tile * ROWS < rows; tile += grid_tiles)
         attend_tile(smem, q, out, qr, orow, e, tile * ROWS);
 }

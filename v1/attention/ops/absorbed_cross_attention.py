@@ -5,7 +5,7 @@ Per layer and head h, with E [S, d] a request's encoder output (exact algebra):
     out_h    = softmax(scores_h) (E W_v,h + b_v,h) = (softmax(scores_h) E) W_v,h + b_v,h
 So a step projects the query into model space (`absorb_query`: q' = q W_k^T, [T, H, d]),
 attends over the paged E (`attend_encoder_states_*`: a torch reference here, a CUDA kernel in
-`cuda_absorbed.py` for 16-bit states, a Triton kernel in `triton_absorbed.py` for the rest),
+`cuda_absorbed.py` for 16-bit models, a Triton kernel in `triton_absorbed.py` for the rest),
 and applies W_v and b_v to the [T, H, d] context (`project_values`).
 
 Cache layout: a pool block of an attention layer is two halves (K and V) of rows in each of the
@@ -234,7 +234,7 @@ def absorbed_cross_attention(
 def attend_encoder_states_gpu(
     q_abs: torch.Tensor, states: torch.Tensor, scales: torch.Tensor | None, metadata: Any
 ) -> torch.Tensor:
-    """The CUDA kernel where it takes the inputs (16-bit states, int32 metadata), else the
+    """The CUDA kernel where it takes the inputs (a 16-bit model, int32 metadata), else the
     Triton kernel."""
     from v1.attention.ops.cuda_absorbed import attend_encoder_states_cuda, kernel_for
     from v1.attention.ops.triton_absorbed import attend_encoder_states_triton
@@ -243,5 +243,5 @@ def attend_encoder_states_gpu(
     common = metadata.common
     indices = (common.query_start_loc, common.seq_lens, common.block_table, *metadata.work)
     if built is not None and all(t.dtype == torch.int32 for t in indices):
-        return attend_encoder_states_cuda(q_abs, states, metadata, *built)
+        return attend_encoder_states_cuda(q_abs, states, scales, metadata, *built)
     return attend_encoder_states_triton(q_abs, states, scales, metadata)

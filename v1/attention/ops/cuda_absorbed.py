@@ -4,11 +4,11 @@ the NVRTC library that CUDA builds of torch ship (the source includes no headers
 `torch.cuda._compile_kernel` it needs no CUDA_HOME).
 
 It computes what `triton_absorbed.attend_encoder_states_triton` computes (the torch reference is
-`absorbed_cross_attention.attend_encoder_states_torch`) for 16-bit encoder states: each warp
-streams its own column slice of E through shared memory once per 16-row tile and uses it for
-both products, where the Triton kernel loads every E tile twice. fp8 states, fp32 models,
-widths it cannot slice and GPUs without mma.sync (sm_80+) stay on the Triton kernel;
-`V1_ABSORBED_KERNEL=triton` forces it everywhere.
+`absorbed_cross_attention.attend_encoder_states_torch`) for 16-bit models over 16-bit or fp8
+encoder states: each warp streams its own column slice of E through shared memory once per row
+tile and uses it for both products, where the Triton kernel loads every E tile twice. fp32
+models, widths it cannot slice, GPUs without mma.sync (sm_80+) and fp8 states below sm_89
+stay on the Triton kernel; `V1_ABSORBED_KERNEL=triton` forces it everywhere.
 """
 
 from __future__ import annotations
@@ -51,11 +51,17 @@ class KernelConfig:
     stages: int
     span: int
     rows_per_half: int
+    fp8: bool = False
+    """fp8 states: stages hold fp8 rows and their scales, plus one 16-bit copy a warp."""
 
     @property
     def smem_bytes(self) -> int:
-        """E stages and q' (16-byte padded rows) + two buffers of partial and summed scores."""
-        stages = self.warps * self.stages * self.block_n * (self.warp_columns + 8) * 2
+        """E stages and q' (16-byte padded rows) + two buffers of partial and summed scores
+        (the .cu file's layout)."""
+        raw_row = self.warp_columns * (1 if self.fp8 else 2) + 16
+        stages = self.warps * self.stages * self.block_n * raw_row
+        if self.fp8:
+            stages += self.warps * self.block_n * (self.stages * 4 + (self.warp_columns + 8) * 2)
         rows = 16 * self.m_tiles
         queries = rows * (self.warps * self.warp_columns + 8) * 2
         scores = 2 * (self.warps + 1) * self.block_n * rows * 4
@@ -71,6 +77,7 @@ class KernelConfig:
             "STAGES": self.stages,
             "SPAN": self.span,
             "RPH": self.rows_per_half,
+            "FP8": int(self.fp8),
         }
         return "".join(f"#define {k} {v}\n" for k, v in macros.items()) + SOURCE.read_text()
 
@@ -96,9 +103,11 @@ def plan(
     num_heads: int,
     smem_limit: int,
     step_shape: tuple[int, int] | None = None,
+    fp8: bool = False,
 ) -> KernelConfig | None:
-    """The build for these states and heads (the rows of one query token): the first of
-    STEP_SHAPES (or the given one) that fits `smem_limit`; None where nothing fits."""
+    """The build for these states (16-bit, or fp8 with `fp8`) and heads (the rows of one query
+    token): the first of STEP_SHAPES (or the given one) that fits `smem_limit`; None where
+    nothing fits."""
     warps = warps_for(d_model)
     if warps is None or dtype not in (torch.float16, torch.bfloat16):
         return None
@@ -113,6 +122,7 @@ def plan(
             stages,
             span,
             rows_per_half,
+            fp8,
         )
         if block_n in (16, 32) and stages >= 2 and config.smem_bytes <= smem_limit:
             return config
@@ -126,11 +136,12 @@ def kernel_for(
     step_shape: tuple[int, int] | None = None,
 ) -> tuple[KernelConfig, Any] | None:
     """(config, kernel) where the CUDA kernel takes these inputs, else None."""
+    fp8 = states.dtype == torch.float8_e4m3fn and scales is not None
     if (
         os.environ.get(KERNEL_ENV, "cuda") != "cuda"
         or not q_abs.is_cuda
-        or scales is not None
-        or states.dtype != q_abs.dtype
+        or (states.dtype != q_abs.dtype and not fp8)
+        or (fp8 and (scales.stride(3) != 1 or scales.dtype != torch.float32))
         or q_abs.data_ptr() % 16
         or q_abs.stride(0) % 8
         or q_abs.stride(1) % 8
@@ -138,7 +149,7 @@ def kernel_for(
         return None
     device = q_abs.device.index if q_abs.device.index is not None else torch.cuda.current_device()
     shape = (q_abs.shape[2], states.shape[0], states.shape[3], q_abs.shape[1])
-    return _build(device, q_abs.dtype, *shape, step_shape)
+    return _build(device, q_abs.dtype, *shape, step_shape, fp8)
 
 
 @functools.cache
@@ -150,14 +161,15 @@ def _build(
     rows_per_half: int,
     num_heads: int,
     step_shape: tuple[int, int] | None,
+    fp8: bool,
 ) -> tuple[KernelConfig, Any] | None:
     """Plan and compile once per device and shape; None (logged) where NVRTC or the driver
     refuses the kernel, so the caller keeps the Triton kernel."""
     props = torch.cuda.get_device_properties(device)
-    if (props.major, props.minor) < (8, 0):
+    if (props.major, props.minor) < ((8, 9) if fp8 else (8, 0)):  # fp8 conversions: sm_89
         return None
     smem_limit = int(getattr(props, "shared_memory_per_block_optin", 48 * 1024))
-    config = plan(d_model, dtype, span, rows_per_half, num_heads, smem_limit, step_shape)
+    config = plan(d_model, dtype, span, rows_per_half, num_heads, smem_limit, step_shape, fp8)
     if config is None:
         return None
     try:
@@ -207,6 +219,14 @@ def nvrtc_cubin(source: str, name: str, arch: str) -> bytes:
         nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
+def takes_fp8_states(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the CUDA kernel serves fp8 encoder states for a `dtype` model on `device`
+    (what `cross_attention="auto"` asks before it picks absorbed for an fp8 KV cache)."""
+    if os.environ.get(KERNEL_ENV, "cuda") != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def _split64(value: int) -> list[int]:
     """An int64 stride as the kernel's (lo, hi) int32 pair (the launcher passes C ints)."""
     lo = value & 0xFFFFFFFF
@@ -228,12 +248,14 @@ def _grid_tiles(metadata: Any, num_heads: int, tile_rows: int) -> int:
 def attend_encoder_states_cuda(
     q_abs: torch.Tensor,
     states: torch.Tensor,
+    scales: torch.Tensor | None,
     metadata: Any,
     config: KernelConfig,
     kernel: Any,
 ) -> torch.Tensor:
-    """q' [T, H, d] (scale folded in) over each request's 16-bit encoder states -> context
-    [T, H, d]; `metadata` is the Triton backend's (work items of `block_m` query rows)."""
+    """q' [T, H, d] (scale folded in) over each request's encoder states (16-bit, or fp8 with
+    `scales`) -> context [T, H, d]; `metadata` is the Triton backend's (work items of
+    `block_m` query rows)."""
     common = metadata.common
     num_heads = q_abs.shape[1]
     assert q_abs.stride(2) == 1 and states.stride(4) == 1
@@ -262,6 +284,10 @@ def attend_encoder_states_cuda(
             *_split64(states.stride(1)),
             *_split64(states.stride(2)),
             states.stride(3),
+            scales if config.fp8 else q_abs,  # an unused pointer without fp8
+            *_split64(scales.stride(0) if config.fp8 else 0),
+            *_split64(scales.stride(1) if config.fp8 else 0),
+            *_split64(scales.stride(2) if config.fp8 else 0),
             common.block_table.stride(0),
             num_heads,
             metadata.block_m,
