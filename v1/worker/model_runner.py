@@ -210,16 +210,19 @@ class ModelRunner:
         return self.state.finish_step(hidden_states, step, scheduler_output)
 
     def _update_states(self, so: SchedulerOutput) -> None:
+        """Applies the step's delta to the persistent batch: finished requests leave, new ones
+        enter (each list in one call: an encoder-only step replaces ~100 requests), running
+        ones advance."""
         batch, tables = self.input_batch, self.attn_metadata
-        for req_id in so.finished_req_ids:
-            state = batch.remove_request(req_id)
-            if state is not None:
-                tables.clear_rows(state.slot)
-                self.state.on_request_removed(state)
-        for data in so.scheduled_new_reqs:
-            state = batch.add_request(data)
-            tables.set_rows(state.slot, data.block_ids)
-            self.state.on_request_added(state, data)
+        removed = batch.remove_requests(so.finished_req_ids)
+        if removed:
+            tables.clear_rows(np.array([state.slot for state in removed], dtype=np.int64))
+            self.state.on_requests_removed(removed)
+        new_reqs = so.scheduled_new_reqs
+        if new_reqs:
+            added = batch.add_requests(new_reqs)
+            tables.set_rows([state.slot for state in added], [d.block_ids for d in new_reqs])
+            self.state.on_requests_added(added, new_reqs)
         cached = so.scheduled_cached_reqs
         if cached.req_ids:
             requests = batch.requests
