@@ -481,4 +481,6 @@ class KVCacheManager:
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """The request's full block table per group."""
+        if not self.managers:
+            return ()  # encoder-only models (every admission asks)
         return self.get_blocks(request_id).get_block_ids()
