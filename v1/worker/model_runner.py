@@ -24,7 +24,7 @@ from v1.core.sched_output import (
     ReadyRunnerOutput,
     SchedulerOutput,
 )
-from v1.host_copy import to_device
+from v1.host_copy import parts_to_device
 from v1.kv_cache.spec import (
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
@@ -246,18 +246,19 @@ class ModelRunner:
         computed = batch.num_computed_tokens[slots]
         token_slots = np.repeat(slots, num_scheduled)
         # position of token t = computed[req] + (t - qsl[req])
-        positions = np.repeat(computed - qsl[:-1], num_scheduled) + np.arange(num_tokens)
+        positions = np.repeat(computed - qsl[:-1], num_scheduled)
+        positions += np.arange(num_tokens)
         seq_lens = computed + num_scheduled
         dst, src = batch.pending_inputs(slots, computed, seq_lens, qsl)
-        ids = batch.token_ids[token_slots, positions]
+        token_index = batch.token_index(token_slots, positions)
+        ids = batch.token_ids.reshape(-1).take(token_index)
         pad = padded_num_tokens(num_tokens) - num_tokens if pads_tokens(self.device) else 0
-        ids_padded, positions_padded = ids, positions
-        if pad:
-            ids_padded = np.concatenate([ids, np.zeros(pad, ids.dtype)])
-            positions_padded = np.concatenate([positions, np.zeros(pad, positions.dtype)])
-        # One pinned copy for the step's index arrays: [ids | positions | logits rows | dst | src]
-        parts = [ids_padded, positions_padded, qsl[1:] - 1, dst, src]
-        shipped = self._to_device(np.concatenate(parts)).split([len(p) for p in parts])
+        zeros = np.zeros(pad, np.int64)
+        # One pinned copy for the step's index arrays, padded ids and positions first:
+        # [ids | 0s | positions | 0s | logits rows | dst | src]
+        parts = [ids, zeros, positions, zeros, qsl[1:] - 1, dst, src]
+        sizes = [num_tokens + pad, num_tokens + pad, len(req_ids), len(dst), len(src)]
+        shipped = parts_to_device(parts, self.device, sizes)
         input_ids, positions_dev, logits_indices, dst_dev, src_dev = shipped
         if len(dst):
             # Tokens sampled by the step still running: read where they are, on the device.
@@ -275,6 +276,7 @@ class ModelRunner:
             num_scheduled=num_scheduled,
             query_start_loc=qsl,
             token_slots=token_slots,
+            token_index=token_index,
             positions_np=positions,
             seq_lens=seq_lens,
             input_ids=input_ids,
@@ -282,9 +284,6 @@ class ModelRunner:
             logits_indices=logits_indices,
             reached_end=seq_lens >= batch.num_tokens[slots],
         )
-
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        return to_device(array, self.device)
 
     # ---- memory profiling (GPU) ----
     @torch.inference_mode()

@@ -110,7 +110,7 @@ class EncoderOnlyState(ModelState):
 
     def forward(self, step: StepInputs, so: SchedulerOutput) -> torch.Tensor:
         """One bidirectional pass over the packed inputs -> hidden states [T, hidden]."""
-        token_types = self.token_type_ids[step.token_slots, step.positions_np]
+        token_types = self.token_type_ids.reshape(-1).take(step.token_index)
         if self.graphs is not None and self.graphs.fits(step.num_tokens):
             types = self.to_device(token_types)
             return self.graphs.run(step.input_ids, step.positions, types, step.query_start_loc)
