@@ -332,7 +332,11 @@ class Scheduler:
         # encoder output itself, which the runner keeps from the first step.
         params = request.sampling_params
         wants_encoder_output = params is not None and params.word_timestamps
-        cross_cached = self.kv_cache_manager.has_encoder_entry(request) and not wants_encoder_output
+        cross_cached = (
+            request.encoder_input is not None  # no lookup for the many requests without one
+            and not wants_encoder_output
+            and self.kv_cache_manager.has_encoder_entry(request)
+        )
         if request.encoder_input is not None and not cross_cached:
             run_encoder = not self.encoder_cache.has(request.encoder_hash)
             if run_encoder and (
