@@ -198,6 +198,7 @@ class Request:
         return RequestStatus.is_finished(self.status)
 
     def append_output_token_ids(self, token_ids: list[int]) -> None:
+        assert self.pooling_params is None, "a pooling request's tokens are its prompt list"
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
 
