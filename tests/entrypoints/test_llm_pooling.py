@@ -292,3 +292,39 @@ def test_per_prompt_pooling_params_stay_per_prompt(scorer: LLM) -> None:
     clipped = scorer.embed(texts, raw, truncate_prompt_tokens=2, use_tqdm=False)
     assert [len(o.prompt_token_ids) for o in clipped] == [2, 2, 2]
     assert raw.truncate_prompt_tokens is None
+
+
+# ---- many steps of mixed inputs ----
+def test_mixed_batches_give_each_input_its_own_result(scorer: LLM) -> None:
+    """Embed (mixed normalize), classify (mixed activation) and score (text pairs: segment
+    ids) batches of mixed lengths over many steps, slots reused from step to step: each
+    result is what its input gets alone, and every request and slot is freed afterwards."""
+    prompts = _token_prompts(40, seed=4)
+    embed_params = [PoolingParams(normalize=i % 3 != 0) for i in range(len(prompts))]
+    classify_params = [PoolingParams(task="classify", activation=i % 2 == 0) for i in range(16)]
+    docs = [" ".join(["the quick brown fox"] * (1 + i % 9)) for i in range(16)]
+
+    def run(n: int) -> list[list[float]]:
+        """Results in `n`-input calls (n=1: each input alone)."""
+        out = []
+        for i in range(0, len(prompts), n):
+            batch = scorer.embed(prompts[i : i + n], embed_params[i : i + n], use_tqdm=False)
+            out += [o.outputs.embedding for o in batch]
+        for i in range(0, len(docs), n):
+            batch = scorer.classify(docs[i : i + n], classify_params[i : i + n], use_tqdm=False)
+            out += [o.outputs.probs for o in batch]
+        for i in range(0, len(docs), n):
+            out += [[o.outputs.score] for o in scorer.score("gold", docs[i : i + n])]
+        return out
+
+    together, alone = run(len(prompts)), run(1)
+    assert len(together) == len(alone) == len(prompts) + 2 * len(docs)
+    for a, b in zip(together, alone, strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=2e-6)
+    assert together[0] != together[1]  # inputs of their own
+    core = scorer.llm_engine.engine_core.engine_core
+    assert not core.scheduler.requests and not core.scheduler.running
+    core.step()  # the runner drops the last step's requests with the next step
+    batch = core.executor.worker.model_runner.input_batch
+    assert len(batch) == 0 and len(batch._free_slots) == batch.max_num_reqs
+    assert not batch.num_tokens.any()

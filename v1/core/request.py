@@ -79,7 +79,10 @@ class Request:
         """Tokens being sampled by launched steps whose results are not read back yet
         (pipelined scheduling): the next step already feeds them to the model on the device."""
         self.output_token_ids: list[int] = []
-        self.all_token_ids: list[int] = list(prompt_token_ids)
+        # A pooling request never grows: its token list is the prompt itself, not a copy.
+        self.all_token_ids: list[int] = (
+            prompt_token_ids if pooling_params is not None else list(prompt_token_ids)
+        )
         self.block_hashes: list[bytes] = []
         """Chained hashes of the full blocks of all_token_ids (filled by the KV cache manager)."""
         self.num_kv_slots = 0
@@ -100,9 +103,12 @@ class Request:
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, max_model_len: int) -> Request:
+        # A pooling request's prompt list is kept as sent (nothing changes it; two copies of
+        # its ~hundreds of ids were most of building one); a generating request's is copied.
+        prompt = req.prompt_token_ids
         request = cls(
             req.request_id,
-            list(req.prompt_token_ids),
+            prompt if req.pooling_params is not None else list(prompt),
             req.sampling_params,
             req.pooling_params,
             encoder_input=req.encoder_input,
@@ -192,6 +198,7 @@ class Request:
         return RequestStatus.is_finished(self.status)
 
     def append_output_token_ids(self, token_ids: list[int]) -> None:
+        assert self.pooling_params is None, "a pooling request's tokens are its prompt list"
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
 

@@ -16,7 +16,13 @@ from collections.abc import Iterable, Iterator
 from v1.config import EngineConfig
 from v1.core.encoder_cache import EncoderCacheManager
 from v1.core.forks import ForkManager
-from v1.core.protocol import EngineCoreOutput, EngineCoreOutputs, SchedulerStats, now
+from v1.core.protocol import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    FinishReason,
+    SchedulerStats,
+    now,
+)
 from v1.core.request import Request, RequestStatus
 from v1.core.sched_output import (
     CachedRequestData,
@@ -326,7 +332,11 @@ class Scheduler:
         # encoder output itself, which the runner keeps from the first step.
         params = request.sampling_params
         wants_encoder_output = params is not None and params.word_timestamps
-        cross_cached = self.kv_cache_manager.has_encoder_entry(request) and not wants_encoder_output
+        cross_cached = (
+            request.encoder_input is not None  # no lookup for the many requests without one
+            and not wants_encoder_output
+            and self.kv_cache_manager.has_encoder_entry(request)
+        )
         if request.encoder_input is not None and not cross_cached:
             run_encoder = not self.encoder_cache.has(request.encoder_hash)
             if run_encoder and (
@@ -488,6 +498,9 @@ class Scheduler:
         logprob_ranks = runner_output.logprob_ranks
         extras = runner_output.extras
         req_ids = list(scheduler_output.num_scheduled_tokens)
+        pooler_output = runner_output.pooler_output
+        pooled: list[Request] = []
+        """Pooling requests of the step: each ends with its result."""
         index = None  # the runner's rows follow the schedule's order (checked once per step)
         if req_ids != runner_output.req_ids:
             index = {req_id: i for i, req_id in enumerate(runner_output.req_ids)}
@@ -497,7 +510,14 @@ class Scheduler:
                 continue  # aborted or preempted while the step ran
             i = row if index is None else index[req_id]
             if request.pooling_params is not None:
-                self._finish_pooling(request, runner_output, i, outputs)
+                request.status = RequestStatus.FINISHED_STOPPED
+                result = pooler_output[i] if pooler_output else None
+                outputs.append(
+                    EngineCoreOutput(
+                        req_id, [], pooled_output=result, finish_reason=FinishReason.STOP
+                    )
+                )
+                pooled.append(request)
                 continue
             new_ids = sampled_token_ids[i]
             if not new_ids:
@@ -540,26 +560,9 @@ class Scheduler:
             outputs.append(out)
             if status != running:
                 self._finish(request)
+        if pooled:
+            self._finish_all(pooled)
         return EngineCoreOutputs(outputs=outputs, timestamp=now())
-
-    def _finish_pooling(
-        self,
-        request: Request,
-        runner_output: ModelRunnerOutput,
-        i: int,
-        outputs: list[EngineCoreOutput],
-    ) -> None:
-        pooled = runner_output.pooler_output[i] if runner_output.pooler_output else None
-        request.status = RequestStatus.FINISHED_STOPPED
-        outputs.append(
-            EngineCoreOutput(
-                request.request_id,
-                [],
-                pooled_output=pooled,
-                finish_reason=RequestStatus.finish_reason(request.status),
-            )
-        )
-        self._finish(request)
 
     def _append_and_check_stop(self, request: Request, new_ids: list[int]) -> list[int]:
         """Appends the sampled tokens up to the first that ends the request (its status says
@@ -591,6 +594,18 @@ class Scheduler:
 
     def _finish(self, request: Request) -> None:
         self.running.remove(request)
+        self._release(request)
+
+    def _finish_all(self, requests: list[Request]) -> None:
+        """Finished `requests`, all running, leave `running` in one pass: a pooling step ends
+        ~100 requests at once, where a list.remove each scans `running` again."""
+        done = set(map(id, requests))
+        self.running[:] = [r for r in self.running if id(r) not in done]
+        for request in requests:
+            self._release(request)
+
+    def _release(self, request: Request) -> None:
+        """A finished request's resources: held for forks (hold_kv), else freed."""
         if request.hold_kv and request.status in (
             RequestStatus.FINISHED_STOPPED,
             RequestStatus.FINISHED_LENGTH_CAPPED,

@@ -468,6 +468,8 @@ class KVCacheManager:
         """Release every group's blocks of the request (finish, abort, preemption), and drop
         block copies of its fork that no step carried yet. Idempotent. Full blocks of known,
         computed tokens are registered in the prefix cache first."""
+        if not self.managers:
+            return  # encoder-only models: nothing allocated (every finish asks)
         self.cache_computed_blocks(request)
         self._block_copies.pop(request.request_id, None)
         for manager in self.managers:
@@ -481,4 +483,6 @@ class KVCacheManager:
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """The request's full block table per group."""
+        if not self.managers:
+            return ()  # encoder-only models (every admission asks)
         return self.get_blocks(request_id).get_block_ids()

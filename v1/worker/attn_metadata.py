@@ -74,19 +74,20 @@ class AttentionMetadataFactory:
             self.builders.append(builder_cls(attn_type, self.device, spec.block_size))
 
     # ---- block tables (rows follow the persistent batch's slots) ----
-    def set_rows(self, slot: int, block_ids: tuple[list[int], ...]) -> None:
-        """A new request's blocks, per KV group."""
-        for table, ids in zip(self.block_tables, block_ids, strict=True):
-            table.set_row(slot, ids)
+    def set_rows(self, slots: list[int], block_ids: list[tuple[list[int], ...]]) -> None:
+        """New requests' blocks: block_ids[i] (one list per KV group) for slots[i]."""
+        for group, table in enumerate(self.block_tables):
+            for slot, ids in zip(slots, block_ids, strict=True):
+                table.set_row(slot, ids[group])
 
     def append_rows(self, slot: int, new_block_ids: tuple[list[int], ...]) -> None:
         """Blocks the scheduler added to a running request's tables, per KV group."""
         for table, ids in zip(self.block_tables, new_block_ids, strict=True):
             table.append_row(slot, ids)
 
-    def clear_rows(self, slot: int) -> None:
+    def clear_rows(self, slots: np.ndarray) -> None:
         for table in self.block_tables:
-            table.clear_row(slot)
+            table.clear_rows(slots)
 
     # ---- metadata ----
     def make_common(

@@ -30,8 +30,8 @@ class BlockTable:
         self.table[slot, start:end] = block_ids
         self.num_blocks[slot] = end
 
-    def clear_row(self, slot: int) -> None:
-        self.num_blocks[slot] = 0
+    def clear_rows(self, slots: np.ndarray) -> None:
+        self.num_blocks[slots] = 0
 
     def rows(self, slots: np.ndarray, device: torch.device) -> torch.Tensor:
         """Block table of this step's requests, [num_reqs, max blocks used] int32."""

@@ -7,6 +7,7 @@ The block tables of the same slots belong to the AttentionMetadataFactory (attn_
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
     import torch
 
 
-@dataclass
+@dataclass(slots=True)
 class CachedRequestState:
     req_id: str
     slot: int
@@ -57,23 +58,44 @@ class InputBatch:
     def __len__(self) -> int:
         return len(self.requests)
 
-    def add_request(self, data: NewRequestData) -> CachedRequestState:
+    def add_requests(self, new_reqs: list[NewRequestData]) -> list[CachedRequestState]:
+        """A step's new requests, each in a free slot (in `new_reqs` order); lengths are
+        checked before anything changes. The per-slot counters are written once for the whole
+        list: an encoder-only step brings ~100 new requests, and numpy scalar writes per
+        request cost more than their token rows."""
+        num = len(new_reqs)
+        if num > len(self._free_slots):
+            raise AssertionError(f"{num} new requests, {len(self._free_slots)} free slots")
+        num_prompt = np.fromiter((len(d.prompt_token_ids) for d in new_reqs), np.int64, num)
+        num_tokens = num_prompt + np.fromiter(
+            (len(d.output_token_ids) for d in new_reqs), np.int64, num
+        )
+        too_long = np.flatnonzero(num_tokens > self.max_model_len)
+        if len(too_long):
+            n = int(num_tokens[too_long[0]])
+            raise ValueError(f"{n} tokens exceed max_model_len={self.max_model_len}")
+        slot_list = self._free_slots[len(self._free_slots) - num :][::-1]  # num pops, in order
+        del self._free_slots[len(self._free_slots) - num :]
+        states = [self._add(data, slot) for data, slot in zip(new_reqs, slot_list, strict=True)]
+        slots = np.array(slot_list, dtype=np.int64)
+        self.slot_generations[slots] += 1
+        self.num_tokens[slots] = num_tokens
+        self.num_computed_tokens[slots] = [d.num_computed_tokens for d in new_reqs]
+        self.num_encoder_tokens[slots] = [
+            0 if d.encoder_input is None else d.encoder_input.num_encoder_tokens for d in new_reqs
+        ]
+        return states
+
+    def _add(self, data: NewRequestData, slot: int) -> CachedRequestState:
+        """One new request's token row and state (add_requests writes its counters)."""
         if data.req_id in self.requests:
             raise AssertionError(f"request {data.req_id} already in the batch")
-        slot = self._free_slots.pop()
-        self.slot_generations[slot] += 1
         prompt, output = data.prompt_token_ids, data.output_token_ids
-        num_prompt, num_tokens = len(prompt), len(prompt) + len(output)
-        if num_tokens > self.max_model_len:
-            raise ValueError(f"{num_tokens} tokens exceed max_model_len={self.max_model_len}")
+        num_prompt = len(prompt)
         # Two row writes instead of joining the lists first (most requests have no outputs).
         self.token_ids[slot, :num_prompt] = prompt
         if output:
-            self.token_ids[slot, num_prompt:num_tokens] = output
-        self.num_tokens[slot] = num_tokens
-        self.num_computed_tokens[slot] = data.num_computed_tokens
-        enc = data.encoder_input
-        self.num_encoder_tokens[slot] = enc.num_encoder_tokens if enc is not None else 0
+            self.token_ids[slot, num_prompt : num_prompt + len(output)] = output
         state = CachedRequestState(
             req_id=data.req_id,
             slot=slot,
@@ -86,14 +108,18 @@ class InputBatch:
         self.requests[data.req_id] = state
         return state
 
-    def remove_request(self, req_id: str) -> CachedRequestState | None:
-        state = self.requests.pop(req_id, None)
-        if state is None:
-            return None
-        self.num_tokens[state.slot] = 0
-        self.pending_positions[state.slot] = -1
-        self._free_slots.append(state.slot)
-        return state
+    def remove_requests(self, req_ids: Iterable[str]) -> list[CachedRequestState]:
+        """Frees the slots of the listed requests that are in the batch (others are ignored)
+        and returns their states, in `req_ids` order."""
+        pop = self.requests.pop
+        states = [state for req_id in req_ids if (state := pop(req_id, None)) is not None]
+        if states:
+            slot_list = [state.slot for state in states]
+            slots = np.array(slot_list, dtype=np.int64)
+            self.num_tokens[slots] = 0
+            self.pending_positions[slots] = -1
+            self._free_slots.extend(slot_list)
+        return states
 
     def mark_pending(
         self, slots: np.ndarray, rows: np.ndarray, sampled_token_ids: torch.Tensor
@@ -115,6 +141,14 @@ class InputBatch:
         self.token_ids[slots, positions] = token_ids
         done = self.pending_positions[slots] == positions
         self.pending_positions[slots[done]] = -1
+
+    def token_index(self, token_slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Flat index of each (slot, position) pair in the [max_num_reqs, max_model_len]
+        per-token arrays: a 1-D `take` by it gathers a step's tokens 2-3x faster than 2-D
+        fancy indexing."""
+        index = token_slots * self.max_model_len
+        index += positions
+        return index
 
     def pending_inputs(
         self, slots: np.ndarray, computed: np.ndarray, seq_lens: np.ndarray, query_start: np.ndarray

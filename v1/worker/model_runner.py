@@ -24,7 +24,7 @@ from v1.core.sched_output import (
     ReadyRunnerOutput,
     SchedulerOutput,
 )
-from v1.host_copy import to_device
+from v1.host_copy import parts_to_device
 from v1.kv_cache.spec import (
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
@@ -210,16 +210,19 @@ class ModelRunner:
         return self.state.finish_step(hidden_states, step, scheduler_output)
 
     def _update_states(self, so: SchedulerOutput) -> None:
+        """Applies the step's delta to the persistent batch: finished requests leave, new ones
+        enter (each list in one call: an encoder-only step replaces ~100 requests), running
+        ones advance."""
         batch, tables = self.input_batch, self.attn_metadata
-        for req_id in so.finished_req_ids:
-            state = batch.remove_request(req_id)
-            if state is not None:
-                tables.clear_rows(state.slot)
-                self.state.on_request_removed(state)
-        for data in so.scheduled_new_reqs:
-            state = batch.add_request(data)
-            tables.set_rows(state.slot, data.block_ids)
-            self.state.on_request_added(state, data)
+        removed = batch.remove_requests(so.finished_req_ids)
+        if removed:
+            tables.clear_rows(np.array([state.slot for state in removed], dtype=np.int64))
+            self.state.on_requests_removed(removed)
+        new_reqs = so.scheduled_new_reqs
+        if new_reqs:
+            added = batch.add_requests(new_reqs)
+            tables.set_rows([state.slot for state in added], [d.block_ids for d in new_reqs])
+            self.state.on_requests_added(added, new_reqs)
         cached = so.scheduled_cached_reqs
         if cached.req_ids:
             requests = batch.requests
@@ -243,18 +246,19 @@ class ModelRunner:
         computed = batch.num_computed_tokens[slots]
         token_slots = np.repeat(slots, num_scheduled)
         # position of token t = computed[req] + (t - qsl[req])
-        positions = np.repeat(computed - qsl[:-1], num_scheduled) + np.arange(num_tokens)
+        positions = np.repeat(computed - qsl[:-1], num_scheduled)
+        positions += np.arange(num_tokens)
         seq_lens = computed + num_scheduled
         dst, src = batch.pending_inputs(slots, computed, seq_lens, qsl)
-        ids = batch.token_ids[token_slots, positions]
+        token_index = batch.token_index(token_slots, positions)
+        ids = batch.token_ids.reshape(-1).take(token_index)
         pad = padded_num_tokens(num_tokens) - num_tokens if pads_tokens(self.device) else 0
-        ids_padded, positions_padded = ids, positions
-        if pad:
-            ids_padded = np.concatenate([ids, np.zeros(pad, ids.dtype)])
-            positions_padded = np.concatenate([positions, np.zeros(pad, positions.dtype)])
-        # One pinned copy for the step's index arrays: [ids | positions | logits rows | dst | src]
-        parts = [ids_padded, positions_padded, qsl[1:] - 1, dst, src]
-        shipped = self._to_device(np.concatenate(parts)).split([len(p) for p in parts])
+        zeros = np.zeros(pad, np.int64)
+        # One pinned copy for the step's index arrays, padded ids and positions first:
+        # [ids | 0s | positions | 0s | logits rows | dst | src]
+        parts = [ids, zeros, positions, zeros, qsl[1:] - 1, dst, src]
+        sizes = [num_tokens + pad, num_tokens + pad, len(req_ids), len(dst), len(src)]
+        shipped = parts_to_device(parts, self.device, sizes)
         input_ids, positions_dev, logits_indices, dst_dev, src_dev = shipped
         if len(dst):
             # Tokens sampled by the step still running: read where they are, on the device.
@@ -272,6 +276,7 @@ class ModelRunner:
             num_scheduled=num_scheduled,
             query_start_loc=qsl,
             token_slots=token_slots,
+            token_index=token_index,
             positions_np=positions,
             seq_lens=seq_lens,
             input_ids=input_ids,
@@ -279,9 +284,6 @@ class ModelRunner:
             logits_indices=logits_indices,
             reached_end=seq_lens >= batch.num_tokens[slots],
         )
-
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        return to_device(array, self.device)
 
     # ---- memory profiling (GPU) ----
     @torch.inference_mode()

@@ -41,6 +41,8 @@ class StepInputs:
     """[R + 1] token offsets."""
     token_slots: np.ndarray
     """[T] slot of each token."""
+    token_index: np.ndarray
+    """[T] flat index of each token in the persistent batch's [slots, max_model_len] arrays."""
     positions_np: np.ndarray
     seq_lens: np.ndarray
     """[R] tokens in the sequence after this step."""

@@ -6,7 +6,7 @@ float32 result for its task (embed, classify, score, encode).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,20 +35,22 @@ class PoolingSegments:
 
     @classmethod
     def from_lengths(cls, lengths: np.ndarray, device: torch.device) -> PoolingSegments:
-        lengths_t = torch.as_tensor(np.asarray(lengths, dtype=np.int64))
-        qsl = torch.zeros(len(lengths_t) + 1, dtype=torch.int64)
-        torch.cumsum(lengths_t, 0, out=qsl[1:])
-        num_tokens = int(qsl[-1])
-        token_req = torch.repeat_interleave(
-            torch.arange(len(lengths_t)), lengths_t, output_size=num_tokens
-        )
+        """Segments of `lengths` tokens each. The host ships R + 1 offsets and R lengths in one
+        copy; the device expands them to the [T] request index of each token (a BERT step's
+        ~31K indices are neither built on the host nor copied)."""
+        lengths_np = np.asarray(lengths, dtype=np.int64)
+        num_reqs = len(lengths_np)
+        host = np.empty(2 * num_reqs + 1, dtype=np.int64)  # [offsets | lengths]
+        host[0] = 0
+        np.cumsum(lengths_np, out=host[1 : num_reqs + 1])
+        host[num_reqs + 1 :] = lengths_np
         # non_blocking: no stream sync, so a pipelined step can be prepared while one runs.
-        return cls(
-            to_device(qsl, device),
-            to_device(lengths_t, device),
-            to_device(token_req, device),
-            lengths_t.tolist(),
+        qsl, lengths_t = to_device(host, device).split([num_reqs + 1, num_reqs])
+        # output_size: the device needs no sync to learn the result's length.
+        token_req = torch.repeat_interleave(
+            torch.arange(num_reqs, device=device), lengths_t, output_size=int(host[num_reqs])
         )
+        return cls(qsl, lengths_t, token_req, lengths_np.tolist())
 
     @property
     def num_reqs(self) -> int:
@@ -145,9 +147,7 @@ class Pooler:
         results stay stacked per group of requests with equal options (one tensor for a
         usual step) until the host splits them: no tensor op per request."""
         blocks: list[PooledBlock] = []
-        by_task: dict[str, list[int]] = {}
-        for i, p in enumerate(params):
-            by_task.setdefault(p.task, []).append(i)
+        by_task = _group(params, range(len(params)), lambda p: p.task)
         if "embed" in by_task:
             self._embed(hidden, seg, params, by_task["embed"], blocks)
         heads = by_task.get("classify", []) + by_task.get("score", [])
@@ -166,11 +166,12 @@ class Pooler:
         blocks: list[PooledBlock],
     ) -> None:
         pooled = pool(hidden, seg, self.config.pooling_modes)  # [R, E]
-        groups: dict[tuple[int | None, bool], list[int]] = {}
-        for i in reqs:
-            normalize = params[i].normalize
-            key = (params[i].dimensions, self.config.normalize if normalize is None else normalize)
-            groups.setdefault(key, []).append(i)
+        default = self.config.normalize
+        groups = _group(
+            params,
+            reqs,
+            lambda p: (p.dimensions, default if p.normalize is None else p.normalize),
+        )
         for (dims, normalize), idx in groups.items():
             # Row selection by a device index (a Python list index would copy it synchronously).
             x = pooled if len(idx) == len(pooled) else pooled[_device_index(idx, pooled.device)]
@@ -189,10 +190,12 @@ class Pooler:
         first = seg.first_token_indices[_device_index(reqs, hidden.device)]
         logits = self.classify(hidden[first]).float()  # [N, num_labels]
         activated = apply_classifier_activation(logits, self.config.classifier_activation)
-        rows: dict[bool, list[int]] = {True: [], False: []}  # activation on -> rows of `logits`
-        for row, i in enumerate(reqs):
-            rows[params[i].activation is not False].append(row)
-        for use_act, picked in rows.items():
+        # activation on -> rows of `logits` (positions in `reqs`)
+        rows = _group(
+            [params[i] for i in reqs], range(len(reqs)), lambda p: p.activation is not False
+        )
+        for use_act in (True, False):
+            picked = rows.get(use_act)
             if not picked:
                 continue
             values = activated if use_act else logits
@@ -224,6 +227,23 @@ class Pooler:
             blocks.append(
                 PooledBlock(l2_normalize(tokens) if normalize else tokens, idx, counts.tolist())
             )
+
+
+def _group(
+    params: list[PoolingParams], reqs: Sequence[int], key: Callable[[PoolingParams], Hashable]
+) -> dict[Hashable, list[int]]:
+    """`reqs` (indices into `params`) grouped by `key` of their params, each group in order.
+    Requests of one call share equal params (the offline LLM clones one PoolingParams per
+    batch): when all are equal, one key call and no per-request work but the comparison."""
+    if not reqs:
+        return {}
+    first = params[reqs[0]]
+    if all(params[i] == first for i in reqs):
+        return {key(first): list(reqs)}
+    groups: dict[Hashable, list[int]] = {}
+    for i in reqs:
+        groups.setdefault(key(params[i]), []).append(i)
+    return groups
 
 
 def _device_index(rows: list[int] | np.ndarray, device: torch.device) -> torch.Tensor:

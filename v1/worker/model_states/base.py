@@ -70,8 +70,20 @@ class ModelState(ABC):
         tables; steps follow."""
         return None
 
+    def on_requests_added(
+        self, states: list[CachedRequestState], new_reqs: list[NewRequestData]
+    ) -> None:
+        """A step's new requests (states[i] holds new_reqs[i]); a state whose work batches
+        over them overrides this, others `on_request_added`."""
+        for state, data in zip(states, new_reqs, strict=True):
+            self.on_request_added(state, data)
+
     def on_request_added(self, state: CachedRequestState, data: NewRequestData) -> None:
         return None
+
+    def on_requests_removed(self, states: list[CachedRequestState]) -> None:
+        for state in states:
+            self.on_request_removed(state)
 
     def on_request_removed(self, state: CachedRequestState) -> None:
         return None

@@ -71,19 +71,29 @@ class EncoderOnlyState(ModelState):
                 self.max_input_len,
             )
 
-    def on_request_added(self, state: CachedRequestState, data: NewRequestData) -> None:
-        if data.pooling_params is None:
-            raise ValueError(f"request {data.req_id}: an encoder-only model needs pooling_params")
-        row = self.token_type_ids[state.slot]
-        row[:] = 0
-        if data.token_type_ids is not None:
-            if len(data.token_type_ids) != len(data.prompt_token_ids):
+    def on_requests_added(
+        self, states: list[CachedRequestState], new_reqs: list[NewRequestData]
+    ) -> None:
+        """Checks the new requests and writes their segment-id rows: every row zeroed in one
+        write, then the rows of requests with non-zero ids (text pairs) filled."""
+        for data in new_reqs:
+            if data.pooling_params is None:
                 raise ValueError(
-                    f"request {data.req_id}: {len(data.token_type_ids)} token_type_ids for "
+                    f"request {data.req_id}: an encoder-only model needs pooling_params"
+                )
+        slots = np.fromiter((state.slot for state in states), np.int64, len(states))
+        self.token_type_ids[slots] = 0
+        for state, data in zip(states, new_reqs, strict=True):
+            types = data.token_type_ids
+            if types is None:
+                continue
+            if len(types) != len(data.prompt_token_ids):
+                raise ValueError(
+                    f"request {data.req_id}: {len(types)} token_type_ids for "
                     f"{len(data.prompt_token_ids)} tokens"
                 )
-            if any(data.token_type_ids):  # all zeros (a text's, usually): the row already is
-                row[: len(data.token_type_ids)] = data.token_type_ids
+            if any(types):  # all zeros (a text's, usually): the row already is
+                self.token_type_ids[state.slot, : len(types)] = types
 
     @property
     def max_profile_position(self) -> int:
@@ -100,7 +110,7 @@ class EncoderOnlyState(ModelState):
 
     def forward(self, step: StepInputs, so: SchedulerOutput) -> torch.Tensor:
         """One bidirectional pass over the packed inputs -> hidden states [T, hidden]."""
-        token_types = self.token_type_ids[step.token_slots, step.positions_np]
+        token_types = self.token_type_ids.reshape(-1).take(step.token_index)
         if self.graphs is not None and self.graphs.fits(step.num_tokens):
             types = self.to_device(token_types)
             return self.graphs.run(step.input_ids, step.positions, types, step.query_start_loc)

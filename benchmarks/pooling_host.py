@@ -1,0 +1,154 @@
+"""Host time of the pooling path per engine step and per request, on CPU, with a tiny random
+BERT (1 layer, hidden 32) so that the model's kernels are small beside the host work: 4096
+inputs of 16-512 tokens through `LLM.embed` (the H100 workload's shape), each runner and core
+phase timed (median per step, and per request where that is the unit).
+
+    python3 benchmarks/pooling_host.py --tokenizer .bench_assets/minilm [--runs 3] [--cprofile]
+
+--host-only replaces the model's main pass by zeros of its output's shape: on CPU the pass
+takes ~250 ms a step and evicts the host's caches between the phases timed, where on a GPU
+host the phases run back to back with the device working meanwhile; this times them so (and
+~30x faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import cProfile
+import io
+import pstats
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+import numpy as np
+import torch
+from _context import TOKENIZER_FILES
+from profile_step import wrap
+
+PER_STEP = (
+    "schedule",
+    "execute_model_async",
+    "_update_states",
+    "_prepare_inputs",
+    "prepare_step",
+    "forward",
+    "finish_step",
+    "get_output",
+    "update_from_output",
+)
+PER_REQUEST = ("process_request", "add_processed_request")
+
+
+def build(tokenizer: str) -> str:
+    """A tiny random BertModel saved with the real tokenizer beside it."""
+    from transformers import BertConfig, BertModel
+
+    cfg = BertConfig(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        architectures=["BertModel"],
+    )
+    torch.manual_seed(0)
+    path = tempfile.mkdtemp(prefix="bert-host-")
+    BertModel(cfg, add_pooling_layer=False).save_pretrained(path)
+    for name in TOKENIZER_FILES:  # the tokenizer only (no sentence-transformers limits)
+        if (Path(tokenizer) / name).is_file():
+            shutil.copy(Path(tokenizer) / name, Path(path) / name)
+    return path
+
+
+def inputs(num: int, seed: int) -> list[dict[str, Any]]:
+    rng = np.random.default_rng(seed)
+    return [
+        {"prompt_token_ids": [101, *rng.integers(1000, 29000, size=n - 2).tolist(), 102]}
+        for n in rng.integers(16, 513, size=num)
+    ]
+
+
+def instrument(llm: Any, timings: dict[str, list[float]]) -> None:
+    from v1.worker.model_states.encoder_only import PendingPoolingStep
+
+    core = llm.llm_engine.engine_core.engine_core
+    runner = core.executor.worker.model_runner
+    wrap(timings, core.scheduler, "schedule")
+    wrap(timings, core.scheduler, "update_from_output")
+    for name in ("execute_model_async", "_update_states", "_prepare_inputs"):
+        wrap(timings, runner, name)
+    for name in ("prepare_step", "forward", "finish_step"):
+        wrap(timings, runner.state, name)
+    wrap(timings, PendingPoolingStep, "get_output")
+    wrap(timings, llm.llm_engine, "process_request")
+    wrap(timings, llm.llm_engine, "add_processed_request")
+
+
+def skip_model(llm: Any) -> None:
+    """The main pass returns zeros of its output's shape (--host-only)."""
+    state = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.state
+    hidden_size = state.model_config.hf_config.hidden_size
+
+    def forward(step: Any, so: Any) -> torch.Tensor:
+        return torch.zeros(len(step.input_ids), hidden_size)
+
+    state.forward = forward
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokenizer", default=".bench_assets/minilm")
+    parser.add_argument("--inputs", type=int, default=4096)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--cprofile", action="store_true", help="also profile one run")
+    parser.add_argument("--host-only", action="store_true", help="no model pass (see above)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    from v1 import LLM
+
+    llm = LLM(
+        build(args.tokenizer),
+        dtype="float32",
+        device="cpu",
+        multiprocess=False,
+        max_num_seqs=512,
+        max_num_batched_tokens=32768,
+    )
+    if args.host_only:
+        skip_model(llm)
+    llm.embed(inputs(args.inputs, 0), use_tqdm=False)  # warm-up, full size
+    timings: dict[str, list[float]] = collections.defaultdict(list)
+    instrument(llm, timings)
+    per_run: dict[str, list[float]] = collections.defaultdict(list)
+    for run in range(args.runs):
+        timings.clear()
+        batch = inputs(args.inputs, run + 1)
+        start = time.perf_counter()
+        llm.embed(batch, use_tqdm=False)
+        per_run["wall (s)"].append(time.perf_counter() - start)
+        for name in PER_STEP + PER_REQUEST:
+            per_run[name].append(float(np.median(timings[name])) * 1e6)
+        per_run["steps"].append(len(timings["schedule"]))
+    for name, values in per_run.items():
+        unit = "" if name in ("wall (s)", "steps") else " us"
+        scope = " per request" if name in PER_REQUEST else ""
+        runs = ", ".join(f"{v:.3f}" if name == "wall (s)" else f"{v:.0f}" for v in values)
+        print(f"{name}{scope}: median {np.median(values):.3f}{unit} (runs: {runs})")
+    if args.cprofile:
+        prof = cProfile.Profile()
+        prof.enable()
+        llm.embed(inputs(args.inputs, 99), use_tqdm=False)
+        prof.disable()
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(40)
+        print(out.getvalue())
+    llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()
