@@ -1,10 +1,12 @@
-// Absorbed cross-attention over paged encoder states E, one pass per (work item, 16-row tile):
+// Absorbed cross-attention over paged encoder states E, one pass per (work item, row tile):
 // scores = q' E^T, online softmax, P E (multi-query attention of width d = d_model). Compiled at
-// run time by NVRTC (torch.cuda._compile_kernel) with these macros defined by the launcher
-// (v1/attention/ops/cuda_absorbed.py, which also holds the torch reference's name):
+// run time by NVRTC (`nvrtc_cubin` in v1/attention/ops/cuda_absorbed.py, the launcher) with these
+// macros; the torch reference is absorbed_cross_attention.attend_encoder_states_torch:
 //   BF16   1 for bfloat16 operands, 0 for float16     NW      warps; warp w owns columns
 //   DW     columns a warp owns (a multiple of 16)             [w * DW, (w + 1) * DW) of d
 //   BN     encoder positions per step (16 or 32)      STAGES  cp.async stages per warp
+//   M_TILES  16-row m-tiles of (token, head) rows a block computes (2 past 16 heads: a token's
+//          20 heads in one block, so E is read once for them; q' then sits in shared memory)
 //   SPAN, RPH  the states layout: pool tensors a block spreads over, rows per half-page.
 //   FP8    1 for float8_e4m3 states with a float32 scale per position (sm_89+): a step's fp8
 //          slice is converted to 16-bit in shared memory; the scale multiplies the position's
