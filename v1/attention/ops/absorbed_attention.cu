@@ -29,7 +29,6 @@ typedef unsigned int u32;
 typedef long long i64;
 
 #define PITCH (DW + 8)         // elements per shared-memory row: 16 bytes of padding (no bank conflicts)
-#define CPR (DW / 8)           // 16-byte chunks per row of a warp's slice
 #define KSTEPS (DW / 16)       // k-steps of the score product
 #define NT_S (BN / 8)          // 8-position tiles of the scores
 #define NT_O (DW / 8)          // 8-column tiles of the context
@@ -62,12 +61,6 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 __device__ __forceinline__ void ldmatrix_x4(u32& r0, u32& r1, u32& r2, u32& r3, u32 addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                  : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(addr));
-}
-
-__device__ __forceinline__ void ldmatrix_x2(u32& r0, u32& r1, u32 addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];"
-                 : "=r"(r0), "=r"(r1)
                  : "r"(addr));
 }
 
