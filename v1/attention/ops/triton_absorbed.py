@@ -108,6 +108,48 @@ def _store_chunk(
 
 
 @triton.jit
+def _positions(
+    block_table, req, stride_bt, offs_n, n_mask, SPAN: tl.constexpr, ROWS_PER_HALF: tl.constexpr
+):
+    """(pool tensor, half, block, row) of encoder positions `offs_n` of request `req`, int64
+    (pools exceed 2^31 elements)."""
+    block = tl.load(
+        block_table + req * stride_bt + offs_n // (SPAN * 2 * ROWS_PER_HALF), mask=n_mask, other=0
+    ).to(tl.int64)
+    offset = offs_n % (SPAN * 2 * ROWS_PER_HALF)
+    pool_tensor = (offset // (2 * ROWS_PER_HALF)).to(tl.int64)
+    half = ((offset // ROWS_PER_HALF) % 2).to(tl.int64)
+    row = (offset % ROWS_PER_HALF).to(tl.int64)
+    return pool_tensor, half, block, row
+
+
+@triton.jit
+def _scores(
+    Q,
+    q_rows,
+    r_mask,
+    States,
+    base,
+    n_mask,
+    CHUNK: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
+    D_MODEL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """q' E^T over every column chunk: [R, N]."""
+    s = _score_chunk(Q, q_rows, r_mask, States, base, n_mask, 0, CHUNK, D_MODEL, DOT_PRECISION)
+    if NUM_CHUNKS > 1:
+        s += _score_chunk(Q, q_rows, r_mask, States, base, n_mask, 1, CHUNK, D_MODEL, DOT_PRECISION)
+    if NUM_CHUNKS > 2:
+        s += _score_chunk(Q, q_rows, r_mask, States, base, n_mask, 2, CHUNK, D_MODEL, DOT_PRECISION)
+    if NUM_CHUNKS > 3:
+        s += _score_chunk(Q, q_rows, r_mask, States, base, n_mask, 3, CHUNK, D_MODEL, DOT_PRECISION)
+    if NUM_CHUNKS > 4:
+        s += _score_chunk(Q, q_rows, r_mask, States, base, n_mask, 4, CHUNK, D_MODEL, DOT_PRECISION)
+    return s
+
+
+@triton.jit
 def _absorbed_attention_kernel(
     Q,
     States,
@@ -179,39 +221,18 @@ def _absorbed_attention_kernel(
     for start_n in tl.range(0, kv_len, BLOCK_N, num_stages=LOOP_STAGES):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_len
-        block = tl.load(
-            block_table + req * stride_bt + offs_n // (SPAN * 2 * ROWS_PER_HALF),
-            mask=n_mask,
-            other=0,
-        ).to(tl.int64)
-        offset = offs_n % (SPAN * 2 * ROWS_PER_HALF)
-        # int64: pools exceed 2^31 elements
-        pool_tensor = (offset // (2 * ROWS_PER_HALF)).to(tl.int64)
-        half = ((offset // ROWS_PER_HALF) % 2).to(tl.int64)
-        row = (offset % ROWS_PER_HALF).to(tl.int64)
+        pool_tensor, half, block, row = _positions(
+            block_table, req, stride_bt, offs_n, n_mask, SPAN, ROWS_PER_HALF
+        )
         base = (
             pool_tensor * stride_s_tensor
             + half * stride_s_half
             + block * stride_s_block
             + row * stride_s_row
         )
-        s = _score_chunk(Q, q_rows, r_mask, States, base, n_mask, 0, CHUNK, D_MODEL, DOT_PRECISION)
-        if NUM_CHUNKS > 1:
-            s += _score_chunk(
-                Q, q_rows, r_mask, States, base, n_mask, 1, CHUNK, D_MODEL, DOT_PRECISION
-            )
-        if NUM_CHUNKS > 2:
-            s += _score_chunk(
-                Q, q_rows, r_mask, States, base, n_mask, 2, CHUNK, D_MODEL, DOT_PRECISION
-            )
-        if NUM_CHUNKS > 3:
-            s += _score_chunk(
-                Q, q_rows, r_mask, States, base, n_mask, 3, CHUNK, D_MODEL, DOT_PRECISION
-            )
-        if NUM_CHUNKS > 4:
-            s += _score_chunk(
-                Q, q_rows, r_mask, States, base, n_mask, 4, CHUNK, D_MODEL, DOT_PRECISION
-            )
+        s = _scores(
+            Q, q_rows, r_mask, States, base, n_mask, CHUNK, NUM_CHUNKS, D_MODEL, DOT_PRECISION
+        )
         if FP8:
             # E[n] = scale[n] * stored[n]: the scale multiplies column n of the scores, and
             # the weight of row n in P E.
