@@ -78,3 +78,14 @@ def test_encoder_hash_separates_equal_decoder_prompts() -> None:
     assert all(a != b for a, b in zip(audio_a, audio_b, strict=True))
     assert all(a != d for a, d in zip(audio_a, decoder_only, strict=True))
     assert audio_a == hashes(num_encoder_tokens=6, encoder_hash="audio-a")
+
+
+def test_encoder_states_keys_are_distinct_and_never_token_block_hashes() -> None:
+    from v1.kv_cache.block_hash import encoder_states_block_hashes
+
+    a = encoder_states_block_hashes("audio-a", 94)
+    b = encoder_states_block_hashes("audio-b", 94)
+    assert len(set(a) | set(b)) == 188  # per input and per block
+    assert a[:10] == encoder_states_block_hashes("audio-a", 10)  # a prefix of the longer list
+    assert all(len(k) == 36 for k in a)  # token blocks hash to 32 bytes: no key is shared
+    assert len(hash_block_tokens(None, [1], None)) == 32

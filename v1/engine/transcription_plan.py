@@ -562,8 +562,10 @@ class TranscriptionPlanner:
                     )
                 )
                 last_end = end
+        # One segment (every short-form clip): its text is the whole text, decoded once.
+        text = segments[0].text if len(segments) == 1 else decode(all_text_ids)
         return TranscriptionResult(
-            text=decode(all_text_ids),
+            text=text,
             language=language,
             duration=duration,
             segments=segments,

@@ -86,11 +86,22 @@ def request_block_hashes(request: Request, block_size: int) -> list[bytes]:
     return hashes[start:]
 
 
-@functools.lru_cache(maxsize=1 << 16)
-def encoder_states_block_hash(content_hash: str, block_index: int) -> bytes:
-    """Prefix-cache key of block `block_index` of the cross-attention K/V or encoder states of
-    one encoder input (its content hash): equal keys mean equal rows. Memoized: every admission
-    of a request with encoder input looks its entry up (beam steps, n>1 children)."""
+_BLOCK_INDEX = struct.Struct("<I")
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _encoder_states_root(content_hash: str) -> bytes:
     parts: list[bytes] = [b"encoder-states"]
-    _encode_key((content_hash, block_index), parts)
+    _encode_key(content_hash, parts)
     return hashlib.sha256(b"".join(parts)).digest()
+
+
+def encoder_states_block_hashes(content_hash: str, num_blocks: int) -> list[bytes]:
+    """Prefix-cache keys of the first `num_blocks` blocks of the cross-attention K/V or encoder
+    states of one encoder input (its content hash): equal keys mean equal rows. One sha256 per
+    input (memoized: beam steps and n>1 children look the entry up again), then the block
+    index appended: 36-byte keys, never equal to a token block's 32-byte hash. (A sha256 per
+    block cost ~0.7 ms per 30 s Whisper clip on the host, 94 blocks of 16 rows.)"""
+    root = _encoder_states_root(content_hash)
+    pack = _BLOCK_INDEX.pack
+    return [root + pack(i) for i in range(num_blocks)]

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from v1.kv_cache.block_hash import encoder_states_block_hash
+from v1.kv_cache.block_hash import encoder_states_block_hashes
 from v1.kv_cache.block_pool import BlockPool, KVCacheBlock
 from v1.kv_cache.spec import (
     CrossAttentionSpec,
@@ -205,10 +205,9 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
         if not self.block_pool.enable_caching:
             return []
         hits = []
-        for i in range(cdiv(num_encoder_tokens, self.block_size)):
-            block = self.block_pool.get_cached_block(
-                encoder_states_block_hash(content_hash, i), self.group_id
-            )
+        num_blocks = cdiv(num_encoder_tokens, self.block_size)
+        for key in encoder_states_block_hashes(content_hash, num_blocks):
+            block = self.block_pool.get_cached_block(key, self.group_id)
             if block is None:
                 return []
             hits.append(block)
@@ -225,7 +224,7 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
         self.req_to_hash[req_id] = content_hash
         self.num_holders[content_hash] = self.num_holders.get(content_hash, 0) + 1
         self.live.setdefault(content_hash, blocks)
-        keys = [encoder_states_block_hash(content_hash, i) for i in range(len(blocks))]
+        keys = encoder_states_block_hashes(content_hash, len(blocks))
         self.block_pool.cache_full_blocks(blocks, keys, 0, len(blocks), self.group_id)
 
     def free(self, req_id: str) -> None:
