@@ -18,13 +18,13 @@ import torch
 from torch import nn
 
 from v1.attention.backend import AttentionType
-from v1.models.layers.activation import gelu_mlp, get_act_fn
+from v1.models.layers.activation import fuses_input_gelu, gelu_mlp, get_act_fn
 from v1.models.layers.attention import CrossAttention, SelfAttention
 from v1.models.layers.embedding import LMHead, VocabEmbedding
 from v1.models.layers.linear import ColumnLinear, RowLinear
 from v1.models.layers.norm import LayerNorm, add_layer_norm, fp16_clamp_limit, linear_input
 from v1.models.utils import load_weights_into
-from v1.quantization.fp8 import is_fp8_linear
+from v1.quantization.fp8 import Fp8Product, is_fp8_linear
 
 # Checkpoint projections are renamed onto fused parameters before the packed mapping applies:
 # the same names (q_proj, k_proj, v_proj) go to different fused layers in self- and
@@ -80,18 +80,28 @@ def _post_norm(norm: LayerNorm, hidden_states: torch.Tensor, out: torch.Tensor) 
 
 def _pre_norm_input(
     norm: LayerNorm,
-    hidden_states: torch.Tensor,
+    hidden_states: Any,
     residual: torch.Tensor | None,
     clamp: float | None = None,
+    residual_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A pre-norm layer's first sub-block input and its residual stream, from the carried pair
     (residual None: `hidden_states` is the whole input; else the input is residual +
-    hidden_states, clamped to +-clamp like an fp16 encoder layer's output)."""
+    hidden_states, clamped to +-clamp like an fp16 encoder layer's output). The residual
+    stream returned carries `residual_bias` (see `add_layer_norm`)."""
     if residual is None:
-        return linear_input(norm, norm(hidden_states)), hidden_states
-    normed, residual = add_layer_norm(hidden_states, residual, norm, clamp=clamp)
+        residual = hidden_states if residual_bias is None else hidden_states + residual_bias
+        return linear_input(norm, norm(hidden_states)), residual
+    normed, residual = add_layer_norm(
+        hidden_states, residual, norm, clamp=clamp, residual_bias=residual_bias
+    )
     assert residual is not None
     return normed, residual
+
+
+def _deferred_bias(layer: nn.Module) -> torch.Tensor | None:
+    """The bias an `unscaled_output` fp8 Linear leaves to its owner (None otherwise)."""
+    return layer.bias if getattr(layer, "unscaled_output", False) else None
 
 
 def _clamp_fp16(hidden_states: torch.Tensor) -> torch.Tensor:
@@ -152,16 +162,32 @@ class BartEncoderLayer(nn.Module):
         return gelu_mlp(self.fc1, self.act, self.fc2, x)  # [T, d] -> [T, ffn] -> [T, d]
 
     def link_fp8_norms(self) -> None:
-        """After fp8 quantization: a pre-norm layer's norms feed one Linear each (qkv_proj,
-        fc1); when it is fp8 the norm hands its output over quantized, from its own kernel
-        (on an H100, 48,000 x 1280 Whisper rows: a 76 us quantizer pass saved per norm)."""
-        if self.pre_norm:
-            self.self_attn_layer_norm.fp8_output = is_fp8_linear(self.self_attn.qkv_proj)
-            self.final_layer_norm.fp8_output = is_fp8_linear(self.fc1)
+        """After fp8 quantization, for a pre-norm layer:
+        - its norms feed one Linear each (qkv_proj, fc1); when it is fp8 the norm hands its
+          output over quantized, from its own kernel (on an H100, 48,000 x 1280 Whisper rows:
+          a 76 us quantizer pass saved per norm);
+        - out_proj, fc1 and fc2, where fp8 on a GPU, hand their outputs over unscaled and
+          without their bias (`Fp8Product`): the add + LayerNorm after out_proj and the next
+          layer's (or the stack's) after fc2 scale them; fc2's input quantizer scales fc1's
+          and adds its bias; out_proj's and fc2's biases ride in the residual stream, added by
+          the add + LayerNorm before each (`residual_bias`)."""
+        if not self.pre_norm:
+            return
+        self.self_attn_layer_norm.fp8_output = is_fp8_linear(self.self_attn.qkv_proj)
+        self.final_layer_norm.fp8_output = is_fp8_linear(self.fc1)
+        dtype = self.final_layer_norm.weight.dtype
+        out_proj = self.self_attn.out_proj
+        if is_fp8_linear(out_proj):
+            out_proj.quant_method.set_unscaled_output(out_proj, dtype)
+        if is_fp8_linear(self.fc2):
+            self.fc2.quant_method.set_unscaled_output(self.fc2, dtype)
+            if is_fp8_linear(self.fc1) and fuses_input_gelu(self.fc2, self.act):
+                self.fc1.quant_method.set_unscaled_output(self.fc1, dtype)
 
     def forward(
-        self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self, hidden_states: Any, residual: torch.Tensor | None = None
+    ) -> tuple[Any, torch.Tensor | None]:
+        """hidden_states (in and out) may be an fp8 fc2's `Fp8Product` (`link_fp8_norms`)."""
         if not self.pre_norm:
             hidden_states = _post_norm(
                 self.self_attn_layer_norm, hidden_states, self.self_attn(hidden_states)
@@ -172,9 +198,18 @@ class BartEncoderLayer(nn.Module):
             return _clamp_fp16(hidden_states), None
         clamp = fp16_clamp_limit(hidden_states.dtype)
         normed, residual = _pre_norm_input(
-            self.self_attn_layer_norm, hidden_states, residual, clamp
+            self.self_attn_layer_norm,
+            hidden_states,
+            residual,
+            clamp,
+            _deferred_bias(self.self_attn.out_proj),
         )
-        normed, residual = add_layer_norm(self.self_attn(normed), residual, self.final_layer_norm)
+        normed, residual = add_layer_norm(
+            self.self_attn(normed),
+            residual,
+            self.final_layer_norm,
+            residual_bias=_deferred_bias(self.fc2),
+        )
         return self.mlp(normed), residual
 
 
@@ -242,6 +277,8 @@ def finish_stack(
         return norm(hidden_states) if norm is not None else hidden_states
     if norm is not None:
         return add_layer_norm(hidden_states, residual, norm, store_residual=False, clamp=clamp)[0]
+    if isinstance(hidden_states, Fp8Product):
+        hidden_states = hidden_states.dequantize()
     hidden_states = hidden_states + residual
     return hidden_states if clamp is None else hidden_states.clamp(-clamp, clamp)
 

@@ -35,16 +35,39 @@ GELU_FORMS = {None: 0, "erf": 1, "tanh": 2}
 
 @triton.jit
 def _load_chunk(
-    X, rows, row_mask, stride_x, n_cols, c: tl.constexpr, CHUNK: tl.constexpr, GELU: tl.constexpr
+    X,
+    rows,
+    row_mask,
+    stride_x,
+    n_cols,
+    row_scale,
+    ColScale,
+    Bias,
+    c: tl.constexpr,
+    CHUNK: tl.constexpr,
+    GELU: tl.constexpr,
+    SCALED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
-    """Columns [c * CHUNK, (c + 1) * CHUNK) of the rows in float32 (masked columns are 0), after
-    GELU (GELU_FORMS) rounded to x's dtype, as a separate activation would leave it."""
+    """Columns [c * CHUNK, (c + 1) * CHUNK) of the rows in float32 (masked columns are 0): x,
+    or x * row_scale * col_scale (SCALED: an `Fp8Product`), plus the bias (HAS_BIAS) in
+    float32 and rounded once to x's dtype, as a GEMM epilogue leaves it; then GELU (GELU_FORMS)
+    rounded to x's dtype, as a separate activation would leave it."""
     cols = c * CHUNK + tl.arange(0, CHUNK)
+    col_mask = cols < n_cols
     x = tl.load(
         X + rows[:, None] * stride_x + cols[None, :],
-        mask=row_mask[:, None] & (cols < n_cols)[None, :],
+        mask=row_mask[:, None] & col_mask[None, :],
         other=0.0,
     )
+    if SCALED or HAS_BIAS:
+        xf = x.to(tl.float32)
+        if SCALED:
+            col_scale = tl.load(ColScale + cols, mask=col_mask, other=0.0)
+            xf = xf * row_scale[:, None] * col_scale[None, :]
+        if HAS_BIAS:
+            xf += tl.load(Bias + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        x = xf.to(x.dtype)
     if GELU == 1:
         xf = x.to(tl.float32)
         x = (0.5 * xf * (1.0 + tl.math.erf(xf * 0.7071067811865476))).to(x.dtype)
@@ -85,27 +108,105 @@ def _quantize_rows_kernel(
     stride_q,
     fp8_max,
     min_scale,
+    RowScale,
+    ColScale,
+    Bias,
     CHUNK: tl.constexpr,
     NUM_CHUNKS: tl.constexpr,
     ROWS: tl.constexpr,
     GELU: tl.constexpr,
+    SCALED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     row_mask = rows < n_rows
+    row_scale = tl.full([ROWS], 1.0, tl.float32)
+    if SCALED:
+        row_scale = tl.load(RowScale + rows, mask=row_mask, other=0.0)
     # One register tile per chunk (constexpr branches: the unused ones are never built).
-    x0 = _load_chunk(X, rows, row_mask, stride_x, n_cols, 0, CHUNK, GELU)
+    x0 = _load_chunk(
+        X,
+        rows,
+        row_mask,
+        stride_x,
+        n_cols,
+        row_scale,
+        ColScale,
+        Bias,
+        0,
+        CHUNK,
+        GELU,
+        SCALED,
+        HAS_BIAS,
+    )
     amax = tl.max(tl.abs(x0), axis=1)
     if NUM_CHUNKS > 1:
-        x1 = _load_chunk(X, rows, row_mask, stride_x, n_cols, 1, CHUNK, GELU)
+        x1 = _load_chunk(
+            X,
+            rows,
+            row_mask,
+            stride_x,
+            n_cols,
+            row_scale,
+            ColScale,
+            Bias,
+            1,
+            CHUNK,
+            GELU,
+            SCALED,
+            HAS_BIAS,
+        )
         amax = tl.maximum(amax, tl.max(tl.abs(x1), axis=1))
     if NUM_CHUNKS > 2:
-        x2 = _load_chunk(X, rows, row_mask, stride_x, n_cols, 2, CHUNK, GELU)
+        x2 = _load_chunk(
+            X,
+            rows,
+            row_mask,
+            stride_x,
+            n_cols,
+            row_scale,
+            ColScale,
+            Bias,
+            2,
+            CHUNK,
+            GELU,
+            SCALED,
+            HAS_BIAS,
+        )
         amax = tl.maximum(amax, tl.max(tl.abs(x2), axis=1))
     if NUM_CHUNKS > 3:
-        x3 = _load_chunk(X, rows, row_mask, stride_x, n_cols, 3, CHUNK, GELU)
+        x3 = _load_chunk(
+            X,
+            rows,
+            row_mask,
+            stride_x,
+            n_cols,
+            row_scale,
+            ColScale,
+            Bias,
+            3,
+            CHUNK,
+            GELU,
+            SCALED,
+            HAS_BIAS,
+        )
         amax = tl.maximum(amax, tl.max(tl.abs(x3), axis=1))
     if NUM_CHUNKS > 4:
-        x4 = _load_chunk(X, rows, row_mask, stride_x, n_cols, 4, CHUNK, GELU)
+        x4 = _load_chunk(
+            X,
+            rows,
+            row_mask,
+            stride_x,
+            n_cols,
+            row_scale,
+            ColScale,
+            Bias,
+            4,
+            CHUNK,
+            GELU,
+            SCALED,
+            HAS_BIAS,
+        )
         amax = tl.maximum(amax, tl.max(tl.abs(x4), axis=1))
     scale = tl.maximum(amax / fp8_max, min_scale)
     # The correctly rounded reciprocal (Triton's `/` is approximate) times x: quantize_rows'
@@ -129,9 +230,12 @@ def quantize_rows_triton(
     fp8_max: float,
     min_scale: float,
     gelu: str | None = None,
+    bias: torch.Tensor | None = None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (rows may be strided, columns contiguous) -> (q [M, K] fp8, scales [M] fp32)
-    of x, or of GELU(x) in the `gelu` form ("erf" or "tanh")."""
+    of x, or of GELU(x) in the `gelu` form ("erf" or "tanh"); x is first scaled by `scales` =
+    (row scales [M], column scales [K]) (an `Fp8Product`'s) and `bias` [K] added."""
     assert x.dim() == 2 and x.stride(1) == 1, (x.shape, x.stride())
     m, k = x.shape
     q = torch.empty((m, k), dtype=fp8_dtype, device=x.device)
@@ -155,10 +259,15 @@ def quantize_rows_triton(
         q.stride(0),
         fp8_max,
         min_scale,
+        scales[0] if scales is not None else scale,  # unused pointers when not SCALED ...
+        scales[1] if scales is not None else scale,
+        bias if bias is not None else scale,  # ... or not HAS_BIAS
         CHUNK=chunk,
         NUM_CHUNKS=num_chunks,
         ROWS=rows,
         GELU=GELU_FORMS[gelu],
+        SCALED=scales is not None,
+        HAS_BIAS=bias is not None,
         num_warps=4 if rows * width <= 4096 else 8,
     )
     return q, scale

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -84,17 +84,28 @@ def linear_act(layer: Linear, act: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return act(layer(x))
 
 
-def gelu_mlp(fc1: Linear, act: nn.Module, fc2: Linear, x: torch.Tensor) -> torch.Tensor:
-    """fc2(act(fc1(x))), an MLP's two Linears. When fc2 is an fp8 layer and act the exact GELU,
-    the activation runs inside fc2's input quantizer (one pass over the [T, ffn] product
-    instead of an activation pass and a quantizer pass); otherwise `linear_act` then fc2."""
+def fuses_input_gelu(fc2: Linear, act: nn.Module) -> bool:
+    """Whether `gelu_mlp` runs act inside fc2's input quantizer: fc2 an fp8 layer (whole, not
+    sharded: a sharded fc2 sums its partial outputs in its forward), act the exact GELU."""
     method = getattr(fc2, "quant_method", None)
-    if (
+    return (
         method is not None
         and isinstance(act, GELU)
         and act.approximate == "none"
-        and fc2.tp is None  # a sharded fc2 sums its partial outputs in its forward
+        and fc2.tp is None
         and getattr(method, "fuses_input_gelu", False)
-    ):
-        return method.apply(fc2, fc1(x), gelu=True)
+    )
+
+
+def gelu_mlp(fc1: Linear, act: nn.Module, fc2: Linear, x: Any) -> Any:
+    """fc2(act(fc1(x))), an MLP's two Linears. When fc2 is an fp8 layer and act the exact GELU,
+    the activation runs inside fc2's input quantizer (one pass over the [T, ffn] product
+    instead of an activation pass and a quantizer pass; fc1's bias and scales too when fc1
+    hands over an `Fp8Product`); otherwise `linear_act` then fc2."""
+    if fuses_input_gelu(fc2, act):
+        from v1.quantization.fp8 import Fp8Product
+
+        h = fc1(x)
+        bias = fc1.bias if isinstance(h, Fp8Product) else None
+        return fc2.quant_method.apply(fc2, h, gelu=True, input_bias=bias)
     return fc2(linear_act(fc1, act, x))

@@ -91,26 +91,49 @@ def linear_input(norm: LayerNorm, y: torch.Tensor) -> Any:
 
 
 def add_layer_norm(
-    x: torch.Tensor,
+    x: Any,
     residual: torch.Tensor,
     norm: LayerNorm,
     store_residual: bool = True,
     clamp: float | None = None,
+    residual_bias: torch.Tensor | None = None,
 ) -> tuple[Any, torch.Tensor | None]:
     """(norm(h), h) with h = x + residual, clamped to +-clamp when given (h is None unless
     `store_residual`): a pre-norm block's residual stream and the next sub-block's input, or
     (store_residual=False) a post-norm block's output. norm(h) comes as `linear_input` gives
-    it (quantized in the same kernel when fused)."""
+    it (quantized in the same kernel when fused). x may be an fp8 Linear's `Fp8Product`
+    (scaled in the same kernel); `residual_bias` is added to the returned h only (the bias
+    of the Linear whose product the next add brings: `BartEncoderLayer.link_fp8_norms`)."""
+    from v1.quantization.fp8 import Fp8Product
+
+    scales = None
+    if isinstance(x, Fp8Product):
+        if _fused(x.out) and residual.stride(-1) == 1:
+            scales, x = (x.row_scale, x.col_scale), x.out
+        else:
+            x = x.dequantize()
     if _fused(x) and residual.stride(-1) == 1:
         from v1.models.layers.triton_norm import add_layer_norm_triton
         from v1.quantization.fp8 import _MIN_SCALE, FP8_DTYPE, FP8_MAX, Fp8Rows
 
         fp8 = (FP8_DTYPE, FP8_MAX, _MIN_SCALE) if norm.fp8_output else None
         normed, h = add_layer_norm_triton(
-            x, residual, norm.weight, norm.bias, norm.eps, store_residual, clamp, fp8
+            x,
+            residual,
+            norm.weight,
+            norm.bias,
+            norm.eps,
+            store_residual,
+            clamp,
+            fp8,
+            scales,
+            residual_bias,
         )
         return (Fp8Rows(*normed, x.dtype) if fp8 else normed), h
     h = x + residual
     if clamp is not None:
         h = h.clamp(-clamp, clamp)
-    return linear_input(norm, norm(h)), (h if store_residual else None)
+    normed = linear_input(norm, norm(h))
+    if not store_residual:
+        return normed, None
+    return normed, (h if residual_bias is None else h + residual_bias)

@@ -6,6 +6,11 @@ one write).
                                    clamped to +-clamp when asked (fp16 encoder layers)
     y = LayerNorm(h) * weight + b  computed in float32 from the rounded h
 
+x may be an fp8 Linear's `Fp8Product` (its out, row and column scales): x = out * row_scale *
+col_scale, rounded to out's dtype first, as the GEMM's epilogue would. The stored h may carry a
+`residual_bias` (the bias of the Linear whose unscaled product the next add will bring):
+h + residual_bias, rounded once, while y normalizes h itself.
+
 With `fp8` the kernel also quantizes y per row for an fp8 Linear (`quantize_rows` of y rounded
 to x's dtype): one write of 8-bit rows and their scales instead of a 16-bit write, a quantizer
 read and its write.
@@ -29,6 +34,9 @@ def _add_layer_norm_kernel(
     Out,
     ResidualOut,
     Scale,
+    RowScale,
+    ColScale,
+    ResidualBias,
     num_rows,
     stride_x,
     stride_r,
@@ -45,6 +53,8 @@ def _add_layer_norm_kernel(
     HAS_NORM_BIAS: tl.constexpr,
     STORE_RESIDUAL: tl.constexpr,
     FP8: tl.constexpr,
+    SCALED: tl.constexpr,
+    RESIDUAL_BIAS: tl.constexpr,
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_D)
@@ -53,12 +63,20 @@ def _add_layer_norm_kernel(
     mask = row_mask[:, None] & col_mask[None, :]
     rows64 = rows.to(tl.int64)
     x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    if SCALED:
+        row_scale = tl.load(RowScale + rows64, mask=row_mask, other=0.0)
+        col_scale = tl.load(ColScale + cols, mask=col_mask, other=0.0)
+        x = (x.to(tl.float32) * row_scale[:, None] * col_scale[None, :]).to(X.dtype.element_ty)
     r = tl.load(Residual + rows64[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
     h = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
     if CLAMP:
         h = tl.minimum(tl.maximum(h.to(tl.float32), -clamp), clamp).to(X.dtype.element_ty)
     if STORE_RESIDUAL:
-        tl.store(ResidualOut + rows64[:, None] * stride_ro + cols[None, :], h, mask=mask)
+        stored = h
+        if RESIDUAL_BIAS:
+            b = tl.load(ResidualBias + cols, mask=col_mask, other=0.0).to(tl.float32)
+            stored = (h.to(tl.float32) + b[None, :]).to(X.dtype.element_ty)
+        tl.store(ResidualOut + rows64[:, None] * stride_ro + cols[None, :], stored, mask=mask)
     hf = tl.where(mask, h.to(tl.float32), 0.0)
     mean = tl.sum(hf, axis=1) / D
     centered = tl.where(mask, hf - mean[:, None], 0.0)
@@ -89,11 +107,15 @@ def add_layer_norm_triton(
     store_residual: bool = True,
     clamp: float | None = None,
     fp8: tuple[torch.dtype, float, float] | None = None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    residual_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]:
     """x, residual [T, D] (same dtype; rows may be strided, columns contiguous) ->
     (LayerNorm(h), h) with h = x + residual (clamped to +-clamp); h is None unless
     `store_residual`. With `fp8` = (fp8 dtype, its max, the smallest scale), LayerNorm(h)
-    comes quantized per row: (q [T, D], float32 scales [T])."""
+    comes quantized per row: (q [T, D], float32 scales [T]). `scales` = (row scales [T],
+    column scales [D]) multiply x first (an `Fp8Product`); the stored h gets `residual_bias`
+    [D] added."""
     assert x.shape == residual.shape and x.dim() == 2, (x.shape, residual.shape)
     assert x.stride(1) == 1 and residual.stride(1) == 1
     num_rows, d = x.shape
@@ -118,6 +140,9 @@ def add_layer_norm_triton(
         out,
         residual_out if residual_out is not None else out,
         scale if scale is not None else weight,  # an unused pointer without fp8
+        scales[0] if scales is not None else weight,  # ... without scales
+        scales[1] if scales is not None else weight,
+        residual_bias if residual_bias is not None else weight,  # ... without residual_bias
         num_rows,
         x.stride(0),
         residual.stride(0),
@@ -134,6 +159,8 @@ def add_layer_norm_triton(
         HAS_NORM_BIAS=norm_bias is not None,
         STORE_RESIDUAL=store_residual,
         FP8=fp8 is not None,
+        SCALED=scales is not None,
+        RESIDUAL_BIAS=residual_bias is not None and store_residual,
         num_warps=num_warps,
     )
     return normed, residual_out
