@@ -142,6 +142,18 @@ def test_compression_ratio_is_transformers_token_measure() -> None:
     assert compression_ratio([], VOCAB) == 0.0
 
 
+@pytest.mark.parametrize("vocab", [200, 51866, 70000, 2**24 + 5])
+def test_compression_ratio_packs_each_id_in_the_vocabulary_width(vocab: int) -> None:
+    import math
+    import zlib
+
+    rng = random.Random(vocab)
+    width = int(math.log2(vocab) / 8) + 1  # 1 to 4 bytes
+    for tokens in ([rng.randrange(vocab) for _ in range(150)], [vocab - 1] * 40):
+        data = b"".join(t.to_bytes(width, "little") for t in tokens)
+        assert compression_ratio(tokens, vocab) == len(data) / len(zlib.compress(data))
+
+
 def test_average_logprob_counts_every_token() -> None:
     assert average_logprob([-0.5, -1.5, -1.0]) == pytest.approx(-1.0)
     assert math.isnan(average_logprob(None)) and math.isnan(average_logprob([]))
