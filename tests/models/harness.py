@@ -22,6 +22,31 @@ def attention_layers(model: nn.Module) -> dict[str, Attention]:
     return {m.layer_name: m for m in model.modules() if isinstance(m, Attention)}
 
 
+def uniform_encoder_context(model: nn.Module, num_windows: int, length: int) -> ForwardContext:
+    """The forward context of `model`'s encoder self-attention over `num_windows` windows of
+    `length` positions each, on CUDA, with the Triton backend's metadata (equal lengths: one
+    dense batch through cuDNN attention)."""
+    from v1.attention.backends.triton import TritonMetadataBuilder
+
+    starts = torch.arange(0, (num_windows + 1) * length, length, dtype=torch.int32)
+    lengths = torch.full((num_windows,), length, dtype=torch.int32)
+    common = CommonAttentionMetadata(
+        query_start_loc=starts.cuda(),
+        query_start_loc_cpu=starts,
+        seq_lens=lengths.cuda(),
+        seq_lens_cpu=lengths,
+        num_reqs=num_windows,
+        num_actual_tokens=num_windows * length,
+        max_query_len=length,
+        max_seq_len=length,
+        causal=False,
+    )
+    builder = TritonMetadataBuilder(AttentionType.ENCODER, torch.device("cuda"), 16)
+    metadata = builder.build(common)
+    names = [n for n, m in attention_layers(model).items() if m.attn_type == AttentionType.ENCODER]
+    return ForwardContext(dict.fromkeys(names, metadata))
+
+
 class PagedRunner:
     def __init__(
         self, model: nn.Module, block_size: int = 4, num_blocks: int = 128, seed: int = 0

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.models.harness import uniform_encoder_context
 from v1.models.layers.activation import GELU, linear_act
 from v1.models.layers.linear import ColumnLinear
 from v1.models.layers.norm import LayerNorm, add_layer_norm, fp16_clamp_limit
@@ -163,11 +164,8 @@ def test_whisper_encoder_with_fused_paths_matches_transformers() -> None:
     from transformers import WhisperConfig
     from transformers import WhisperForConditionalGeneration as HFWhisper
 
-    from v1.attention.backend import AttentionType
-    from v1.attention.backends.triton import TritonMetadataBuilder
-    from v1.attention.layer import Attention
     from v1.attention.selector import use_backend
-    from v1.forward_context import ForwardContext, set_forward_context
+    from v1.forward_context import set_forward_context
     from v1.models.loader import load_model_from_weights
     from v1.worker.model_states.encoder_decoder import _audio_to_device
 
@@ -190,31 +188,9 @@ def test_whisper_encoder_with_fused_paths_matches_transformers() -> None:
     rng = torch.Generator().manual_seed(1)
     clips = [(torch.randn(480_000, generator=rng) * 0.1).numpy() for _ in range(4)]
     audio = _audio_to_device(clips, torch.device("cuda"))
-    enc_layers = [
-        m.layer_name
-        for m in ours.modules()
-        if isinstance(m, Attention) and m.attn_type == AttentionType.ENCODER
-    ]
-    assert len(enc_layers) == 4
-    qsl = torch.arange(0, 5 * 1500, 1500, dtype=torch.int32)
-    from v1.attention.backend import CommonAttentionMetadata
-
-    common = CommonAttentionMetadata(
-        query_start_loc=qsl.cuda(),
-        query_start_loc_cpu=qsl,
-        seq_lens=torch.full((4,), 1500, dtype=torch.int32, device="cuda"),
-        seq_lens_cpu=torch.full((4,), 1500, dtype=torch.int32),
-        num_reqs=4,
-        num_actual_tokens=6000,
-        max_query_len=1500,
-        max_seq_len=1500,
-        causal=False,
-    )
-    metadata = TritonMetadataBuilder(AttentionType.ENCODER, torch.device("cuda"), 16).build(common)
-    with (
-        torch.inference_mode(),
-        set_forward_context(ForwardContext(dict.fromkeys(enc_layers, metadata))),
-    ):
+    context = uniform_encoder_context(ours, 4, 1500)
+    assert len(context.attn_metadata) == 4  # one entry per encoder layer
+    with torch.inference_mode(), set_forward_context(context):
         features = ours.mel(audio)  # [4, 80, 3000] float32
         out = ours.model.encoder(features).float()
         expected = hf.model.encoder(features.half()).last_hidden_state.reshape(6000, -1).float()

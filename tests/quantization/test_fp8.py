@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.models.harness import uniform_encoder_context
 from tests.utils import ASSETS
 from tests.worker.worker_factories import (
     bart_inputs,
@@ -561,12 +562,10 @@ def test_fp8_encoder_hands_over_unscaled_products_on_gpu() -> None:
     to the 16-bit encoder's as the row-wise-scaled fp8 path's (every `unscaled_output` off):
     the two differ only where a value lands on the other side of an fp8 rounding step."""
     from transformers import WhisperConfig
+    from transformers import WhisperForConditionalGeneration as HFWhisper
 
-    from v1.attention.backend import AttentionType, CommonAttentionMetadata
-    from v1.attention.backends.triton import TritonMetadataBuilder
-    from v1.attention.layer import Attention
     from v1.attention.selector import use_backend
-    from v1.forward_context import ForwardContext, set_forward_context
+    from v1.forward_context import set_forward_context
     from v1.models.loader import load_model_from_weights
 
     torch.manual_seed(0)
@@ -582,39 +581,17 @@ def test_fp8_encoder_hands_over_unscaled_products_on_gpu() -> None:
         vocab_size=51865,
         architectures=["WhisperForConditionalGeneration"],
     )
-    from transformers import WhisperForConditionalGeneration as HFWhisper
-
     hf = HFWhisper(cfg).to(torch.float16)
     with use_backend("triton"):
         ours = load_model_from_weights(cfg, hf.state_dict().items(), "cuda", torch.float16)
     del hf
     layers = ours.model.encoder.layers
     unscaled = [m for layer in layers for m in (layer.self_attn.out_proj, layer.fc1, layer.fc2)]
-    enc_layers = [
-        m.layer_name
-        for m in ours.modules()
-        if isinstance(m, Attention) and m.attn_type == AttentionType.ENCODER
-    ]
-    qsl = torch.arange(0, 3 * 1500 + 1, 1500, dtype=torch.int32)
-    common = CommonAttentionMetadata(
-        query_start_loc=qsl.cuda(),
-        query_start_loc_cpu=qsl,
-        seq_lens=torch.full((3,), 1500, dtype=torch.int32, device="cuda"),
-        seq_lens_cpu=torch.full((3,), 1500, dtype=torch.int32),
-        num_reqs=3,
-        num_actual_tokens=4500,
-        max_query_len=1500,
-        max_seq_len=1500,
-        causal=False,
-    )
-    metadata = TritonMetadataBuilder(AttentionType.ENCODER, torch.device("cuda"), 16).build(common)
+    context = uniform_encoder_context(ours, 3, 1500)
     features = torch.randn(3, 80, 3000, device="cuda")
 
     def encode() -> torch.Tensor:
-        with (
-            torch.inference_mode(),
-            set_forward_context(ForwardContext(dict.fromkeys(enc_layers, metadata))),
-        ):
+        with torch.inference_mode(), set_forward_context(context):
             return ours.model.encoder(features).float()
 
     reference = encode()  # 16-bit

@@ -101,7 +101,7 @@ def _pre_norm_input(
 
 def _deferred_bias(layer: nn.Module) -> torch.Tensor | None:
     """The bias an `unscaled_output` fp8 Linear leaves to its owner (None otherwise)."""
-    return layer.bias if getattr(layer, "unscaled_output", False) else None
+    return layer.bias if layer.unscaled_output else None
 
 
 def _clamp_fp16(hidden_states: torch.Tensor) -> torch.Tensor:

@@ -77,9 +77,10 @@ class Fp8Product(NamedTuple):
     out: torch.Tensor
     """[M, N], the model dtype: (x_q @ W_q^T) / FP8_MAX^2."""
     row_scale: torch.Tensor
-    """[M] float32: the input's per-token scales times FP8_MAX."""
+    """[M] float32: the input's per-token scales."""
     col_scale: torch.Tensor
-    """[N] float32: the weight's per-channel scales times FP8_MAX."""
+    """[N] float32: the weight's per-channel scales times FP8_MAX^2 (the GEMM's scalars undone,
+    once per layer: the per-token scales go over as they are)."""
 
     @property
     def dtype(self) -> torch.dtype:
@@ -280,7 +281,7 @@ class Fp8LinearMethod:
         weight, weight_scale = layer.weight, layer.weight_scale
         n, k = weight.shape
         bias = layer.bias
-        if getattr(layer, "unscaled_output", False):
+        if layer.unscaled_output:
             assert on_gpu and len(shape) == 2, shape
             return self._product(x_q, x_scale, layer, dtype)
         if self.scaled_mm_out is not None and on_gpu and n % 16 == 0 and k % 16 == 0:
@@ -314,10 +315,10 @@ class Fp8LinearMethod:
             and layer.weight.is_cuda
             and n % 16 == 0
             and k % 16 == 0
-            and getattr(layer, "tp", None) is None
+            and layer.tp is None
         )
         if layer.unscaled_output:
-            layer.col_scale = layer.weight_scale.float() * FP8_MAX
+            layer.col_scale = layer.weight_scale.float() * FP8_MAX**2
             _unit_scale(layer.weight.device)
         return layer.unscaled_output
 
@@ -328,8 +329,7 @@ class Fp8LinearMethod:
         out = torch._scaled_mm(
             x_q, layer.weight.t(), scale_a=unit, scale_b=unit, out_dtype=dtype
         )  # tensor-wise: out = x_q @ W_q^T / FP8_MAX^2
-        col_scale = layer.col_scale
-        return Fp8Product(out, x_scale * FP8_MAX, col_scale)
+        return Fp8Product(out, x_scale, layer.col_scale)
 
 
 def quantize_linear_(layer: nn.Module, method: Fp8LinearMethod) -> None:
@@ -356,7 +356,7 @@ def quantize_model_fp8(model: nn.Module, skip: set[str] | frozenset[str] = froze
     for _, layer in layers:
         quantize_linear_(layer, method)
     linked = link_fp8_norms(model)
-    unscaled = sum(bool(getattr(layer, "unscaled_output", False)) for _, layer in layers)
+    unscaled = sum(layer.unscaled_output for _, layer in layers)
     kept = [name for name, _ in linears if name in skip]
     logger.info(
         "fp8: %d of %d Linear layers quantized (%s GEMM; %d norms quantize their output; %d "

@@ -35,32 +35,26 @@ GELU_FORMS = {None: 0, "erf": 1, "tanh": 2}
 
 @triton.jit
 def _load_chunk(
-    X,
-    rows,
+    x_rows,
     row_mask,
-    stride_x,
     n_cols,
-    row_scale,
-    ColScale,
-    Bias,
+    epilogue,
     c: tl.constexpr,
     CHUNK: tl.constexpr,
     GELU: tl.constexpr,
     SCALED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
 ):
-    """Columns [c * CHUNK, (c + 1) * CHUNK) of the rows in float32 (masked columns are 0): x,
-    or x * row_scale * col_scale (SCALED: an `Fp8Product`), plus the bias (HAS_BIAS) in
-    float32 and rounded once to x's dtype, as a GEMM epilogue leaves it; then GELU (GELU_FORMS)
-    rounded to x's dtype, as a separate activation would leave it."""
+    """Columns [c * CHUNK, (c + 1) * CHUNK) of the rows (`x_rows`: pointers to their starts)
+    in float32 (masked columns are 0): x, or x * row_scale * col_scale (SCALED: an
+    `Fp8Product`), plus the bias (HAS_BIAS) in float32 and rounded once to x's dtype, as a GEMM
+    epilogue leaves it; then GELU (GELU_FORMS) rounded to x's dtype, as a separate activation
+    would leave it. `epilogue` = (row scales, ColScale, Bias)."""
     cols = c * CHUNK + tl.arange(0, CHUNK)
     col_mask = cols < n_cols
-    x = tl.load(
-        X + rows[:, None] * stride_x + cols[None, :],
-        mask=row_mask[:, None] & col_mask[None, :],
-        other=0.0,
-    )
+    x = tl.load(x_rows + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0)
     if SCALED or HAS_BIAS:
+        row_scale, ColScale, Bias = epilogue
         xf = x.to(tl.float32)
         if SCALED:
             col_scale = tl.load(ColScale + cols, mask=col_mask, other=0.0)
@@ -120,93 +114,25 @@ def _quantize_rows_kernel(
 ):
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     row_mask = rows < n_rows
+    x_rows = X + rows[:, None] * stride_x
     row_scale = tl.full([ROWS], 1.0, tl.float32)
     if SCALED:
         row_scale = tl.load(RowScale + rows, mask=row_mask, other=0.0)
+    epilogue = (row_scale, ColScale, Bias)
     # One register tile per chunk (constexpr branches: the unused ones are never built).
-    x0 = _load_chunk(
-        X,
-        rows,
-        row_mask,
-        stride_x,
-        n_cols,
-        row_scale,
-        ColScale,
-        Bias,
-        0,
-        CHUNK,
-        GELU,
-        SCALED,
-        HAS_BIAS,
-    )
+    x0 = _load_chunk(x_rows, row_mask, n_cols, epilogue, 0, CHUNK, GELU, SCALED, HAS_BIAS)
     amax = tl.max(tl.abs(x0), axis=1)
     if NUM_CHUNKS > 1:
-        x1 = _load_chunk(
-            X,
-            rows,
-            row_mask,
-            stride_x,
-            n_cols,
-            row_scale,
-            ColScale,
-            Bias,
-            1,
-            CHUNK,
-            GELU,
-            SCALED,
-            HAS_BIAS,
-        )
+        x1 = _load_chunk(x_rows, row_mask, n_cols, epilogue, 1, CHUNK, GELU, SCALED, HAS_BIAS)
         amax = tl.maximum(amax, tl.max(tl.abs(x1), axis=1))
     if NUM_CHUNKS > 2:
-        x2 = _load_chunk(
-            X,
-            rows,
-            row_mask,
-            stride_x,
-            n_cols,
-            row_scale,
-            ColScale,
-            Bias,
-            2,
-            CHUNK,
-            GELU,
-            SCALED,
-            HAS_BIAS,
-        )
+        x2 = _load_chunk(x_rows, row_mask, n_cols, epilogue, 2, CHUNK, GELU, SCALED, HAS_BIAS)
         amax = tl.maximum(amax, tl.max(tl.abs(x2), axis=1))
     if NUM_CHUNKS > 3:
-        x3 = _load_chunk(
-            X,
-            rows,
-            row_mask,
-            stride_x,
-            n_cols,
-            row_scale,
-            ColScale,
-            Bias,
-            3,
-            CHUNK,
-            GELU,
-            SCALED,
-            HAS_BIAS,
-        )
+        x3 = _load_chunk(x_rows, row_mask, n_cols, epilogue, 3, CHUNK, GELU, SCALED, HAS_BIAS)
         amax = tl.maximum(amax, tl.max(tl.abs(x3), axis=1))
     if NUM_CHUNKS > 4:
-        x4 = _load_chunk(
-            X,
-            rows,
-            row_mask,
-            stride_x,
-            n_cols,
-            row_scale,
-            ColScale,
-            Bias,
-            4,
-            CHUNK,
-            GELU,
-            SCALED,
-            HAS_BIAS,
-        )
+        x4 = _load_chunk(x_rows, row_mask, n_cols, epilogue, 4, CHUNK, GELU, SCALED, HAS_BIAS)
         amax = tl.maximum(amax, tl.max(tl.abs(x4), axis=1))
     scale = tl.maximum(amax / fp8_max, min_scale)
     # The correctly rounded reciprocal (Triton's `/` is approximate) times x: quantize_rows'

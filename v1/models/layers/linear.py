@@ -39,6 +39,9 @@ class Linear(nn.Module):
     quant_method: Any = None
     tp: Any = None
     """The TensorParallelGroup once sharded (None: whole weights, no communication)."""
+    unscaled_output: bool = False
+    """An fp8 layer that returns an `Fp8Product` without its bias (set by its owner at load:
+    `Fp8LinearMethod.set_unscaled_output`)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
