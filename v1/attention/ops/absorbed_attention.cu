@@ -8,9 +8,10 @@
 //   M_TILES  16-row m-tiles of (token, head) rows a block computes (2 past 16 heads: a token's
 //          20 heads in one block, so E is read once for them; q' then sits in shared memory)
 //   SPAN, RPH  the states layout: pool tensors a block spreads over, rows per half-page.
-//   FP8    1 for float8_e4m3 states with a float32 scale per position (sm_89+): a step's fp8
-//          slice is converted to 16-bit in shared memory; the scale multiplies the position's
-//          score and its softmax weight in P E (no [BN, d] multiply).
+//   FP8    1 for float8_e4m3 states with a float32 scale per position (sm_89+): the tensor
+//          cores read a step's fp8 slice from its stage, converted in registers (see
+//          fp8_scores / fp8_context); the scale multiplies the position's score and its softmax
+//          weight in P E (no [BN, d] multiply).
 //
 // Why by hand: the Triton kernel cannot keep a step's E tile in shared memory for both of its
 // products, so it loads E twice and runs at about half the copy bandwidth. Here each warp
@@ -118,17 +119,23 @@ struct StatesView {
     int kv_len;
 };
 
+// The block table entry of position start + lane (a step's lane), 0 past the states: read a
+// step ahead of its load_step, so the warp never waits on it.
+__device__ __forceinline__ int table_entry(const StatesView& e, int start, int lane) {
+    const int pos = start + lane;
+    return lane < BN && pos < e.kv_len ? e.table_row[pos / BLOCK_POS] : 0;
+}
+
 // Queue one step's [BN, DW] slice of E (this warp's columns) into stage `dst` (RAW_PITCH bytes
-// a row) and, for fp8, the positions' scales into `scale_dst`. Lane l finds the address of
-// position start + l; rows past kv_len are zero-filled (so P E never meets garbage).
+// a row) and, for fp8, the positions' scales into `scale_dst`. Lane l holds the table entry
+// `block` of position start + l; rows past kv_len are zero-filled (so P E never meets garbage).
 __device__ __forceinline__ void load_step(unsigned char* dst, float* scale_dst, const StatesView& e, int start,
-                                          int col0, int lane) {
+                                          int block, int col0, int lane) {
     const int pos = start + lane;
     const bool ok = lane < BN && pos < e.kv_len;
     i64 off = 0;
     if (ok) {
         const int o = pos % BLOCK_POS;
-        const i64 block = e.table_row[pos / BLOCK_POS];
         const i64 tensor = o / (2 * RPH), half = (o / RPH) & 1, row = o % RPH;
         off = (tensor * e.s_tensor + half * e.s_half + block * e.s_block + row * e.s_row + col0) * ESIZE;
 #if FP8
@@ -152,26 +159,39 @@ __device__ __forceinline__ void load_step(unsigned char* dst, float* scale_dst, 
 }
 
 #if FP8
-// 16-bit E rows from a stage of fp8 rows (this warp's slice): four values a lane at a time.
-__device__ __forceinline__ void convert_step(u16* dst, const unsigned char* src, int lane) {
-    for (int i = lane; i < BN * DW / 4; i += 32) {
-        const int r = i / (DW / 4), c = (i % (DW / 4)) * 4;
-        const u32 v = *(const u32*)(src + r * RAW_PITCH + c);
-        u32 lo, hi;
-        asm("{ .reg .b16 a, b; mov.b32 {a, b}, %2; cvt.rn.f16x2.e4m3x2 %0, a; cvt.rn.f16x2.e4m3x2 %1, b; }"
-            : "=r"(lo), "=r"(hi)
-            : "r"(v));
+// Four e4m3 values (the bytes of v, low first) as two registers of two 16-bit values of the
+// model's type: bytes 0, 1 in lo, bytes 2, 3 in hi.
+__device__ __forceinline__ void e4m3x4(u32 v, u32& lo, u32& hi) {
+    asm("{ .reg .b16 a, b; mov.b32 {a, b}, %2; cvt.rn.f16x2.e4m3x2 %0, a; cvt.rn.f16x2.e4m3x2 %1, b; }"
+        : "=r"(lo), "=r"(hi)
+        : "r"(v));
 #if BF16
-        float f[4];
-        asm("{ .reg .f16 a, b, c, d; mov.b32 {a, b}, %4; mov.b32 {c, d}, %5; cvt.f32.f16 %0, a; cvt.f32.f16 %1, b;"
-            " cvt.f32.f16 %2, c; cvt.f32.f16 %3, d; }"
-            : "=f"(f[0]), "=f"(f[1]), "=f"(f[2]), "=f"(f[3])
-            : "r"(lo), "r"(hi));
-        lo = pack2(f[0], f[1]);
-        hi = pack2(f[2], f[3]);
+    float f[4];
+    asm("{ .reg .f16 a, b, c, d; mov.b32 {a, b}, %4; mov.b32 {c, d}, %5; cvt.f32.f16 %0, a; cvt.f32.f16 %1, b;"
+        " cvt.f32.f16 %2, c; cvt.f32.f16 %3, d; }"
+        : "=f"(f[0]), "=f"(f[1]), "=f"(f[2]), "=f"(f[3])
+        : "r"(lo), "r"(hi));
+    lo = pack2(f[0], f[1]);
+    hi = pack2(f[2], f[3]);
 #endif
-        *(uint2*)(dst + r * PITCH + c) = make_uint2(lo, hi);
-    }
+}
+
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 selector) {
+    u32 r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(selector));
+    return r;
+}
+
+__device__ __forceinline__ u32 lds32(u32 addr) {
+    u32 r;
+    asm volatile("ld.shared.b32 %0, [%1];" : "=r"(r) : "r"(addr));
+    return r;
+}
+
+__device__ __forceinline__ u32 lds16(u32 addr) {
+    unsigned short r;
+    asm volatile("ld.shared.u16 %0, [%1];" : "=h"(r) : "r"(addr));
+    return r;
 }
 #endif
 
@@ -183,13 +203,23 @@ struct TileRows {
     }
 };
 
-// Copy the tile's q' rows into shared memory (zeros for absent rows), all threads.
+// Copy the tile's q' rows into shared memory (zeros for absent rows), all threads; with fp8
+// states each 16 columns in PERM order: pairs (0, 2, 4, 6) then (1, 3, 5, 7) of the chunk.
 __device__ __forceinline__ void stage_queries(u16* q_s, const u16* __restrict__ q, const TileRows& t, int row0) {
-    for (int i = threadIdx.x; i < ROWS * (D / 8); i += NW * 32) {
-        const int r = i / (D / 8), ch = i % (D / 8), g = row0 + r;
-        uint4 v = make_uint4(0u, 0u, 0u, 0u);
-        if (g < t.rows) v = *(const uint4*)(q + t.offset(g) + ch * 8);
-        *(uint4*)(q_s + r * Q_PITCH + ch * 8) = v;
+    for (int i = threadIdx.x; i < ROWS * (D / 16); i += NW * 32) {
+        const int r = i / (D / 16), ch = i % (D / 16), g = row0 + r;
+        uint4 u = make_uint4(0u, 0u, 0u, 0u), v = u;
+        if (g < t.rows) {
+            u = *(const uint4*)(q + t.offset(g) + ch * 16);
+            v = *(const uint4*)(q + t.offset(g) + ch * 16 + 8);
+        }
+#if FP8
+        const uint4 lo = make_uint4(u.x, u.z, v.x, v.z), hi = make_uint4(u.y, u.w, v.y, v.w);
+        u = lo;
+        v = hi;
+#endif
+        *(uint4*)(q_s + r * Q_PITCH + ch * 16) = u;
+        *(uint4*)(q_s + r * Q_PITCH + ch * 16 + 8) = v;
     }
 }
 
@@ -199,6 +229,27 @@ __device__ __forceinline__ void partial_scores(float (&sc)[M_TILES][NT_S][4], u3
     for (int m = 0; m < M_TILES; ++m)
 #pragma unroll
         for (int n = 0; n < NT_S; ++n) sc[m][n][0] = sc[m][n][1] = sc[m][n][2] = sc[m][n][3] = 0.f;
+#if FP8
+    // The B operand straight from the fp8 stage: lane l reads position n * 8 + l / 4, columns
+    // 4c .. 4c + 3 of the k-step (c = l % 4) in one word, whose low pair is the fragment's k =
+    // 2c, 2c + 1 and high pair k = 8 + 2c, 9 + 2c. A k-step's column k thus stands for column
+    // 4 (k / 2) + k % 2 (k < 8) or 4 ((k - 8) / 2) + 2 + k % 2, the order q' is staged in.
+    const u32 e_addr = e_base + (lane >> 2) * RAW_PITCH + (lane & 3) * 4;
+#pragma unroll
+    for (int ks = 0; ks < KSTEPS; ++ks) {
+        u32 a[M_TILES][4];
+#pragma unroll
+        for (int m = 0; m < M_TILES; ++m)
+            ldmatrix_x4(a[m][0], a[m][1], a[m][2], a[m][3], q_addr + (m * 16 * Q_PITCH + ks * 16) * 2);
+#pragma unroll
+        for (int n = 0; n < NT_S; ++n) {
+            u32 b0, b1;
+            e4m3x4(lds32(e_addr + n * 8 * RAW_PITCH + ks * 16), b0, b1);
+#pragma unroll
+            for (int m = 0; m < M_TILES; ++m) mma16816(sc[m][n], a[m], b0, b1);
+        }
+    }
+#else
     // E rows of n-tiles (n, n + 1): lanes 0-15 tile n, 16-31 tile n + 1; k half (lane / 8) % 2.
     const u32 e_addr = e_base + (((lane >> 4) * 8 + (lane & 7)) * PITCH + ((lane >> 3) & 1) * 8) * 2;
 #pragma unroll
@@ -218,6 +269,7 @@ __device__ __forceinline__ void partial_scores(float (&sc)[M_TILES][NT_S][4], u3
             }
         }
     }
+#endif
 }
 
 // Sum the warps' partial scores into sc (every warp gets the whole sums): write, barrier, each
@@ -258,8 +310,12 @@ struct RowState {
 };
 
 // Online softmax of one step's summed scores (positions n * 8 + tig * 2 + {0, 1} past
-// `n_base`; those at or past kv_len are masked): rescales the state, returns P as the A operand
-// of P E (the scores' accumulator layout is the A layout of k-step n / 2).
+// `n_base`; those at or past kv_len are masked): returns P as the A operand of P E (the scores'
+// accumulator layout is the A layout of k-step n / 2). The running max moves only when a row's
+// step max passes it by more than RESCALE (log2 units), as in FlashAttention 4: P then stays
+// below 2^RESCALE (exact in 16 bits, relative to its magnitude), and the 4 * NT_O accumulators
+// a row are rescaled on the rare steps that move it (a warp-uniform branch), not every step.
+#define RESCALE 8.f
 __device__ __forceinline__ void softmax_step(RowState& st, float (&sc)[M_TILES][NT_S][4],
                                              u32 (&pa)[M_TILES][BN / 16][4], int n_base, int kv_len,
                                              const float* step_scales) {
@@ -269,53 +325,105 @@ __device__ __forceinline__ void softmax_step(RowState& st, float (&sc)[M_TILES][
     for (int n = 0; n < NT_S; ++n)
 #pragma unroll
         for (int k = 0; k < 2; ++k) scale[n][k] = FP8 ? step_scales[n * 8 + (n_base & 7) + k] : 1.f;
+    float mx[M_TILES][2];
+    bool grows = false;
 #pragma unroll
     for (int m = 0; m < M_TILES; ++m) {
-        float mx[2] = {NEG_INF, NEG_INF};
+        mx[m][0] = mx[m][1] = NEG_INF;
 #pragma unroll
         for (int n = 0; n < NT_S; ++n)
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
                 const float s = n_base + n * 8 + (k & 1) < kv_len ? sc[m][n][k] * scale[n][k & 1] * LOG2E : NEG_INF;
                 sc[m][n][k] = s;
-                mx[k / 2] = fmaxf(mx[k / 2], s);
+                mx[m][k / 2] = fmaxf(mx[m][k / 2], s);
             }
-        float alpha[2], sum[2] = {0.f, 0.f};
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
-            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-            const float m_new = fmaxf(st.m_run[m][h], mx[h]);  // finite: a step has a key
-            alpha[h] = exp2_approx(st.m_run[m][h] - m_new);
-            st.m_run[m][h] = m_new;
+            mx[m][h] = fmaxf(mx[m][h], __shfl_xor_sync(0xffffffffu, mx[m][h], 1));
+            mx[m][h] = fmaxf(mx[m][h], __shfl_xor_sync(0xffffffffu, mx[m][h], 2));
+            grows |= mx[m][h] > st.m_run[m][h] + RESCALE;  // always on the first step (-inf)
         }
+    }
+    if (__any_sync(0xffffffffu, grows)) {
+#pragma unroll
+        for (int m = 0; m < M_TILES; ++m)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const float m_new = fmaxf(st.m_run[m][h], mx[m][h]);  // finite: a step has a key
+                const float alpha = exp2_approx(st.m_run[m][h] - m_new);
+                st.m_run[m][h] = m_new;
+                st.l_run[m][h] *= alpha;
+#pragma unroll
+                for (int j = 0; j < NT_O; ++j) {
+                    st.acc[m][j][2 * h] *= alpha;
+                    st.acc[m][j][2 * h + 1] *= alpha;
+                }
+            }
+    }
+#pragma unroll
+    for (int m = 0; m < M_TILES; ++m)
 #pragma unroll
         for (int n = 0; n < NT_S; ++n) {
             float p[4];
 #pragma unroll
             for (int k = 0; k < 4; ++k) p[k] = exp2_approx(sc[m][n][k] - st.m_run[m][k / 2]);
-            sum[0] += p[0] + p[1];
-            sum[1] += p[2] + p[3];
+            st.l_run[m][0] += p[0] + p[1];
+            st.l_run[m][1] += p[2] + p[3];
 #pragma unroll
             for (int k = 0; k < 4; ++k) p[k] *= scale[n][k & 1];
             pa[m][n / 2][(n % 2) * 2] = pack2(p[0], p[1]);
             pa[m][n / 2][(n % 2) * 2 + 1] = pack2(p[2], p[3]);
         }
-#pragma unroll
-        for (int h = 0; h < 2; ++h) st.l_run[m][h] = st.l_run[m][h] * alpha[h] + sum[h];
-#pragma unroll
-        for (int j = 0; j < NT_O; ++j)
-#pragma unroll
-            for (int k = 0; k < 4; ++k) st.acc[m][j][k] *= alpha[k / 2];
-    }
 }
 
-// Context slice += P E[:, slice]: E rows are the k dimension (ldmatrix .trans).
+// Context slice += P E[:, slice]: E rows are the k dimension.
 __device__ __forceinline__ void update_context(RowState& st, const u32 (&pa)[M_TILES][BN / 16][4],
                                                u32 e_base, int lane) {
+#if FP8
+    // P's fragment holds positions 2c, 2c + 1 (k half 0) and 8 + 2c, 9 + 2c (k half 1) of a
+    // 16-position k-step (c = lane % 4), so lane l reads those four rows at byte column 4 (l / 4)
+    // of each 32-column group and byte-permutes them into the B fragments of four mmas: mma j
+    // of group G computes columns 32G + 4n + j (n = the fragment's column). A last group of 16
+    // columns (DW % 32) reads two bytes a row into two mmas, columns 32G + 2n + j.
+    const int c = lane & 3, n = lane >> 2;
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
-        // Lanes 0-7 / 8-15 address rows kk*16 + 0-7 / 8-15 of column tile j, 16-31 tile j + 1.
+        const u32 row0 = e_base + (kk * 16 + 2 * c) * RAW_PITCH;
+        const u32 rows[4] = {row0, row0 + RAW_PITCH, row0 + 8 * RAW_PITCH, row0 + 9 * RAW_PITCH};
+#pragma unroll
+        for (int g = 0; g < DW / 32; ++g) {
+            u32 w[4];
+#pragma unroll
+            for (int r = 0; r < 4; ++r) w[r] = lds32(rows[r] + g * 32 + n * 4);
+            u32 b0[4], b1[4];  // mma j's fragment halves
+            e4m3x4(prmt(w[0], w[1], 0x5140), b0[0], b0[1]);
+            e4m3x4(prmt(w[0], w[1], 0x7362), b0[2], b0[3]);
+            e4m3x4(prmt(w[2], w[3], 0x5140), b1[0], b1[1]);
+            e4m3x4(prmt(w[2], w[3], 0x7362), b1[2], b1[3]);
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+                for (int m = 0; m < M_TILES; ++m) mma16816(st.acc[m][g * 4 + j], pa[m][kk], b0[j], b1[j]);
+        }
+#if DW % 32
+        u32 w[4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) w[r] = lds16(rows[r] + (DW / 32) * 32 + n * 2);
+        u32 b0[2], b1[2];
+        e4m3x4(prmt(w[0], w[1], 0x5140), b0[0], b0[1]);
+        e4m3x4(prmt(w[2], w[3], 0x5140), b1[0], b1[1]);
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int m = 0; m < M_TILES; ++m) mma16816(st.acc[m][(DW / 32) * 4 + j], pa[m][kk], b0[j], b1[j]);
+#endif
+    }
+#else
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+        // Lanes 0-7 / 8-15 address rows kk*16 + 0-7 / 8-15 of column tile j, 16-31 tile j + 1
+        // (ldmatrix .trans).
         const u32 addr = e_base + ((kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * PITCH + (lane >> 4) * 8) * 2;
 #pragma unroll
         for (int j = 0; j < NT_O; j += 2) {
@@ -328,6 +436,7 @@ __device__ __forceinline__ void update_context(RowState& st, const u32 (&pa)[M_T
             }
         }
     }
+#endif
 }
 
 // Normalize and store this thread's rows of the context slice.
@@ -343,10 +452,33 @@ __device__ __forceinline__ void store_rows(const RowState& st, u16* __restrict__
             const float inv = l > 0.f ? 1.f / l : 0.f;  // no keys: zeros
             const int g = row0 + m * 16 + h * 8 + (lane >> 2);
             if (g >= t.rows) continue;
+#if FP8
+            // Accumulator (g * 4 + j, k) holds column 32g + 8c + 4k + j (update_context): eight
+            // consecutive columns a group, four in the last 16-column group.
+            u16* o = out + t.offset(g) + col0 + (lane & 3) * 8;
+#pragma unroll
+            for (int grp = 0; grp < DW / 32; ++grp) {
+                u32 v[4];
+#pragma unroll
+                for (int k = 0; k < 2; ++k)
+#pragma unroll
+                    for (int j = 0; j < 4; j += 2)
+                        v[k * 2 + j / 2] = pack2(st.acc[m][grp * 4 + j][2 * h + k] * inv,
+                                                 st.acc[m][grp * 4 + j + 1][2 * h + k] * inv);
+                *(uint4*)(o + grp * 32) = make_uint4(v[0], v[1], v[2], v[3]);
+            }
+#if DW % 32
+            const int last = (DW / 32) * 4;
+            *(uint2*)(out + t.offset(g) + col0 + (DW / 32) * 32 + (lane & 3) * 4) =
+                make_uint2(pack2(st.acc[m][last][2 * h] * inv, st.acc[m][last + 1][2 * h] * inv),
+                           pack2(st.acc[m][last][2 * h + 1] * inv, st.acc[m][last + 1][2 * h + 1] * inv));
+#endif
+#else
             u16* o = out + t.offset(g) + col0 + (lane & 3) * 2;
 #pragma unroll
             for (int j = 0; j < NT_O; ++j)
                 *(u32*)(o + j * 8) = pack2(st.acc[m][j][2 * h] * inv, st.acc[m][j][2 * h + 1] * inv);
+#endif
         }
 }
 
@@ -355,15 +487,13 @@ __device__ __forceinline__ void attend_tile(unsigned char* smem, const u16* __re
                                             const TileRows& qr, const TileRows& orow, const StatesView& e, int row0) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int col0 = warp * DW;
-    // Shared memory: each warp's stages of E as loaded, [fp8: each warp's stages of scales and
-    // its 16-bit copy of one stage], q', partial and summed scores.
+    // Shared memory: each warp's stages of E as loaded, [fp8: each warp's stages of scales],
+    // q', partial and summed scores.
     unsigned char* raw_warp = smem + warp * (STAGES * BN * RAW_PITCH);
     unsigned char* next = smem + NW * STAGES * BN * RAW_PITCH;
 #if FP8
     float* scale_warp = (float*)next + warp * (STAGES * BN);
     next += NW * STAGES * BN * 4;
-    u16* converted = (u16*)next + warp * (BN * PITCH);
-    next += NW * BN * PITCH * 2;
 #else
     float* scale_warp = nullptr;
 #endif
@@ -374,7 +504,9 @@ __device__ __forceinline__ void attend_tile(unsigned char* smem, const u16* __re
     const int num_steps = (e.kv_len + BN - 1) / BN;
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < num_steps) load_step(raw_warp + s * BN * RAW_PITCH, scale_warp + s * BN, e, s * BN, col0, lane);
+        if (s < num_steps)
+            load_step(raw_warp + s * BN * RAW_PITCH, scale_warp + s * BN, e, s * BN, table_entry(e, s * BN, lane),
+                      col0, lane);
         cp_async_commit();
     }
     __syncthreads();  // the previous tile's last reads of q' are done
@@ -391,22 +523,17 @@ __device__ __forceinline__ void attend_tile(unsigned char* smem, const u16* __re
         st.m_run[m][0] = st.m_run[m][1] = NEG_INF;
         st.l_run[m][0] = st.l_run[m][1] = 0.f;
     }
+    int block = table_entry(e, (STAGES - 1) * BN, lane);
     for (int step = 0; step < num_steps; ++step) {
         const int ahead = step + STAGES - 1;
         if (ahead < num_steps)
             load_step(raw_warp + (ahead % STAGES) * BN * RAW_PITCH, scale_warp + (ahead % STAGES) * BN, e,
-                      ahead * BN, col0, lane);
+                      ahead * BN, block, col0, lane);
+        block = table_entry(e, (ahead + 1) * BN, lane);  // used next step
         cp_async_commit();
         cp_async_wait<STAGES - 1>();
         __syncwarp();
-        const unsigned char* raw = raw_warp + (step % STAGES) * BN * RAW_PITCH;
-#if FP8
-        convert_step(converted, raw, lane);
-        __syncwarp();
-        const u32 e_base = smem_addr(converted);
-#else
-        const u32 e_base = smem_addr(raw);
-#endif
+        const u32 e_base = smem_addr(raw_warp + (step % STAGES) * BN * RAW_PITCH);
         float sc[M_TILES][NT_S][4];
         partial_scores(sc, q_addr, e_base, lane);
         sum_scores(sc, partial, summed, step & 1, warp, lane);

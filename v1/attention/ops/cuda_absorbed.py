@@ -55,7 +55,7 @@ class KernelConfig:
     span: int
     rows_per_half: int
     fp8: bool = False
-    """fp8 states: stages hold fp8 rows and their scales, plus one 16-bit copy a warp."""
+    """fp8 states: stages hold fp8 rows and their scales; the tensor cores read them there."""
 
     @property
     def smem_bytes(self) -> int:
@@ -64,7 +64,7 @@ class KernelConfig:
         raw_row = self.warp_columns * (1 if self.fp8 else 2) + 16
         stages = self.warps * self.stages * self.block_n * raw_row
         if self.fp8:
-            stages += self.warps * self.block_n * (self.stages * 4 + (self.warp_columns + 8) * 2)
+            stages += self.warps * self.stages * self.block_n * 4
         rows = 16 * self.m_tiles
         queries = rows * (self.warps * self.warp_columns + 8) * 2
         scores = 2 * (self.warps + 1) * self.block_n * rows * 4
