@@ -273,11 +273,12 @@ __device__ __forceinline__ void partial_scores(float (&sc)[M_TILES][NT_S][4], u3
 }
 
 // Sum the warps' partial scores into sc (every warp gets the whole sums): write, barrier, each
-// thread adds up a share, barrier, read back. Buffers alternate by step parity, so the next
-// step's writes never meet this step's reads.
+// thread adds up a share, barrier, read back. One buffer of each suffices: a warp writes the
+// next step's partials only after the second barrier (every share is summed by then) and the
+// next sums only after the next first barrier (every warp has read these by then).
 __device__ __forceinline__ void sum_scores(float (&sc)[M_TILES][NT_S][4], float* partial, float* summed,
-                                           int parity, int warp, int lane) {
-    float* mine = partial + (parity * NW + warp) * (SC * 32);
+                                           int warp, int lane) {
+    float* mine = partial + warp * (SC * 32);
 #pragma unroll
     for (int m = 0; m < M_TILES; ++m)
 #pragma unroll
@@ -285,9 +286,9 @@ __device__ __forceinline__ void sum_scores(float (&sc)[M_TILES][NT_S][4], float*
 #pragma unroll
             for (int k = 0; k < 4; ++k) mine[((m * NT_S + n) * 4 + k) * 32 + lane] = sc[m][n][k];
     __syncthreads();
-    float* total = summed + parity * (SC * 32);
+    float* total = summed;
     for (int i = threadIdx.x; i < SC * 32; i += NW * 32) {
-        const float* src = partial + parity * NW * (SC * 32) + i;
+        const float* src = partial + i;
         float s = 0.f;
 #pragma unroll
         for (int w = 0; w < NW; ++w) s += src[w * (SC * 32)];
@@ -498,8 +499,8 @@ __device__ __forceinline__ void attend_tile(unsigned char* smem, const u16* __re
     float* scale_warp = nullptr;
 #endif
     u16* q_s = (u16*)next;                            // [ROWS][D + 8]
-    float* partial = (float*)(q_s + ROWS * Q_PITCH);  // [2][NW][SC][32]
-    float* summed = partial + 2 * NW * SC * 32;       // [2][SC][32]
+    float* partial = (float*)(q_s + ROWS * Q_PITCH);  // [NW][SC][32]
+    float* summed = partial + NW * SC * 32;           // [SC][32]
 
     const int num_steps = (e.kv_len + BN - 1) / BN;
 #pragma unroll
@@ -536,7 +537,7 @@ __device__ __forceinline__ void attend_tile(unsigned char* smem, const u16* __re
         const u32 e_base = smem_addr(raw_warp + (step % STAGES) * BN * RAW_PITCH);
         float sc[M_TILES][NT_S][4];
         partial_scores(sc, q_addr, e_base, lane);
-        sum_scores(sc, partial, summed, step & 1, warp, lane);
+        sum_scores(sc, partial, summed, warp, lane);
         u32 pa[M_TILES][BN / 16][4];
         softmax_step(st, sc, pa, step * BN + (lane & 3) * 2, e.kv_len, scale_warp + (step % STAGES) * BN);
         update_context(st, pa, e_base, lane);

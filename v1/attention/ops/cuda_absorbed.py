@@ -59,15 +59,15 @@ class KernelConfig:
 
     @property
     def smem_bytes(self) -> int:
-        """E stages and q' (16-byte padded rows) + two buffers of partial and summed scores
-        (the .cu file's layout)."""
+        """E stages and q' (16-byte padded rows) + partial and summed scores (the .cu file's
+        layout)."""
         raw_row = self.warp_columns * (1 if self.fp8 else 2) + 16
         stages = self.warps * self.stages * self.block_n * raw_row
         if self.fp8:
             stages += self.warps * self.stages * self.block_n * 4
         rows = 16 * self.m_tiles
         queries = rows * (self.warps * self.warp_columns + 8) * 2
-        scores = 2 * (self.warps + 1) * self.block_n * rows * 4
+        scores = (self.warps + 1) * self.block_n * rows * 4
         return stages + queries + scores
 
     def source(self) -> str:
