@@ -6,7 +6,7 @@ Random large-v3-turbo-shaped Whisper (--decoder-layers 32: large-v3), in-process
 30 s x 100 forced tokens after a full-size warm-up (CUDA only):
 
     python3 benchmarks/step_timeline.py --tokenizer .bench_assets/whisper-base \
-        [--cross-attention per_layer] [--quantization fp8] [--profile]
+        [--cross-attention per_layer] [--quantization fp8] [--kv-cache-dtype fp8] [--profile]
 """
 
 import argparse
@@ -28,6 +28,7 @@ def main():
     p.add_argument("--tokens", type=int, default=100)
     p.add_argument("--quantization", default=None)
     p.add_argument("--cross-attention", default=None)
+    p.add_argument("--kv-cache-dtype", default=None)
     p.add_argument("--profile", action="store_true")
     args = p.parse_args()
     from v1 import SamplingParams
@@ -35,6 +36,8 @@ def main():
     kw = {"quantization": args.quantization} if args.quantization else {}
     if args.cross_attention:
         kw["cross_attention"] = args.cross_attention
+    if args.kv_cache_dtype:
+        kw["kv_cache_dtype"] = args.kv_cache_dtype
     llm = make_engine(build(args), **kw)
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     clips = clip_maker(args.clips)

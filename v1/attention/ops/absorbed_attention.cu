@@ -310,6 +310,26 @@ struct RowState {
     float l_run[M_TILES][2];      // this thread's share of the running sum (the quad adds them)
 };
 
+// Scores to the log2 domain (times the fp8 scale), the row maxima of this thread's rows; with
+// MASK, positions at or past kv_len become -inf.
+template <bool MASK>
+__device__ __forceinline__ void log2_scores(float (&sc)[M_TILES][NT_S][4], float (&mx)[M_TILES][2],
+                                            const float (&to_log2)[NT_S][2], int n_base, int kv_len) {
+#pragma unroll
+    for (int m = 0; m < M_TILES; ++m) {
+        mx[m][0] = mx[m][1] = NEG_INF;
+#pragma unroll
+        for (int n = 0; n < NT_S; ++n)
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                float s = sc[m][n][k] * to_log2[n][k & 1];
+                if (MASK && n_base + n * 8 + (k & 1) >= kv_len) s = NEG_INF;
+                sc[m][n][k] = s;
+                mx[m][k / 2] = fmaxf(mx[m][k / 2], s);
+            }
+    }
+}
+
 // Online softmax of one step's summed scores (positions n * 8 + tig * 2 + {0, 1} past
 // `n_base`; those at or past kv_len are masked): returns P as the A operand of P E (the scores'
 // accumulator layout is the A layout of k-step n / 2). The running max moves only when a row's
@@ -321,24 +341,23 @@ __device__ __forceinline__ void softmax_step(RowState& st, float (&sc)[M_TILES][
                                              u32 (&pa)[M_TILES][BN / 16][4], int n_base, int kv_len,
                                              const float* step_scales) {
     // fp8: E[n] = scale[n] * stored[n] multiplies score n and its weight in P E.
-    float scale[NT_S][2];
+    float scale[NT_S][2], to_log2[NT_S][2];
 #pragma unroll
     for (int n = 0; n < NT_S; ++n)
 #pragma unroll
-        for (int k = 0; k < 2; ++k) scale[n][k] = FP8 ? step_scales[n * 8 + (n_base & 7) + k] : 1.f;
+        for (int k = 0; k < 2; ++k) {
+            scale[n][k] = FP8 ? step_scales[n * 8 + (n_base & 7) + k] : 1.f;
+            to_log2[n][k] = scale[n][k] * LOG2E;
+        }
+    // Only the step that runs past kv_len masks (the stage's rows there are zeros).
     float mx[M_TILES][2];
+    if (n_base - (n_base & 7) + BN > kv_len)
+        log2_scores<true>(sc, mx, to_log2, n_base, kv_len);
+    else
+        log2_scores<false>(sc, mx, to_log2, n_base, kv_len);
     bool grows = false;
 #pragma unroll
     for (int m = 0; m < M_TILES; ++m) {
-        mx[m][0] = mx[m][1] = NEG_INF;
-#pragma unroll
-        for (int n = 0; n < NT_S; ++n)
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                const float s = n_base + n * 8 + (k & 1) < kv_len ? sc[m][n][k] * scale[n][k & 1] * LOG2E : NEG_INF;
-                sc[m][n][k] = s;
-                mx[m][k / 2] = fmaxf(mx[m][k / 2], s);
-            }
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             mx[m][h] = fmaxf(mx[m][h], __shfl_xor_sync(0xffffffffu, mx[m][h], 1));

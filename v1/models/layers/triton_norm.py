@@ -128,9 +128,11 @@ def add_layer_norm_triton(
     if num_rows == 0:
         return normed, residual_out
     block_d = triton.next_power_of_2(d)
-    # About 4K elements per program: several rows for narrow models.
+    # About 4K elements per program: several rows for narrow models; 4 warps up to 2048
+    # columns (H100, 48,000 x 1280 with fp8 out, scaled x and residual bias: 156 us against
+    # 176 with 8 warps).
     rows = max(1, min(16, 4096 // block_d))
-    num_warps = 4 if block_d <= 1024 else 8
+    num_warps = 4 if block_d <= 2048 else 8
     grid = (triton.cdiv(num_rows, rows),)
     _add_layer_norm_kernel[grid](
         x,
