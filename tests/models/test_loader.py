@@ -161,7 +161,7 @@ def test_padded_lm_head_gives_the_same_logits_and_keeps_the_tie(bias: bool) -> N
     if bias:
         assert head.bias.shape == (101,) and head.bias.data_ptr() == padded_bias.data_ptr()
     out = head(hidden)
-    assert out.shape == (5, 101) and out.is_contiguous()
+    assert out.shape == (5, 101) and out.stride(1) == 1  # a view of the padded GEMM output
     torch.testing.assert_close(out, logits, rtol=0, atol=1e-6)
     torch.testing.assert_close(embed(ids), rows, rtol=0, atol=0)
     assert not LMHead(128, 24).pad_vocab_(64)  # already a multiple

@@ -426,7 +426,8 @@ class BartForConditionalGeneration(nn.Module):
         return self.model.decoder(input_ids, positions, encoder_hidden_states)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """hidden_states [N, d_model] -> logits [N, decoder vocab] float32 (+ final_logits_bias)."""
+        """hidden_states [N, d_model] -> logits [N, decoder vocab] (+ final_logits_bias), in the
+        model dtype (samplers upcast)."""
         return self.lm_head(hidden_states)
 
     def _hf_to_local(

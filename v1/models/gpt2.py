@@ -107,7 +107,7 @@ class GPT2LMHeadModel(nn.Module):
         return self.transformer(input_ids, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """hidden_states [N, hidden] -> logits [N, vocab] float32."""
+        """hidden_states [N, hidden] -> logits [N, vocab] (model dtype; samplers upcast)."""
         return self.lm_head(hidden_states)
 
     @staticmethod

@@ -146,7 +146,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """hidden_states [N, hidden] -> logits [N, vocab] float32."""
+        """hidden_states [N, hidden] -> logits [N, vocab] (model dtype; samplers upcast)."""
         return self.lm_head(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -305,7 +305,7 @@ class T5ForConditionalGeneration(nn.Module):
         return self.decoder(self.shared(input_ids), encoder_hidden_states)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """hidden_states [N, d_model] -> logits [N, vocab] float32."""
+        """hidden_states [N, d_model] -> logits [N, vocab] (model dtype; samplers upcast)."""
         if self.output_scale is not None:
             hidden_states = hidden_states * self.output_scale
         return self.lm_head(hidden_states)

@@ -150,7 +150,7 @@ class WhisperForConditionalGeneration(nn.Module):
         return self.model.decoder(input_ids, positions, encoder_hidden_states)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """hidden_states [N, d_model] -> logits [N, vocab] float32."""
+        """hidden_states [N, d_model] -> logits [N, vocab] (model dtype; samplers upcast)."""
         return self.proj_out(hidden_states)
 
     # ---- word timestamps ----

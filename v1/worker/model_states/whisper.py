@@ -128,7 +128,7 @@ class WhisperState(EncoderDecoderState):
         no_speech = None
         if rows.size:
             logits = self.model.compute_logits(hidden_states[self.to_device(rows)])
-            no_speech = logits.softmax(dim=-1)[:, self.no_speech_token_id].float()  # [k]
+            no_speech = logits.float().softmax(dim=-1)[:, self.no_speech_token_id]  # [k]
         extra = {NO_SPEECH_PROB: no_speech} if no_speech is not None else None
         pending = super().sample_async(hidden_states, step, extra)
         if no_speech is not None:
