@@ -292,3 +292,26 @@ def test_cuda_matches_cpu() -> None:
         torch.testing.assert_close(gpu.logprobs[:, 1:].cpu(), cpu.logprobs[:, 1:])
     assert torch.equal(gpu_tokens[0], gpu_tokens[1])
     assert torch.equal(gpu_tokens[0][[0, 3]], cpu.sampled_token_ids[[0, 3]])
+
+
+def test_lm_head_hands_model_dtype_logits_that_sample_like_their_float32_copy() -> None:
+    """LM heads return logits in the model dtype (with a padded vocabulary, a strided view of
+    the padded GEMM output: no float32 copy); the Sampler upcasts what it processes, so its
+    tokens and raw logprobs equal those of a float32 copy of the same logits."""
+    from v1.models.layers.embedding import LMHead
+
+    gen = torch.Generator().manual_seed(3)
+    vocab = VOCAB_SIZE - 3  # odd: pad_vocab_ pads it
+    head = LMHead(vocab, 16)
+    head.weight.data = torch.randn(vocab, 16, generator=gen).to(torch.bfloat16)
+    assert head.pad_vocab_(VOCAB_SIZE)
+    logits = head(torch.randn(3, 16, generator=gen).to(torch.bfloat16))
+    assert logits.dtype == torch.bfloat16 and logits.shape == (3, vocab)
+    assert logits.stride() == (VOCAB_SIZE, 1)  # a view of the padded output
+    reqs = [Req(params=SamplingParams(temperature=0.0, logprobs=2)) for _ in range(3)]
+    _, metadata = make_state(reqs, vocab_size=vocab)
+    out = Sampler()(logits, metadata)
+    want = Sampler()(logits.float().contiguous(), metadata)
+    assert torch.equal(out.sampled_token_ids, want.sampled_token_ids)
+    assert torch.equal(out.sampled_token_ids, logits.float().argmax(dim=-1))
+    torch.testing.assert_close(out.logprobs, want.logprobs, atol=0, rtol=0)
