@@ -10,8 +10,8 @@
 //   SPAN, RPH  the states layout: pool tensors a block spreads over, rows per half-page.
 //   FP8    1 for float8_e4m3 states with a float32 scale per position (sm_89+): the tensor
 //          cores read a step's fp8 slice from its stage, converted in registers (see
-//          fp8_scores / fp8_context); the scale multiplies the position's score and its softmax
-//          weight in P E (no [BN, d] multiply).
+//          partial_scores and update_context); the scale multiplies the position's score and
+//          its softmax weight in P E (no [BN, d] multiply).
 //
 // Why by hand: the Triton kernel cannot keep a step's E tile in shared memory for both of its
 // products, so it loads E twice and runs at about half the copy bandwidth. Here each warp
@@ -204,7 +204,8 @@ struct TileRows {
 };
 
 // Copy the tile's q' rows into shared memory (zeros for absent rows), all threads; with fp8
-// states each 16 columns in PERM order: pairs (0, 2, 4, 6) then (1, 3, 5, 7) of the chunk.
+// states each 16 columns in the k order partial_scores reads E in: column pairs (0, 2, 4, 6)
+// of the chunk, then (1, 3, 5, 7).
 __device__ __forceinline__ void stage_queries(u16* q_s, const u16* __restrict__ q, const TileRows& t, int row0) {
     for (int i = threadIdx.x; i < ROWS * (D / 16); i += NW * 32) {
         const int r = i / (D / 16), ch = i % (D / 16), g = row0 + r;
@@ -334,8 +335,9 @@ __device__ __forceinline__ void log2_scores(float (&sc)[M_TILES][NT_S][4], float
 // `n_base`; those at or past kv_len are masked): returns P as the A operand of P E (the scores'
 // accumulator layout is the A layout of k-step n / 2). The running max moves only when a row's
 // step max passes it by more than RESCALE (log2 units), as in FlashAttention 4: P then stays
-// below 2^RESCALE (exact in 16 bits, relative to its magnitude), and the 4 * NT_O accumulators
-// a row are rescaled on the rare steps that move it (a warp-uniform branch), not every step.
+// below 2^RESCALE (exact in 16 bits, relative to its magnitude; times an fp8 scale of at most
+// 65504 / 448, for states written from a 16-bit model, still finite in fp16), and the 4 * NT_O
+// accumulators a row are rescaled on the rare steps that move it (a warp-uniform branch).
 #define RESCALE 8.f
 __device__ __forceinline__ void softmax_step(RowState& st, float (&sc)[M_TILES][NT_S][4],
                                              u32 (&pa)[M_TILES][BN / 16][4], int n_base, int kv_len,
