@@ -22,6 +22,25 @@ def attention_layers(model: nn.Module) -> dict[str, Attention]:
     return {m.layer_name: m for m in model.modules() if isinstance(m, Attention)}
 
 
+def small_whisper_config(encoder_layers: int):
+    """A small Whisper (d_model 384, 6 heads, one decoder layer) with full-size 30 s windows
+    and vocabulary: the shapes the GPU encoder tests run."""
+    from transformers import WhisperConfig
+
+    return WhisperConfig(
+        d_model=384,
+        encoder_layers=encoder_layers,
+        decoder_layers=1,
+        encoder_attention_heads=6,
+        decoder_attention_heads=6,
+        encoder_ffn_dim=1536,
+        decoder_ffn_dim=1536,
+        num_mel_bins=80,
+        vocab_size=51865,
+        architectures=["WhisperForConditionalGeneration"],
+    )
+
+
 def uniform_encoder_context(model: nn.Module, num_windows: int, length: int) -> ForwardContext:
     """The forward context of `model`'s encoder self-attention over `num_windows` windows of
     `length` positions each, on CUDA, with the Triton backend's metadata (equal lengths: one

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.models.harness import uniform_encoder_context
+from tests.models.harness import small_whisper_config, uniform_encoder_context
 from v1.models.layers.activation import GELU, linear_act
 from v1.models.layers.linear import ColumnLinear
 from v1.models.layers.norm import LayerNorm, add_layer_norm, fp16_clamp_limit
@@ -161,7 +161,6 @@ def test_equal_length_encoder_batch_takes_cudnn_attention(monkeypatch) -> None:
 def test_whisper_encoder_with_fused_paths_matches_transformers() -> None:
     """Four 30 s windows (6,000 rows: the fused add + LayerNorm, the GELU epilogue and cuDNN
     attention all run) through our fp16 encoder and transformers' on the same weights."""
-    from transformers import WhisperConfig
     from transformers import WhisperForConditionalGeneration as HFWhisper
 
     from v1.attention.selector import use_backend
@@ -170,18 +169,7 @@ def test_whisper_encoder_with_fused_paths_matches_transformers() -> None:
     from v1.worker.model_states.encoder_decoder import _audio_to_device
 
     torch.manual_seed(0)
-    cfg = WhisperConfig(
-        d_model=384,
-        encoder_layers=4,
-        decoder_layers=1,
-        encoder_attention_heads=6,
-        decoder_attention_heads=6,
-        encoder_ffn_dim=1536,
-        decoder_ffn_dim=1536,
-        num_mel_bins=80,
-        vocab_size=51865,
-        architectures=["WhisperForConditionalGeneration"],
-    )
+    cfg = small_whisper_config(4)
     hf = HFWhisper(cfg).to("cuda", torch.float16).eval()
     with use_backend("triton"):
         ours = load_model_from_weights(cfg, hf.state_dict().items(), "cuda", torch.float16)

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.models.harness import uniform_encoder_context
+from tests.models.harness import small_whisper_config, uniform_encoder_context
 from tests.utils import ASSETS
 from tests.worker.worker_factories import (
     bart_inputs,
@@ -561,7 +561,6 @@ def test_fp8_encoder_hands_over_unscaled_products_on_gpu() -> None:
     over `Fp8Product`s (their consumers scale them and add the biases). Its output is as close
     to the 16-bit encoder's as the row-wise-scaled fp8 path's (every `unscaled_output` off):
     the two differ only where a value lands on the other side of an fp8 rounding step."""
-    from transformers import WhisperConfig
     from transformers import WhisperForConditionalGeneration as HFWhisper
 
     from v1.attention.selector import use_backend
@@ -569,18 +568,7 @@ def test_fp8_encoder_hands_over_unscaled_products_on_gpu() -> None:
     from v1.models.loader import load_model_from_weights
 
     torch.manual_seed(0)
-    cfg = WhisperConfig(
-        d_model=384,
-        encoder_layers=3,
-        decoder_layers=1,
-        encoder_attention_heads=6,
-        decoder_attention_heads=6,
-        encoder_ffn_dim=1536,
-        decoder_ffn_dim=1536,
-        num_mel_bins=80,
-        vocab_size=51865,
-        architectures=["WhisperForConditionalGeneration"],
-    )
+    cfg = small_whisper_config(3)
     hf = HFWhisper(cfg).to(torch.float16)
     with use_backend("triton"):
         ours = load_model_from_weights(cfg, hf.state_dict().items(), "cuda", torch.float16)

@@ -119,23 +119,17 @@ struct StatesView {
     int kv_len;
 };
 
-// The block table entry of position start + lane (a step's lane), 0 past the states: read a
-// step ahead of its load_step, so the warp never waits on it.
-__device__ __forceinline__ int table_entry(const StatesView& e, int start, int lane) {
-    const int pos = start + lane;
-    return lane < BN && pos < e.kv_len ? e.table_row[pos / BLOCK_POS] : 0;
-}
-
 // Queue one step's [BN, DW] slice of E (this warp's columns) into stage `dst` (RAW_PITCH bytes
-// a row) and, for fp8, the positions' scales into `scale_dst`. Lane l holds the table entry
-// `block` of position start + l; rows past kv_len are zero-filled (so P E never meets garbage).
+// a row) and, for fp8, the positions' scales into `scale_dst`. Lane l finds the address of
+// position start + l; rows past kv_len are zero-filled (so P E never meets garbage).
 __device__ __forceinline__ void load_step(unsigned char* dst, float* scale_dst, const StatesView& e, int start,
-                                          int block, int col0, int lane) {
+                                          int col0, int lane) {
     const int pos = start + lane;
     const bool ok = lane < BN && pos < e.kv_len;
     i64 off = 0;
     if (ok) {
         const int o = pos % BLOCK_POS;
+        const i64 block = e.table_row[pos / BLOCK_POS];
         const i64 tensor = o / (2 * RPH), half = (o / RPH) & 1, row = o % RPH;
         off = (tensor * e.s_tensor + half * e.s_half + block * e.s_block + row * e.s_row + col0) * ESIZE;
 #if FP8
@@ -236,12 +230,17 @@ __device__ __forceinline__ void partial_scores(float (&sc)[M_TILES][NT_S][4], u3
     // 2c, 2c + 1 and high pair k = 8 + 2c, 9 + 2c. A k-step's column k thus stands for column
     // 4 (k / 2) + k % 2 (k < 8) or 4 ((k - 8) / 2) + 2 + k % 2, the order q' is staged in.
     const u32 e_addr = e_base + (lane >> 2) * RAW_PITCH + (lane & 3) * 4;
+#else
+    // E rows of n-tiles (n, n + 1): lanes 0-15 tile n, 16-31 tile n + 1; k half (lane / 8) % 2.
+    const u32 e_addr = e_base + (((lane >> 4) * 8 + (lane & 7)) * PITCH + ((lane >> 3) & 1) * 8) * 2;
+#endif
 #pragma unroll
     for (int ks = 0; ks < KSTEPS; ++ks) {
         u32 a[M_TILES][4];
 #pragma unroll
         for (int m = 0; m < M_TILES; ++m)
             ldmatrix_x4(a[m][0], a[m][1], a[m][2], a[m][3], q_addr + (m * 16 * Q_PITCH + ks * 16) * 2);
+#if FP8
 #pragma unroll
         for (int n = 0; n < NT_S; ++n) {
             u32 b0, b1;
@@ -249,16 +248,7 @@ __device__ __forceinline__ void partial_scores(float (&sc)[M_TILES][NT_S][4], u3
 #pragma unroll
             for (int m = 0; m < M_TILES; ++m) mma16816(sc[m][n], a[m], b0, b1);
         }
-    }
 #else
-    // E rows of n-tiles (n, n + 1): lanes 0-15 tile n, 16-31 tile n + 1; k half (lane / 8) % 2.
-    const u32 e_addr = e_base + (((lane >> 4) * 8 + (lane & 7)) * PITCH + ((lane >> 3) & 1) * 8) * 2;
-#pragma unroll
-    for (int ks = 0; ks < KSTEPS; ++ks) {
-        u32 a[M_TILES][4];
-#pragma unroll
-        for (int m = 0; m < M_TILES; ++m)
-            ldmatrix_x4(a[m][0], a[m][1], a[m][2], a[m][3], q_addr + (m * 16 * Q_PITCH + ks * 16) * 2);
 #pragma unroll
         for (int n = 0; n < NT_S; n += 2) {
             u32 b0, b1, b2, b3;
@@ -269,8 +259,8 @@ __device__ __forceinline__ void partial_scores(float (&sc)[M_TILES][NT_S][4], u3
                 mma16816(sc[m][n + 1], a[m], b2, b3);
             }
         }
-    }
 #endif
+    }
 }
 
 // Sum the warps' partial scores into sc (every warp gets the whole sums): write, barrier, each
@@ -311,26 +301,6 @@ struct RowState {
     float l_run[M_TILES][2];      // this thread's share of the running sum (the quad adds them)
 };
 
-// Scores to the log2 domain (times the fp8 scale), the row maxima of this thread's rows; with
-// MASK, positions at or past kv_len become -inf.
-template <bool MASK>
-__device__ __forceinline__ void log2_scores(float (&sc)[M_TILES][NT_S][4], float (&mx)[M_TILES][2],
-                                            const float (&to_log2)[NT_S][2], int n_base, int kv_len) {
-#pragma unroll
-    for (int m = 0; m < M_TILES; ++m) {
-        mx[m][0] = mx[m][1] = NEG_INF;
-#pragma unroll
-        for (int n = 0; n < NT_S; ++n)
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                float s = sc[m][n][k] * to_log2[n][k & 1];
-                if (MASK && n_base + n * 8 + (k & 1) >= kv_len) s = NEG_INF;
-                sc[m][n][k] = s;
-                mx[m][k / 2] = fmaxf(mx[m][k / 2], s);
-            }
-    }
-}
-
 // Online softmax of one step's summed scores (positions n * 8 + tig * 2 + {0, 1} past
 // `n_base`; those at or past kv_len are masked): returns P as the A operand of P E (the scores'
 // accumulator layout is the A layout of k-step n / 2). The running max moves only when a row's
@@ -343,23 +313,24 @@ __device__ __forceinline__ void softmax_step(RowState& st, float (&sc)[M_TILES][
                                              u32 (&pa)[M_TILES][BN / 16][4], int n_base, int kv_len,
                                              const float* step_scales) {
     // fp8: E[n] = scale[n] * stored[n] multiplies score n and its weight in P E.
-    float scale[NT_S][2], to_log2[NT_S][2];
+    float scale[NT_S][2];
 #pragma unroll
     for (int n = 0; n < NT_S; ++n)
 #pragma unroll
-        for (int k = 0; k < 2; ++k) {
-            scale[n][k] = FP8 ? step_scales[n * 8 + (n_base & 7) + k] : 1.f;
-            to_log2[n][k] = scale[n][k] * LOG2E;
-        }
-    // Only the step that runs past kv_len masks (the stage's rows there are zeros).
+        for (int k = 0; k < 2; ++k) scale[n][k] = FP8 ? step_scales[n * 8 + (n_base & 7) + k] : 1.f;
     float mx[M_TILES][2];
-    if (n_base - (n_base & 7) + BN > kv_len)
-        log2_scores<true>(sc, mx, to_log2, n_base, kv_len);
-    else
-        log2_scores<false>(sc, mx, to_log2, n_base, kv_len);
     bool grows = false;
 #pragma unroll
     for (int m = 0; m < M_TILES; ++m) {
+        mx[m][0] = mx[m][1] = NEG_INF;
+#pragma unroll
+        for (int n = 0; n < NT_S; ++n)
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const float s = n_base + n * 8 + (k & 1) < kv_len ? sc[m][n][k] * scale[n][k & 1] * LOG2E : NEG_INF;
+                sc[m][n][k] = s;
+                mx[m][k / 2] = fmaxf(mx[m][k / 2], s);
+            }
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             mx[m][h] = fmaxf(mx[m][h], __shfl_xor_sync(0xffffffffu, mx[m][h], 1));
@@ -526,9 +497,7 @@ __device__ __forceinline__ void attend_tile(unsigned char* smem, const u16* __re
     const int num_steps = (e.kv_len + BN - 1) / BN;
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < num_steps)
-            load_step(raw_warp + s * BN * RAW_PITCH, scale_warp + s * BN, e, s * BN, table_entry(e, s * BN, lane),
-                      col0, lane);
+        if (s < num_steps) load_step(raw_warp + s * BN * RAW_PITCH, scale_warp + s * BN, e, s * BN, col0, lane);
         cp_async_commit();
     }
     __syncthreads();  // the previous tile's last reads of q' are done
@@ -545,13 +514,11 @@ __device__ __forceinline__ void attend_tile(unsigned char* smem, const u16* __re
         st.m_run[m][0] = st.m_run[m][1] = NEG_INF;
         st.l_run[m][0] = st.l_run[m][1] = 0.f;
     }
-    int block = table_entry(e, (STAGES - 1) * BN, lane);
     for (int step = 0; step < num_steps; ++step) {
         const int ahead = step + STAGES - 1;
         if (ahead < num_steps)
             load_step(raw_warp + (ahead % STAGES) * BN * RAW_PITCH, scale_warp + (ahead % STAGES) * BN, e,
-                      ahead * BN, block, col0, lane);
-        block = table_entry(e, (ahead + 1) * BN, lane);  // used next step
+                      ahead * BN, col0, lane);
         cp_async_commit();
         cp_async_wait<STAGES - 1>();
         __syncwarp();
