@@ -30,11 +30,17 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=100)
     p.add_argument("--kv", default=None, help="kv_cache_dtype")
     p.add_argument("--modes", default="normal,normal,normal,gc-off,gc-off")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-steps-in-flight", type=int, default=2)
     p.add_argument("--cprofile", action="store_true")
     args = p.parse_args()
     from v1 import SamplingParams
 
-    kw = {"quantization": "fp8"}
+    kw = {
+        "quantization": "fp8",
+        "max_num_seqs": args.max_num_seqs,
+        "max_steps_in_flight": args.max_steps_in_flight,
+    }
     if args.kv:
         kw["kv_cache_dtype"] = args.kv
     llm = make_engine(build(args), **kw)

@@ -416,8 +416,18 @@ class SchedulerConfig:
     """Schedule and launch step N+1 before waiting for step N's results, so host work overlaps
     the device; tokens sampled by step N feed step N+1 on the device and the host reads them one
     step behind. None: on for every model kind on CUDA, off on CPU."""
+    max_steps_in_flight: int = 2
+    """Pipelined scheduling depth: launched steps not yet read back (the step the device runs
+    and those queued behind it). 2 overlaps one step's host work with the device; 3 also
+    absorbs a slow host step (a GC pause, a batch of finishing requests) with a second queued
+    step, at the cost of one more wasted row per request that ends on EOS."""
 
     def __post_init__(self) -> None:
+        if not 2 <= self.max_steps_in_flight <= 4:
+            raise ValueError(
+                f"max_steps_in_flight must be in [2, 4], got {self.max_steps_in_flight} "
+                "(async_scheduling=False runs steps one at a time)"
+            )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from v1.core.sched_output import NewRequestData
 from v1.pooling_params import PoolingParams
@@ -63,3 +64,31 @@ def test_a_request_past_max_model_len_changes_nothing() -> None:
     assert [s.slot for s in batch.add_requests(make_new_reqs([8]))] == [0]
     with pytest.raises(AssertionError, match="already in the batch"):
         batch.add_requests(make_new_reqs([1]))
+
+
+@pytest.mark.parametrize("steps_in_flight", [2, 3])
+def test_pending_inputs_read_the_launched_step_that_samples_them(steps_in_flight: int) -> None:
+    """Step 1 samples for slots 0-2, step 2 for slots 0 and 2 only. The next step's inputs
+    read slot 0's and 2's tokens from step 2 and, three steps deep, slot 1's from step 1 (at
+    depth 2 step 1 is read back by then, so slot 1 has nothing pending)."""
+    batch = InputBatch(max_num_reqs=4, max_model_len=16, steps_in_flight=steps_in_flight)
+    batch.add_requests(make_new_reqs([2, 3, 4]))
+    slots = np.array([0, 1, 2])
+    step1 = torch.tensor([10, 11, 12])
+    batch.mark_pending(slots, np.arange(3), step1)
+    step1[:] = -1  # a sampler graph's buffer, overwritten by its next replay
+    step2 = torch.tensor([20, 22])
+    batch.mark_pending(np.array([0, 2]), np.array([0, 1]), step2)
+    if steps_in_flight == 2:
+        batch.resolve_pending(np.array([1]), np.array([3]), np.array([11]))
+    computed = batch.num_tokens[slots] - 1  # each feeds its last token
+    qsl = np.arange(4)
+    dst, src = batch.pending_inputs(slots, computed, computed + 1, qsl)
+    values = batch.pending_source()[torch.from_numpy(src)].tolist()
+    if steps_in_flight == 2:  # slot 1's token is on the host: two pending inputs
+        assert dst.tolist() == [0, 2] and values == [20, 22]
+    else:
+        assert dst.tolist() == [0, 1, 2] and values == [20, 11, 22]
+    # Only the latest step: its tensor itself, no concatenation.
+    dst, src = batch.pending_inputs(np.array([0, 2]), computed[[0, 2]], computed[[0, 2]] + 1, qsl)
+    assert batch.pending_source() is batch.sampled[-1] and src.tolist() == [0, 1]

@@ -31,9 +31,6 @@ from v1.structured_output.manager import StructuredOutputManager
 
 logger = init_logger(__name__)
 
-MAX_STEPS_IN_FLIGHT = 2
-"""Pipelined scheduling depth: the step the device runs and the one queued behind it."""
-
 
 class EngineCore:
     UTILITY_METHODS = ("get_stats", "reset_prefix_cache", "is_healthy", "get_config_info")
@@ -74,6 +71,7 @@ class EngineCore:
             deque() if config.use_async_scheduling else None
         )
         """Launched steps not read back yet (pipelined scheduling), oldest first."""
+        self.max_steps_in_flight = config.scheduler_config.max_steps_in_flight
         self._blocked_adds: list[EngineCoreRequest] = []
         """Requests whose id is in a launched step (see add_request)."""
         self._pooling_config = self._load_pooling_config()
@@ -264,15 +262,17 @@ class EngineCore:
         return outputs
 
     def _step_pipelined(self, queue: deque[tuple[SchedulerOutput, Any]]) -> EngineCoreOutputs:
-        """Keeps up to MAX_STEPS_IN_FLIGHT steps launched: schedule and launch step N+1, then
-        read back step N, so scheduling, input preparation and output handling overlap the
-        device. A generating request's token sampled in step N is a placeholder when N+1 is
-        scheduled (the runner feeds it from the device); if N ends the request, its row in N+1
-        is wasted and dropped when N+1 is read back."""
+        """Keeps up to `max_steps_in_flight` steps launched: schedule and launch step N+1, then
+        read back the oldest (step N at the default depth of 2), so scheduling, input
+        preparation and output handling overlap the device. A generating request's token sampled
+        in step N is a placeholder when N+1 is scheduled (the runner feeds it from the device);
+        if N ends the request, its rows in the later launched steps are wasted and dropped when
+        those are read back."""
         pending, self._pending_outputs = self._pending_outputs, []
         scheduler = self.scheduler
         launched = False
-        if len(queue) < MAX_STEPS_IN_FLIGHT and (
+        depth = self.max_steps_in_flight
+        if len(queue) < depth and (
             scheduler.has_unscheduled_requests() or scheduler.has_finished_requests
         ):
             so = self._schedule()
@@ -289,9 +289,7 @@ class EngineCore:
                     return self._fail_step(
                         so.num_scheduled_tokens, f"{type(e).__name__}: {e}", pending
                     )
-        if not queue or (
-            launched and len(queue) < MAX_STEPS_IN_FLIGHT and scheduler.has_unscheduled_requests()
-        ):
+        if not queue or (launched and len(queue) < depth and scheduler.has_unscheduled_requests()):
             return EngineCoreOutputs(outputs=pending, timestamp=now())  # launch more first
         so, deferred = queue.popleft()
         try:

@@ -39,6 +39,7 @@ from v1.core.protocol import (
     now,
 )
 from v1.core.serial import DecodeError, MsgpackDecoder, MsgpackEncoder
+from v1.gc_policy import raise_full_collection_threshold
 from v1.logger import init_logger
 
 logger = init_logger(__name__)
@@ -179,6 +180,7 @@ class EngineCoreProc:
     # ---- busy loop ----
     def _busy_loop(self) -> None:
         core = self.engine_core
+        raise_full_collection_threshold()  # this process only steps the engine
         while True:
             # Block for input only when there is nothing to step.
             if not self._process_input(block=not core.has_work()):

@@ -8,7 +8,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from v1.config import EngineConfig
-from v1.core.engine_core import MAX_STEPS_IN_FLIGHT
 from v1.core.scheduler import MAX_SKIPS_PER_STEP
 
 
@@ -37,7 +36,7 @@ class PoolingQueueDepth:
         return cls(
             max_num_seqs=sc.max_num_seqs,
             max_num_batched_tokens=sc.max_num_batched_tokens,
-            steps_in_flight=MAX_STEPS_IN_FLIGHT - 1 if config.use_async_scheduling else 0,
+            steps_in_flight=sc.max_steps_in_flight - 1 if config.use_async_scheduling else 0,
             num_engines=config.parallel_config.data_parallel_size,
         )
 

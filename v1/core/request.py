@@ -75,6 +75,9 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1
         self.num_preemptions = 0
+        self.admitted_step = 0
+        """The scheduler step that last admitted it: a step launched before a preemption and
+        read back after the re-admission holds stale rows of it (depth > 2 pipelining)."""
         self.num_output_placeholders = 0
         """Tokens being sampled by launched steps whose results are not read back yet
         (pipelined scheduling): the next step already feeds them to the model on the device."""

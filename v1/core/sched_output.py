@@ -64,6 +64,8 @@ class SchedulerOutput:
     """(src, dst) KV block ids: the runner copies each whole block (every KV cache tensor that
     holds decoder self-attention) before the step's forward, reading every src before writing
     any dst. Forks of a held request's partial last block (copy-on-write)."""
+    step_id: int = 0
+    """The scheduler's count of steps, this one included."""
     finished_req_ids: set[str] = field(default_factory=set)
     """Requests finished or aborted since the last step (including preempted ones, which come
     back later as new requests)."""

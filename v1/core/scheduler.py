@@ -131,6 +131,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
+        self.num_steps = 0
         self.num_encoder_runs = 0
         self.num_encoder_lookups = 0
         self.num_cross_cache_hits = 0
@@ -216,6 +217,7 @@ class Scheduler:
 
     # ---- scheduling ----
     def schedule(self) -> SchedulerOutput:
+        self.num_steps += 1
         budget = _StepBudget(self.max_num_batched_tokens, self.encoder_budget)
         scheduled_running: list[Request] = []
         new_block_ids: list[tuple[list[int], ...] | None] = []
@@ -378,6 +380,7 @@ class Scheduler:
             if not cross_cached:
                 budget.encoder_reqs.append(request.request_id)
         request.status = RequestStatus.RUNNING
+        request.admitted_step = self.num_steps
         request.num_computed_tokens = num_cached
         request.num_times_passed = 0
         if request.num_cached_tokens < 0:
@@ -460,6 +463,7 @@ class Scheduler:
             encoder_reqs=budget.encoder_reqs,
             encoder_hashes_to_run=budget.encoder_hashes_to_run,
             free_encoder_hashes=self.encoder_cache.take_freed_hashes(),
+            step_id=self.num_steps,
             finished_req_ids=self.finished_req_ids,
             block_copies=self.kv_cache_manager.take_block_copies(),
         )
@@ -504,10 +508,11 @@ class Scheduler:
         index = None  # the runner's rows follow the schedule's order (checked once per step)
         if req_ids != runner_output.req_ids:
             index = {req_id: i for i, req_id in enumerate(runner_output.req_ids)}
+        step_id = scheduler_output.step_id
         for row, req_id in enumerate(req_ids):
             request = requests.get(req_id)
-            if request is None or request.status != running:
-                continue  # aborted or preempted while the step ran
+            if request is None or request.status != running or request.admitted_step > step_id:
+                continue  # aborted or preempted while the step ran (and maybe admitted again)
             i = row if index is None else index[req_id]
             if request.pooling_params is not None:
                 request.status = RequestStatus.FINISHED_STOPPED

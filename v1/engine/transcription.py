@@ -45,6 +45,7 @@ from v1.engine.transcription_plan import (
     WindowOutput,
     WindowRequest,
 )
+from v1.gc_policy import deferred_full_collections
 from v1.outputs import RequestOutput, RequestOutputKind
 
 __all__ = [  # with the plan's types its callers use
@@ -306,21 +307,8 @@ class _SyncRun:
     def run(self, on_progress: Callable[[], None]) -> list[TranscriptionResult]:
         engine = self.engine
         try:
-            self._start_waiting(extra=1)
-            while self.pending or self.beams or self.waiting:
-                for output in engine.step():
-                    entry = self.pending.get(output.request_id)
-                    if entry is None:
-                        continue
-                    i, collector = entry
-                    collector.add(output)
-                    if output.finished:
-                        del self.pending[output.request_id]
-                        self._advance(i, collector.result())
-                for req_id in list(self.beams):
-                    self._step_beam(req_id)
-                self._start_waiting()
-                on_progress()
+            with deferred_full_collections():
+                self._run(on_progress)
         except BaseException:
             if self.pending:
                 engine.abort_request(list(self.pending))
@@ -331,6 +319,24 @@ class _SyncRun:
             raise
         assert all(r is not None for r in self.results)
         return self.results  # type: ignore[return-value]
+
+    def _run(self, on_progress: Callable[[], None]) -> None:
+        engine = self.engine
+        self._start_waiting(extra=1)
+        while self.pending or self.beams or self.waiting:
+            for output in engine.step():
+                entry = self.pending.get(output.request_id)
+                if entry is None:
+                    continue
+                i, collector = entry
+                collector.add(output)
+                if output.finished:
+                    del self.pending[output.request_id]
+                    self._advance(i, collector.result())
+            for req_id in list(self.beams):
+                self._step_beam(req_id)
+            self._start_waiting()
+            on_progress()
 
     def _advance(self, i: int, output: WindowOutput | None) -> None:
         request, result = advance_plan(self.plans[i], output)

@@ -27,6 +27,7 @@ from v1.engine.beam_search import (
     run_beam_search,
 )
 from v1.engine.llm_engine import LLMEngine
+from v1.gc_policy import deferred_full_collections
 from v1.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
@@ -377,16 +378,17 @@ class LLM:
             total=len(req_ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm
         )
         try:
-            while len(outputs) < len(req_ids):
-                feed.top_up()
-                if not self.llm_engine.has_unfinished_requests():
-                    missing = sorted(req_ids - outputs.keys())
-                    raise RuntimeError(f"requests {missing} ended without an output")
-                for out in self.llm_engine.step():
-                    if out.finished and out.request_id in req_ids:
-                        outputs[out.request_id] = out
-                        feed.finished(out.request_id)
-                        bar.update(1)
+            with deferred_full_collections():
+                while len(outputs) < len(req_ids):
+                    feed.top_up()
+                    if not self.llm_engine.has_unfinished_requests():
+                        missing = sorted(req_ids - outputs.keys())
+                        raise RuntimeError(f"requests {missing} ended without an output")
+                    for out in self.llm_engine.step():
+                        if out.finished and out.request_id in req_ids:
+                            outputs[out.request_id] = out
+                            feed.finished(out.request_id)
+                            bar.update(1)
         except BaseException:
             self.llm_engine.abort_request(sorted(set(feed.added) - outputs.keys()))
             raise

@@ -7,19 +7,17 @@ The block tables of the same slots belong to the AttentionMetadataFactory (attn_
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 
 from v1.core.protocol import EncoderInput
 from v1.core.sched_output import NewRequestData
 from v1.pooling_params import PoolingParams
 from v1.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    import torch
 
 
 @dataclass(slots=True)
@@ -34,7 +32,7 @@ class CachedRequestState:
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int) -> None:
+    def __init__(self, max_num_reqs: int, max_model_len: int, steps_in_flight: int = 2) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
@@ -46,9 +44,19 @@ class InputBatch:
         """Per slot: position of the token the last launched step is sampling for it (-1:
         none). Its value is on the device until that step is read back."""
         self.pending_rows = np.full(max_num_reqs, -1, dtype=np.int64)
-        """Per slot: that token's row in the last launched step's sampled tensor."""
-        self.prev_sampled_token_ids: torch.Tensor | None = None
-        """[R] tokens sampled by the last launched step, on the device (pipelined steps)."""
+        """Per slot: that token's row in its step's sampled tensor."""
+        self.pending_steps = np.full(max_num_reqs, -1, dtype=np.int64)
+        """Per slot: the launch number of that step (see `sampled`)."""
+        self.num_launched = 0
+        """Steps that marked tokens pending so far (launch numbers count from 1)."""
+        self.sampled: deque[torch.Tensor] = deque(maxlen=max(steps_in_flight - 1, 1))
+        """[R] tokens sampled by the last launched steps, oldest first, on the device: the
+        steps still in flight when the next one is prepared (pipelined steps). Beyond one
+        step they are copies: a sampler graph's output buffer is overwritten by its next
+        replay."""
+        self.copy_sampled = steps_in_flight > 2
+        self._pending_oldest = 0
+        """Index in `sampled` of the oldest step the last `pending_inputs` rows read."""
         self.slot_generations = np.zeros(max_num_reqs, dtype=np.int64)
         """Per slot: how many requests have held it, so results of a launched step can tell
         whether the slot still belongs to the same request (vectorized)."""
@@ -127,11 +135,13 @@ class InputBatch:
         """One new token per listed slot, sampled as `rows` of `sampled_token_ids` (the step
         just launched, on the device; the next step reads its inputs there); its value comes
         to the host with `resolve_pending`. Returns the tokens' positions."""
-        self.prev_sampled_token_ids = sampled_token_ids
+        self.num_launched += 1
+        self.sampled.append(sampled_token_ids.clone() if self.copy_sampled else sampled_token_ids)
         positions = self.num_tokens[slots].copy()
         self.num_tokens[slots] += 1
         self.pending_positions[slots] = positions
         self.pending_rows[slots] = rows
+        self.pending_steps[slots] = self.num_launched
         return positions
 
     def resolve_pending(
@@ -153,9 +163,29 @@ class InputBatch:
     def pending_inputs(
         self, slots: np.ndarray, computed: np.ndarray, seq_lens: np.ndarray, query_start: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
-        """(token index in the step, row in the last step's sampled tensor) of every input
-        token whose value is still on the device."""
+        """(token index in the step, row in `pending_source(...)`) of every input token whose
+        value is still on the device."""
         pending = self.pending_positions[slots]
         hit = (pending >= computed) & (pending < seq_lens)
         reqs = np.flatnonzero(hit)
-        return query_start[reqs] + pending[reqs] - computed[reqs], self.pending_rows[slots[reqs]]
+        held = slots[reqs]
+        rows = self.pending_rows[held]
+        self._pending_oldest = len(self.sampled) - 1
+        if len(self.sampled) > 1 and len(reqs):
+            # Rows of the older steps in flight: offsets into the steps' concatenation.
+            first = self.num_launched - len(self.sampled) + 1
+            back = self.pending_steps[held] - first
+            self._pending_oldest = int(back.min())
+            assert self._pending_oldest >= 0, "a pending token's step is no longer kept"
+            sizes = np.array([t.shape[0] for t in self.sampled], dtype=np.int64)
+            starts = np.cumsum(sizes) - sizes
+            rows = rows + starts[back] - starts[self._pending_oldest]
+        return query_start[reqs] + pending[reqs] - computed[reqs], rows
+
+    def pending_source(self) -> torch.Tensor:
+        """The device tensor the rows of the last `pending_inputs` index: the last launched
+        step's sampled tokens, or the concatenation of the kept steps from the oldest one
+        those rows need."""
+        if self._pending_oldest == len(self.sampled) - 1:
+            return self.sampled[-1]
+        return torch.cat(list(self.sampled)[self._pending_oldest :])

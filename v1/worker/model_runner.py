@@ -62,7 +62,11 @@ class ModelRunner:
         )
         """KV cache spec dtype (fp8 caches keep float32 scales beside their rows)."""
         self.attn_metadata = AttentionMetadataFactory(self.backend_name, device, self.block_size)
-        self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len)
+        self.input_batch = InputBatch(
+            self.max_num_reqs,
+            self.max_model_len,
+            config.scheduler_config.max_steps_in_flight if config.use_async_scheduling else 2,
+        )
         self.model: Any = None
         self.tp: Any = None
         """This rank's TensorParallelGroup (set by the worker; None: the whole model here)."""
@@ -262,8 +266,7 @@ class ModelRunner:
         input_ids, positions_dev, logits_indices, dst_dev, src_dev = shipped
         if len(dst):
             # Tokens sampled by the step still running: read where they are, on the device.
-            assert batch.prev_sampled_token_ids is not None
-            input_ids[dst_dev] = batch.prev_sampled_token_ids[src_dev]
+            input_ids[dst_dev] = batch.pending_source()[src_dev]
         grammar_rows = None
         if so.structured_output_req_ids:
             row_of = {req_id: i for i, req_id in enumerate(req_ids)}
