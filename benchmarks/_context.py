@@ -82,6 +82,8 @@ class Context:
         kwargs = dict(tiny if self.tiny else full)
         if self.args.max_num_seqs:
             kwargs["max_num_seqs"] = self.args.max_num_seqs
+        if getattr(self.args, "num_scheduler_steps", None):
+            kwargs["num_scheduler_steps"] = self.args.num_scheduler_steps
         if not self.device.is_cuda:
             kwargs.setdefault("kv_cache_memory_bytes", 64 << 20)
         return kwargs

@@ -122,6 +122,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-transformers", action="store_true", help="our engine only (no ratio)")
     p.add_argument("--num-inputs", type=int, default=None, help="override each workload's count")
     p.add_argument("--max-num-seqs", type=int, default=None, help="our engine's batch limit")
+    p.add_argument(
+        "--num-scheduler-steps",
+        type=int,
+        default=None,
+        help="our engine's decode steps per engine step when all requests decode (bursts)",
+    )
     mode = p.add_mutually_exclusive_group()
     mode.add_argument(
         "--in-process",

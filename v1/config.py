@@ -422,7 +422,19 @@ class SchedulerConfig:
     absorbs a slow host step (a GC pause, a batch of finishing requests) with a second queued
     step, at the cost of one more wasted row per request that ends on EOS."""
 
+    num_scheduler_steps: int = 1
+    """Decode steps one engine step runs on the device when every request it schedules is
+    decoding (no admission, no prefill chunk, no grammar, no word timestamps): the host
+    schedules, reads back and processes outputs once per up to this many tokens of each request,
+    so a large batch's per-step host work stops bounding the device (vLLM V0's multi-step
+    scheduling). A request that ends inside such a step (EOS, a stop, max_tokens) wastes the
+    rest of it; max_model_len shortens it. 1: one token per engine step."""
+
     def __post_init__(self) -> None:
+        if not 1 <= self.num_scheduler_steps <= 64:
+            raise ValueError(
+                f"num_scheduler_steps must be in [1, 64], got {self.num_scheduler_steps}"
+            )
         if not 2 <= self.max_steps_in_flight <= 4:
             raise ValueError(
                 f"max_steps_in_flight must be in [2, 4], got {self.max_steps_in_flight} "

@@ -107,9 +107,25 @@ def prompts(kind: str) -> list[Any]:
     return texts
 
 
+def count_bursts(llm: LLM) -> list[int]:
+    """The num_decode_steps of every step the engine's scheduler hands out from now on."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    make_output = scheduler._make_output
+    steps: list[int] = []
+
+    def counted(*args: Any) -> Any:
+        out = make_output(*args)
+        steps.append(out.num_decode_steps)
+        return out
+
+    scheduler._make_output = counted
+    return steps
+
+
 def run(model: str, async_scheduling: bool, requests: list[Any], **kwargs: Any):
     """({request index: [(token ids, finish reason, text)]}, stats) of one engine."""
     with LLM(model, async_scheduling=async_scheduling, **(ENGINE_ARGS | kwargs)) as llm:
+        steps = count_bursts(llm)
         outputs = llm.generate(
             [p for p, _ in requests], [params for _, params in requests], use_tqdm=False
         )
@@ -117,7 +133,7 @@ def run(model: str, async_scheduling: bool, requests: list[Any], **kwargs: Any):
             [(list(c.token_ids), c.finish_reason, c.text, c.logprobs) for c in out.outputs]
             for out in outputs
         ]
-        return results, llm.llm_engine.get_stats()
+        return results, llm.llm_engine.get_stats() | {"num_bursts": sum(n > 1 for n in steps)}
 
 
 def strip_logprobs(results: list[Any]) -> list[Any]:
@@ -143,21 +159,49 @@ def assert_idle(stats: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize(
-    "model,depth", [("llama", 2), ("bart", 2), ("t5", 2), ("llama", 3), ("bart", 3), ("llama", 4)]
+    "model,depth,steps,pipelined",
+    [
+        ("llama", 2, 1, True),
+        ("bart", 2, 1, True),
+        ("t5", 2, 1, True),
+        ("llama", 3, 1, True),
+        ("bart", 3, 1, True),
+        ("llama", 4, 1, True),
+        ("llama", 2, 4, True),
+        ("llama", 2, 3, False),
+        ("llama", 3, 4, True),
+        ("bart", 2, 4, True),
+        ("t5", 2, 3, True),
+    ],
 )
 def test_pipelined_generation_is_token_identical(
-    model: str, depth: int, llama_dir: str, bart_dir: str, t5_dir: str
+    model: str,
+    depth: int,
+    steps: int,
+    pipelined: bool,
+    llama_dir: str,
+    bart_dir: str,
+    t5_dir: str,
 ) -> None:
+    """`steps` > 1: decode bursts (num_scheduler_steps), here against one token per step."""
     path = {"llama": llama_dir, "bart": bart_dir, "t5": t5_dir}[model]
     requests = [(p, PARAMS[i % len(PARAMS)]) for i, p in enumerate(prompts(model) * 2)]
     kwargs: dict[str, Any] = {"num_kv_blocks": 17}
     if model != "llama":  # one maximal request (decoder + cross blocks) fits 23 blocks
         kwargs = {"num_kv_blocks": 24, "max_model_len": 32, "max_encoder_input_len": 48}
     sync, _ = run(path, False, requests, **kwargs)
-    piped, stats = run(path, True, requests, max_steps_in_flight=depth, **kwargs)
+    piped, stats = run(
+        path,
+        pipelined,
+        requests,
+        max_steps_in_flight=depth,
+        num_scheduler_steps=steps,
+        **kwargs,
+    )
     assert strip_logprobs(piped) == strip_logprobs(sync)
     assert_logprobs_close(piped, sync)
     assert stats["num_preemptions"] > 0  # the tiny cache preempted while steps were in flight
+    assert (stats["num_bursts"] > 0) == (steps > 1)
     assert_idle(stats)
     reasons = {c[1] for out in sync for c in out}
     assert reasons >= ({"length"} if model == "t5" else {"length", "stop"}), reasons
@@ -199,8 +243,12 @@ def test_whisper_tiny_pipelined_is_token_identical(tmp_path: Path) -> None:
     rng = torch.Generator().manual_seed(0)
     clips = [(torch.randn(16000 * (2 + i), generator=rng).numpy() * 0.1, 16000) for i in range(5)]
     results = []
-    for async_scheduling in (False, True):
-        with LLM(path, async_scheduling=async_scheduling, **ENGINE_ARGS) as llm:
+    bursts = []
+    for async_scheduling, steps in ((False, 1), (True, 1), (True, 4)):
+        with LLM(
+            path, async_scheduling=async_scheduling, num_scheduler_steps=steps, **ENGINE_ARGS
+        ) as llm:
+            counted = count_bursts(llm)
             outs = llm.transcribe(
                 clips,
                 SamplingParams(temperature=0, max_tokens=20),
@@ -209,7 +257,9 @@ def test_whisper_tiny_pipelined_is_token_identical(tmp_path: Path) -> None:
             )
             results.append([(o.text, [s.text for s in o.segments]) for o in outs])
             assert_idle(llm.llm_engine.get_stats())
-    assert results[0] == results[1]
+            bursts.append(sum(n > 1 for n in counted))
+    assert results[0] == results[1] == results[2]
+    assert bursts[0] == bursts[1] == 0 and bursts[2] > 0
 
 
 @pytest.mark.skipif(not WHISPER_BASE.is_dir(), reason=f"needs {WHISPER_BASE}")
@@ -218,9 +268,14 @@ def test_real_whisper_base_pipelined_transcripts_with_timestamps() -> None:
         str(p) for p in (ASSETS / "audio" / "librispeech").glob("*.flac")
     )
     results = []
-    for async_scheduling in (False, True):
-        with LLM(str(WHISPER_BASE), async_scheduling=async_scheduling, multiprocess=False) as llm:
+    for async_scheduling, steps in ((False, 1), (True, 1), (True, 8)):
+        with LLM(
+            str(WHISPER_BASE),
+            async_scheduling=async_scheduling,
+            num_scheduler_steps=steps,
+            multiprocess=False,
+        ) as llm:
             outs = llm.transcribe(clips, timestamps=True)
             results.append([(o.text, [(s.start, s.end, s.text) for s in o.segments]) for o in outs])
-    assert results[0] == results[1]
+    assert results[0] == results[1] == results[2]
     assert "ask not what your country can do for you" in results[1][0][0]

@@ -66,6 +66,10 @@ class SchedulerOutput:
     any dst. Forks of a held request's partial last block (copy-on-write)."""
     step_id: int = 0
     """The scheduler's count of steps, this one included."""
+    num_decode_steps: int = 1
+    """Decode steps the runner runs back to back (SchedulerConfig.num_scheduler_steps): the
+    first feeds each request's one scheduled token, each later one the token the previous one
+    sampled; every request samples this many tokens (KV slots are allocated for them)."""
     finished_req_ids: set[str] = field(default_factory=set)
     """Requests finished or aborted since the last step (including preempted ones, which come
     back later as new requests)."""
@@ -114,3 +118,39 @@ class ReadyRunnerOutput:
 
     def get_output(self) -> ModelRunnerOutput:
         return self.output
+
+
+@dataclass
+class BurstRunnerOutput:
+    """A DeferredRunnerOutput of a decode burst (SchedulerOutput.num_decode_steps > 1): the
+    outputs of its steps, read back in order and joined per request."""
+
+    steps: list[DeferredRunnerOutput]
+
+    def get_output(self) -> ModelRunnerOutput:
+        outputs = [step.get_output() for step in self.steps]
+        first = outputs[0]
+        for out in outputs[1:]:
+            assert out.req_ids == first.req_ids, "a burst's steps run the same requests"
+        first.sampled_token_ids = [
+            [t for tokens in rows for t in tokens]
+            for rows in zip(*(o.sampled_token_ids for o in outputs), strict=True)
+        ]
+        if any(o.logprobs is not None for o in outputs):
+            for name in ("logprob_token_ids", "logprobs", "logprob_ranks"):
+                setattr(first, name, _join_rows([getattr(o, name) for o in outputs]))
+        for out in outputs[1:]:
+            for req_id, extras in out.extras.items():
+                first.extras.setdefault(req_id, {}).update(extras)
+        return first
+
+
+def _join_rows(per_step: list[Any]) -> list[Any]:
+    """Per request, its rows of every step in order (None where no step has any)."""
+    width = max(len(rows) for rows in per_step if rows is not None)
+    per_step = [rows if rows is not None else [None] * width for rows in per_step]
+    joined = []
+    for rows in zip(*per_step, strict=True):
+        present = [r for r in rows if r is not None]
+        joined.append([x for r in present for x in r] if present else None)
+    return joined

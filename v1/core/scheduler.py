@@ -114,6 +114,7 @@ class Scheduler:
         self.max_num_seqs = sc.max_num_seqs
         self.max_num_batched_tokens = sc.max_num_batched_tokens
         self.enable_chunked_prefill = sc.enable_chunked_prefill
+        self.num_scheduler_steps = sc.num_scheduler_steps
         self.policy = sc.policy
         self.max_model_len = config.model_config.effective_max_model_len
         self.encoder_budget = config.encoder_budget
@@ -274,8 +275,59 @@ class Scheduler:
         scheduled_new: list[Request] = []
         if not preempted:
             scheduled_new = self._schedule_waiting(budget)
+        num_steps = 1
+        if self.num_scheduler_steps > 1 and scheduled_running and not scheduled_new:
+            num_steps = self._decode_burst(scheduled_running, new_block_ids, num_scheduled)
 
-        return self._make_output(budget, scheduled_running, new_block_ids, scheduled_new)
+        return self._make_output(budget, scheduled_running, new_block_ids, scheduled_new, num_steps)
+
+    def _decode_burst(
+        self,
+        scheduled: list[Request],
+        new_block_ids: list[tuple[list[int], ...] | None],
+        num_scheduled: dict[str, int],
+    ) -> int:
+        """Decode steps this step may run back to back (see num_scheduler_steps): 1 unless
+        every scheduled request decodes one token with nothing that reads its tokens between
+        steps; at most what max_model_len leaves each request. Slots for them are allocated
+        here (the new blocks join `new_block_ids`); out of blocks, the step runs one."""
+        num_steps = self.num_scheduler_steps
+        for request in scheduled:
+            params = request.sampling_params
+            placeholders = request.num_output_placeholders
+            num_tokens = len(request.all_token_ids) + placeholders
+            if (
+                num_scheduled[request.request_id] != 1
+                or params is None
+                or params.structured_outputs is not None
+                or params.word_timestamps
+                or request.num_computed_tokens + 1 != num_tokens
+            ):
+                return 1
+            # Tokens past max_tokens are computed and dropped when read back (the request ends
+            # at its limit), which lets requests of staggered lengths finish in one burst;
+            # max_model_len bounds the KV slots.
+            room = self.max_model_len - num_tokens
+            if room < num_steps:
+                num_steps = room
+                if num_steps <= 1:
+                    return 1
+        allocate_slots = self.kv_cache_manager.allocate_slots
+        for k, request in enumerate(scheduled):
+            if request.num_computed_tokens + num_steps <= request.num_kv_slots:
+                continue
+            blocks = allocate_slots(request, num_steps, defer_caching=True)
+            if blocks is None:
+                num_steps = 1  # blocks taken so far stay with their requests (sent below)
+                break
+            added = blocks.get_block_ids()
+            if any(added):
+                old = new_block_ids[k]
+                new_block_ids[k] = (
+                    added if old is None else tuple(a + b for a, b in zip(old, added, strict=True))
+                )
+        self.kv_cache_manager.cache_deferred_blocks()
+        return num_steps
 
     def _schedule_waiting(self, budget: _StepBudget) -> list[Request]:
         """Admits waiting requests in queue order while the budgets last. One that cannot run
@@ -432,6 +484,7 @@ class Scheduler:
         scheduled_running: list[Request],
         new_block_ids: list[tuple[list[int], ...] | None],
         scheduled_new: list[Request],
+        num_steps: int = 1,
     ) -> SchedulerOutput:
         new_reqs = [
             NewRequestData(
@@ -464,6 +517,7 @@ class Scheduler:
             encoder_hashes_to_run=budget.encoder_hashes_to_run,
             free_encoder_hashes=self.encoder_cache.take_freed_hashes(),
             step_id=self.num_steps,
+            num_decode_steps=num_steps,
             finished_req_ids=self.finished_req_ids,
             block_copies=self.kv_cache_manager.take_block_copies(),
         )
@@ -479,6 +533,11 @@ class Scheduler:
         # (spelled out: request.num_tokens_with_placeholders, request.is_pooling).
         # num_scheduled holds the running requests in scheduled order, then the new ones.
         scheduled = scheduled_running + scheduled_new
+        if num_steps > 1:  # a decode burst: each request samples num_steps tokens
+            for request in scheduled_running:
+                request.num_computed_tokens += num_steps
+                request.num_output_placeholders += num_steps
+            return output
         for request, num in zip(scheduled, num_scheduled.values(), strict=True):
             request.num_computed_tokens += num
             if (

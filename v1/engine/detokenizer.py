@@ -54,6 +54,15 @@ class IncrementalDetokenizer:
         """
         if not new_token_ids:
             return None
+        if len(new_token_ids) > 1 and self.stop and self.decodes_text:
+            # One at a time (a decode burst brings several): a stop string ends the request at
+            # the token that completes it, and later tokens are dropped, as one per step.
+            last = len(new_token_ids) - 1
+            for i, token in enumerate(new_token_ids):
+                stop_str = self.update([token], stop_terminated and i == last)
+                if stop_str is not None:
+                    return stop_str
+            return None
         self.token_ids.extend(new_token_ids)
         if not self.decodes_text:
             return None

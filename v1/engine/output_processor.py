@@ -279,18 +279,27 @@ class OutputProcessor:
                 del request_states[out.request_id]
                 continue
             finish_reason, stop_reason = out.finish_reason, out.stop_reason
+            num_before = len(detokenizer.token_ids)
             stop_str = detokenizer.update(
                 out.new_token_ids, finish_reason is not None and finish_reason == FinishReason.STOP
+            )
+            lp_ids, lps, lp_ranks = (
+                out.new_logprob_token_ids,
+                out.new_logprobs,
+                out.new_logprob_ranks,
             )
             if stop_str is not None:
                 if finish_reason is None:
                     reqs_to_abort.append(out.request_id)
                 finish_reason, stop_reason = FinishReason.STOP, stop_str
-            if state.num_logprobs is not None and out.new_logprobs is not None:
-                assert out.new_logprob_token_ids is not None and out.new_logprob_ranks is not None
-                state.raw_ids.extend(out.new_logprob_token_ids)
-                state.raw_lps.extend(out.new_logprobs)
-                state.raw_ranks.extend(out.new_logprob_ranks)
+                num_new = len(detokenizer.token_ids) - num_before
+                if lps is not None and num_new < len(lps):  # tokens past the stop: dropped
+                    lp_ids, lps, lp_ranks = lp_ids[:num_new], lps[:num_new], lp_ranks[:num_new]
+            if state.num_logprobs is not None and lps is not None:
+                assert lp_ids is not None and lp_ranks is not None
+                state.raw_ids.extend(lp_ids)
+                state.raw_lps.extend(lps)
+                state.raw_ranks.extend(lp_ranks)
             if out.prompt_logprobs is not None:
                 state.prompt_logprobs = self._prompt_logprobs(out)
             finished = finish_reason is not None

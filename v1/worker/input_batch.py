@@ -55,6 +55,10 @@ class InputBatch:
         step they are copies: a sampler graph's output buffer is overwritten by its next
         replay."""
         self.copy_sampled = steps_in_flight > 2
+        self.continues_step = False
+        """Set by the runner for the later steps of a decode burst: their sampled tokens take
+        the place of the burst's earlier ones in `sampled` (every row is sampled again, so no
+        pending token refers to those), keeping one entry per launched engine step."""
         self._pending_oldest = 0
         """Index in `sampled` of the oldest step the last `pending_inputs` rows read."""
         self.slot_generations = np.zeros(max_num_reqs, dtype=np.int64)
@@ -135,8 +139,12 @@ class InputBatch:
         """One new token per listed slot, sampled as `rows` of `sampled_token_ids` (the step
         just launched, on the device; the next step reads its inputs there); its value comes
         to the host with `resolve_pending`. Returns the tokens' positions."""
-        self.num_launched += 1
-        self.sampled.append(sampled_token_ids.clone() if self.copy_sampled else sampled_token_ids)
+        kept = sampled_token_ids.clone() if self.copy_sampled else sampled_token_ids
+        if self.continues_step and self.sampled:
+            self.sampled[-1] = kept
+        else:
+            self.num_launched += 1
+            self.sampled.append(kept)
         positions = self.num_tokens[slots].copy()
         self.num_tokens[slots] += 1
         self.pending_positions[slots] = positions

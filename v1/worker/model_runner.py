@@ -19,6 +19,7 @@ from v1.attention.layer import Attention
 from v1.attention.selector import default_backend_name, use_backend
 from v1.config import EngineConfig
 from v1.core.sched_output import (
+    BurstRunnerOutput,
     DeferredRunnerOutput,
     ModelRunnerOutput,
     ReadyRunnerOutput,
@@ -204,14 +205,32 @@ class ModelRunner:
             return ReadyRunnerOutput(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
         step = self._prepare_inputs(scheduler_output)
         self.state.prepare_step(step, scheduler_output)
+        output = self._main_pass_and_finish(step, scheduler_output)
+        if scheduler_output.num_decode_steps == 1:
+            return output
+        # A decode burst: each later step feeds every request the token the one before it
+        # sampled (still on the device: it is pending in the persistent batch).
+        outputs = [output]
+        batch, slots = self.input_batch, step.slots
+        batch.continues_step = True
+        try:
+            for _ in range(scheduler_output.num_decode_steps - 1):
+                batch.num_computed_tokens[slots] += 1
+                step = self._prepare_inputs(scheduler_output)
+                outputs.append(self._main_pass_and_finish(step, scheduler_output))
+        finally:
+            batch.continues_step = False
+        return BurstRunnerOutput(outputs)
+
+    def _main_pass_and_finish(self, step: StepInputs, so: SchedulerOutput) -> DeferredRunnerOutput:
         # Every step's one choice between graph and eager: the pre-step wrote what the graphs
         # only read (cross K/V), so any step that fits a graph replays one.
         graphs = self.cuda_graphs
-        if graphs is not None and graphs.can_run(step, scheduler_output):
+        if graphs is not None and graphs.can_run(step, so):
             hidden_states = graphs.run(step)
         else:
-            hidden_states = self.state.forward(step, scheduler_output)[: step.num_tokens]
-        return self.state.finish_step(hidden_states, step, scheduler_output)
+            hidden_states = self.state.forward(step, so)[: step.num_tokens]
+        return self.state.finish_step(hidden_states, step, so)
 
     def _update_states(self, so: SchedulerOutput) -> None:
         """Applies the step's delta to the persistent batch: finished requests leave, new ones
