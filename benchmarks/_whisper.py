@@ -39,7 +39,10 @@ CLIP_SECONDS = 30.0
 CLIP_SAMPLES = 480000
 
 ENGINE_KWARGS = dict(
-    max_num_seqs=256, max_num_batched_tokens=8192, max_num_encoder_input_tokens=1500 * 32
+    max_num_seqs=256,
+    max_num_batched_tokens=8192,
+    max_num_encoder_input_tokens=1500 * 32,
+    num_scheduler_steps=8,  # decode bursts: the host works once per 8 tokens of the batch
 )
 TINY_ENGINE_KWARGS = dict(
     max_num_seqs=8, max_num_batched_tokens=512, max_num_encoder_input_tokens=1500 * 4
