@@ -32,6 +32,7 @@ def main() -> None:
     p.add_argument("--modes", default="normal,normal,normal,gc-off,gc-off")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-steps-in-flight", type=int, default=2)
+    p.add_argument("--num-scheduler-steps", type=int, default=1, help="decode bursts")
     p.add_argument("--cprofile", action="store_true")
     args = p.parse_args()
     from v1 import SamplingParams
@@ -40,6 +41,7 @@ def main() -> None:
         "quantization": "fp8",
         "max_num_seqs": args.max_num_seqs,
         "max_steps_in_flight": args.max_steps_in_flight,
+        "num_scheduler_steps": args.num_scheduler_steps,
     }
     if args.kv:
         kw["kv_cache_dtype"] = args.kv

@@ -4,6 +4,7 @@ storms, id reuse, in-process parity and engine death."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import time
@@ -325,3 +326,42 @@ def test_requests_take_the_fair_share_group_of_their_context(llm: AsyncLLM, monk
     assert len(groups) == 4
     assert {g for rid, g in groups.items() if rid != "alone"} == {"http-1"}
     assert groups["alone"] == "alone"
+
+
+def test_decode_bursts_stream_the_same_tokens_in_chunks(llm: AsyncLLM, config: EngineConfig):
+    """A multiprocess core with num_scheduler_steps=4 streams each request's tokens several at
+    a time (one delta per burst), the same tokens as one token per step."""
+    params = [greedy(13), SamplingParams(temperature=1.0, seed=7, max_tokens=11, ignore_eos=True)]
+    ids = [
+        (f"b{i}-{j}", prompt, p) for i, prompt in enumerate(PROMPTS) for j, p in enumerate(params)
+    ]
+
+    async def run(engine: AsyncLLM) -> tuple[dict[str, list[int]], list[int]]:
+        sizes: list[int] = []
+
+        async def one(req_id: str, prompt: str, p: SamplingParams) -> list[int]:
+            tokens: list[int] = []
+            async for out in engine.generate(
+                prompt, p, req_id, output_kind=RequestOutputKind.DELTA
+            ):
+                sizes.append(len(out.outputs[0].token_ids))
+                tokens += out.outputs[0].token_ids
+            return tokens
+
+        got = await asyncio.gather(*(one(r, pr, p) for r, pr, p in ids))
+        await assert_core_idle(engine)
+        return {r: t for (r, _, _), t in zip(ids, got, strict=True)}, sizes
+
+    expected, one_at_a_time = asyncio.run(run(llm))
+    bursts = AsyncLLM.from_engine_config(
+        dataclasses.replace(
+            config,
+            scheduler_config=dataclasses.replace(config.scheduler_config, num_scheduler_steps=4),
+        )
+    )
+    try:
+        got, chunks = asyncio.run(run(bursts))
+    finally:
+        bursts.shutdown()
+    assert got == expected and {len(t) for t in got.values()} == {11, 13}
+    assert max(one_at_a_time) == 1 and max(chunks) == 4
