@@ -279,3 +279,47 @@ def test_real_whisper_base_pipelined_transcripts_with_timestamps() -> None:
             results.append([(o.text, [(s.start, s.end, s.text) for s in o.segments]) for o in outs])
     assert results[0] == results[1] == results[2]
     assert "ask not what your country can do for you" in results[1][0][0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("model", ["llama", "whisper"])
+def test_decode_bursts_on_gpu_replay_graphs_token_identical(
+    model: str, llama_dir: str, tmp_path: Path
+) -> None:
+    """On CUDA (decoder and sampler graphs, pipelined steps) a burst of 4 decode steps gives
+    the tokens of one step at a time (fp32, equal lengths: the same rows in every step)."""
+    kwargs: dict[str, Any] = dict(
+        device="cuda",
+        dtype="float32",
+        multiprocess=False,
+        num_kv_blocks=1024,  # no memory profile: a fixed pool
+        max_num_seqs=8,
+        max_num_batched_tokens=512,
+    )
+    if model == "llama":
+        inputs: Any = prompts("llama")
+        params = SamplingParams(temperature=0, max_tokens=13, ignore_eos=True)
+    else:
+        if not WHISPER_BASE.is_dir():
+            pytest.skip(f"needs {WHISPER_BASE}")
+        path = make_tiny_whisper_dir(tmp_path / "whisper")
+        rng = torch.Generator().manual_seed(1)
+        inputs = [(torch.randn(16000 * 5, generator=rng).numpy() * 0.1, 16000) for _ in range(6)]
+        params = SamplingParams(temperature=0, max_tokens=13, ignore_eos=True)
+    results, bursts = [], []
+    for steps in (1, 4):
+        with LLM(
+            llama_dir if model == "llama" else path, num_scheduler_steps=steps, **kwargs
+        ) as llm:
+            counted = count_bursts(llm)
+            if model == "llama":
+                outs = llm.generate(inputs, params, use_tqdm=False)
+                results.append([o.outputs[0].token_ids for o in outs])
+            else:
+                outs = llm.transcribe(inputs, params, language="en", temperature=0.0)
+                results.append([[s.tokens for s in o.segments] for o in outs])
+            bursts.append(sum(n > 1 for n in counted))
+            assert_idle(llm.llm_engine.get_stats())
+    assert results[0] == results[1]
+    assert bursts[0] == 0 and bursts[1] > 0
