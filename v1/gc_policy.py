@@ -8,9 +8,10 @@ default thresholds (700, 10, 10) start two or three of them per 2.6 s run, each 
 length in the device's queue (`benchmarks/step_gaps.py` records them).
 
 `deferred_full_collections()` lets the young generations run as usual (they collect short-lived
-cycles) and makes full collections `FULL_COLLECTION_FACTOR` times rarer while a batch loop runs;
-the thresholds are restored after it, and the next automatic collection catches up. A process
-that only steps an engine (the EngineCore process) keeps the raised threshold for its lifetime.
+cycles) and makes full collections `FULL_COLLECTION_FACTOR` times rarer than Python's default
+while a batch loop runs; the thresholds are restored after it, and the next automatic
+collection catches up. A process that only steps an engine (the EngineCore process) keeps the
+raised threshold for its lifetime.
 """
 
 from __future__ import annotations
@@ -20,35 +21,25 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 FULL_COLLECTION_FACTOR = 20
-"""Generation-1 collections between two full ones: 10 (Python's default) times this."""
+"""Generation-1 collections between two full ones: at least Python's default (10) times this."""
+
+_FULL_COLLECTION_THRESHOLD = 10 * FULL_COLLECTION_FACTOR
 
 
 def raise_full_collection_threshold() -> tuple[int, int, int]:
-    """Makes full collections FULL_COLLECTION_FACTOR times rarer; returns the old thresholds."""
+    """Makes full collections FULL_COLLECTION_FACTOR times rarer than Python's default (a
+    threshold already that high stays); returns the old thresholds."""
     old = gc.get_threshold()
-    gc.set_threshold(old[0], old[1], old[2] * FULL_COLLECTION_FACTOR)
+    gc.set_threshold(old[0], old[1], max(old[2], _FULL_COLLECTION_THRESHOLD))
     return old
 
 
 @contextmanager
 def deferred_full_collections() -> Iterator[None]:
-    """Full collections FULL_COLLECTION_FACTOR times rarer inside; nested blocks (a
-    transcription inside a batch loop) leave the outermost one in charge."""
-    if _open_blocks[0]:
-        _open_blocks[0] += 1
-        try:
-            yield
-        finally:
-            _open_blocks[0] -= 1
-        return
+    """Full collections FULL_COLLECTION_FACTOR times rarer inside, the old thresholds back
+    after; a nested block (a transcription inside a batch loop) finds them raised already."""
     old = raise_full_collection_threshold()
-    _open_blocks[0] = 1
     try:
         yield
     finally:
-        _open_blocks[0] = 0
         gc.set_threshold(*old)
-
-
-_open_blocks = [0]
-"""Open `deferred_full_collections` blocks in this process."""
