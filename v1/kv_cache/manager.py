@@ -1,9 +1,7 @@
-"""The scheduler's one handle on the KV cache: request-level allocation across all KV groups.
-
-`KVCacheManager` owns the block pool and one per-type manager per KV cache group; it answers
-prefix-cache lookups, allocates all-or-nothing across groups, forks a held request's decoder
-blocks into a new request (copy-on-write of the partial last block, the copies queued for the
-runner) and frees (idempotently) per request.
+"""`KVCacheManager`, the scheduler's one handle on the KV cache: per-request allocation across
+all KV groups, all or nothing, through one per-type manager per group over one block pool.
+It answers prefix-cache lookups, forks a held request's decoder blocks (copy-on-write of the
+partial last block) and frees idempotently; `request.num_kv_slots` never exceeds what is held.
 """
 
 from __future__ import annotations
@@ -22,7 +20,7 @@ from v1.kv_cache.single_type import (
 from v1.kv_cache.spec import KVCacheConfig
 
 if TYPE_CHECKING:
-    from v1.core.request import Request
+    from v1.kv_cache.kv_request import KVRequest
 
 
 @dataclass(frozen=True)
@@ -82,7 +80,7 @@ class KVCacheManager:
         )
         self._full_managers = [m for m in self.managers if isinstance(m, FullAttentionManager)]
         self._full_tables = tuple((m.req_to_blocks, m.block_size) for m in self._full_managers)
-        """(block tables, block size) of each full-attention group, for the per-step checks."""
+        """(block tables, block size) of each full-attention group, for num_kv_slots."""
         self._encoder_entry_managers = [
             m for m in self.managers if isinstance(m, CrossAttentionManager)
         ]
@@ -96,7 +94,7 @@ class KVCacheManager:
         """Block size of the chained hashes in request.block_hashes (0: no prefix caching)."""
         self.NO_NEW_BLOCKS = self._empty()
         """What allocate_slots returns when it added nothing (shared: never mutate it)."""
-        self._deferred_caching: list[tuple[Request, int]] = []
+        self._deferred_caching: list[tuple[KVRequest, int]] = []
         """(request, tokens to cache) of tables grown by allocate_slots(defer_caching=True)
         whose filled blocks wait for cache_deferred_blocks."""
         self.prefix_cache_queries = 0
@@ -143,7 +141,7 @@ class KVCacheManager:
         return KVCacheBlocks.empty(len(self.managers))
 
     # ---- prefix cache ----
-    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+    def get_computed_blocks(self, request: KVRequest) -> tuple[KVCacheBlocks, int]:
         """Prefix-cache hit blocks of a waiting request and how many tokens they cover.
 
         The hit never covers the whole prompt: the last token is always recomputed so that the
@@ -177,7 +175,7 @@ class KVCacheManager:
     # ---- allocation ----
     def allocate_slots(
         self,
-        request: Request,
+        request: KVRequest,
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
         new_computed_blocks: KVCacheBlocks | None = None,
@@ -202,21 +200,19 @@ class KVCacheManager:
         """
         if not self.managers:
             return self._empty()  # encoder-only models: no paged layers, nothing to allocate
-        if new_computed_blocks is None and not num_encoder_tokens and self._full_tables:
-            # The decode fast path (this runs for every running request each step): every
-            # full-attention table already covers the new tokens (other kinds of groups never
-            # grow after admission). Blocks filled meanwhile are registered in the prefix
-            # cache by the next call that grows them.
-            req_id = request.request_id
+        if new_computed_blocks is None and not num_encoder_tokens and self._full_managers:
+            # The decode fast path (this runs for every running request each step): the full
+            # tables already hold the slots (num_kv_slots: other kinds of groups never grow after
+            # admission), or an admitted request's full tables grow.
             num_tokens = request.num_computed_tokens + num_new_tokens
             if num_tokens > self.max_model_len:
                 num_tokens = self.max_model_len
-            for req_to_blocks, block_size in self._full_tables:
-                if len(req_to_blocks.get(req_id, ())) * block_size < num_tokens:
-                    break
-            else:
+            if num_tokens <= request.num_kv_slots:
                 return self.NO_NEW_BLOCKS
-            if not num_new_computed_tokens and req_id in self._full_tables[0][0]:
+            if (
+                not num_new_computed_tokens
+                and request.request_id in self._full_managers[0].req_to_blocks
+            ):
                 return self._grow(request, num_new_tokens, defer_caching)
         self.cache_deferred_blocks()
         if new_computed_blocks is None:
@@ -234,34 +230,23 @@ class KVCacheManager:
         )
 
     def _grow(
-        self, request: Request, num_new_tokens: int, defer_caching: bool
+        self, request: KVRequest, num_new_tokens: int, defer_caching: bool
     ) -> KVCacheBlocks | None:
-        """`_allocate` for a request already admitted (it holds a table in every group), without
-        prefix hits, encoder tokens or a fork: only its full-attention tables can grow (a
-        cross-attention or encoder-states table is allocated once, at admission, and its entry
-        registered then; an encoder-only group holds nothing), then the filled blocks are
-        registered in the prefix cache (now, or with `defer_caching` by the next
-        `cache_deferred_blocks`)."""
+        """`_allocate` for an admitted request (it holds a table in every group) without prefix
+        hits, encoder tokens or a fork: only full-attention tables grow (cross-attention and
+        encoder-states tables are allocated once, at admission). Filled blocks are registered
+        in the prefix cache now, or with `defer_caching` by `cache_deferred_blocks`."""
         req_id = request.request_id
         num_tokens = request.num_computed_tokens + num_new_tokens
-        num_tokens_need_slot = min(num_tokens, self.max_model_len)
-        grow = []  # (table, blocks it needs, its group), per full-attention group
-        num_blocks_to_allocate = 0
-        for manager in self._full_managers:
-            table = manager.req_to_blocks[req_id]
-            num_new = -(-num_tokens_need_slot // manager.block_size) - len(table)
-            grow.append((table, num_new, manager.group_id))
-            num_blocks_to_allocate += max(0, num_new)
-        if num_blocks_to_allocate > self.block_pool.free_block_queue.num_free_blocks:
+        num_slots = min(num_tokens, self.max_model_len)
+        growth = [m.num_blocks_to_grow(req_id, num_slots) for m in self._full_managers]
+        if sum(growth) > self.block_pool.get_num_free_blocks():
             return None
-        # FullAttentionManager.allocate_new_blocks per group, spelled out.
         added: list[list[KVCacheBlock]] = [[] for _ in self.managers]
-        for table, num_new, group_id in grow:
-            if num_new > 0:
-                new_blocks = self.block_pool.get_new_blocks(num_new)
-                table.extend(new_blocks)
-                added[group_id] = new_blocks
-        if self.enable_caching and request.pooling_params is None:
+        for manager, num_blocks in zip(self._full_managers, growth, strict=True):
+            if num_blocks:
+                added[manager.group_id] = manager.grow(req_id, num_blocks)
+        if self.enable_caching and not request.is_pooling:
             # Cache only blocks whose tokens exist and will be computed by this step.
             num_tokens_to_cache = min(num_tokens, len(request.all_token_ids))
             self._deferred_caching.append((request, num_tokens_to_cache))
@@ -279,15 +264,15 @@ class KVCacheManager:
         if not deferred:
             return
         self._deferred_caching = []
-        for request, num_tokens in deferred:
+        for request, _ in deferred:
             request_block_hashes(request, self.hash_block_size)
-            for manager in self._full_managers:
-                manager.cache_blocks(request, num_tokens)
+        for manager in self._full_managers:
+            manager.cache_blocks_of(deferred)
 
     def fork_slots(
         self,
-        request: Request,
-        parent: Request,
+        request: KVRequest,
+        parent: KVRequest,
         num_new_tokens: int,
         num_encoder_tokens: int = 0,
         move_last_block: bool = False,
@@ -329,7 +314,7 @@ class KVCacheManager:
         return blocks
 
     def _allocate(
-        self, request: Request, allocation: _Allocation, computed: KVCacheBlocks
+        self, request: KVRequest, allocation: _Allocation, computed: KVCacheBlocks
     ) -> KVCacheBlocks | None:
         """allocate_slots and fork_slots past their checks: `computed` are prefix hits, or the
         parent's blocks of a fork."""
@@ -388,7 +373,7 @@ class KVCacheManager:
         self._update_num_kv_slots(request)
         return KVCacheBlocks(added)
 
-    def _update_num_kv_slots(self, request: Request) -> None:
+    def _update_num_kv_slots(self, request: KVRequest) -> None:
         req_id = request.request_id
         num_slots = -1
         for req_to_blocks, block_size in self._full_tables:
@@ -417,7 +402,7 @@ class KVCacheManager:
         self._block_copies.clear()
         return copies
 
-    def has_encoder_entry(self, request: Request) -> bool:
+    def has_encoder_entry(self, request: KVRequest) -> bool:
         """Whether every cross-attention / encoder-states group already has an entry for the
         request's encoder input (held by another request, or freed and still cached), so that
         admitting it attaches to filled blocks: its encoder output need not be projected (or
@@ -433,7 +418,7 @@ class KVCacheManager:
         )
 
     def _attach_encoder_entries(
-        self, request: Request, computed: KVCacheBlocks, num_encoder_tokens: int
+        self, request: KVRequest, computed: KVCacheBlocks, num_encoder_tokens: int
     ) -> KVCacheBlocks:
         """`computed` plus, per cross-attention / encoder-states group the request holds nothing
         of yet, the blocks of an existing entry for its encoder content hash (taken like prefix
@@ -451,7 +436,7 @@ class KVCacheManager:
             blocks[manager.group_id] = found
         return KVCacheBlocks(tuple(blocks))
 
-    def cache_computed_blocks(self, request: Request) -> None:
+    def cache_computed_blocks(self, request: KVRequest) -> None:
         """Registers the request's full blocks of known, computed tokens in the prefix cache
         (the decode fast path defers that registration)."""
         self.cache_deferred_blocks()
@@ -464,7 +449,7 @@ class KVCacheManager:
                 for manager in self._full_managers:
                     manager.cache_blocks(request, num_tokens)
 
-    def free(self, request: Request) -> None:
+    def free(self, request: KVRequest) -> None:
         """Release every group's blocks of the request (finish, abort, preemption), and drop
         block copies of its fork that no step carried yet. Idempotent. Full blocks of known,
         computed tokens are registered in the prefix cache first."""

@@ -1,10 +1,8 @@
 """Per-KV-cache-group block managers: one block table per request for one attention type.
 
-`FullAttentionManager` grows with the tokens and uses the prefix cache; `CrossAttentionManager`
-holds the encoder's K/V and `EncoderStatesManager` the encoder output (absorbed cross-attention),
-both allocated once at admission, once per distinct encoder input, shared by content hash;
-`EncoderOnlyAttentionManager` holds nothing. All draw from one shared BlockPool; free is
-idempotent per request.
+Full attention grows with the tokens and uses the prefix cache; cross-attention and encoder
+states are allocated once at admission, shared by encoder content hash; encoder-only attention
+holds nothing. All draw from one shared BlockPool; free is idempotent per request.
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ from v1.kv_cache.spec import (
 )
 
 if TYPE_CHECKING:
-    from v1.core.request import Request
+    from v1.kv_cache.kv_request import KVRequest
 
 
 def cdiv(a: int, b: int) -> int:
@@ -81,7 +79,7 @@ class SingleTypeKVCacheManager:
         blocks.extend(new_blocks)
         return new_blocks
 
-    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+    def cache_blocks(self, request: KVRequest, num_tokens: int) -> None:
         """Register the request's full blocks among its first `num_tokens` in the prefix cache."""
 
     def find_longest_cache_hit(
@@ -119,7 +117,7 @@ class FullAttentionManager(SingleTypeKVCacheManager):
             # Hits are cached already: they need no registering.
             self.num_cached_blocks[req_id] = len(new_computed_blocks)
 
-    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+    def cache_blocks(self, request: KVRequest, num_tokens: int) -> None:
         req_id = request.request_id
         num_cached = self.num_cached_blocks.get(req_id, 0)
         num_full = num_tokens // self.block_size
@@ -129,6 +127,23 @@ class FullAttentionManager(SingleTypeKVCacheManager):
             self.req_to_blocks[req_id], request.block_hashes, num_cached, num_full, self.group_id
         )
         self.num_cached_blocks[req_id] = num_full
+
+    def cache_blocks_of(self, pending: Sequence[tuple[KVRequest, int]]) -> None:
+        """`cache_blocks` for a batch of (request, tokens to cache), in order (a step's
+        decoding requests whose tables grew)."""
+        for request, num_tokens in pending:
+            self.cache_blocks(request, num_tokens)
+
+    def num_blocks_to_grow(self, req_id: str, num_tokens: int) -> int:
+        """Blocks the table of `req_id` (which holds one) lacks for `num_tokens` tokens."""
+        num_new = -(-num_tokens // self.block_size) - len(self.req_to_blocks[req_id])
+        return num_new if num_new > 0 else 0
+
+    def grow(self, req_id: str, num_blocks: int) -> list[KVCacheBlock]:
+        """Appends `num_blocks` new blocks to the table of `req_id`; returns them."""
+        new_blocks = self.block_pool.get_new_blocks(num_blocks)
+        self.req_to_blocks[req_id].extend(new_blocks)
+        return new_blocks
 
     def fork(
         self, parent_id: str, req_id: str, num_tokens: int, move_last_block: bool
