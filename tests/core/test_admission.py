@@ -16,10 +16,10 @@ from tests.core.fakes import (
     run_scheduler_step,
     to_core_request,
 )
-from v1.core import scheduler as scheduler_module
 from v1.core.admission import checked_ids
 from v1.core.protocol import EncoderInput, EngineCoreRequest, FinishReason
-from v1.core.scheduler import MAX_SKIPS_PER_STEP
+from v1.core.scheduler import admitter as admitter_module
+from v1.core.scheduler.admitter import MAX_SKIPS_PER_STEP
 from v1.kv_cache.capacity import max_tokens_that_fit, num_blocks_needed
 from v1.sampling_params import SamplingParams
 
@@ -213,7 +213,7 @@ def test_waiting_queue_passes_over_a_request_that_cannot_run_now():
 
 def test_a_request_passed_over_too_often_is_no_longer_overtaken(monkeypatch):
     limit = 5
-    monkeypatch.setattr(scheduler_module, "MAX_TIMES_PASSED", limit)
+    monkeypatch.setattr(admitter_module, "MAX_TIMES_PASSED", limit)
     sched = make_scheduler(num_kv_blocks=16, block_size=4, enable_prefix_caching=False)
     sched.add_request(make_request("a", prompt_len=20, max_tokens=20))
     runner = FakeRunner()

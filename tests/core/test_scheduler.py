@@ -261,7 +261,7 @@ def test_same_encoder_input_runs_once():
     so, _ = run_scheduler_step(sched, runner)
     assert so.encoder_hashes_to_run == {} and so.encoder_reqs == []
     assert so.scheduled_new_reqs[0].block_ids[1] == list(cross.pop())
-    assert runner.num_encoder_runs == 1 and sched.num_cross_cache_hits == 3
+    assert runner.num_encoder_runs == 1 and sched.admitter.num_cross_cache_hits == 3
     run_to_completion(sched, runner)
     assert_all_free(sched)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from v1.config import EngineConfig
-from v1.core.scheduler import MAX_SKIPS_PER_STEP
+from v1.core.scheduler.admitter import MAX_SKIPS_PER_STEP
 
 
 @dataclass(frozen=True)

@@ -140,26 +140,11 @@ class Request:
         return len(self.all_token_ids)
 
     @property
-    def num_tokens_with_placeholders(self) -> int:
-        """Known tokens plus the ones launched steps are sampling now."""
-        return len(self.all_token_ids) + self.num_output_placeholders
-
-    @property
-    def wants_more_tokens(self) -> bool:
-        """Whether a step may still feed this request another token: False once the tokens in
-        flight already reach its output or length limit (it finishes when they are read back)."""
-        placeholders = self.num_output_placeholders
-        return (
-            len(self.output_token_ids) + placeholders < self.max_tokens
-            and len(self.all_token_ids) + placeholders < self.max_model_len
-        )
-
-    @property
     def num_schedulable_tokens(self) -> int:
-        """Tokens a step may feed now: known or in-flight ones not computed yet (none while the
-        tokens in flight already reach the request's limits)."""
-        # Called for every running request each step: wants_more_tokens and
-        # needs_accepted_tokens are spelled out here (same conditions, no nested properties).
+        """Tokens a step may feed now: known or in-flight ones not computed yet; 0 while
+        tokens are in flight and they already reach the output or length limit (the request
+        finishes when they are read back), or the request has a grammar (its next mask depends
+        on its last token: pipelined scheduling skips it for one step instead)."""
         placeholders = self.num_output_placeholders
         num_tokens = len(self.all_token_ids) + placeholders
         if placeholders and (
@@ -172,13 +157,6 @@ class Request:
         ):
             return 0
         return num_tokens - self.num_computed_tokens
-
-    @property
-    def needs_accepted_tokens(self) -> bool:
-        """A structured-output request's next mask depends on its last token: it never runs
-        with one still in flight (pipelined scheduling skips it for one step instead)."""
-        params = self.sampling_params
-        return params is not None and params.structured_outputs is not None
 
     @property
     def num_output_tokens(self) -> int:
