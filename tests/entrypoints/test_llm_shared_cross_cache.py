@@ -13,7 +13,8 @@ import torch
 
 from tests.models.test_whisper import WHISPER_BASE, make_tiny_whisper_dir
 from v1 import LLM, BeamSearchParams, SamplingParams
-from v1.kv_cache.single_type import CrossAttentionManager, cdiv
+from v1.kv_cache.capacity import cdiv
+from v1.kv_cache.single_type import CrossAttentionManager
 
 pytestmark = pytest.mark.skipif(
     not WHISPER_BASE.is_dir(), reason=f"needs the real whisper-base folder at {WHISPER_BASE}"

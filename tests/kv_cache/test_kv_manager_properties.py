@@ -17,7 +17,7 @@ from kv_factories import (
 
 from v1.core.request import Request
 from v1.kv_cache import KVCacheManager
-from v1.kv_cache.single_type import cdiv
+from v1.kv_cache.capacity import cdiv
 
 PROMPTS = [list(range(9)), list(range(5)), [*range(5), 42, 43, 44], [7] * 12]
 ENCODER_TOKENS = [0, 3, 9]

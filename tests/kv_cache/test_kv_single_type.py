@@ -53,3 +53,28 @@ def test_blocks_to_allocate_counts_new_blocks_and_free_hits() -> None:
     assert "a" not in manager.num_cached_blocks
     assert manager.get_num_blocks_to_allocate("b", 12, 0, hits) == 3  # 1 new + 2 free hits
     assert manager.block_pool.get_num_free_blocks() == 9
+
+
+def test_grow_adds_only_the_blocks_the_table_lacks() -> None:
+    manager = _full_manager()
+    manager.allocate_new_blocks("r0", 5, 0)  # 2 blocks of 4
+    assert manager.num_blocks_to_grow("r0", 8) == 0
+    assert manager.num_blocks_to_grow("r0", 9) == 1
+    assert manager.num_blocks_to_grow("r0", 17) == 3
+    held = list(manager.get_blocks("r0"))
+    added = manager.grow("r0", 3)
+    assert manager.get_blocks("r0") == held + added and len(added) == 3
+    assert manager.num_blocks_to_grow("r0", 17) == 0
+
+
+def test_cache_blocks_of_registers_a_batch_as_one_call_each() -> None:
+    batched, single = _full_manager(), _full_manager()
+    requests = [make_request(f"r{n}", prompt_len=n) for n in (5, 8, 13)]
+    for manager in (batched, single):
+        for request in requests:
+            request_block_hashes(request, 4)
+            manager.allocate_new_blocks(request.request_id, request.num_tokens, 0)
+    batched.cache_blocks_of([(r, r.num_tokens) for r in requests])
+    for request in requests:
+        single.cache_blocks(request, request.num_tokens)
+    assert batched.num_cached_blocks == single.num_cached_blocks == {"r5": 1, "r8": 2, "r13": 3}

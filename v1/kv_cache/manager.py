@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING
 
 from v1.kv_cache.block_hash import request_block_hashes
 from v1.kv_cache.block_pool import BlockPool, KVCacheBlock
+from v1.kv_cache.capacity import cdiv
 from v1.kv_cache.single_type import (
     CrossAttentionManager,
     FullAttentionManager,
-    cdiv,
     get_manager_for_spec,
 )
 from v1.kv_cache.spec import KVCacheConfig

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from v1.kv_cache.block_hash import encoder_states_block_hashes
 from v1.kv_cache.block_pool import BlockPool, KVCacheBlock
+from v1.kv_cache.capacity import cdiv
 from v1.kv_cache.spec import (
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
@@ -22,10 +23,6 @@ from v1.kv_cache.spec import (
 
 if TYPE_CHECKING:
     from v1.kv_cache.kv_request import KVRequest
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class SingleTypeKVCacheManager:
@@ -136,7 +133,7 @@ class FullAttentionManager(SingleTypeKVCacheManager):
 
     def num_blocks_to_grow(self, req_id: str, num_tokens: int) -> int:
         """Blocks the table of `req_id` (which holds one) lacks for `num_tokens` tokens."""
-        num_new = -(-num_tokens // self.block_size) - len(self.req_to_blocks[req_id])
+        num_new = cdiv(num_tokens, self.block_size) - len(self.req_to_blocks[req_id])
         return num_new if num_new > 0 else 0
 
     def grow(self, req_id: str, num_blocks: int) -> list[KVCacheBlock]:
