@@ -1,9 +1,7 @@
-"""What the EngineCore accepts: the start-up capacity check and the per-request admission check.
-
-Pure Python (no torch). Start-up refuses a configuration in which one maximal request could never
-run (the message names the knob to change); admission turns a request that could never run, or
-whose numbers do not fit the step tensors, into that request's error instead of a hang or a
-failed step for everyone.
+"""Whether a request may ever enter the core, checked once (the scheduler's admitter decides
+which enter each step): the start-up capacity check refuses a configuration where one maximal
+request could never run, naming the knob; `check_request` turns a request that could never run,
+or whose numbers do not fit the step tensors, into that request's error. No torch.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Encoder inputs the core keeps by content hash, so a request may name one instead of sending it.
-
-Beam search continues every beam as a new request each step; with many beams over 30 s of audio,
-re-sending the samples each time would copy megabytes per beam per step across the process
-boundary. The first step sends the input; later ones send only its hash and length
-(`EncoderInput` without `token_ids` or `audio`), resolved here from the most recent payloads
+"""Encoder inputs the core keeps by content hash, so a request may name one instead of sending it
+(beam search continues every beam as a new request each step). The first request sends the
+input; later ones send only its hash and length, resolved here from the most recent payloads
 (least recently used dropped first, within a byte budget).
 """
 

@@ -1,11 +1,7 @@
-"""Finished requests whose KV blocks stay held for the requests that fork from them.
-
-A request sent with `hold_kv` (a beam search step) is held here once it finishes; requests
-naming it in `fork_from` (the next step's beams) register as its waiting forks and, when
-admitted, take its decoder blocks (`KVCacheManager.fork_slots`). A held request is freed once
-released (an abort naming it, or its `last_fork` child) and no registered fork still waits for
-it, or at once when the scheduler evicts it for room. Pure bookkeeping: the scheduler frees
-the KV blocks of the requests these methods hand back.
+"""`ForkManager`: finished `hold_kv` requests (a beam step) whose KV blocks stay held for the
+requests naming them in `fork_from`, which take those blocks when admitted. A held request is
+freed once released (an abort naming it, or its `last_fork` child) and no registered fork waits,
+or at once when evicted for room. Pure bookkeeping: the scheduler frees the blocks handed back.
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""The EngineCore's view of one request: tokens, progress and status."""
+"""`Request`, the EngineCore's view of one request: tokens, progress and status. Each rule on
+them is stated once here (`num_schedulable_tokens`) or in the scheduler part that applies it.
+"""
 
 from __future__ import annotations
 

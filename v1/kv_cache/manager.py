@@ -238,12 +238,13 @@ class KVCacheManager:
         in the prefix cache now, or with `defer_caching` by `cache_deferred_blocks`."""
         req_id = request.request_id
         num_tokens = request.num_computed_tokens + num_new_tokens
-        num_slots = min(num_tokens, self.max_model_len)
-        growth = [m.num_blocks_to_grow(req_id, num_slots) for m in self._full_managers]
-        if sum(growth) > self.block_pool.get_num_free_blocks():
+        num_slots = num_tokens if num_tokens < self.max_model_len else self.max_model_len
+        full = self._full_managers
+        growth = [manager.num_blocks_to_grow(req_id, num_slots) for manager in full]
+        if sum(growth) > self.block_pool.free_block_queue.num_free_blocks:
             return None
         added: list[list[KVCacheBlock]] = [[] for _ in self.managers]
-        for manager, num_blocks in zip(self._full_managers, growth, strict=True):
+        for manager, num_blocks in zip(full, growth, strict=True):
             if num_blocks:
                 added[manager.group_id] = manager.grow(req_id, num_blocks)
         if self.enable_caching and not request.is_pooling:

@@ -133,7 +133,7 @@ class FullAttentionManager(SingleTypeKVCacheManager):
 
     def num_blocks_to_grow(self, req_id: str, num_tokens: int) -> int:
         """Blocks the table of `req_id` (which holds one) lacks for `num_tokens` tokens."""
-        num_new = cdiv(num_tokens, self.block_size) - len(self.req_to_blocks[req_id])
+        num_new = -(-num_tokens // self.block_size) - len(self.req_to_blocks[req_id])  # cdiv
         return num_new if num_new > 0 else 0
 
     def grow(self, req_id: str, num_blocks: int) -> list[KVCacheBlock]:
