@@ -14,7 +14,7 @@ from v1.core.request import Request, RequestStatus
 from v1.core.scheduler.request_queue import RequestQueue
 from v1.core.scheduler.resources import RequestResources
 from v1.core.scheduler.step_plan import StepPlan
-from v1.kv_cache.manager import KVCacheBlocks, KVCacheManager
+from v1.kv_cache.manager import KVCacheManager
 
 MAX_SKIPS_PER_STEP = 16
 """Waiting requests that cannot run now which one step looks past for ones that can."""
@@ -115,7 +115,13 @@ class Admitter:
                 move_last_block=self.forks.is_last_fork(request),
             )
         else:
-            new_blocks = self._allocate(request, num_new, num_cached, computed_blocks)
+            new_blocks = self.kv_cache_manager.allocate_slots(
+                request,
+                num_new,
+                num_new_computed_tokens=num_cached,
+                new_computed_blocks=computed_blocks,
+                num_encoder_tokens=request.num_encoder_tokens,
+            )
         if new_blocks is None:
             return None
         if request.fork_from is not None:
@@ -130,21 +136,6 @@ class Admitter:
         self.running.append(request)
         plan.take(request, num_new)
         return True
-
-    def _allocate(
-        self,
-        request: Request,
-        num_new: int,
-        num_cached: int,
-        computed_blocks: KVCacheBlocks | None,
-    ) -> KVCacheBlocks | None:
-        return self.kv_cache_manager.allocate_slots(
-            request,
-            num_new,
-            num_new_computed_tokens=num_cached,
-            new_computed_blocks=computed_blocks,
-            num_encoder_tokens=request.num_encoder_tokens,
-        )
 
     def _encoder_plan(self, request: Request, plan: StepPlan) -> _EncoderPlan | None:
         """How the request gets its encoder output, or None when it cannot this step (the
