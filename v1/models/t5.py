@@ -29,6 +29,7 @@ from v1.models.layers.linear import (
 )
 from v1.models.layers.norm import RMSNorm
 from v1.models.utils import load_weights_into
+from v1.quantization.fp8_recipes import decoder_per_token_linears
 
 # Every T5 checkpoint ties both stacks' input embeddings to `shared`.
 _EMBEDDING_ALIASES = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
@@ -309,6 +310,10 @@ class T5ForConditionalGeneration(nn.Module):
         if self.output_scale is not None:
             hidden_states = hidden_states * self.output_scale
         return self.lm_head(hidden_states)
+
+    def default_fp8_ignore(self) -> list[str]:
+        """fp8 keeps the decoder's per-token GEMMs in the model dtype, as for BART."""
+        return decoder_per_token_linears(self)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         held: dict[str, torch.Tensor] = {}

@@ -35,6 +35,8 @@ class Linear(nn.Module):
     """y = x W^T + b, replicated. weight [output_size, input_size]. Quantization is applied from
     outside (v1/quantization): it sets `quant_method`, whose `apply(layer, x)` computes instead."""
 
+    quantizable: ClassVar[bool] = True
+    """How v1/quantization (which never imports the models) finds the layers it may quantize."""
     shard_dim: ClassVar[int | None] = None
     quant_method: Any = None
     tp: Any = None
