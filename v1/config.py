@@ -198,11 +198,6 @@ class ModelConfig:
     def kind(self) -> ModelKind:
         return self.spec.kind
 
-    @property
-    def is_whisper(self) -> bool:
-        """Speech input through Whisper's prompt and timestamp tokens."""
-        return bool(self.spec.speech_tasks)
-
     @cached_property
     def info(self) -> ModelInfo:
         """What the model is and can do (v1.model_info), derived once: every part of a process
@@ -244,6 +239,8 @@ class ModelConfig:
 
     @cached_property
     def _model_max_encoder_len(self) -> int:
+        if self.kind == ModelKind.DECODER_ONLY:
+            return 0
         return self.spec.max_encoder_len(self.hf_config)
 
     @cached_property

@@ -1,9 +1,7 @@
 """BERT and RoBERTa/XLM-R encoders (bidirectional, post-LayerNorm, GELU) and their
-sequence-classification heads, over packed requests with no KV cache.
-
-RoBERTa differs from BERT only in its positions: padding_idx + 1 + index (transformers'
-`create_position_ids_from_input_ids` on unpadded input). Checkpoints load with or without the
-`bert.`/`roberta.` prefix (sentence-transformers folders store a bare BertModel).
+sequence-classification heads, over packed requests with no KV cache. RoBERTa differs only in
+its positions (padding_idx + 1 + index); checkpoints load with or without the `bert.`/`roberta.`
+prefix. Each class declares its fp8 keep-list (`default_fp8_ignore`).
 """
 
 from __future__ import annotations

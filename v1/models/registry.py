@@ -89,9 +89,7 @@ class ModelSpec:
         return _first_positive(hf_config, self.decoder_len_fields)
 
     def max_encoder_len(self, hf_config: Any) -> int:
-        """The model's limit of one encoder input, in encoder positions (0: no encoder)."""
-        if self.kind == ModelKind.DECODER_ONLY:
-            return 0
+        """The limit of one encoder input, in encoder positions (for a family with an encoder)."""
         limit = _first_positive(hf_config, self.encoder_len_fields)
         if limit and self.pad_offset_positions:
             limit = limit - getattr(hf_config, "pad_token_id", 1) - 1

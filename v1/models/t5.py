@@ -1,9 +1,7 @@
 """T5-family models: T5 v1.0, v1.1 / flan-T5 and mT5 encoder-decoders, and the T5 encoder alone
-(sentence-t5-style embeddings through the encoder-only path).
-
-Pre-norm blocks with T5LayerNorm (RMS, no bias), no 1/sqrt(d) attention scaling, and a bucketed
-relative-position bias whose table lives in block 0 of each stack and is shared by every
-self-attention layer of that stack (bidirectional buckets in the encoder, causal in the decoder).
+(sentence-t5 embeddings). Pre-norm blocks with RMS T5LayerNorm, no 1/sqrt(d) scaling, and a
+bucketed relative-position bias whose table lives in block 0 of each stack and is shared by
+every self-attention layer of that stack.
 """
 
 from __future__ import annotations
