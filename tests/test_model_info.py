@@ -120,7 +120,7 @@ def test_whisper_tokens_a_config_omits_come_from_the_vocabulary_layout(tmp_path:
 def test_pooling_config_is_loaded_once_per_process_not_per_request(
     embedder_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import v1.models.sentence_transformers as st
+    import v1.pooling_config as st
 
     loads = Calls(monkeypatch, st, "load_pooling_config")
     checks = Calls(monkeypatch, st, "validate_pooling_params")
@@ -145,7 +145,7 @@ def test_pooling_config_is_loaded_once_per_process_not_per_request(
 def test_cross_encoder_scores_with_one_pooling_config_load(
     cross_encoder_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import v1.models.sentence_transformers as st
+    import v1.pooling_config as st
 
     loads = Calls(monkeypatch, st, "load_pooling_config")
     with LLM(cross_encoder_dir, **ENGINE_ARGS) as llm:

@@ -1,57 +1,51 @@
 """Engine configuration: frozen dataclasses for model, cache, scheduler, parallel and device.
 
-Every field has a docstring; validation raises ValueError with a clear message. The model kind
-(decoder-only, encoder-decoder, encoder-only) is decided once here, from the HF config.
+Every field has a docstring; validation raises ValueError with a clear message. Model-family
+facts (kind, length limits, sliding window) come from the family's `ModelSpec` row
+(v1/models/registry.py), never from `model_type` here.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import json
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from v1 import envs
 from v1.logger import init_logger
-
-if TYPE_CHECKING:
-    from v1.model_info import ModelInfo
+from v1.model_info import ModelInfo
+from v1.models.registry import ModelKind, ModelSpec, architecture_for, get_model_spec
 
 logger = init_logger(__name__)
 
-
-class ModelKind(enum.Enum):
-    DECODER_ONLY = "decoder_only"
-    ENCODER_DECODER = "encoder_decoder"
-    ENCODER_ONLY = "encoder_only"
-
-
-# Architectures served through the encoder-only (pooling) path.
-ENCODER_ONLY_ARCHS = {
-    "BertModel",
-    "BertForMaskedLM",
-    "BertForSequenceClassification",
-    "RobertaModel",
-    "RobertaForMaskedLM",
-    "RobertaForSequenceClassification",
-    "XLMRobertaModel",
-    "XLMRobertaForMaskedLM",
-    "XLMRobertaForSequenceClassification",
-    "T5EncoderModel",
-}
 CROSS_ATTENTION_MODES = ("auto", "per_layer", "absorbed")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 _DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "fp32", "fp16", "bf16")
+FP8_IGNORE_REGEX = "re:"
+"""Prefix of an `fp8_ignore` entry that is a regular expression over full module names."""
 
 
-def _first_attr(cfg: Any, names: tuple[str, ...]) -> int | None:
-    for name in names:
-        value = getattr(cfg, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
+def check_fp8_ignore(ignore: object) -> list[str]:
+    """`ignore` as a list of entries, or ValueError when it is not a list of strings or holds
+    a regular expression that does not compile (checked before the model loads)."""
+    if isinstance(ignore, str) or not isinstance(ignore, Sequence):
+        raise ValueError(
+            f"fp8_ignore must be a list of module names or 're:' patterns, got {ignore!r}"
+        )
+    entries = list(ignore)
+    for entry in entries:
+        if not isinstance(entry, str) or not entry or entry == FP8_IGNORE_REGEX:
+            raise ValueError(f"fp8_ignore entries must be non-empty strings, got {entry!r}")
+        if entry.startswith(FP8_IGNORE_REGEX):
+            try:
+                re.compile(entry[len(FP8_IGNORE_REGEX) :])
+            except re.error as e:
+                raise ValueError(f"fp8_ignore entry {entry!r} is not a valid regex: {e}") from e
+    return entries
 
 
 @dataclass(frozen=True)
@@ -137,8 +131,6 @@ class ModelConfig:
     def _check_fp8_ignore(self) -> None:
         if self.fp8_ignore is None:
             return
-        from v1.quantization.fp8_recipes import check_fp8_ignore
-
         object.__setattr__(self, "fp8_ignore", check_fp8_ignore(self.fp8_ignore))
         quantized_checkpoint = getattr(self.hf_config, "quantization_config", None) is not None
         if self.quantization != "fp8" and not quantized_checkpoint:
@@ -156,9 +148,9 @@ class ModelConfig:
                 f"max_encoder_input_len needs an encoder; {self.architecture} has none"
             )
         limit = self._model_max_encoder_len
-        if self.is_whisper and wanted != limit:
+        if self.spec.fixed_encoder_len and wanted != limit:
             raise ValueError(
-                f"Whisper's encoder input is always {limit} positions (one 30 s window); "
+                f"{self.architecture}'s encoder input is always {limit} positions; "
                 f"max_encoder_input_len={wanted} cannot change it"
             )
         if wanted > limit:
@@ -194,40 +186,22 @@ class ModelConfig:
     # ---- derived values ----
     @cached_property
     def architecture(self) -> str:
-        archs = getattr(self.hf_config, "architectures", None) or []
-        if archs:
-            return archs[0]
-        return {
-            "t5": "T5ForConditionalGeneration",
-            "mt5": "MT5ForConditionalGeneration",
-            "bert": "BertModel",
-            "roberta": "RobertaModel",
-            "xlm-roberta": "XLMRobertaModel",
-            "gpt2": "GPT2LMHeadModel",
-            "llama": "LlamaForCausalLM",
-            "qwen2": "Qwen2ForCausalLM",
-            "whisper": "WhisperForConditionalGeneration",
-            "bart": "BartForConditionalGeneration",
-        }.get(self.hf_config.model_type, self.hf_config.model_type)
+        cfg = self.hf_config
+        return architecture_for(getattr(cfg, "architectures", None), cfg.model_type)
 
     @cached_property
+    def spec(self) -> ModelSpec:
+        """The model family's row (v1/models/registry.py); ValueError when none serves it."""
+        return get_model_spec(self.architecture)
+
+    @property
     def kind(self) -> ModelKind:
-        if self.architecture in ENCODER_ONLY_ARCHS:
-            return ModelKind.ENCODER_ONLY
-        if getattr(self.hf_config, "is_encoder_decoder", False):
-            return ModelKind.ENCODER_DECODER
-        return ModelKind.DECODER_ONLY
-
-    @cached_property
-    def is_whisper(self) -> bool:
-        return self.hf_config.model_type == "whisper"
+        return self.spec.kind
 
     @cached_property
     def info(self) -> ModelInfo:
         """What the model is and can do (v1.model_info), derived once: every part of a process
         (frontend, EngineCore, model states) reads this one."""
-        from v1.model_info import ModelInfo
-
         return ModelInfo(self)
 
     @property
@@ -237,35 +211,13 @@ class ModelConfig:
     @cached_property
     def derived_max_model_len(self) -> int | None:
         """The model's own decoder length limit (None: unbounded, e.g. T5 relative positions)."""
-        cfg = self.hf_config
-        if self.is_whisper:
-            return cfg.max_target_positions
-        if getattr(cfg, "model_type", "") in ("t5", "mt5", "umt5"):
-            return None
-        return _first_attr(cfg, ("max_position_embeddings", "n_positions", "max_seq_len"))
+        return self.spec.max_decoder_len(self.hf_config)
 
     @cached_property
     def sliding_window(self) -> int | None:
         """The attention window transformers applies to some layer (None: every layer attends
-        to the whole sequence). Transformers 5 rules: Mistral windows every layer when
-        `sliding_window` is set; Qwen2 only with `use_sliding_window`, and then only the layers
-        marked "sliding_attention" in `layer_types` (by default those >= `max_window_layers`)."""
-        cfg = self.hf_config
-        window = getattr(cfg, "sliding_window", None)
-        if not isinstance(window, int) or window <= 0:
-            return None
-        if getattr(cfg, "use_sliding_window", True) is False:
-            return None
-        model_type = getattr(cfg, "model_type", "")
-        if model_type == "mistral":
-            return window  # MistralModel windows every layer, whatever layer_types says
-        layer_types = getattr(cfg, "layer_types", None)
-        if layer_types is None and model_type == "qwen2":
-            num_windowed = cfg.num_hidden_layers - getattr(cfg, "max_window_layers", 0)
-            layer_types = ["sliding_attention"] * max(num_windowed, 0)
-        if layer_types is not None and "sliding_attention" not in layer_types:
-            return None
-        return window
+        to the whole sequence), by the family's rule (`ModelSpec.window`)."""
+        return self.spec.window(self.hf_config)
 
     @cached_property
     def effective_max_model_len(self) -> int:
@@ -287,15 +239,9 @@ class ModelConfig:
 
     @cached_property
     def _model_max_encoder_len(self) -> int:
-        cfg = self.hf_config
         if self.kind == ModelKind.DECODER_ONLY:
             return 0
-        if self.is_whisper:
-            return cfg.max_source_positions
-        limit = _first_attr(cfg, ("max_position_embeddings", "n_positions"))
-        if getattr(cfg, "model_type", "") in ("roberta", "xlm-roberta", "camembert"):
-            limit = limit - getattr(cfg, "pad_token_id", 1) - 1 if limit else limit
-        return limit or 512
+        return self.spec.max_encoder_len(self.hf_config)
 
     @cached_property
     def vocab_size(self) -> int:
@@ -544,11 +490,11 @@ class EngineConfig:
             mc.kind != ModelKind.DECODER_ONLY
             and sc.max_num_encoder_input_tokens is not None
             and sc.max_num_encoder_input_tokens < mc.max_encoder_len
-            and mc.is_whisper
+            and mc.spec.fixed_encoder_len
         ):
             raise ValueError(
                 f"max_num_encoder_input_tokens={sc.max_num_encoder_input_tokens} is below one "
-                f"Whisper window ({mc.max_encoder_len} encoder positions)"
+                f"encoder input of {mc.architecture} ({mc.max_encoder_len} encoder positions)"
             )
 
         _check_tensor_parallel_heads(mc.hf_config, self.parallel_config.tensor_parallel_size)
@@ -571,10 +517,8 @@ class EngineConfig:
         if sc.max_num_encoder_input_tokens is not None:
             return sc.max_num_encoder_input_tokens
         mc = self.model_config
-        if mc.is_whisper:
-            # Whisper windows are 1500 positions each: encode up to 16 windows per step.
-            return max(sc.max_num_batched_tokens, 16 * mc.max_encoder_len)
-        return max(sc.max_num_batched_tokens, mc.max_encoder_len)
+        per_step = mc.spec.encoder_inputs_per_step * mc.max_encoder_len
+        return max(sc.max_num_batched_tokens, per_step)
 
     @property
     def encoder_cache_size(self) -> int:

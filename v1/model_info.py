@@ -1,22 +1,20 @@
-"""ModelInfo: what the served model is and can do, derived once per process from its ModelConfig.
-
-Torch-free facts that the frontend (input builders, entry points), the EngineCore and the worker's
-model states read instead of deriving them again: the tasks the model serves, its generation
-config (sampling defaults, Whisper's special tokens and alignment heads) and its pooling config
-and classifier head. Folder files are read on first use, once (`ModelConfig.info` keeps the one
-ModelInfo of a process).
+"""ModelInfo: torch-free facts about the served model, derived once per process from its
+ModelConfig (`ModelConfig.info`) and its family's `ModelSpec` row: tasks, generation defaults,
+Whisper's special tokens, pooling. Folder files are read on first use, once. This module does
+not import v1.config (the config imports it): it reads a config through `ServedModelConfig`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from v1.config import ModelConfig, ModelKind
+from v1 import pooling_config
+from v1.models.registry import WHISPER_TASKS, ModelKind, ModelSpec
+from v1.pooling_config import ModelPoolingConfig
 
 if TYPE_CHECKING:
-    from v1.models.sentence_transformers import ModelPoolingConfig
     from v1.pooling_params import PoolingParams
     from v1.sampling_params import SamplingParams
 
@@ -25,15 +23,21 @@ TRANSCRIPTION = "transcription"
 EMBED = "embed"
 CLASSIFY = "classify"
 SCORE = "score"
-WHISPER_TASKS = ("transcribe", "translate")
 NUM_TIMESTAMP_TOKENS = 1501
 """<|0.00|> ... <|30.00|>: the last ids of every Whisper vocabulary, after <|notimestamps|>."""
 
 
-def is_classifier_architecture(architecture: str) -> bool:
-    """Whether an architecture has a sequence-classification head (classify; score as a
-    cross-encoder): the one rule, read by ModelInfo and the pooling config."""
-    return architecture.endswith("ForSequenceClassification")
+class ServedModelConfig(Protocol):
+    """The fields of `v1.config.ModelConfig` this module reads."""
+
+    model: str
+    revision: str | None
+    hf_config: Any
+    architecture: str
+    spec: ModelSpec
+    vocab_size: int
+    encoder_vocab_size: int
+    max_encoder_len: int
 
 
 def id_list(value: Any) -> list[int]:
@@ -54,7 +58,7 @@ def in_vocab(ids: Any, vocab_size: int) -> tuple[int, ...] | None:
     return tuple(t for t in id_list(ids) if 0 <= t < vocab_size) or None
 
 
-def load_generation_config(model_config: ModelConfig) -> Any:
+def load_generation_config(model_config: ServedModelConfig) -> Any:
     """The model's GenerationConfig as transformers loads it: generation_config.json, else the
     generation fields of config.json, else those of the loaded model config."""
     from transformers import GenerationConfig
@@ -167,7 +171,7 @@ class WhisperTokens:
         return {token_id: code for code, token_id in self.language_ids.items()}
 
 
-def whisper_tokens(model_config: ModelConfig, generation_config: Any) -> WhisperTokens:
+def whisper_tokens(model_config: ServedModelConfig, generation_config: Any) -> WhisperTokens:
     """Special ids from the generation config (what transformers' generate uses); ids a config
     omits come from the vocabulary's layout, which every Whisper vocabulary shares at its end:
     ... <|translate|> <|transcribe|> <|startoflm|> <|startofprev|> <|nospeech|> <|notimestamps|>
@@ -228,16 +232,17 @@ class ModelInfo:
     the model kind).
     """
 
-    def __init__(self, model_config: ModelConfig) -> None:
+    def __init__(self, model_config: ServedModelConfig) -> None:
         self.model_config = model_config
         self.architecture: str = model_config.architecture
-        self.kind: ModelKind = model_config.kind
+        self.spec: ModelSpec = model_config.spec
+        self.kind: ModelKind = self.spec.kind
         """How requests run (decoder-only, encoder-decoder, encoder-only): input builders and
         model states are chosen by it, once."""
-        self.is_whisper: bool = model_config.is_whisper
+        self.is_whisper: bool = bool(self.spec.speech_tasks)
         """Speech input (audio encoder, Whisper's prompt and timestamp tokens)."""
         self.has_classifier: bool = self.kind == ModelKind.ENCODER_ONLY and (
-            is_classifier_architecture(self.architecture)
+            self.spec.has_classifier(self.architecture)
         )
         """A sequence-classification head (classify; score as a cross-encoder)."""
         self.generates: bool = self.kind != ModelKind.ENCODER_ONLY
@@ -331,15 +336,19 @@ class ModelInfo:
         Raises OSError when the folder's files cannot be read."""
         if self.generates:
             return None
-        from v1.models.sentence_transformers import load_pooling_config
-
-        return load_pooling_config(self.model_config)
+        mc = self.model_config
+        return pooling_config.load_pooling_config(
+            mc.model,
+            mc.revision,
+            mc.hf_config,
+            default_modes=self.spec.pooling_modes,
+            max_input_len=mc.max_encoder_len,
+            has_classifier=self.has_classifier,
+        )
 
     def check_pooling_params(self, params: PoolingParams) -> None:
         """ValueError when this model cannot serve `params` (the edge and the core boundary
         call it)."""
-        from v1.models.sentence_transformers import validate_pooling_params
-
         pooling = self.pooling
         assert pooling is not None, "pooling params on a generating model"
-        validate_pooling_params(pooling, params)
+        pooling_config.validate_pooling_params(pooling, params)

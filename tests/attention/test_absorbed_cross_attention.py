@@ -20,7 +20,7 @@ from v1.attention.ops.absorbed_cross_attention import (
 from v1.attention.ops.reference import naive_attention
 from v1.attention.selector import load_backend
 from v1.kv_cache.spec import FullAttentionSpec, encoder_states_spec_in_pool
-from v1.quantization.fp8 import dequantize_rows, quantize_rows
+from v1.quantization.fp8_rows import dequantize_rows, quantize_rows
 from v1.worker.kv_cache_views import PoolLayout, encoder_states_views
 
 CROSS = AttentionType.ENCODER_DECODER

@@ -19,7 +19,7 @@ from shapes import (
 
 from v1.attention.backend import AttentionType
 from v1.attention.ops.reference import naive_attention
-from v1.quantization.fp8 import FP8_DTYPE, dequantize_rows, quantize_rows
+from v1.quantization.fp8_rows import FP8_DTYPE, dequantize_rows, quantize_rows
 
 PAGED_CASES = [
     pytest.param(name, t, id=f"{name}-{t.value}")

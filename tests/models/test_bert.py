@@ -21,10 +21,9 @@ from v1.core.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
 from v1.models import bert
 from v1.models.layers.pooler import Pooler, PoolingSegments, pool_tokens
 from v1.models.loader import construct_model, iterate_weights, load_model
-from v1.models.sentence_transformers import (
+from v1.pooling_config import (
     ModelPoolingConfig,
     classifier_activation_of,
-    load_pooling_config,
     pooling_modes_of,
     validate_pooling_params,
 )
@@ -238,7 +237,7 @@ def test_sentence_transformers_pooling(
     hf_model = make_hf_model("BertModel")
     st_modules = ["Transformer", "Pooling"] + (["Normalize"] if normalize else [])
     path = save_checkpoint(hf_model, tmp_path, st_modules, {ST_FLAGS[m]: True for m in modes})
-    assert load_pooling_config(ModelConfig(model=path)).pooling_modes == modes
+    assert ModelConfig(model=path).info.pooling.pooling_modes == modes
     inputs = random_inputs(LENGTHS, type_ids=True)
     outs, _ = run_core(make_core(path), inputs, PoolingParams())
     for inp, out in zip(inputs, outs, strict=True):
@@ -502,7 +501,7 @@ def test_pooler_results_of_a_mixed_step_are_each_requests_own() -> None:
 # ---- sentence-transformers folders ----
 @pytest.mark.skipif(not MINILM.is_dir(), reason="needs ../shared/assets/all-MiniLM-L6-v2")
 def test_minilm_pooling_config() -> None:
-    config = load_pooling_config(ModelConfig(model=str(MINILM)))
+    config = ModelConfig(model=str(MINILM)).info.pooling
     assert config.pooling_modes == ("mean",) and config.normalize
     assert config.max_input_len == 256  # sentence_bert_config.json, below the 512 positions
     assert (
@@ -514,7 +513,7 @@ def test_sentence_transformers_files_are_checked(tmp_path: Path) -> None:
     hf_model = make_hf_model("BertModel")
     path = save_checkpoint(hf_model, tmp_path, ["Transformer", "Pooling", "Dense"], {})
     with pytest.raises(ValueError, match=r"models\.Dense.*not supported"):
-        load_pooling_config(ModelConfig(model=path))
+        _ = ModelConfig(model=path).info.pooling
     with pytest.raises(ValueError, match="no pooling mode"):
         pooling_modes_of({"pooling_mode_mean_tokens": False})
     assert pooling_modes_of({"pooling_mode": "lasttoken"}) == ("last",)

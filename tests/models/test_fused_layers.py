@@ -87,7 +87,7 @@ def test_fused_add_layer_norm_quantizes_its_output_for_fp8_linears(
     16 bits, and the residual stream is unchanged. Compared with a separate launch of the
     16-bit kernel, whose compiled arithmetic may round a few elements one step apart: scales
     within a 16-bit step, values within an fp8 step, and nearly every byte the same."""
-    from v1.quantization.fp8 import Fp8Rows, quantize_rows
+    from v1.quantization.fp8_rows import Fp8Rows, quantize_rows
 
     torch.manual_seed(0)
     norm = _norm(d, "cuda", dtype)

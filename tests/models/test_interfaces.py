@@ -51,13 +51,12 @@ def test_require_names_every_missing_member() -> None:
 def test_registered_models_have_their_methods(arch: str) -> None:
     """The methods (instance attributes are set in __init__) each kind's protocols name."""
     cls = registry.get_model_class(arch)
-    if arch in registry._ENCODER_ONLY:
-        protocols: tuple[type, ...] = (
-            (SupportsClassify,) if arch.endswith("ForSequenceClassification") else ()
-        )
-    elif arch == "WhisperForConditionalGeneration":
+    spec = registry.get_model_spec(arch)
+    if spec.kind == registry.ModelKind.ENCODER_ONLY:
+        protocols: tuple[type, ...] = (SupportsClassify,) if spec.has_classifier(arch) else ()
+    elif spec.speech_tasks:
         protocols = (SupportsWhisper,)
-    elif arch in registry._ENCODER_DECODER:
+    elif spec.kind == registry.ModelKind.ENCODER_DECODER:
         protocols = (SupportsLogits, SupportsEncode)
     else:
         protocols = (SupportsLogits,)

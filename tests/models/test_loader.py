@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -127,10 +129,14 @@ def test_registry_lazy_classes_and_errors(monkeypatch) -> None:
     assert registry.get_model_class("GPT2LMHeadModel") is GPT2LMHeadModel
     for arch in ("WhisperForConditionalGeneration", "T5EncoderModel", "BertModel", "MarianMTModel"):
         assert arch in registry.supported_architectures()
-        assert registry.MODEL_REGISTRY[arch].endswith(f":{arch}")
+        assert registry.get_model_spec(arch).classes[arch].endswith(f":{arch}")
     with pytest.raises(ValueError, match=r"'FooForCausalLM' is not supported.*LlamaForCausalLM"):
         registry.get_model_class("FooForCausalLM")
-    monkeypatch.setitem(registry.MODEL_REGISTRY, "Ghost", "v1.models.no_such_module:Ghost")
+    ghost = dataclasses.replace(
+        registry.get_model_spec("LlamaForCausalLM"),
+        classes={"Ghost": "v1.models.no_such_module:Ghost"},
+    )
+    monkeypatch.setitem(registry._BY_ARCHITECTURE, "Ghost", ghost)
     with pytest.raises(ImportError, match="no_such_module"):
         registry.get_model_class("Ghost")
 

@@ -29,14 +29,13 @@ from tests.worker.worker_factories import (
 )
 from v1.core.engine_core import EngineCore
 from v1.models.layers.linear import Linear
-from v1.quantization.fp8 import (
+from v1.quantization.fp8 import Fp8LinearMethod, quantize_model_fp8
+from v1.quantization.fp8_rows import (
     FP8_DTYPE,
     FP8_MAX,
-    Fp8LinearMethod,
     Fp8Product,
     dequantize_rows,
     fp8_gemm_reference,
-    quantize_model_fp8,
     quantize_rows,
 )
 from v1.sampling_params import SamplingParams
@@ -107,7 +106,7 @@ def test_scaled_mm_matches_the_reference_on_gpu(dtype: torch.dtype) -> None:
         layer.bias.copy_(torch.randn(512, generator=gen))
     quantize_model_fp8(layer)
     assert layer.quant_method.scaled_mm_out is not None
-    from v1.quantization.fp8 import quantize_activations
+    from v1.quantization.fp8_rows import quantize_activations
 
     for num_tokens in (1, 7, 300):
         x = torch.randn(num_tokens, 256, generator=gen).to("cuda", dtype)
@@ -127,7 +126,7 @@ def test_scaled_mm_matches_the_reference_on_gpu(dtype: torch.dtype) -> None:
 def test_triton_activation_quantizer_matches_quantize_rows(
     dtype: torch.dtype, rows: int, cols: int
 ) -> None:
-    from v1.quantization.fp8 import quantize_activations
+    from v1.quantization.fp8_rows import quantize_activations
 
     gen = torch.Generator().manual_seed(rows + cols)
     wide = (torch.randn(rows, 2 * cols, generator=gen) * 3).to("cuda", dtype)
@@ -354,7 +353,7 @@ def test_per_tensor_and_block_wise_checkpoints_load_their_weights(
 ) -> None:
     """Their weights come back per channel: within one fp8 rounding of what the checkpoint
     holds (exactly it where the row maximum sits on the fp8 grid)."""
-    from v1.quantization.fp8 import dequantize_weight
+    from v1.quantization.fp8_checkpoint import dequantize_weight
 
     write_fp8_checkpoint(bart_dir, tmp_path / scheme, scheme)
     stored = load_file(str(tmp_path / scheme / "model.safetensors"))
@@ -471,7 +470,7 @@ def test_triton_quantizer_applies_gelu_first(
     """The tanh form of GELU, as the 16-bit GEMM epilogue; the erf form with
     V1_GELU_EPILOGUE=0."""
     from v1 import envs
-    from v1.quantization.fp8 import quantize_activations
+    from v1.quantization.fp8_rows import quantize_activations
 
     monkeypatch.setattr(envs, "V1_GELU_EPILOGUE", epilogue)
     gen = torch.Generator().manual_seed(3)
@@ -500,7 +499,7 @@ def test_fp8_product_reference_semantics() -> None:
     bias) in float32, rounded once; add + LayerNorm of a product adds `residual_bias` to the
     residual stream only; the GELU quantizer quantizes GELU of the dequantized product."""
     from v1.models.layers.norm import LayerNorm, add_layer_norm
-    from v1.quantization.fp8 import quantize_activations
+    from v1.quantization.fp8_rows import quantize_activations
 
     p = _product(6, 32, "cpu", torch.float32)
     bias = torch.randn(32)
@@ -525,7 +524,7 @@ def test_triton_kernels_scale_products_and_add_biases(dtype: torch.dtype) -> Non
     """The GELU quantizer and add + LayerNorm with an `Fp8Product` input (and fc1's bias,
     out_proj's residual bias) against the torch reference of the same values."""
     from v1.models.layers.norm import LayerNorm, add_layer_norm
-    from v1.quantization.fp8 import quantize_activations
+    from v1.quantization.fp8_rows import quantize_activations
 
     p = _product(4099, 5120, "cuda", dtype)
     bias = torch.randn(5120, device="cuda").to(dtype)

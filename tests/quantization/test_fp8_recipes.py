@@ -22,7 +22,7 @@ from tests.worker.worker_factories import make_tiny_bart_dir, runner_of
 from v1.config import make_engine_config
 from v1.core.engine_core import EngineCore
 from v1.models.layers.linear import Linear
-from v1.quantization.fp8 import dequantize_rows
+from v1.quantization.fp8_rows import dequantize_rows
 
 
 def make_core(path: str, **overrides: Any) -> EngineCore:
@@ -128,7 +128,7 @@ def test_fp8_ignore_on_a_checkpoint_already_in_fp8(bart_dir: str, tmp_path: Path
     """The named layers are dequantized from the checkpoint and stay so; the rest is fp8."""
     from safetensors.torch import load_file
 
-    from v1.quantization.fp8 import dequantize_weight
+    from v1.quantization.fp8_checkpoint import dequantize_weight
 
     write_fp8_checkpoint(bart_dir, tmp_path / "ct", "channel")
     kept = "model.encoder.layers.0.fc1"

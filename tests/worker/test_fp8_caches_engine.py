@@ -23,7 +23,7 @@ from tests.worker.worker_factories import (
 )
 from v1.attention.cross_attention import EncoderDecoderAttention
 from v1.kv_cache.spec import FullAttentionSpec
-from v1.quantization.fp8 import FP8_DTYPE
+from v1.quantization.fp8_rows import FP8_DTYPE
 
 WHISPER_BASE = ASSETS / "whisper-base"
 AUDIO = ASSETS / "audio"

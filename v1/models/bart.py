@@ -24,7 +24,9 @@ from v1.models.layers.embedding import LMHead, VocabEmbedding
 from v1.models.layers.linear import ColumnLinear, RowLinear
 from v1.models.layers.norm import LayerNorm, add_layer_norm, fp16_clamp_limit, linear_input
 from v1.models.utils import load_weights_into
-from v1.quantization.fp8 import Fp8Product, is_fp8_linear
+from v1.quantization.fp8 import is_fp8_linear
+from v1.quantization.fp8_recipes import decoder_per_token_linears
+from v1.quantization.fp8_rows import Fp8Product
 
 # Checkpoint projections are renamed onto fused parameters before the packed mapping applies:
 # the same names (q_proj, k_proj, v_proj) go to different fused layers in self- and
@@ -443,6 +445,11 @@ class BartForConditionalGeneration(nn.Module):
             name = _SELF_QKV.sub(r".self_attn.qkv_\1.", name)
             name = _CROSS_KV.sub(r".encoder_attn.kv_\1.", name)
             yield name, tensor
+
+    def default_fp8_ignore(self) -> list[str]:
+        """fp8 keeps the decoder's per-token GEMMs in the model dtype (slower in fp8 at decode
+        batch sizes); the encoder and the cross-attention K/V projections are fp8."""
+        return decoder_per_token_linears(self)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         untied_shared: list[torch.Tensor] = []

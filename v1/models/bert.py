@@ -1,13 +1,12 @@
 """BERT and RoBERTa/XLM-R encoders (bidirectional, post-LayerNorm, GELU) and their
-sequence-classification heads, over packed requests with no KV cache.
-
-RoBERTa differs from BERT only in its positions: padding_idx + 1 + index (transformers'
-`create_position_ids_from_input_ids` on unpadded input). Checkpoints load with or without the
-`bert.`/`roberta.` prefix (sentence-transformers folders store a bare BertModel).
+sequence-classification heads, over packed requests with no KV cache. RoBERTa differs only in
+its positions (padding_idx + 1 + index); checkpoints load with or without the `bert.`/`roberta.`
+prefix. Each class declares its fp8 keep-list (`default_fp8_ignore`).
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar
@@ -22,6 +21,8 @@ from v1.models.layers.embedding import VocabEmbedding
 from v1.models.layers.linear import ColumnLinear, Linear, QKVLinear, RowLinear
 from v1.models.layers.norm import LayerNorm, add_layer_norm
 from v1.models.utils import load_weights_into
+from v1.quantization.fp8 import linear_layers
+from v1.quantization.fp8_recipes import covers
 
 # Checkpoint names that never map to a parameter: position-id buffers and heads no task uses
 # (masked-LM / next-sentence heads).
@@ -144,6 +145,29 @@ class BertEncoder(nn.Module):
         return hidden_states
 
 
+def bert_fp8_ignore(model: nn.Module) -> list[str]:
+    """The fp8 keep-list of the BERT family (BERT, RoBERTa, XLM-R and their heads): the first
+    third of the encoder layers (rounded up) is fp8; later layers, pooler and heads are not
+    (a small sentence-embedding model loses cosine to fp32 in every layer, the deeper most)."""
+    quantized: list[str] = []
+    ignore: list[str] = []
+    for name, encoder in model.named_modules():
+        if not isinstance(encoder, BertEncoder):
+            continue
+        prefix = f"{name}.layer" if name else "layer"
+        num_layers = len(encoder.layer)
+        num_fp8 = math.ceil(num_layers / 3)
+        quantized += [f"{prefix}.{i}" for i in range(num_fp8)]
+        ignore += [f"{prefix}.{i}" for i in range(num_fp8, num_layers)]
+    # Pooler and task heads: every Linear outside the encoder layers.
+    ignore += [
+        name
+        for name, _ in linear_layers(model)
+        if not any(covers(entry, name) for entry in (*quantized, *ignore))
+    ]
+    return ignore
+
+
 class BertPooler(nn.Module):
     """HF's `pooler`: tanh(dense(first token)); only BertForSequenceClassification uses it."""
 
@@ -189,6 +213,9 @@ class BertModel(nn.Module):
 
     def embedding_positions(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return positions
+
+    def default_fp8_ignore(self) -> list[str]:
+        return bert_fp8_ignore(self)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         strip = re.compile(rf"^{self.checkpoint_prefix}\.")
@@ -255,6 +282,9 @@ class _SequenceClassifier(nn.Module):
                 yield f"{self.base_name}.{name[len(prefix) :]}", tensor
             else:
                 yield f"{self.base_name}.{name}", tensor
+
+    def default_fp8_ignore(self) -> list[str]:
+        return bert_fp8_ignore(self)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         mapping = self.base_cls.packed_modules_mapping

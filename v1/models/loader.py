@@ -165,11 +165,12 @@ def load_model_from_weights(
 ) -> nn.Module:
     """Build the model for `hf_config` and load `weights` into it; every parameter must load.
     quantization="fp8" quantizes its Linear layers after loading but those `fp8_ignore` names
-    (None: the model's default recipe, v1/quantization/fp8_recipes.py); a checkpoint already in
+    (None: the model class's `default_fp8_ignore`, v1/quantization/fp8_recipes.py); a checkpoint already in
     fp8 (its config's `quantization_config`) is read as such whatever `quantization` says, its
     own high-precision layers and those `fp8_ignore` names left unquantized.
     `tp`: this rank's shard of the model (v1/distributed/tensor_parallel.py)."""
-    from v1.quantization.fp8 import Fp8CheckpointConfig, Fp8CheckpointReader, quantize_model_fp8
+    from v1.quantization.fp8 import quantize_model_fp8
+    from v1.quantization.fp8_checkpoint import Fp8CheckpointConfig, Fp8CheckpointReader
     from v1.quantization.fp8_recipes import fp8_ignored_modules
 
     checkpoint_fp8 = Fp8CheckpointConfig.from_hf_config(hf_config)

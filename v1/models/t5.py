@@ -1,9 +1,7 @@
 """T5-family models: T5 v1.0, v1.1 / flan-T5 and mT5 encoder-decoders, and the T5 encoder alone
-(sentence-t5-style embeddings through the encoder-only path).
-
-Pre-norm blocks with T5LayerNorm (RMS, no bias), no 1/sqrt(d) attention scaling, and a bucketed
-relative-position bias whose table lives in block 0 of each stack and is shared by every
-self-attention layer of that stack (bidirectional buckets in the encoder, causal in the decoder).
+(sentence-t5 embeddings). Pre-norm blocks with RMS T5LayerNorm, no 1/sqrt(d) scaling, and a
+bucketed relative-position bias whose table lives in block 0 of each stack and is shared by
+every self-attention layer of that stack.
 """
 
 from __future__ import annotations
@@ -29,6 +27,7 @@ from v1.models.layers.linear import (
 )
 from v1.models.layers.norm import RMSNorm
 from v1.models.utils import load_weights_into
+from v1.quantization.fp8_recipes import decoder_per_token_linears
 
 # Every T5 checkpoint ties both stacks' input embeddings to `shared`.
 _EMBEDDING_ALIASES = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
@@ -309,6 +308,10 @@ class T5ForConditionalGeneration(nn.Module):
         if self.output_scale is not None:
             hidden_states = hidden_states * self.output_scale
         return self.lm_head(hidden_states)
+
+    def default_fp8_ignore(self) -> list[str]:
+        """fp8 keeps the decoder's per-token GEMMs in the model dtype, as for BART."""
+        return decoder_per_token_linears(self)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         held: dict[str, torch.Tensor] = {}

@@ -111,6 +111,15 @@ class WhisperForConditionalGeneration(nn.Module):
     }
     # Some conversions store the tied head; it is the decoder's embedding either way.
     ignore_unexpected_patterns: ClassVar[tuple[str, ...]] = (r"^proj_out\.weight$",)
+    fp8_keep: ClassVar[tuple[str, ...]] = (
+        "model.encoder.layers.0",
+        "model.encoder.layers.1",
+        r"re:model\.decoder\.layers\.\d+\.(self_attn\.\w+|encoder_attn\.(q_proj|out_proj)|fc1|fc2)",
+    )
+    """Linears quantization="fp8" keeps in the model dtype: encoder layers 0 and 1 (layer 0's
+    attention alone moves the output more than layers 1-5 together) and the decoder's
+    per-token GEMMs; encoder layers 2+ and the cross K/V projections of the encoder states
+    (the compute-bound GEMMs) are fp8 (docs/architecture.md, "FP8")."""
 
     def __init__(self, hf_config: Any, prefix: str = "") -> None:
         super().__init__()
@@ -198,6 +207,9 @@ class WhisperForConditionalGeneration(nn.Module):
             yield name, tensor
             if _K_WEIGHT.search(name):
                 yield name.removesuffix("weight") + "bias", tensor.new_zeros(tensor.shape[0])
+
+    def default_fp8_ignore(self) -> list[str]:
+        return list(self.fp8_keep)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return load_weights_into(

@@ -1,4 +1,4 @@
-"""Quantization applied to a model from outside its code: fp8 weights and activations (fp8.py).
-
-Caches in fp8 (kv_cache_dtype="fp8") use the same row quantizer, from the attention ops.
+"""Quantization applied to a model from outside its code (this package never imports v1.models):
+fp8 rows (fp8_rows.py, also the fp8 KV cache's quantizer), fp8 Linears (fp8.py), fp8
+checkpoints (fp8_checkpoint.py) and which Linears stay 16-bit (fp8_recipes.py).
 """

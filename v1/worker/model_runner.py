@@ -53,7 +53,7 @@ class ModelRunner:
         self.max_num_reqs = config.scheduler_config.max_num_seqs
         self.max_model_len = self.model_config.effective_max_model_len
         self.block_size = config.cache_config.block_size
-        needs_bias = self.model_config.hf_config.model_type in ("t5", "mt5", "umt5")
+        needs_bias = self.model_config.spec.attention_bias is not None
         fp8_kv_cache = config.cache_config.fp8_kv_cache
         self.backend_name = default_backend_name(
             device.type, self.block_size, needs_bias, fp8_kv_cache

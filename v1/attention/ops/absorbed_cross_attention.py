@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from v1.quantization.fp8 import quantize_rows
+from v1.quantization.fp8_rows import quantize_rows
 
 
 @dataclass
@@ -62,7 +62,8 @@ def dequantize_for_absorbed(model: torch.nn.Module, dtype: torch.dtype | None) -
     by per-head W_k and W_v, which from fp8 meant converting both to the model dtype in every
     layer of every step (whisper-large-v3, 256 clips, H100: fp8 weights gained 2% end to end
     against 13% for turbo, whose decoder has 4 layers instead of 32)."""
-    from v1.quantization.fp8 import dequantize_rows, is_fp8_linear
+    from v1.quantization.fp8 import is_fp8_linear
+    from v1.quantization.fp8_rows import dequantize_rows
 
     count = 0
     for module in model.modules():

@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from v1.quantization.fp8 import quantize_rows
+from v1.quantization.fp8_rows import quantize_rows
 
 
 def write_kv_cache(

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from v1 import envs
+from v1.quantization.fp8_rows import Fp8Product
 
 if TYPE_CHECKING:
     from v1.models.layers.linear import Linear
@@ -103,8 +104,6 @@ def gelu_mlp(fc1: Linear, act: nn.Module, fc2: Linear, x: Any) -> Any:
     instead of an activation pass and a quantizer pass; fc1's bias and scales too when fc1
     hands over an `Fp8Product`); otherwise `linear_act` then fc2."""
     if fuses_input_gelu(fc2, act):
-        from v1.quantization.fp8 import Fp8Product
-
         h = fc1(x)
         bias = fc1.bias if isinstance(h, Fp8Product) else None
         return fc2.quant_method.apply(fc2, h, gelu=True, input_bias=bias)

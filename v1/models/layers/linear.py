@@ -1,12 +1,7 @@
-"""Linear layers whose parameters carry their own `weight_loader` (the nano-vllm convention).
-
-A checkpoint tensor reaches a parameter through `param.weight_loader(param, tensor[, shard_id])`.
-Fused layers (`QKVLinear`, `MergedColumnLinear`) take the unfused checkpoint tensors (q/k/v,
-gate/up) by shard id. `shard_dim` on each class says how tensor parallelism would split it
-(0: output rows, column-parallel; 1: input columns, row-parallel; None: replicated), so a
-sharder (v1/distributed/tensor_parallel.py) is applied from outside without touching model code:
-it resizes the parameters, gives them loaders that read each rank's slice, and sets `tp`, after
-which a row-parallel layer sums its partial outputs over the ranks.
+"""Linear layers whose parameters carry their own `weight_loader` (the nano-vllm convention);
+fused layers (`QKVLinear`, `MergedColumnLinear`) take the unfused checkpoint tensors by shard id.
+`shard_dim` says how tensor parallelism splits a layer (0: output rows, 1: input columns, None:
+replicated), so the sharder (v1/distributed/tensor_parallel.py) works from outside the model.
 """
 
 from __future__ import annotations
@@ -35,6 +30,8 @@ class Linear(nn.Module):
     """y = x W^T + b, replicated. weight [output_size, input_size]. Quantization is applied from
     outside (v1/quantization): it sets `quant_method`, whose `apply(layer, x)` computes instead."""
 
+    quantizable: ClassVar[bool] = True
+    """How v1/quantization (which never imports the models) finds the layers it may quantize."""
     shard_dim: ClassVar[int | None] = None
     quant_method: Any = None
     tp: Any = None

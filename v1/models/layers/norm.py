@@ -1,11 +1,7 @@
-"""Normalization layers: RMSNorm (Llama family, optionally fused with the residual add) and
-LayerNorm (GPT-2, BERT, BART, Whisper). Both normalize in float32 and cast back.
-
-`add_layer_norm` is the residual add followed by a LayerNorm; on CUDA, for 16-bit batches of
-many rows (or inside a CUDA-graph capture), it runs as one Triton kernel
-(`v1/models/layers/triton_norm.py`), whose reference is the unfused torch path here. A LayerNorm
-whose output feeds only fp8 Linears (`fp8_output`) hands it over quantized per row
-(`v1.quantization.fp8.Fp8Rows`), from the same kernel.
+"""Normalization layers: RMSNorm and LayerNorm (float32 inside, cast back), and
+`add_layer_norm`, the residual add + LayerNorm (one Triton kernel on CUDA for large 16-bit
+batches, `triton_norm.py`; the torch path here is its reference). A LayerNorm feeding only fp8
+Linears (`fp8_output`) hands over `v1.quantization.fp8_rows.Fp8Rows` from the same kernel.
 """
 
 from __future__ import annotations
@@ -15,6 +11,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from v1.quantization.fp8_rows import FP8_DTYPE, FP8_MAX, MIN_SCALE, Fp8Product, Fp8Rows, fp8_rows
 
 
 class RMSNorm(nn.Module):
@@ -85,8 +83,6 @@ def linear_input(norm: LayerNorm, y: torch.Tensor) -> Any:
     """A norm's output y as its Linears take it: y, or `Fp8Rows` of y (`norm.fp8_output`)."""
     if not norm.fp8_output:
         return y
-    from v1.quantization.fp8 import fp8_rows
-
     return fp8_rows(y)
 
 
@@ -104,8 +100,6 @@ def add_layer_norm(
     it (quantized in the same kernel when fused). x may be an fp8 Linear's `Fp8Product`
     (scaled in the same kernel); `residual_bias` is added to the returned h only (the bias
     of the Linear whose product the next add brings: `BartEncoderLayer.link_fp8_norms`)."""
-    from v1.quantization.fp8 import Fp8Product
-
     scales = None
     if isinstance(x, Fp8Product):
         if _fused(x.out) and residual.stride(-1) == 1:
@@ -114,9 +108,8 @@ def add_layer_norm(
             x = x.dequantize()
     if _fused(x) and residual.stride(-1) == 1:
         from v1.models.layers.triton_norm import add_layer_norm_triton
-        from v1.quantization.fp8 import _MIN_SCALE, FP8_DTYPE, FP8_MAX, Fp8Rows
 
-        fp8 = (FP8_DTYPE, FP8_MAX, _MIN_SCALE) if norm.fp8_output else None
+        fp8 = (FP8_DTYPE, FP8_MAX, MIN_SCALE) if norm.fp8_output else None
         normed, h = add_layer_norm_triton(
             x,
             residual,

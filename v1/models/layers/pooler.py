@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from v1.host_copy import to_device
-from v1.models.sentence_transformers import ModelPoolingConfig
+from v1.pooling_config import ModelPoolingConfig
 from v1.pooling_params import PoolingParams
 
 ClassifyFn = Callable[[torch.Tensor], torch.Tensor]

@@ -1,7 +1,7 @@
-"""What a model folder says about pooling: sentence-transformers files (modules.json,
-1_Pooling/config.json, sentence_bert_config.json, config_sentence_transformers.json) and the HF
-config (num_labels, Matryoshka flags), resolved into a `ModelPoolingConfig`. Torch-free: the
-process's `ModelInfo.pooling` loads it once for the frontend, the EngineCore and the runner.
+"""What a model folder says about pooling, resolved into a `ModelPoolingConfig`: the
+sentence-transformers files (modules.json, 1_Pooling/config.json, sentence_bert_config.json,
+config_sentence_transformers.json) and the HF config (num_labels, Matryoshka flags). Torch-free;
+`ModelInfo.pooling` loads it once per process.
 """
 
 from __future__ import annotations
@@ -11,8 +11,6 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from v1.config import ModelConfig
-from v1.model_info import is_classifier_architecture
 from v1.pooling_params import PoolingParams, PoolingParamsError
 
 ST_FILES = (
@@ -73,17 +71,23 @@ class ModelPoolingConfig:
         return self.num_labels is not None
 
 
-def load_pooling_config(model_config: ModelConfig) -> ModelPoolingConfig:
-    """The pooling behaviour of `model_config`'s model (local folder or hub id)."""
-    cfg = model_config.hf_config
-    st = read_sentence_transformers_files(model_config.model, model_config.revision)
+def load_pooling_config(
+    model: str,
+    revision: str | None,
+    hf_config: Any,
+    *,
+    default_modes: tuple[str, ...],
+    max_input_len: int,
+    has_classifier: bool,
+) -> ModelPoolingConfig:
+    """The pooling behaviour of `model` (local folder or hub id): `default_modes` when the
+    folder has no sentence-transformers Pooling module, inputs up to `max_input_len`."""
+    cfg = hf_config
+    st = read_sentence_transformers_files(model, revision)
     modules = st.get("modules.json")
-    # sentence-t5 style encoders mean-pool; BERT-style models default to CLS.
-    modes: tuple[str, ...] = (
-        ("mean",) if model_config.architecture == "T5EncoderModel" else ("cls",)
-    )
+    modes = default_modes
     normalize = True
-    max_len = model_config.max_encoder_len
+    max_len = max_input_len
     if modules is not None:
         types = [m.get("type", "") for m in modules]
         unsupported = sorted(
@@ -91,7 +95,7 @@ def load_pooling_config(model_config: ModelConfig) -> ModelPoolingConfig:
         )
         if unsupported:
             raise ValueError(
-                f"{model_config.model}: sentence-transformers modules {unsupported} are not "
+                f"{model}: sentence-transformers modules {unsupported} are not "
                 f"supported (only Transformer, Pooling and Normalize)"
             )
         normalize = ST_NORMALIZE in types
@@ -102,8 +106,7 @@ def load_pooling_config(model_config: ModelConfig) -> ModelPoolingConfig:
         max_len = min(max_len, seq_len)
     st_cfg = st.get("config_sentence_transformers.json") or {}
     dims = getattr(cfg, "matryoshka_dimensions", None) or st_cfg.get("matryoshka_dimensions")
-    is_classifier = is_classifier_architecture(model_config.architecture)
-    num_labels = getattr(cfg, "num_labels", None) if is_classifier else None
+    num_labels = getattr(cfg, "num_labels", None) if has_classifier else None
     return ModelPoolingConfig(
         pooling_modes=modes,
         normalize=normalize,
