@@ -273,7 +273,7 @@ class LLM:
         decoded in 30 s windows, each starting where the last complete segment of the one
         before ended (openai-whisper's seek), prompted with the text so far, and decoded again
         hotter when it looks wrong; the windows of many files share the engine's steps.
-        `options` (see `v1.engine.transcription_plan.TranscriptionOptions`): language (default:
+        `options` (see `v1.engine.transcription.TranscriptionOptions`): language (default:
         detect), task ("transcribe" or "translate"), timestamps, prompt,
         condition_on_previous_text (True), temperature (fallback schedule; one number turns
         fallback off), compression_ratio_threshold (2.4), logprob_threshold (-1.0),
