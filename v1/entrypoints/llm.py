@@ -1,10 +1,8 @@
-"""The offline API: `LLM(model).generate(...)`, `.embed`, `.classify`, `.score`, `.rerank`.
+"""The offline API: `LLM(model).generate(...)`, `.embed`, `.classify`, `.score`, `.rerank`,
+`.transcribe`.
 
-Invalid input raises ValueError naming the prompt, and the engine keeps serving: `generate`
-validates every prompt of a batch before any is queued; the pooling calls process each prompt
-as the steps need it (the device starts at once) and abort what was queued. Results come back
-in input order. A request the engine fails makes the call raise `RequestFailedError` at the
-end, carrying every output.
+Invalid input raises ValueError naming the prompt and the engine keeps serving; results come
+back in input order; a failed request makes the call raise `RequestFailedError` at the end.
 """
 
 from __future__ import annotations
