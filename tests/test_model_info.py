@@ -163,7 +163,7 @@ def test_generation_config_is_read_once_per_process(
     once for the frontend's builder and the runner's timestamp rules; building another input
     builder (as each transcription does) reads nothing again."""
     import v1.model_info as model_info
-    from tests.models.test_whisper import make_tiny_whisper_dir
+    from tests.utils import make_tiny_whisper_dir
     from v1.engine.inputs.whisper import WhisperInputBuilder
 
     path = make_tiny_whisper_dir(tmp_path / "whisper")

@@ -1,7 +1,8 @@
-"""Shared test factories: a tiny trained tokenizer and tiny random transformers models on disk.
+"""Shared test factories: a tiny trained tokenizer and tiny random models on disk (Llama, BART
+family, T5 family, Whisper), each a config dict plus a `make_tiny_*_dir` builder taking overrides.
 
-Used by the engine, entrypoint, encoder-decoder and pooling tests. Everything is built offline in
-a temporary folder within a second or two; `ASSETS` points at the real checkpoints, if present.
+Everything is built offline in a temporary folder within a second or two; `ASSETS` points at the
+real checkpoints, if present (the tiny Whisper borrows whisper-base's tokenizer).
 """
 
 from __future__ import annotations
@@ -206,6 +207,192 @@ def make_tiny_llama_dir(path: str | os.PathLike[str], **overrides: Any) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     return make_tiny_model_dir(LlamaConfig, LlamaForCausalLM, path, **{**TINY_LLAMA, **overrides})
+
+
+TINY_BART = dict(
+    d_model=32,
+    encoder_layers=2,
+    decoder_layers=2,
+    encoder_attention_heads=4,
+    decoder_attention_heads=4,
+    encoder_ffn_dim=64,
+    decoder_ffn_dim=64,
+    max_position_embeddings=64,
+)
+"""A BART-family config (BART, mBART, Marian) that runs in milliseconds on CPU."""
+
+TINY_BART_WIDE = dict(
+    TINY_BART,
+    d_model=64,
+    encoder_ffn_dim=128,
+    decoder_ffn_dim=128,
+    max_position_embeddings=128,
+    forced_eos_token_id=None,
+    no_repeat_ngram_size=0,
+)
+"""The worker and GPU tests' BART: wider, plain greedy in transformers (no forced EOS, no
+n-gram blocking)."""
+
+
+def make_tiny_bart_dir(
+    path: str | os.PathLike[str],
+    *,
+    family: str = "bart",
+    bart_tokenizer: bool = True,
+    add_bos: bool = True,
+    base: dict[str, Any] = TINY_BART,
+    seed: int = 0,
+    **overrides: Any,
+) -> str:
+    """A random `family` ("bart", "mbart" or "marian") model of `base` + `overrides` in
+    `path`. `bart_tokenizer`: the tiny tokenizer writes `<s> text </s>` (as BART; `text </s>`
+    without `add_bos`, as Marian); False: the default tiny tokenizer (`<s> text`)."""
+    from transformers import (
+        BartConfig,
+        BartForConditionalGeneration,
+        MarianConfig,
+        MarianMTModel,
+        MBartConfig,
+        MBartForConditionalGeneration,
+    )
+
+    classes = {
+        "bart": (BartConfig, BartForConditionalGeneration),
+        "mbart": (MBartConfig, MBartForConditionalGeneration),
+        "marian": (MarianConfig, MarianMTModel),
+    }[family]
+    tokenizer_from = None
+    if bart_tokenizer:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        make_tiny_tokenizer(path, add_bos=add_bos, add_eos=True)
+        tokenizer_from = path
+    return make_tiny_model_dir(
+        *classes, path, tokenizer_from=tokenizer_from, seed=seed, **{**base, **overrides}
+    )
+
+
+TINY_T5 = dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0)
+"""A T5-family config (T5, mT5) that runs in milliseconds on CPU."""
+
+
+def make_tiny_t5_dir(
+    path: str | os.PathLike[str],
+    *,
+    family: str = "t5",
+    add_bos: bool = False,
+    seed: int = 0,
+    **overrides: Any,
+) -> str:
+    """A random `family` ("t5" or "mt5") model of TINY_T5 + `overrides` in `path`, with the tiny
+    tokenizer ending every text with </s> (and starting it with <s> if `add_bos`)."""
+    from transformers import (
+        MT5Config,
+        MT5ForConditionalGeneration,
+        T5Config,
+        T5ForConditionalGeneration,
+    )
+
+    classes = {
+        "t5": (T5Config, T5ForConditionalGeneration),
+        "mt5": (MT5Config, MT5ForConditionalGeneration),
+    }[family]
+    Path(path).mkdir(parents=True, exist_ok=True)
+    make_tiny_tokenizer(path, add_bos=add_bos, add_eos=True)
+    return make_tiny_model_dir(
+        *classes, path, tokenizer_from=path, seed=seed, **{**TINY_T5, **overrides}
+    )
+
+
+WHISPER_BASE = ASSETS / "whisper-base"
+WHISPER_WINDOW = 1500
+"""Encoder positions of one Whisper window."""
+TINY_WHISPER = dict(
+    d_model=32,
+    encoder_layers=2,
+    decoder_layers=2,
+    encoder_attention_heads=4,
+    decoder_attention_heads=4,
+    encoder_ffn_dim=64,
+    decoder_ffn_dim=64,
+    max_source_positions=WHISPER_WINDOW,
+    max_target_positions=448,
+)
+"""A Whisper config of full-size windows that runs in milliseconds on CPU."""
+WHISPER_VOCAB_SIZES = {"multilingual": 51865, "english_only": 51864, "large_v3": 51866}
+
+
+def _shifted(gen: dict[str, Any], first: int, delta: int) -> dict[str, Any]:
+    """The generation config with every special id >= `first` moved by `delta`."""
+
+    def move(t: int) -> int:
+        return t + delta if t >= first else t
+
+    out = dict(gen)
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id"):
+        out[key] = move(gen[key])
+    for key in ("no_timestamps_token_id", "prev_sot_token_id"):
+        out[key] = move(gen[key])
+    for key in ("suppress_tokens", "begin_suppress_tokens"):
+        out[key] = [move(t) for t in gen[key]]
+    for key in ("lang_to_id", "task_to_id"):
+        out[key] = {k: move(v) for k, v in gen[key].items()}
+    out["forced_decoder_ids"] = None
+    return out
+
+
+def whisper_generation_config(layout: str) -> dict[str, Any]:
+    """whisper-base's generation config, or the `.en` layout (every special id one lower, no
+    language or task tokens), or large-v3's (a 100th language, <|yue|>, before the tasks)."""
+    import json
+
+    gen = json.loads((WHISPER_BASE / "generation_config.json").read_text())
+    if layout == "english_only":
+        gen = _shifted(gen, 50257, -1)
+        for key in ("lang_to_id", "task_to_id"):
+            del gen[key]
+        gen["is_multilingual"] = False
+    elif layout == "large_v3":
+        gen = _shifted(gen, 50358, 1)
+        gen["lang_to_id"]["<|yue|>"] = 50358
+    return gen
+
+
+def make_tiny_whisper_dir(path: Path, *, layout: str = "multilingual", seed: int = 0) -> str:
+    """A random 2+2-layer, 32-wide Whisper with a real vocabulary layout (multilingual,
+    english_only or large_v3 with 128 mel bins), whisper-base's tokenizer and a matching
+    feature extractor and generation config (needs the whisper-base asset)."""
+    import torch
+    from transformers import (
+        GenerationConfig,
+        WhisperConfig,
+        WhisperFeatureExtractor,
+        WhisperForConditionalGeneration,
+    )
+
+    from tests.models.hf_reference import randomize_
+
+    path.mkdir(parents=True, exist_ok=True)
+    for item in WHISPER_BASE.iterdir():
+        if item.suffix != ".safetensors" and not item.name.endswith("config.json"):
+            shutil.copy(item, path / item.name)
+    num_mel_bins = 128 if layout == "large_v3" else 80
+    WhisperFeatureExtractor(feature_size=num_mel_bins).save_pretrained(str(path))
+    gen = whisper_generation_config(layout)
+    cfg = WhisperConfig(
+        vocab_size=WHISPER_VOCAB_SIZES[layout],
+        num_mel_bins=num_mel_bins,
+        decoder_start_token_id=gen["decoder_start_token_id"],
+        eos_token_id=gen["eos_token_id"],
+        bos_token_id=gen["bos_token_id"],
+        pad_token_id=gen["pad_token_id"],
+        **TINY_WHISPER,
+    )
+    torch.manual_seed(seed)
+    # std 0.5: outputs depend on the audio (smaller weights give one repeated token).
+    model = randomize_(WhisperForConditionalGeneration(cfg), seed, std=0.5).eval()
+    model.generation_config = GenerationConfig(**gen)
+    model.save_pretrained(str(path))
+    return str(path)
 
 
 def count_clip_hashes(monkeypatch: Any) -> list[Any]:

@@ -1,4 +1,7 @@
-"""Every environment variable the engine reads, in one place."""
+"""Every environment variable the engine reads, in one place.
+
+Each is read once, at import, with its default; its docstring says what it changes.
+"""
 
 from __future__ import annotations
 

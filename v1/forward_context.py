@@ -1,4 +1,7 @@
-"""The per-step forward context: attention metadata each Attention layer reads by its name."""
+"""The per-step forward context: attention metadata each Attention layer reads by its name.
+
+The runner sets it around a step's forward; layers read it, never build it.
+"""
 
 from __future__ import annotations
 

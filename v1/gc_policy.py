@@ -1,17 +1,8 @@
 """Python's cyclic GC around the engine's step loops.
 
-A full (generation-2) collection scans every tracked object that is not frozen. The engines freeze
-their start-up objects (model, tokenizer, configs), but a large batch's own requests, token lists
-and logprob lists are created during the run and reach generation 2 after two collections. With
-512 Whisper windows in flight a full collection then takes 12-27 ms on an H100 host, and Python's
-default thresholds (700, 10, 10) start two or three of them per 2.6 s run, each one a gap of that
-length in the device's queue (`benchmarks/step_gaps.py` records them).
-
-`deferred_full_collections()` lets the young generations run as usual (they collect short-lived
-cycles) and makes full collections `FULL_COLLECTION_FACTOR` times rarer than Python's default
-while a batch loop runs; the thresholds are restored after it, and the next automatic
-collection catches up. A process that only steps an engine (the EngineCore process) keeps the
-raised threshold for its lifetime.
+`deferred_full_collections()` leaves the young generations as they are and makes full
+collections `FULL_COLLECTION_FACTOR` times rarer while a batch loop runs, restoring the
+thresholds after it; the EngineCore process keeps them raised (why: docs/decisions.md).
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Host-to-device copies that never wait for the device.
 
-A non-blocking copy from pageable host memory may make the driver wait for the stream (it
-stages the data first), which would stall a pipelined step behind the one still running; from
-pinned memory it is truly asynchronous. The pinned buffer comes from torch's caching host
-allocator, which keeps it from reuse until the copy has run.
+A non-blocking copy from pageable memory may wait for the stream; from pinned memory (torch's
+caching host allocator, which keeps a buffer until its copy has run) it is truly asynchronous.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""The `v1` logger."""
+"""The `v1` logger.
+
+`init_logger(name)` configures the package's root logger once (level: `envs.V1_LOG_LEVEL`).
+"""
 
 from __future__ import annotations
 

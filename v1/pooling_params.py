@@ -1,4 +1,8 @@
-"""Pooling parameters of an encoder-only request (embed, classify, score)."""
+"""Pooling parameters of an encoder-only request (embed, classify, score).
+
+A msgspec Struct that crosses the process boundary as it is; checked against `ModelInfo`
+at the frontend and again at admission.
+"""
 
 from __future__ import annotations
 

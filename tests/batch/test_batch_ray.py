@@ -15,8 +15,11 @@ import pytest
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.data")
 
-from tests.models.test_whisper import make_tiny_whisper_dir  # noqa: E402
-from tests.utils import ASSETS, needs_assets  # noqa: E402
+from tests.utils import (  # noqa: E402
+    ASSETS,
+    make_tiny_whisper_dir,  # noqa: E402
+    needs_assets,
+)
 from v1.batch import BatchJob, run_batch  # noqa: E402
 from v1.batch.writer import read_shard  # noqa: E402
 from v1.entrypoints.llm import LLM  # noqa: E402

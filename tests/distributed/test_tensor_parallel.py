@@ -22,9 +22,10 @@ import torch
 
 from tests.utils import (
     ASSETS,
+    make_tiny_bart_dir,
     make_tiny_llama_dir,
     make_tiny_model_dir,
-    make_tiny_tokenizer,
+    make_tiny_t5_dir,
     make_tiny_wordpiece_tokenizer,
 )
 from v1 import LLM, BeamSearchParams, SamplingParams
@@ -208,69 +209,21 @@ def _alive(pid: int) -> bool:
 
 # ---- encoder-decoder: BART, Marian, T5, mT5 ----
 def _bart_family_dir(path: Path, family: str) -> str:
-    from transformers import (
-        BartConfig,
-        BartForConditionalGeneration,
-        MarianConfig,
-        MarianMTModel,
-        MBartConfig,
-        MBartForConditionalGeneration,
-    )
-
-    make_tiny_tokenizer(path, add_bos=True, add_eos=True)
-    config_cls, model_cls = {
-        "bart": (BartConfig, BartForConditionalGeneration),
-        "mbart": (MBartConfig, MBartForConditionalGeneration),
-        "marian": (MarianConfig, MarianMTModel),
-    }[family]
-    return make_tiny_model_dir(
-        config_cls,
-        model_cls,
-        path,
-        tokenizer_from=path,
-        d_model=32,
-        encoder_layers=2,
-        decoder_layers=2,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=64,
-        decoder_ffn_dim=64,
-        max_position_embeddings=64,
-        init_std=0.5 if family == "mbart" else 0.2,  # mBART's pre-norm needs more spread
-        decoder_start_token_id=2,
-    )
+    # mBART's pre-norm needs more spread
+    init_std = 0.5 if family == "mbart" else 0.2
+    return make_tiny_bart_dir(path, family=family, init_std=init_std, decoder_start_token_id=2)
 
 
 def _t5_family_dir(path: Path, family: str) -> str:
-    from transformers import (
-        MT5Config,
-        MT5ForConditionalGeneration,
-        T5Config,
-        T5ForConditionalGeneration,
-    )
-
-    make_tiny_tokenizer(path, add_eos=True)
-    config_cls, model_cls = (
-        (MT5Config, MT5ForConditionalGeneration)
-        if family == "mt5"
-        else (T5Config, T5ForConditionalGeneration)
-    )
-    return make_tiny_model_dir(
-        config_cls,
-        model_cls,
+    return make_tiny_t5_dir(
         path,
-        tokenizer_from=path,
-        d_model=32,
-        d_kv=8,
-        d_ff=64,
-        num_layers=2,
-        num_heads=4,
+        family=family,
+        add_bos=True,
         relative_attention_num_buckets=8,
         n_positions=64,
         feed_forward_proj="gated-gelu" if family == "mt5" else "relu",
         tie_word_embeddings=family != "mt5",
         initializer_factor=4.0,
-        decoder_start_token_id=0,
     )
 
 

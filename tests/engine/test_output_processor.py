@@ -350,7 +350,7 @@ def test_lazy_logprobs_of_n_children(processor) -> None:
 def test_window_collector_reads_lazy_logprobs_as_the_entries(tiny_tokenizer) -> None:
     """Transcription windows run with lazy_logprobs: their WindowOutput (tokens, per-token
     logprobs that avg_logprob and best_of ranking use) equals the one read from entries."""
-    from v1.engine.transcription import WindowCollector
+    from v1.engine.transcription.windows import WindowCollector
 
     windows = []
     for lazy in (False, True):

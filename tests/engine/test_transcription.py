@@ -20,8 +20,7 @@ import soundfile as sf
 import torch
 from blake3 import blake3
 
-from tests.models.test_whisper import WHISPER_BASE, make_tiny_whisper_dir
-from tests.utils import ASSETS, needs_assets
+from tests.utils import ASSETS, WHISPER_BASE, make_tiny_whisper_dir, needs_assets
 from v1 import LLM
 from v1.audio import AudioError, load_audio
 from v1.engine.inputs.whisper import WhisperInputBuilder, WhisperInputError
@@ -469,7 +468,7 @@ def test_many_inputs_load_on_threads_and_report_the_first_bad_one(tmp_path: Path
     """Past a few inputs `load_audio_inputs` loads on threads: the waveforms keep input order
     (arrays at 16 kHz come back as views, no copy) and, of several bad inputs, the error names
     the first in input order."""
-    from v1.engine import transcription
+    from v1.engine.transcription import loading as transcription
 
     rng = np.random.default_rng(3)
     waves = [rng.standard_normal(SR + i).astype(np.float32) for i in range(20)]

@@ -16,8 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.models.test_whisper import WHISPER_BASE
-from tests.utils import ASSETS
+from tests.utils import ASSETS, WHISPER_BASE
 from v1 import LLM
 from v1.audio import load_audio
 

@@ -23,8 +23,7 @@ import pytest
 import soundfile as sf
 import torch
 
-from tests.models.test_whisper import WHISPER_BASE, make_tiny_whisper_dir
-from tests.utils import ASSETS, needs_assets
+from tests.utils import ASSETS, WHISPER_BASE, make_tiny_whisper_dir, needs_assets
 from v1 import LLM
 from v1.audio import decode as audio_decode
 from v1.engine.inputs.whisper import WhisperInputBuilder

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.models.test_whisper import WHISPER_BASE, make_tiny_whisper_dir
+from tests.utils import WHISPER_BASE, make_tiny_whisper_dir
 from v1.config import ModelConfig
 from v1.engine.input_processor import InputProcessor
 from v1.engine.tokenizer import get_tokenizer

@@ -8,8 +8,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from tests.models.test_whisper import WHISPER_BASE
-from tests.utils import ASSETS, needs_assets
+from tests.utils import ASSETS, WHISPER_BASE, needs_assets
 from v1 import LLM, SamplingParams
 from v1.audio import load_audio
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers.models.whisper.generation_whisper import WhisperGenerationMixin
 
-from v1.engine.whisper_decoding import (
+from v1.engine.transcription.seek import (
     DecodeQuality,
     TemperatureFallback,
     Verdict,

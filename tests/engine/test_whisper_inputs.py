@@ -14,8 +14,7 @@ import torch
 from blake3 import blake3
 from msgspec.structs import replace
 
-from tests.models.test_whisper import WHISPER_BASE, make_tiny_whisper_dir
-from tests.utils import count_clip_hashes, forbid_resampling
+from tests.utils import WHISPER_BASE, count_clip_hashes, forbid_resampling, make_tiny_whisper_dir
 from v1 import LLM
 from v1.core.protocol import EngineCoreRequest
 from v1.sampling_params import SamplingParams

@@ -15,11 +15,10 @@ import pytest
 import torch
 
 from tests.engine.test_transcription import ENGINE_ARGS
-from tests.models.test_whisper import WHISPER_BASE
-from tests.utils import ASSETS, needs_assets
+from tests.utils import ASSETS, WHISPER_BASE, needs_assets
 from v1 import LLM, SamplingParams
 from v1.audio import load_audio
-from v1.engine.word_timestamps import split_words
+from v1.engine.transcription.words import split_words
 
 AUDIO = ASSETS / "audio"
 CLIPS = ["jfk.flac", "librispeech/test_audio_1.flac", "librispeech/test_audio_0.flac"]
@@ -227,7 +226,7 @@ def test_preempted_requests_keep_their_times(tmp_path_factory: pytest.TempPathFa
     again on resume and still report the times an unpreempted run reports."""
     import json
 
-    from tests.models.test_whisper import make_tiny_whisper_dir
+    from tests.utils import make_tiny_whisper_dir
 
     path = make_tiny_whisper_dir(tmp_path_factory.mktemp("tiny_whisper_words"))
     config_file = Path(path) / "generation_config.json"

@@ -15,17 +15,17 @@ from transformers import (
     AutoModelForCausalLM,
     AutoModelForSeq2SeqLM,
     AutoTokenizer,
-    BartConfig,
-    BartForConditionalGeneration,
     GPT2Config,
     GPT2LMHeadModel,
-    MarianConfig,
-    MarianMTModel,
-    T5Config,
-    T5ForConditionalGeneration,
 )
 
-from tests.utils import make_tiny_llama_dir, make_tiny_model_dir, make_tiny_tokenizer
+from tests.utils import (
+    make_tiny_bart_dir,
+    make_tiny_llama_dir,
+    make_tiny_model_dir,
+    make_tiny_t5_dir,
+    make_tiny_tokenizer,
+)
 from v1 import LLM, BeamSearchParams
 
 MAX_TOKENS = 10
@@ -34,22 +34,7 @@ ENGINE_ARGS = dict(multiprocess=False, num_kv_blocks=256, block_size=4, max_mode
 
 
 def _bart(path: Path) -> str:
-    make_tiny_tokenizer(path, add_bos=True, add_eos=True)
-    make_tiny_model_dir(
-        BartConfig,
-        BartForConditionalGeneration,
-        path,
-        tokenizer_from=path,
-        d_model=32,
-        encoder_layers=2,
-        decoder_layers=2,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=64,
-        decoder_ffn_dim=64,
-        max_position_embeddings=64,
-        init_std=0.2,
-    )
+    make_tiny_bart_dir(path, init_std=0.2)
     generation = {
         "decoder_start_token_id": 2,
         "bos_token_id": 1,
@@ -64,41 +49,14 @@ def _bart(path: Path) -> str:
 
 
 def _marian(path: Path) -> str:
-    make_tiny_tokenizer(path, add_bos=False, add_eos=True)
-    return make_tiny_model_dir(
-        MarianConfig,
-        MarianMTModel,
-        path,
-        tokenizer_from=path,
-        d_model=32,
-        encoder_layers=2,
-        decoder_layers=2,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=64,
-        decoder_ffn_dim=64,
-        max_position_embeddings=64,
-        decoder_start_token_id=0,
-        init_std=0.2,
+    return make_tiny_bart_dir(
+        path, family="marian", add_bos=False, decoder_start_token_id=0, init_std=0.2
     )
 
 
 def _t5(path: Path) -> str:
-    make_tiny_tokenizer(path, add_bos=False, add_eos=True)
-    return make_tiny_model_dir(
-        T5Config,
-        T5ForConditionalGeneration,
-        path,
-        tokenizer_from=path,
-        d_model=32,
-        d_ff=64,
-        d_kv=8,
-        num_layers=2,
-        num_heads=4,
-        feed_forward_proj="gated-gelu",
-        tie_word_embeddings=False,
-        initializer_factor=5.0,
-        decoder_start_token_id=0,
+    return make_tiny_t5_dir(
+        path, feed_forward_proj="gated-gelu", tie_word_embeddings=False, initializer_factor=5.0
     )
 
 

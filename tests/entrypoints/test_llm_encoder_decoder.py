@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoTokenizer, BartConfig, BartForConditionalGeneration
+from transformers import AutoTokenizer, BartForConditionalGeneration
 
-from tests.utils import make_tiny_model_dir, make_tiny_tokenizer
+from tests.utils import make_tiny_bart_dir
 from v1 import LLM, SamplingParams
 
 pytest.importorskip("v1.models.bart")
@@ -32,22 +32,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12)
 @pytest.fixture(scope="module")
 def bart_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     path = tmp_path_factory.mktemp("bart")
-    make_tiny_tokenizer(path, add_bos=True, add_eos=True)  # <s> text </s>, as BART
-    make_tiny_model_dir(
-        BartConfig,
-        BartForConditionalGeneration,
-        path,
-        tokenizer_from=path,
-        d_model=32,
-        encoder_layers=2,
-        decoder_layers=2,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=64,
-        decoder_ffn_dim=64,
-        max_position_embeddings=64,
-        init_std=0.2,
-    )
+    make_tiny_bart_dir(path, init_std=0.2)  # tokenizer: <s> text </s>, as BART
     (path / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG))
     return str(path)
 

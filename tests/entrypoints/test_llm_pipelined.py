@@ -15,15 +15,15 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import (
-    BartConfig,
-    BartForConditionalGeneration,
-    T5Config,
-    T5ForConditionalGeneration,
-)
 
-from tests.models.test_whisper import WHISPER_BASE, make_tiny_whisper_dir
-from tests.utils import ASSETS, make_tiny_llama_dir, make_tiny_model_dir, make_tiny_tokenizer
+from tests.utils import (
+    ASSETS,
+    WHISPER_BASE,
+    make_tiny_bart_dir,
+    make_tiny_llama_dir,
+    make_tiny_t5_dir,
+    make_tiny_whisper_dir,
+)
 from v1 import LLM, SamplingParams
 
 ENGINE_ARGS = dict(
@@ -58,43 +58,19 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="module")
 def bart_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     path = tmp_path_factory.mktemp("bart")
-    make_tiny_tokenizer(path, add_bos=True, add_eos=True)
-    return make_tiny_model_dir(
-        BartConfig,
-        BartForConditionalGeneration,
-        path,
-        tokenizer_from=path,
-        d_model=32,
-        encoder_layers=2,
-        decoder_layers=2,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=64,
-        decoder_ffn_dim=64,
-        max_position_embeddings=64,
-        init_std=0.2,
-    )
+    return make_tiny_bart_dir(path, init_std=0.2)
 
 
 @pytest.fixture(scope="module")
 def t5_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     path = tmp_path_factory.mktemp("t5")
-    make_tiny_tokenizer(path, add_eos=True)
-    return make_tiny_model_dir(
-        T5Config,
-        T5ForConditionalGeneration,
+    return make_tiny_t5_dir(
         path,
-        tokenizer_from=path,
+        add_bos=True,
         seed=2,
-        d_model=32,
-        d_kv=8,
-        d_ff=64,
-        num_layers=2,
         num_decoder_layers=2,
-        num_heads=4,
         relative_attention_num_buckets=16,
         relative_attention_max_distance=24,
-        decoder_start_token_id=0,
         feed_forward_proj="relu",
         initializer_factor=5.0,
     )

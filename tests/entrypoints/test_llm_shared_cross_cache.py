@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.models.test_whisper import WHISPER_BASE, make_tiny_whisper_dir
+from tests.utils import WHISPER_BASE, make_tiny_whisper_dir
 from v1 import LLM, BeamSearchParams, SamplingParams
 from v1.kv_cache.capacity import cdiv
 from v1.kv_cache.single_type import CrossAttentionManager

@@ -15,7 +15,7 @@ import torch
 import transformers
 from torch import nn
 
-from tests.utils import make_tiny_tokenizer
+from tests.utils import TINY_BART, make_tiny_tokenizer
 from v1 import LLM
 from v1.attention.backend import AttentionType, CommonAttentionMetadata
 from v1.attention.backends.torch_sdpa import SDPAMetadataBuilder, TorchSDPABackend
@@ -63,15 +63,8 @@ ENGINE_VARIANTS = ["bart", "mbart", "marian"]
 
 def tiny_config(model_type: str, **overrides: Any) -> Any:
     base = dict(
+        TINY_BART,
         vocab_size=VOCAB,
-        d_model=32,
-        encoder_layers=2,
-        decoder_layers=2,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=64,
-        decoder_ffn_dim=64,
-        max_position_embeddings=64,
         bos_token_id=BOS,
         pad_token_id=PAD,
         eos_token_id=EOS,

@@ -5,18 +5,19 @@ greedy tokens and raw logprobs, also under preemption; no-speech probabilities a
 
 from __future__ import annotations
 
-import json
-import shutil
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-from tests.models.hf_reference import randomize_
-from tests.utils import ASSETS, needs_assets
+from tests.utils import (
+    WHISPER_BASE,
+    WHISPER_WINDOW,
+    make_tiny_whisper_dir,
+    needs_assets,
+)
 from v1.config import make_engine_config
 from v1.core.engine_core import EngineCore
 from v1.core.protocol import EngineCoreRequest
@@ -24,93 +25,9 @@ from v1.engine.inputs.whisper import WhisperInputBuilder
 from v1.engine.tokenizer import get_tokenizer
 from v1.sampling_params import SamplingParams
 
-WHISPER_BASE = ASSETS / "whisper-base"
 pytestmark = needs_assets(WHISPER_BASE)
-WINDOW = 1500
+WINDOW = WHISPER_WINDOW
 """Encoder positions of one window."""
-TINY = dict(
-    d_model=32,
-    encoder_layers=2,
-    decoder_layers=2,
-    encoder_attention_heads=4,
-    decoder_attention_heads=4,
-    encoder_ffn_dim=64,
-    decoder_ffn_dim=64,
-    max_source_positions=WINDOW,
-    max_target_positions=448,
-)
-
-
-def _shifted(gen: dict[str, Any], first: int, delta: int) -> dict[str, Any]:
-    """The generation config with every special id >= `first` moved by `delta`."""
-
-    def move(t: int) -> int:
-        return t + delta if t >= first else t
-
-    out = dict(gen)
-    for key in ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id"):
-        out[key] = move(gen[key])
-    for key in ("no_timestamps_token_id", "prev_sot_token_id"):
-        out[key] = move(gen[key])
-    for key in ("suppress_tokens", "begin_suppress_tokens"):
-        out[key] = [move(t) for t in gen[key]]
-    for key in ("lang_to_id", "task_to_id"):
-        out[key] = {k: move(v) for k, v in gen[key].items()}
-    out["forced_decoder_ids"] = None
-    return out
-
-
-def generation_config_for(layout: str) -> dict[str, Any]:
-    """whisper-base's generation config, or the `.en` layout (every special id one lower, no
-    language or task tokens), or large-v3's (a 100th language, <|yue|>, before the tasks)."""
-    gen = json.loads((WHISPER_BASE / "generation_config.json").read_text())
-    if layout == "english_only":
-        gen = _shifted(gen, 50257, -1)
-        for key in ("lang_to_id", "task_to_id"):
-            del gen[key]
-        gen["is_multilingual"] = False
-    elif layout == "large_v3":
-        gen = _shifted(gen, 50358, 1)
-        gen["lang_to_id"]["<|yue|>"] = 50358
-    return gen
-
-
-VOCAB_SIZES = {"multilingual": 51865, "english_only": 51864, "large_v3": 51866}
-
-
-def make_tiny_whisper_dir(path: Path, *, layout: str = "multilingual", seed: int = 0) -> str:
-    """A random 2+2-layer, 32-wide Whisper with a real vocabulary layout (multilingual,
-    english_only or large_v3 with 128 mel bins), whisper-base's tokenizer and a matching
-    feature extractor and generation config."""
-    from transformers import (
-        GenerationConfig,
-        WhisperConfig,
-        WhisperFeatureExtractor,
-        WhisperForConditionalGeneration,
-    )
-
-    path.mkdir(parents=True, exist_ok=True)
-    for item in WHISPER_BASE.iterdir():
-        if item.suffix != ".safetensors" and not item.name.endswith("config.json"):
-            shutil.copy(item, path / item.name)
-    num_mel_bins = 128 if layout == "large_v3" else 80
-    WhisperFeatureExtractor(feature_size=num_mel_bins).save_pretrained(str(path))
-    gen = generation_config_for(layout)
-    cfg = WhisperConfig(
-        vocab_size=VOCAB_SIZES[layout],
-        num_mel_bins=num_mel_bins,
-        decoder_start_token_id=gen["decoder_start_token_id"],
-        eos_token_id=gen["eos_token_id"],
-        bos_token_id=gen["bos_token_id"],
-        pad_token_id=gen["pad_token_id"],
-        **TINY,
-    )
-    torch.manual_seed(seed)
-    # std 0.5: outputs depend on the audio (smaller weights give one repeated token).
-    model = randomize_(WhisperForConditionalGeneration(cfg), seed, std=0.5).eval()
-    model.generation_config = GenerationConfig(**gen)
-    model.save_pretrained(str(path))
-    return str(path)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -13,10 +13,15 @@ import pytest
 import torch
 import transformers
 
-from tests.models.test_whisper import WHISPER_BASE, make_tiny_whisper_dir
 from tests.models.test_whisper import make_core as make_whisper_core
 from tests.quantization.test_fp8 import generate, is_fp8, is_unquantized, write_fp8_checkpoint
-from tests.utils import make_tiny_model_dir, make_tiny_wordpiece_tokenizer, needs_assets
+from tests.utils import (
+    WHISPER_BASE,
+    make_tiny_model_dir,
+    make_tiny_whisper_dir,
+    make_tiny_wordpiece_tokenizer,
+    needs_assets,
+)
 from tests.worker.worker_factories import make_core as make_worker_core
 from tests.worker.worker_factories import make_tiny_bart_dir, runner_of
 from v1.config import make_engine_config

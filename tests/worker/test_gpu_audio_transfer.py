@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from tests.models.test_whisper import WHISPER_BASE, make_tiny_whisper_dir
+from tests.utils import WHISPER_BASE, make_tiny_whisper_dir
 
 pytestmark = [
     pytest.mark.gpu,

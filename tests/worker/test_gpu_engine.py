@@ -8,7 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.utils import make_tiny_llama_dir, make_tiny_model_dir
+from tests.utils import (
+    TINY_BART_WIDE,
+    make_tiny_bart_dir,
+    make_tiny_llama_dir,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -83,24 +87,9 @@ def test_llama_matches_transformers(tmp_path, enforce_eager):
 
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "cuda_graphs"])
 def test_bart_matches_transformers(tmp_path, enforce_eager):
-    from transformers import BartConfig, BartForConditionalGeneration
+    from transformers import BartForConditionalGeneration
 
-    path = make_tiny_model_dir(
-        BartConfig,
-        BartForConditionalGeneration,
-        tmp_path,
-        d_model=64,
-        encoder_layers=2,
-        decoder_layers=2,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=128,
-        decoder_ffn_dim=128,
-        max_position_embeddings=128,
-        init_std=0.2,
-        forced_eos_token_id=None,
-        no_repeat_ngram_size=0,
-    )
+    path = make_tiny_bart_dir(tmp_path, bart_tokenizer=False, base=TINY_BART_WIDE, init_std=0.2)
     model = BartForConditionalGeneration.from_pretrained(path).cuda().eval()
     prompts = [[1] + [(11 * i + 5 * j) % 300 + 4 for j in range(4 + 6 * i)] + [2] for i in range(9)]
     expected = hf_greedy(model, prompts, 20, model.config.eos_token_id)

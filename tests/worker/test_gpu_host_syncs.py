@@ -13,9 +13,12 @@ import warnings
 
 import pytest
 import torch
-from transformers import BartConfig, BartForConditionalGeneration
 
-from tests.utils import make_tiny_llama_dir, make_tiny_model_dir
+from tests.utils import (
+    TINY_BART_WIDE,
+    make_tiny_bart_dir,
+    make_tiny_llama_dir,
+)
 from v1.worker.sampled_output import HostCopy
 
 pytestmark = [
@@ -100,21 +103,7 @@ def test_decoder_only_step_syncs_once(tmp_path, enforce_eager):
 
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "cuda_graphs"])
 def test_encoder_decoder_step_syncs_once(tmp_path, enforce_eager):
-    path = make_tiny_model_dir(
-        BartConfig,
-        BartForConditionalGeneration,
-        tmp_path,
-        d_model=64,
-        encoder_layers=2,
-        decoder_layers=2,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=128,
-        decoder_ffn_dim=128,
-        max_position_embeddings=128,
-        forced_eos_token_id=None,
-        no_repeat_ngram_size=0,
-    )
+    path = make_tiny_bart_dir(tmp_path, bart_tokenizer=False, base=TINY_BART_WIDE)
     prompts = [p + [2] for p in PROMPTS]
     counts = syncs_per_step(path, prompts, enforce_eager)
     assert len(counts) > 12 and set(counts) == {(0, 1)}, counts

@@ -19,8 +19,7 @@ from tests.engine.test_word_timestamps import (
     assert_token_times_match,
     transformers_token_times,
 )
-from tests.models.test_whisper import WHISPER_BASE
-from tests.utils import needs_assets
+from tests.utils import WHISPER_BASE, needs_assets
 from v1 import LLM, SamplingParams
 from v1.audio import load_audio
 

@@ -36,23 +36,17 @@ def _generate(path: str, prompts: list[list[int]], **kwargs) -> list[list[int]]:
 def test_padded_steps_generate_the_same_tokens(tmp_path, monkeypatch) -> None:
     """Llama prefill steps and BART encoder runs of 67-300 tokens, padded (as on CUDA) and not:
     the same greedy tokens, every KV block freed."""
-    from transformers import BartConfig, BartForConditionalGeneration
-
-    from tests.utils import make_tiny_llama_dir, make_tiny_model_dir
+    from tests.utils import make_tiny_bart_dir, make_tiny_llama_dir
     from v1.worker import step_inputs
 
     llama = make_tiny_llama_dir(tmp_path / "llama")
-    bart = make_tiny_model_dir(
-        BartConfig,
-        BartForConditionalGeneration,
+    bart = make_tiny_bart_dir(
         tmp_path / "bart",
-        d_model=32,
+        bart_tokenizer=False,
         encoder_layers=1,
         decoder_layers=1,
         encoder_attention_heads=2,
         decoder_attention_heads=2,
-        encoder_ffn_dim=64,
-        decoder_ffn_dim=64,
         max_position_embeddings=128,
         forced_eos_token_id=None,
     )

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tests.utils import make_tiny_model_dir
+from tests import utils
 from v1.config import make_engine_config
 from v1.core.engine_core import EngineCore
 from v1.core.protocol import EncoderInput, EngineCoreRequest
@@ -15,26 +15,12 @@ from v1.sampling_params import SamplingParams
 EOS = 2
 """The tiny tokenizer's </s> (BART's decoder start, too)."""
 
-TINY_BART = dict(
-    d_model=64,
-    encoder_layers=2,
-    decoder_layers=2,
-    encoder_attention_heads=4,
-    decoder_attention_heads=4,
-    encoder_ffn_dim=128,
-    decoder_ffn_dim=128,
-    max_position_embeddings=128,
-    init_std=0.2,
-    forced_eos_token_id=None,
-    no_repeat_ngram_size=0,
-)
-"""A BartConfig whose greedy outputs vary with the input (plain greedy in transformers)."""
-
 
 def make_tiny_bart_dir(path: Path) -> str:
-    from transformers import BartConfig, BartForConditionalGeneration
-
-    return make_tiny_model_dir(BartConfig, BartForConditionalGeneration, path, **TINY_BART)
+    """A BART whose greedy outputs vary with the input (plain greedy in transformers)."""
+    return utils.make_tiny_bart_dir(
+        path, bart_tokenizer=False, base=utils.TINY_BART_WIDE, init_std=0.2
+    )
 
 
 def make_core(path: str, **overrides: Any) -> EngineCore:

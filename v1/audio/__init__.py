@@ -1,10 +1,8 @@
 """Audio for the frontend and the runner: decoding, resampling, log-mel, long-form windows.
 
-The frontend calls `load_audio` (any source -> float32 mono 16 kHz) and wraps each encoder
-input's samples in an `AudioClip` (content hash computed once); the model runner computes
-`LogMelSpectrogram` on its device; `chunking` splits long recordings and maps timestamps.
-Importing the package loads neither torch nor an audio decoder (a text-only server imports it):
-decoders load on first decode, `LogMelSpectrogram` (torch) on first use of the name.
+`load_audio` (any source -> float32 mono 16 kHz), `AudioClip` (samples + hash computed once),
+`LogMelSpectrogram` on the runner's device, `chunking` for long recordings and timestamps.
+Importing the package loads neither torch nor a decoder (a text-only server imports it).
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
-"""Audio decoding for the frontend: a path, bytes, file-like or (array, rate) -> float32 mono 16 kHz.
+"""Audio decoding: a path, bytes, file-like or (array, rate) -> float32 mono 16 kHz.
 
-WAV/FLAC/OGG decode through soundfile, MP3/M4A/WebM and anything libsndfile cannot open through
-PyAV. Blocks are mixed to mono and resampled with soxr (librosa's resampler) as they are decoded.
-Duration counts twice against the cap: the length the file declares (its header, or for
-compressed streams the sum of its packets' durations, read without decoding) is checked before
-decoding, so a file hiding its length is refused in constant memory, and the decoded length is
-counted as blocks arrive.
-Arrays already at 16 kHz are only checked: mono float32 comes back without a copy.
+soundfile first, PyAV for what libsndfile cannot open; blocks are mixed and resampled (soxr)
+as they arrive. Duration is capped twice: the declared length before decoding (constant
+memory), the decoded length as blocks arrive. 16 kHz mono float32 arrays come back uncopied.
 """
 
 from __future__ import annotations

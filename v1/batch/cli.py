@@ -1,4 +1,7 @@
-"""`v1 batch`: the flags of an offline batch job and the command that runs it."""
+"""`v1 batch`: the flags of an offline batch job and the command that runs it.
+
+The flags build a `BatchJob` (v1.batch.job); the command hands it to the runner.
+"""
 
 from __future__ import annotations
 

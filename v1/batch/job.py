@@ -1,9 +1,8 @@
-"""What an offline batch job is: a task, a model with its engine arguments, inputs listed once in a
-stable order, and output shards of `shard_size` rows each.
+"""An offline batch job: a task, a model with its engine arguments, inputs in a stable order,
+and output shards of `shard_size` rows, each written in one rename (`OUTPUT/part-0000k.*`).
 
-Shard k of a job is the file `OUTPUT/part-0000k.jsonl` (or `.parquet`), written in one rename: a
-restarted job skips the shards already there. `OUTPUT/_job.json` records what the shards were
-made from, so a restart over different inputs or shard sizes is refused instead of mixed in.
+`OUTPUT/_job.json` records what the shards were made from: a restart skips written shards and
+refuses different inputs or shard sizes instead of mixing them in.
 """
 
 from __future__ import annotations

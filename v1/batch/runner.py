@@ -1,10 +1,8 @@
 """Runs a `BatchJob`: in this process with one engine, or over Ray Data with one engine per actor.
 
-Either way: list the inputs, skip the shards already written, run the rest through
-`BatchProcessor` in batches, and write each shard once all its rows are back (rows in input
-order). Over Ray: read (audio bytes with `read_binary_files`, texts with `from_items`) ->
-`map_batches` (a callable class, one engine per actor; `num_gpus=1` each on a GPU cluster, CPU
-actors otherwise) -> the driver writes the shards as their rows stream in.
+Either way: list the inputs, skip written shards, run the rest through `BatchProcessor` in
+batches and write each shard once all its rows are back, in input order. Over Ray: read ->
+`map_batches` (one engine per actor) -> the driver writes shards as their rows stream in.
 """
 
 from __future__ import annotations

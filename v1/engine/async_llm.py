@@ -224,7 +224,7 @@ class AsyncLLM:
         """Transcribes (or translates) audio with a Whisper model: one TranscriptionResult per
         input, long audio in 30 s windows. `options`: language, task ("transcribe" or
         "translate"), timestamps, prompt, condition_on_previous_text, word_timestamps, ... (see
-        `v1.engine.transcription_plan.TranscriptionOptions`)."""
+        `v1.engine.transcription.TranscriptionOptions`)."""
         if self.transcriber is None:
             raise ValueError(
                 f"transcribe() needs a Whisper model; {self.model_config.model} is "

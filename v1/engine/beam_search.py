@@ -1,22 +1,8 @@
 """Beam search over the engine, scored and finished exactly as transformers' `generate(num_beams)`.
 
-The frontend decides, the engine keeps the KV. Each step, every distinct live beam runs as one
-EngineCoreRequest that carries the beam's tokens as `output_token_ids` and asks for one token
-with the top `2 * beam_width` "processed" logprobs (the logits rules applied to log_softmax,
-what transformers' beam search adds up); `BeamSearch` (transformers' vectorized `_beam_search`,
-one batch row, in pure Python) ranks the continuations, so scores and finishing are the same
-whatever the engine does. The KV lives in the engine across steps: every step request is sent
-with `hold_kv`, so the core keeps its blocks after it finishes, and each beam of the next step
-names the request of its parent sequence in `fork_from`. The core admits it on the parent's
-blocks: full blocks shared by ref count, the partial last block copied into one new block (the
-runner copies it on the device before the step; the parent's last child takes it over without
-a copy), so a beam computes exactly one token per step. A parent is released by its
-`last_fork` child, or by an abort when no beam continues it; the drivers release the last step
-and everything in flight when the search ends or fails (`take_step_request_ids`). Under KV
-pressure the core may free held parents: their children then compute their tokens again (with
-prefix caching), with the same results. For encoder-decoder models all beams read one
-cross-attention cache keyed by the encoder content hash: the encoder runs once.
-`run_beam_search` / `run_beam_search_async` drive many searches at once.
+The frontend ranks (`BeamSearch`, pure Python); the engine keeps the KV: each step request is
+sent with `hold_kv` and each next beam forks its parent with `fork_from`, so a beam computes one
+token a step. The drivers (`run_beam_search[_async]`) release every held step when a search ends.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Frontend edge: a user prompt + params -> validated EngineCoreRequests.
 
-Checks the params once (nothing invalid reaches the core) and hands the prompt to the input
-builder of the model's kind (`v1.engine.inputs`), chosen once: it tokenizes, checks every limit
-with a clear ValueError, builds the first-class encoder input (token ids or a Whisper window) and
-fills sampling defaults from the model's generation config. n > 1 becomes n child requests.
+Checks the params once and hands the prompt to the input builder of the model's kind
+(`v1.engine.inputs`, chosen once): nothing invalid reaches the core. n > 1 becomes n children.
 """
 
 from __future__ import annotations

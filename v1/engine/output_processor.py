@@ -1,11 +1,8 @@
 """EngineCoreOutputs -> user outputs: detokenize, stop strings, logprobs, n>1 merge, deltas.
 
-One `RequestState` per request the core runs; a user request with n > 1 is a `ParentRequest`
-whose n children (ids f"{i}_{parent_id}") the core runs independently and which is merged back
-into one RequestOutput here. Requests that hit a stop string are returned for aborting in the core.
-Sample logprobs stay as the core sent them until an output reports them (Logprob entries are
-built then, or never for `lazy_logprobs` requests): a FINAL_ONLY decode step costs no object
-per token.
+One `RequestState` per core request; a `ParentRequest` merges its n children back into one
+RequestOutput. Stop-string hits are returned for aborting in the core. Sample logprobs become
+`Logprob` entries only when an output reports them (never for `lazy_logprobs` requests).
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
-"""The `v1` command: `v1 serve MODEL`, `v1 transcribe FILE...`, `v1 generate`, `v1 embed`,
-`v1 batch` (offline jobs, see v1.batch).
+"""The `v1` command: `serve`, `transcribe`, `generate`, `embed`, `batch` (see v1.batch).
 
-Engine flags and their --help text are generated from `v1.config.engine_arg_fields()` (type,
-default, the field's docstring); each subcommand lists the ones that mean something to it.
-Inputs and the model are checked before the model loads; errors are one line on stderr.
+Engine flags and their --help come from `v1.config.engine_arg_fields()`; each subcommand lists
+the ones that mean something to it. Inputs are checked before the model loads; errors are one
+line on stderr.
 """
 
 from __future__ import annotations

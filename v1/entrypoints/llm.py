@@ -1,10 +1,8 @@
-"""The offline API: `LLM(model).generate(...)`, `.embed`, `.classify`, `.score`, `.rerank`.
+"""The offline API: `LLM(model).generate(...)`, `.embed`, `.classify`, `.score`, `.rerank`,
+`.transcribe`.
 
-Invalid input raises ValueError naming the prompt, and the engine keeps serving: `generate`
-validates every prompt of a batch before any is queued; the pooling calls process each prompt
-as the steps need it (the device starts at once) and abort what was queued. Results come back
-in input order. A request the engine fails makes the call raise `RequestFailedError` at the
-end, carrying every output.
+Invalid input raises ValueError naming the prompt and the engine keeps serving; results come
+back in input order; a failed request makes the call raise `RequestFailedError` at the end.
 """
 
 from __future__ import annotations
@@ -273,7 +271,7 @@ class LLM:
         decoded in 30 s windows, each starting where the last complete segment of the one
         before ended (openai-whisper's seek), prompted with the text so far, and decoded again
         hotter when it looks wrong; the windows of many files share the engine's steps.
-        `options` (see `v1.engine.transcription_plan.TranscriptionOptions`): language (default:
+        `options` (see `v1.engine.transcription.TranscriptionOptions`): language (default:
         detect), task ("transcribe" or "translate"), timestamps, prompt,
         condition_on_previous_text (True), temperature (fallback schedule; one number turns
         fallback off), compression_ratio_threshold (2.4), logprob_threshold (-1.0),

@@ -1,11 +1,8 @@
 """Text encoder-decoder models (BART/mBART/Marian, T5): the prompt is the encoder's input.
 
-A string or token ids are the ENCODER input and the decoder starts from
-[decoder_start_token_id]; {"encoder_prompt", "decoder_prompt"} sets both (a decoder string is
-tokenized without special tokens; decoder_start_token_id is prepended unless the prompt starts
-with it, as transformers does with decoder_input_ids). Encoder token ids are checked against
-the encoder's vocabulary, the decoder prompt against the decoder's (Marian's decoder may have a
-vocabulary of its own).
+The decoder starts from [decoder_start_token_id] unless {"encoder_prompt", "decoder_prompt"}
+sets it (prepended as transformers does). Encoder ids are checked against the encoder's
+vocabulary, the decoder prompt against the decoder's (Marian's may differ).
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Whisper requests at the frontend edge: one audio window + a decoder prompt -> EngineCoreRequest.
 
-Decodes and checks the audio (v1.audio), validates language and task, builds the decoder prompt
-(`<|startofprev|>` previous text, `<|startoftranscript|>`, language, task, `<|notimestamps|>`)
-from the model's special tokens (`ModelInfo.whisper_tokens`) and fills Whisper's sampling
-defaults from its generation config. Built once per engine; the transcription plans use it too.
+Checks the audio, language and task, builds the decoder prompt from `ModelInfo.whisper_tokens`
+and fills Whisper's sampling defaults. Built once per engine; the transcription plans use it.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """The OpenAI-compatible HTTP server: `build_app(engine, args)` and `run_server(args)`.
 
 Routes /v1/models, /health, /metrics, /version and the endpoint families (serving_*.py) over one
-AsyncLLM. A pure-ASGI middleware checks the API key, bounds the inference requests in flight
-(503 + Retry-After), caps body sizes while the body streams in (JSON: --max-request-bytes; audio:
---max-audio-bytes) and counts requests per endpoint and status.
+AsyncLLM; a pure-ASGI middleware checks the API key, bounds requests in flight (503), caps body
+sizes while they stream in and counts requests per endpoint and status.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """How the server stops: a drain on SIGTERM / SIGINT and an exit when the engine dies.
 
-Drain (`--shutdown-timeout`): the listener stays open and new requests get 503 with Retry-After
-(`/health` too, so balancers move on) while in-flight work finishes; at the timeout the work
-still running is failed (streams get an error event, others a 503), then the server exits 0.
-Engine death: in-flight work fails at once (AsyncLLM), then the server exits with code 1 so an
-orchestrator restarts it, unless `--keep-alive-on-engine-death`.
+Drain (`--shutdown-timeout`): new requests get 503 + Retry-After while in-flight work finishes,
+then the rest is failed and the server exits 0. Engine death: in-flight work fails at once and
+the server exits 1, unless `--keep-alive-on-engine-death`.
 """
 
 from __future__ import annotations

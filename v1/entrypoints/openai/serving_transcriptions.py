@@ -1,12 +1,8 @@
-"""/v1/audio/transcriptions and /v1/audio/translations with a Whisper model.
+"""/v1/audio/transcriptions and /v1/audio/translations: form checks, upload decoding, formats.
 
-The upload (size-capped while it streams in, see api_server) is decoded off the event loop with
-the server's byte and duration limits (the one `load_audio` of a request), in chunks of
---audio-chunk-seconds that are transcribed one after another by the engine's AsyncTranscriber:
-a long file holds a few chunks in memory, not the whole waveform, and has at most one chunk of
-windows in the engine, which takes turns with other requests'. The options are checked once,
-before the upload is read; every response format reads the transcriber's events (`stream=true`
-sends each window's text as it is decoded).
+The upload is decoded off the event loop (the one `load_audio` of a request) in chunks of
+--audio-chunk-seconds that `v1.engine.transcription.chunk_events` transcribes one after another,
+so a long file holds a few chunks in memory. Options are checked before the upload is read.
 """
 
 from __future__ import annotations
@@ -25,17 +21,18 @@ import numpy as np
 from fastapi import Request, UploadFile
 from fastapi.responses import PlainTextResponse, Response
 
-from v1.audio import MIN_AUDIO_SECONDS, SAMPLE_RATE, AudioError
+from v1.audio import SAMPLE_RATE, AudioError
 from v1.audio.decode import stream_audio
 from v1.core.client import EngineDeadError
 from v1.engine.transcription import (
     AsyncTranscriber,
-    InputDone,
+    ChunkMerger,
     TranscriptionEvent,
     TranscriptionOptions,
     TranscriptionPlanner,
     TranscriptionResult,
     WindowText,
+    chunk_events,
 )
 from v1.entrypoints.openai import transcript_formats as formats
 from v1.entrypoints.openai.errors import APIError, bad_request, engine_dead_error
@@ -135,41 +132,23 @@ class ServingTranscriptions(ServingBase):
         chunks: AsyncIterator[np.ndarray],
         request_id: str,
     ) -> TranscriptionResult:
-        merged = _MergedResult()
+        merged = ChunkMerger()
         events = self._chunk_events(planner, first, chunks, request_id, merged)
         async with contextlib.aclosing(events):
             async for _ in events:
                 pass
         return merged.result()
 
-    async def _chunk_events(
+    def _chunk_events(
         self,
         planner: TranscriptionPlanner,
         first: np.ndarray,
         chunks: AsyncIterator[np.ndarray],
         request_id: str,
-        merged: _MergedResult,
+        merged: ChunkMerger,
     ) -> AsyncIterator[TranscriptionEvent]:
-        """The transcriber's events over the chunks, one after another, each chunk's result
-        merged into `merged`: the first chunk's language (detected or given) holds for the
-        rest, the prompt for the first."""
         assert self.transcriber is not None
-        chunk: np.ndarray | None = first
-        while chunk is not None:
-            if chunk.shape[0] < MIN_AUDIO_SECONDS * SAMPLE_RATE:
-                merged.skip(chunk.shape[0])
-            else:
-                chunk_planner = planner  # ids under f"{request_id}-0"
-                if merged.language is not None:
-                    prefix = f"{request_id}-{merged.num_chunks}"
-                    chunk_planner = planner.continued(merged.language, prefix)
-                events = self.transcriber.events(chunk_planner, [chunk])
-                async with contextlib.aclosing(events):
-                    async for event in events:
-                        if isinstance(event, InputDone):
-                            merged.add(event.result, chunk.shape[0])
-                        yield event
-            chunk = await _next_chunk(chunks)
+        return chunk_events(self.transcriber, planner, first, chunks, request_id, merged)
 
     # ---- input ----
     async def _planner(self, req: AudioRequest, request_id: str) -> TranscriptionPlanner:
@@ -300,7 +279,7 @@ class ServingTranscriptions(ServingBase):
         request_id: str,
     ) -> AsyncIterator[str]:
         """`transcript.text.delta` events in audio order, then `transcript.text.done`."""
-        merged = _MergedResult()
+        merged = ChunkMerger()
         try:
             events = self._chunk_events(planner, first, chunks, request_id, merged)
             async with contextlib.aclosing(events):
@@ -373,57 +352,7 @@ def _decode_into(data: bytes, sink: _AsyncChunkSink, max_seconds: float, max_byt
 
 
 async def _first_chunk(chunks: AsyncIterator[np.ndarray]) -> np.ndarray:
-    chunk = await _next_chunk(chunks)
+    chunk = await anext(chunks, None)
     if chunk is None:
         raise bad_request("audio contains no samples", param="file", code="invalid_audio")
     return chunk
-
-
-async def _next_chunk(chunks: AsyncIterator[np.ndarray]) -> np.ndarray | None:
-    try:
-        return await chunks.__anext__()
-    except StopAsyncIteration:
-        return None
-
-
-class _MergedResult:
-    """TranscriptionResults of consecutive chunks as one: segment times shifted by the chunk's
-    offset and renumbered, texts joined (each starts with its own space, as Whisper writes)."""
-
-    def __init__(self) -> None:
-        self.num_chunks = 0
-        self.num_samples = 0
-        self.language: str | None = None
-        self.texts: list[str] = []
-        self.segments: list[Any] = []
-        self.words: list[Any] | None = None
-
-    def add(self, result: Any, num_samples: int) -> None:
-        offset = self.num_samples / SAMPLE_RATE
-        for seg in result.segments:
-            seg.id = len(self.segments)
-            seg.start = round(seg.start + offset, 3)
-            seg.end = round(seg.end + offset, 3)
-            self.segments.append(seg)
-        if result.words is not None:
-            self.words = self.words or []
-            for word in result.words:
-                word.start = round(word.start + offset, 3)
-                word.end = round(word.end + offset, 3)
-                self.words.append(word)
-        self.texts.append(result.text)
-        self.language = self.language or result.language
-        self.num_chunks += 1
-        self.num_samples += num_samples
-
-    def skip(self, num_samples: int) -> None:
-        self.num_samples += num_samples
-
-    def result(self) -> TranscriptionResult:
-        return TranscriptionResult(
-            text="".join(self.texts),
-            language=self.language or "en",
-            duration=self.num_samples / SAMPLE_RATE,
-            segments=self.segments,
-            words=self.words,
-        )

@@ -1,10 +1,8 @@
-"""The plan of one Whisper transcription: validated options -> window requests -> timed segments.
+"""The plan of one Whisper transcription: checked options -> window requests -> timed segments.
 
 `TranscriptionPlanner` checks a call's options once; its `plan` of one waveform is a generator
-that yields the next window's request (engine requests built from the already-decoded audio:
-no decoding or language check per window) and takes its `WindowOutput` back: language
-detection, windows that start where the last complete segment ended, previous-text
-conditioning, temperature fallback, segment assembly. The drivers are in `transcription.py`.
+that yields each window's request (built from the decoded audio) and takes its `WindowOutput`
+back. Language detection, seek, conditioning, fallback and segments live here, not per driver.
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ from v1.core.protocol import EngineCoreRequest, now
 from v1.engine.beam_search import BeamSearchParams
 from v1.engine.inputs.whisper import WhisperInputBuilder, WhisperInputError
 from v1.engine.output_processor import ParentRequest
-from v1.engine.whisper_decoding import (
+from v1.engine.transcription.seek import (
     FRAMES_PER_SECOND,
     MAX_CONDITIONING_TEMPERATURE,
     SAMPLES_PER_FRAME,
@@ -35,7 +33,7 @@ from v1.engine.whisper_decoding import (
     compression_ratio,
     seek_window,
 )
-from v1.engine.word_timestamps import TranscriptionWord, WordClock
+from v1.engine.transcription.words import TranscriptionWord, WordClock
 from v1.sampling_params import SamplingParams
 
 WINDOW_SAMPLES = WINDOW_FRAMES * SAMPLES_PER_FRAME

@@ -1,7 +1,6 @@
-"""Whisper's long-form decoding rules, model-free (openai-whisper's `transcribe`, transformers'
-long-form `generate`): where the next 30 s window starts (seek), the segments of one window's
-tokens, and the temperature-fallback verdict on a decoded window, for the transcription plan
-(`transcription_plan.py`) and anything else that decodes Whisper windows.
+"""Whisper's long-form decoding rules, model-free (openai-whisper's `transcribe`): where the next
+30 s window starts (seek), the segments of one window's tokens, and the temperature-fallback
+verdict on a decoded window, for the plan (`plan.py`) and anything else decoding windows.
 """
 
 from __future__ import annotations
