@@ -36,7 +36,7 @@ class StructuredOutputManager:
         if tokenizer is None:
             import llguidance.hf
 
-            from v1.engine.tokenizer import get_tokenizer
+            from v1.tokenizer import get_tokenizer
 
             if self._hf_tokenizer is None:
                 self._hf_tokenizer = get_tokenizer(self.model_config)

@@ -13,8 +13,8 @@ import socket
 from typing import Any
 
 from v1.config import EngineConfig
-from v1.distributed.mp_executor import DistributedExecutor
-from v1.distributed.worker_proc import WorkerAddresses
+from v1.executor.multiproc import DistributedExecutor
+from v1.executor.worker_proc import WorkerAddresses
 from v1.logger import init_logger
 
 logger = init_logger(__name__)
@@ -41,7 +41,7 @@ class _RayWorker:
         init_method: str,
         local_rank: int | None,
     ) -> int:
-        from v1.distributed.worker_proc import WorkerProc
+        from v1.executor.worker_proc import WorkerProc
 
         proc = WorkerProc(
             EngineConfig.from_json(config_json),

@@ -162,7 +162,7 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m v1.distributed.worker_proc --rank R --input ADDR --output ADDR
+    """`python -m v1.executor.worker_proc --rank R --input ADDR --output ADDR
     --init-method URL --parent-pid PID`, the EngineCore's JSON config on stdin's first line."""
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--rank", type=int, required=True)
