@@ -24,6 +24,7 @@ V1 = ROOT / "v1"
 
 FLOORS: tuple[tuple[str, ...], ...] = (
     (
+        "v1.version",
         "v1.envs",
         "v1.logger",
         "v1.host_copy",
