@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 
 from v1.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from v1.core.errors import EngineDeadError
+from v1.core.errors import EngineCoreStartError, EngineDeadError, UtilityCallError
 from v1.core.executor import Executor
-from v1.core.mp_client import EngineCoreStartError, SyncMPClient, UtilityCallError
+from v1.core.mp_client import SyncMPClient
 from v1.core.protocol import EngineCoreRequest, EngineCoreRequestType, FinishReason
 from v1.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from v1.engine.core_client import CORE_PROGRAM

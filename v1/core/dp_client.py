@@ -1,12 +1,8 @@
-"""Data parallelism: N EngineCore processes behind one client (`data_parallel_size=N`).
-
-Each core is the ordinary core program (`python -m PROGRAM`, as for MPClient) on its own device
-set (a CUDA_VISIBLE_DEVICES slice on CUDA). `CoreLoadBalancer` sends each request to the
-least-loaded core, or to the core that took the same encoder content last (its encoder and cross
-caches likely still hold it), or (a beam step's `fork_from`) to the core holding its parent's
-KV; aborts go to the owning core (of held requests too); stats are summed over the cores.
-One core's death is the engine's: every pending request fails with EngineDeadError and the other
-cores are stopped, so no process outlives a half-dead engine.
+"""Data parallelism: N EngineCore processes behind one client (`data_parallel_size=N`), each
+the ordinary core program on its own device set. `CoreLoadBalancer` routes a request to the
+least-loaded core, the one that last took its encoder content, or (`fork_from`) its parent's;
+aborts go to the owning core. One core's death is the engine's: every pending request fails
+with EngineDeadError and the other cores are stopped.
 """
 
 from __future__ import annotations
@@ -22,8 +18,8 @@ from typing import Any
 
 from v1.config import EngineConfig
 from v1.core.client import EngineCoreClient
-from v1.core.errors import EngineDeadError
-from v1.core.mp_client import _DEAD, EngineCoreStartError, LoopOutputQueue, MPClient, _Dead
+from v1.core.errors import EngineCoreStartError, EngineDeadError
+from v1.core.mp_client import _DEAD, LoopOutputQueue, MPClient, _Dead
 from v1.core.protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,

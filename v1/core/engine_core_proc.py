@@ -1,9 +1,8 @@
 """EngineCoreProc: the EngineCore in its own process, talking ZMQ + msgspec (docs/protocol.md).
-
-An input thread receives and decodes messages, a busy loop applies them in order and steps the
-core, an output thread encodes and sends. The process answers the ready handshake (or an error),
-sends the dead sentinel on a fatal error, and exits by itself when its frontend dies. The
-program that runs it (`python -m v1.engine.core_process`) picks the executor and hands it in.
+An input thread decodes messages, a busy loop applies them in order and steps the core, an
+output thread encodes and sends; the process answers the handshake, sends the dead sentinel on a
+fatal error and exits when its frontend dies. Its program (`python -m v1.engine.core_process`)
+picks the executor and hands it in.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
-"""Clients that run the EngineCore in its own process: `SyncMPClient` (offline LLM, embeddable
-in any program) and `AsyncMPClient` (AsyncLLM, the server).
-
-Both bind a PUSH (inputs) and a PULL (outputs) socket, `ipc://` in a private 0700 directory unless
-the caller gives explicit TCP addresses, start the core as its own program (`python -m PROGRAM`,
-v1.engine.core_process when the client factory builds us: nothing of the caller's `__main__` is imported again, so scripts need
-no `if __name__ == "__main__"` guard and stdin scripts and notebooks work), wait for its
-handshake, and read outputs on a thread. A watcher turns the core's death into
-`EngineDeadError` for every caller; the core removes the ipc directory if the caller dies first.
+"""`SyncMPClient` (offline LLM) and `AsyncMPClient` (AsyncLLM, the server): the EngineCore as
+its own program (`python -m PROGRAM`, never a fork: scripts need no `__main__` guard), over a
+PUSH/PULL socket pair (`ipc://` in a private 0700 directory, or explicit TCP). A watcher turns
+the core's death into `EngineDeadError` for every caller; the core removes the ipc directory if
+the caller dies first.
 """
 
 from __future__ import annotations
@@ -34,7 +30,7 @@ import zmq
 from v1 import envs
 from v1.config import EngineConfig
 from v1.core.client import EngineCoreClient
-from v1.core.errors import EngineDeadError
+from v1.core.errors import EngineCoreStartError, EngineDeadError, UtilityCallError
 from v1.core.protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -52,14 +48,6 @@ _POLL_MS = 100
 """Reader and sender wake-up period (bounds how long shutdown and death detection take)."""
 _SENTINEL_GRACE_S = 0.3
 """After the process exits, how long to wait for its dead sentinel (it carries the error)."""
-
-
-class EngineCoreStartError(RuntimeError):
-    """The EngineCore process could not start (its error is in the message)."""
-
-
-class UtilityCallError(RuntimeError):
-    """A utility method raised inside the EngineCore (its error is in the message)."""
 
 
 class _Dead:

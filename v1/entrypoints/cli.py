@@ -1,10 +1,7 @@
-"""The `v1` command's parser and its entry-point subcommands: `v1 serve MODEL`, `v1 transcribe
-FILE...`, `v1 generate`, `v1 embed`. Packages above the entry points add theirs as `Subcommand`s
-(`v1 batch`; the console script is `v1.__main__:main`, which adds it).
-
-Engine flags and their --help text are generated from `v1.config.engine_arg_fields()` (type,
-default, the field's docstring); each subcommand lists the ones that mean something to it.
-Inputs and the model are checked before the model loads; errors are one line on stderr.
+"""The `v1` command's parser and its entry-point subcommands (`serve`, `transcribe`, `generate`,
+`embed`); packages above add theirs as `Subcommand`s (`v1 batch`, through `v1.__main__`).
+Engine flags and their help come from `v1.config.engine_arg_fields()`. Inputs and the model are
+checked before the model loads; errors are one line on stderr.
 """
 
 from __future__ import annotations

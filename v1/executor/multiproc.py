@@ -1,11 +1,8 @@
-"""Executors for tensor parallelism: rank 0's worker in the EngineCore process, ranks 1..N-1
-as worker processes (`MultiprocExecutor`) or Ray actors (`v1.executor.ray`).
-
-Every call goes to the other ranks first (msgspec over ZMQ: one PUSH socket per rank, one PULL
-for their replies), then runs on rank 0 here, so collectives inside the step meet. A watcher
-thread notices a worker that exits; the executor then raises WorkerDeadError from the step (and
-tells the core through its failure callback if the core is idle), and every exit path of the
-core kills the workers (shutdown, a finalizer; the workers also exit when their parent is gone).
+"""Tensor parallelism: rank 0's worker in the EngineCore process, ranks 1..N-1 as worker
+processes (`MultiprocExecutor`) or Ray actors (`v1.executor.ray`). Every call goes to the other
+ranks first (msgspec over ZMQ), then runs on rank 0, so collectives inside the step meet. A
+worker that exits makes the step raise WorkerDeadError (or the failure callback fire when idle);
+every exit path of the core kills the workers.
 """
 
 from __future__ import annotations

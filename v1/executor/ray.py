@@ -1,9 +1,7 @@
-"""Tensor parallelism across Ray nodes: ranks 1..N-1 as Ray actors in a placement group.
-
-Ray only places and supervises the workers (an actor dies with the EngineCore that owns it);
-the steps travel as with the multiprocess executor, msgspec over ZMQ (TCP on this node's
-address, bound explicitly), and the ranks' collectives over torch.distributed. Needs the `ray`
-extra; connects to the cluster Ray finds (RAY_ADDRESS) or starts a local one.
+"""Tensor parallelism across Ray nodes: ranks 1..N-1 as Ray actors in a placement group. Ray
+only places and supervises them; steps travel as with the multiprocess executor (msgspec over
+ZMQ, TCP on this node's address) and collectives over torch.distributed. Needs the `ray` extra;
+connects to the cluster Ray finds (RAY_ADDRESS) or starts a local one.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""A tensor-parallel worker process (ranks 1..N-1; rank 0 runs inside the EngineCore).
-
-It joins the process group, loads its shard, then applies what the core's executor sends over
-ZMQ ipc sockets, msgspec-encoded (no pickle): each step's SchedulerOutput, and the few set-up
-calls. It replies to set-up calls only; sampled tokens come back from rank 0 alone. It never
-outlives its core: its stdin, a pipe only the core writes, reaching end-of-file ends it.
+"""A tensor-parallel worker process (ranks 1..N-1; rank 0 runs inside the EngineCore). It joins
+the process group, loads its shard, then applies the SchedulerOutputs and set-up calls its
+executor sends (msgspec over ZMQ ipc, no pickle); it replies to set-up calls only. Its stdin, a
+pipe only the core writes, reaching end-of-file ends it.
 """
 
 from __future__ import annotations
