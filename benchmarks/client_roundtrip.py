@@ -21,6 +21,7 @@ from v1.core.executor import Executor
 from v1.core.mp_client import AsyncMPClient
 from v1.core.protocol import EngineCoreRequest
 from v1.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from v1.engine.core_client import CORE_PROGRAM
 from v1.kv_cache.spec import FullAttentionSpec, KVCacheConfig, KVCacheSpec
 from v1.sampling_params import SamplingParams
 
@@ -138,7 +139,7 @@ def main() -> None:
             client_kwargs["executor_factory"] = "client_roundtrip:OneTokenExecutor"
 
     if args.via == "client":
-        engine: Any = AsyncMPClient(config, **client_kwargs)
+        engine: Any = AsyncMPClient(config, program=CORE_PROGRAM, **client_kwargs)
         run = run_client
     else:
         from v1.engine.async_llm import AsyncLLM

@@ -30,7 +30,7 @@ DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "shared" / "assets" / "whi
 def make_processor(model: str):
     from v1.config import make_engine_config
     from v1.engine.input_processor import InputProcessor
-    from v1.engine.tokenizer import get_tokenizer
+    from v1.tokenizer import get_tokenizer
 
     model_config = make_engine_config(model, device="cpu").model_config
     return InputProcessor(model_config, get_tokenizer(model_config))

@@ -15,6 +15,7 @@ import tempfile
 from v1.config import make_engine_config
 from v1.core.mp_client import SyncMPClient
 from v1.core.protocol import EngineCoreRequest, FinishReason
+from v1.engine.core_client import CORE_PROGRAM
 from v1.sampling_params import SamplingParams
 
 
@@ -43,7 +44,9 @@ def main() -> None:
     args = parser.parse_args()
     config = make_engine_config(args.model or tiny_llama(), device="cpu", num_kv_blocks=256)
 
-    client = SyncMPClient(config)  # starts the core program and waits for its handshake
+    client = SyncMPClient(
+        config, program=CORE_PROGRAM
+    )  # starts the core program and waits for its handshake
     try:
         print(
             f"core pid {client.pid}: {client.num_kv_blocks} KV blocks, "

@@ -1,7 +1,7 @@
 """A frontend that speaks the wire protocol by hand: pyzmq + a generic msgpack codec, no v1 client.
 
 What a frontend in another language does (docs/protocol.md): bind two sockets, start the core
-with `python -m v1.core.engine_core_proc`, read the handshake, send ADD / ABORT / UTILITY /
+with `python -m v1.engine.core_process`, read the handshake, send ADD / ABORT / UTILITY /
 SHUTDOWN frames and decode the positional EngineCoreOutputs arrays.
 
     python examples/raw_zmq_frontend.py --model DIR    # a decoder-only model folder
@@ -92,7 +92,7 @@ def main() -> None:
         [
             sys.executable,
             "-m",
-            "v1.core.engine_core_proc",
+            "v1.engine.core_process",
             "--config",
             config_path,
             "--input",

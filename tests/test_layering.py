@@ -1,4 +1,8 @@
 """Where code may depend on what (AST scans of the v1 package, and imports in a fresh process):
+- every package sits on a floor (FLOORS, stated once here) and imports only its own floor or lower,
+  lazy and TYPE_CHECKING imports included: a lazy import hides a dependency, it does not remove it;
+- the import graph of v1/ has no cycle, lazy imports included, so any module can be read, tested
+  and moved with what it imports and nothing above it;
 - `v1/core`, `v1/engine` and `v1/entrypoints` never import `v1.models` (model facts come from
   `ModelInfo`);
 - model-kind branches (`is_whisper`, comparisons with `ModelKind`) live in the strategy
@@ -17,6 +21,41 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 V1 = ROOT / "v1"
+
+FLOORS: tuple[tuple[str, ...], ...] = (
+    (
+        "v1.version",
+        "v1.envs",
+        "v1.logger",
+        "v1.host_copy",
+        "v1.gc_policy",
+        "v1.forward_context",
+        "v1.sampling_params",
+        "v1.pooling_params",
+        "v1.structured_output",
+        "v1.inputs",
+        "v1.outputs",
+        "v1.model_source",
+        "v1.tokenizer",
+        "v1.pooling_config",
+        "v1.audio",
+    ),
+    ("v1.models.registry",),
+    ("v1.config", "v1.model_info"),
+    ("v1.kv_cache",),
+    ("v1.core",),
+    ("v1.quantization",),
+    ("v1.attention",),
+    ("v1.models",),
+    ("v1.distributed", "v1.sample", "v1.lora"),
+    ("v1.worker",),
+    ("v1.executor",),
+    ("v1.engine",),
+    ("v1.entrypoints",),
+    ("v1.batch",),
+    ("v1",),  # the public API (v1/__init__.py) on top
+)
+"""Floors, low to high: a module imports only modules on its own floor or below."""
 
 KIND_BRANCHES_ALLOWED = ("v1/engine/inputs/", "v1/worker/model_states/")
 KIND_BRANCH_FILES_ALLOWED = ("v1/config.py", "v1/model_info.py")
@@ -71,6 +110,134 @@ def kind_branches(tree: ast.Module) -> Iterator[tuple[int, str]]:
 
     visit(tree, [])
     return iter(found)
+
+
+def module_name(path: str) -> str:
+    """`v1/core/client.py` -> `v1.core.client`; a package's `__init__.py` -> the package."""
+    return path.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+
+
+def floor_of(module: str) -> int:
+    """The floor of the longest FLOORS prefix naming `module` or a package above it."""
+    best, best_len = -1, -1
+    for floor, prefixes in enumerate(FLOORS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best_len:
+                best, best_len = floor, len(prefix)
+    assert best >= 0, f"{module} is on no floor"
+    return best
+
+
+def import_edges(tree: ast.Module, path: str, known: set[str]) -> Iterator[tuple[int, str]]:
+    """(line, v1 module) for each v1 module an import statement depends on (lazy ones included):
+    `from p import x` depends on `p.x` when that is a module, else on `p` itself. Packages passed
+    through on the way to a submodule are no edges (an `__init__` is read on its own)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                for end in range(len(parts), 0, -1):  # the longest known module it names
+                    if ".".join(parts[:end]) in known:
+                        yield node.lineno, ".".join(parts[:end])
+                        break
+        elif isinstance(node, ast.ImportFrom):
+            base = next(iter(imported_modules(ast.Module([node], []), path)))[1]
+            for alias in node.names:
+                if f"{base}.{alias.name}" in known:
+                    yield node.lineno, f"{base}.{alias.name}"
+                elif base in known:
+                    yield node.lineno, base
+
+
+def v1_import_graph(
+    sources: dict[str, ast.Module] | None = None,
+) -> dict[str, list[tuple[int, str]]]:
+    """Module -> [(line, imported v1 module)], lazy and TYPE_CHECKING imports included."""
+    if sources is None:
+        sources = dict(modules("v1"))
+    known = {module_name(path) for path in sources}
+    return {
+        module_name(path): sorted(set(import_edges(tree, path, known)))
+        for path, tree in sources.items()
+    }
+
+
+def upward_imports(graph: dict[str, list[tuple[int, str]]]) -> list[str]:
+    return [
+        f"{module}:{line} imports {target} (floor {floor_of(module)} -> {floor_of(target)})"
+        for module, edges in sorted(graph.items())
+        for line, target in edges
+        if floor_of(target) > floor_of(module)
+    ]
+
+
+def import_cycles(graph: dict[str, list[tuple[int, str]]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (or a self-import), by Tarjan's
+    algorithm, iterative so deep graphs do not hit the recursion limit."""
+    succ = {m: sorted({t for _, t in edges if t in graph}) for m, edges in graph.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+    counter = 0
+    for root in sorted(succ):
+        if root in index:
+            continue
+        work = [(root, 0)]
+        while work:
+            node, i = work.pop()
+            if i == 0:
+                index[node] = low[node] = counter
+                counter += 1
+                stack.append(node)
+                on_stack.add(node)
+            if i < len(succ[node]):
+                work.append((node, i + 1))
+                nxt = succ[node][i]
+                if nxt not in index:
+                    work.append((nxt, 0))
+                elif nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1 or node in succ[node]:
+                    cycles.append(sorted(component))
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[node])
+    return cycles
+
+
+def test_every_import_goes_to_its_own_floor_or_lower() -> None:
+    assert upward_imports(v1_import_graph()) == []
+
+
+def test_the_import_graph_has_no_cycle() -> None:
+    assert import_cycles(v1_import_graph()) == []
+
+
+def test_the_floor_and_cycle_scans_catch_a_planted_offender() -> None:
+    """A core module that lazily imports an executor goes up a floor and closes a cycle with the
+    executor's top-level import of the core; a name taken from a module is an edge to it."""
+    sources = {
+        "v1/core/a.py": ast.parse("def f():\n    from v1.executor.b import B\n"),
+        "v1/executor/b.py": ast.parse("from v1.core.a import f\nclass B: ...\n"),
+        "v1/envs.py": ast.parse(""),
+    }
+    graph = v1_import_graph(sources)
+    assert graph["v1.executor.b"] == [(1, "v1.core.a")]
+    assert upward_imports(graph) == ["v1.core.a:2 imports v1.executor.b (floor 4 -> 10)"]
+    assert import_cycles(graph) == [["v1.core.a", "v1.executor.b"]]
+    assert floor_of("v1.models.registry") < floor_of("v1.config") < floor_of("v1.models.bert")
+    assert floor_of("v1") == len(FLOORS) - 1
 
 
 def test_core_engine_and_entrypoints_do_not_import_models() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from v1.version import __version__
 
 _LAZY = {
     "LLM": "v1.entrypoints.llm",

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from v1 import envs
+from v1.__main__ import main
 from v1.batch import BatchJob, run_batch
 from v1.batch.job import list_inputs
 from v1.batch.writer import read_shard
-from v1.entrypoints.cli import main
 from v1.entrypoints.llm import LLM
 from v1.sampling_params import SamplingParams
 

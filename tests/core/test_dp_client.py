@@ -16,8 +16,8 @@ import pytest
 from tests.models.test_whisper import WHISPER_BASE, make_tiny_whisper_dir
 from tests.utils import ASSETS, needs_assets
 from v1.config import EngineConfig, make_engine_config
-from v1.core.client import EngineDeadError
 from v1.core.dp_client import AsyncDPClient, CoreLoadBalancer, core_device_envs, merge_stats
+from v1.core.errors import EngineDeadError
 from v1.core.protocol import EncoderInput, EngineCoreRequest, SchedulerStats
 from v1.engine.async_llm import AsyncLLM
 from v1.engine.beam_search import BeamSearchParams

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from v1.config import EngineConfig, make_engine_config
-from v1.core.client import EngineDeadError
+from v1.core.errors import EngineDeadError
 from v1.engine.async_llm import AsyncLLM
 from v1.engine.llm_engine import LLMEngine
 from v1.outputs import RequestOutputKind

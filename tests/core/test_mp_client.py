@@ -22,11 +22,12 @@ import numpy as np
 import pytest
 
 from v1.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from v1.core.client import EngineDeadError
+from v1.core.errors import EngineCoreStartError, EngineDeadError, UtilityCallError
 from v1.core.executor import Executor
-from v1.core.mp_client import EngineCoreStartError, SyncMPClient, UtilityCallError
+from v1.core.mp_client import SyncMPClient
 from v1.core.protocol import EngineCoreRequest, EngineCoreRequestType, FinishReason
 from v1.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from v1.engine.core_client import CORE_PROGRAM
 from v1.kv_cache.spec import FullAttentionSpec, KVCacheConfig, KVCacheSpec
 from v1.pooling_params import PoolingParams
 from v1.sampling_params import SamplingParams
@@ -119,7 +120,9 @@ def config(tiny_llama_dir: str) -> EngineConfig:
 
 
 def start_client(config: EngineConfig, **kwargs: Any) -> SyncMPClient:
-    return SyncMPClient(config, executor_factory=factory_path(ScriptedExecutor), **kwargs)
+    return SyncMPClient(
+        config, program=CORE_PROGRAM, executor_factory=factory_path(ScriptedExecutor), **kwargs
+    )
 
 
 def free_port() -> int:
@@ -133,10 +136,11 @@ FRONTEND = textwrap.dedent(
     import sys, time
     from v1.config import EngineConfig
     from v1.core.mp_client import SyncMPClient
+    from v1.engine.core_client import CORE_PROGRAM
 
     # No __main__ guard: the core is its own program and does not import this script.
     config = EngineConfig.from_json(sys.stdin.read())
-    client = SyncMPClient(config, executor_factory=sys.argv[1])
+    client = SyncMPClient(config, program=CORE_PROGRAM, executor_factory=sys.argv[1])
     print(client.pid, client._res.ipc_dir, flush=True)
     time.sleep(600)
     """
@@ -178,7 +182,10 @@ def cores(config: EngineConfig, tmp_path_factory: pytest.TempPathFactory):
             "victim": pool.submit(start_client, config),
             "tcp": pool.submit(start_client, config, **tcp),
             "failing": pool.submit(
-                SyncMPClient, config, executor_factory=factory_path(FailingExecutor)
+                SyncMPClient,
+                config,
+                program=CORE_PROGRAM,
+                executor_factory=factory_path(FailingExecutor),
             ),
         }
         wait_futures(futures.values())

@@ -14,7 +14,7 @@ from transformers import AutoConfig
 from tests.utils import make_tiny_llama_dir, make_tiny_model_dir
 from v1.distributed.parallel_state import TensorParallelGroup
 from v1.models.checkpoint_slice import CheckpointSlice
-from v1.models.loader import iterate_weights, load_model_from_weights, weight_files
+from v1.worker.model_loader import iterate_weights, load_model_from_weights, weight_files
 
 
 def load(path: str, tp: TensorParallelGroup | None) -> Any:

@@ -29,12 +29,12 @@ from tests.utils import (
     make_tiny_wordpiece_tokenizer,
 )
 from v1 import LLM, BeamSearchParams, SamplingParams
-from v1.core.client import EngineDeadError
+from v1.core.errors import EngineDeadError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 ENGINE_ARGS = dict(num_kv_blocks=96, block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
 TEXTS = ["Hello world", "The quick brown fox jumps over the lazy dog.", "To be or not to be"]
-WORKER_MODULE = "v1.distributed.worker_proc"
+WORKER_MODULE = "v1.executor.worker_proc"
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -203,7 +203,7 @@ def test_builder_rejects_bad_languages_tasks_and_prompts(tiny_llm: LLM, tiny_en_
         )
 
     from v1.config import ModelConfig
-    from v1.engine.tokenizer import get_tokenizer
+    from v1.tokenizer import get_tokenizer
 
     en_config = ModelConfig(tiny_en_dir)
     en_builder = WhisperInputBuilder(en_config, get_tokenizer(en_config))

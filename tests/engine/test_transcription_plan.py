@@ -17,10 +17,10 @@ import pytest
 from tests.utils import WHISPER_BASE, make_tiny_whisper_dir
 from v1.config import ModelConfig
 from v1.engine.input_processor import InputProcessor
-from v1.engine.tokenizer import get_tokenizer
 from v1.engine.transcription import Transcriber, TranscriptionError
 from v1.outputs import CompletionOutput, Logprob, RequestOutput
 from v1.sampling_params import SamplingParams
+from v1.tokenizer import get_tokenizer
 
 pytestmark = pytest.mark.skipif(
     not WHISPER_BASE.is_dir(), reason="needs whisper-base's tokenizer files"

@@ -22,6 +22,7 @@ from v1.attention.backends.torch_sdpa import SDPAMetadataBuilder, TorchSDPABacke
 from v1.config import ModelConfig, make_engine_config
 from v1.core.engine_core import EngineCore
 from v1.core.protocol import EncoderInput, EngineCoreRequest, FinishReason
+from v1.executor.uniproc import UniProcExecutor
 from v1.forward_context import ForwardContext, set_forward_context
 from v1.models.bart import (
     BartForConditionalGeneration,
@@ -29,8 +30,8 @@ from v1.models.bart import (
     MBartForConditionalGeneration,
     sinusoidal_table,
 )
-from v1.models.loader import construct_model, iterate_weights, load_model
 from v1.sampling_params import SamplingParams
+from v1.worker.model_loader import construct_model, iterate_weights, load_model
 
 from .harness import attention_layers
 
@@ -376,7 +377,7 @@ def make_core(path: str, **overrides: Any) -> EngineCore:
         enable_prefix_caching=False,
     )
     args.update(overrides)
-    return EngineCore(make_engine_config(path, **args))
+    return EngineCore(make_engine_config(path, **args), UniProcExecutor)
 
 
 def core_request(req_id: str, enc_ids: list[int], **params: Any) -> EngineCoreRequest:

@@ -18,9 +18,9 @@ from safetensors.torch import load_file, save_file
 from v1.config import ModelConfig, make_engine_config
 from v1.core.engine_core import EngineCore
 from v1.core.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
+from v1.executor.uniproc import UniProcExecutor
 from v1.models import bert
 from v1.models.layers.pooler import Pooler, PoolingSegments, pool_tokens
-from v1.models.loader import construct_model, iterate_weights, load_model
 from v1.pooling_config import (
     ModelPoolingConfig,
     classifier_activation_of,
@@ -28,6 +28,7 @@ from v1.pooling_config import (
     validate_pooling_params,
 )
 from v1.pooling_params import PoolingParams
+from v1.worker.model_loader import construct_model, iterate_weights, load_model
 
 from .hf_reference import randomize_
 
@@ -100,7 +101,7 @@ def save_checkpoint(
 
 def make_core(path: str, **kwargs: Any) -> EngineCore:
     kwargs = {"device": "cpu", "max_num_batched_tokens": 40, "max_num_seqs": 8, **kwargs}
-    return EngineCore(make_engine_config(path, **kwargs))
+    return EngineCore(make_engine_config(path, **kwargs), UniProcExecutor)
 
 
 def random_inputs(

@@ -165,7 +165,7 @@ def test_whisper_encoder_with_fused_paths_matches_transformers() -> None:
 
     from v1.attention.selector import use_backend
     from v1.forward_context import set_forward_context
-    from v1.models.loader import load_model_from_weights
+    from v1.worker.model_loader import load_model_from_weights
     from v1.worker.model_states.encoder_decoder import _audio_to_device
 
     torch.manual_seed(0)

@@ -8,7 +8,7 @@ from safetensors.torch import load_file, save_file
 
 from v1.config import ModelConfig
 from v1.models.gpt2 import GPT2LMHeadModel
-from v1.models.loader import construct_model, iterate_weights, load_model
+from v1.worker.model_loader import construct_model, iterate_weights, load_model
 
 from .hf_reference import assert_matches_hf, make_hf_model
 

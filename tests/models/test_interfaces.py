@@ -16,6 +16,7 @@ from tests.models.test_bert import make_hf_model, save_checkpoint
 from tests.utils import make_tiny_llama_dir
 from v1.config import make_engine_config
 from v1.core.engine_core import EngineCore
+from v1.executor.uniproc import UniProcExecutor
 from v1.models import registry
 from v1.models.interfaces import (
     SupportsClassify,
@@ -89,7 +90,9 @@ def forward_only(cls: type[nn.Module]) -> type[nn.Module]:
 @pytest.fixture
 def forward_only_models(monkeypatch: pytest.MonkeyPatch) -> None:
     real = registry.get_model_class
-    monkeypatch.setattr("v1.models.loader.get_model_class", lambda arch: forward_only(real(arch)))
+    monkeypatch.setattr(
+        "v1.worker.model_loader.get_model_class", lambda arch: forward_only(real(arch))
+    )
 
 
 @pytest.mark.usefixtures("forward_only_models")
@@ -100,7 +103,7 @@ def test_a_causal_lm_without_compute_logits_fails_at_load(tmp_path: Path) -> Non
         match=r"ForwardOnly cannot be served by DecoderOnlyState: "
         r"it lacks compute_logits \(required by SupportsLogits",
     ):
-        EngineCore(make_engine_config(path, device="cpu", dtype="float32"))
+        EngineCore(make_engine_config(path, device="cpu", dtype="float32"), UniProcExecutor)
 
 
 @pytest.mark.usefixtures("forward_only_models")

@@ -14,7 +14,7 @@ from tests.utils import TINY_LLAMA, make_tiny_model_dir
 from v1 import LLM, SamplingParams
 from v1.config import ModelConfig
 from v1.models.llama import LlamaForCausalLM
-from v1.models.loader import construct_model, iterate_weights, load_model
+from v1.worker.model_loader import construct_model, iterate_weights, load_model
 
 from .harness import PagedRunner
 from .hf_reference import ATOL, PROMPTS, assert_matches_hf, hf_logits, make_hf_model

@@ -26,10 +26,11 @@ from tests.utils import make_tiny_tokenizer
 from v1.config import make_engine_config
 from v1.core.engine_core import EngineCore
 from v1.core.protocol import EncoderInput, EngineCoreOutput, EngineCoreRequest, FinishReason
+from v1.executor.uniproc import UniProcExecutor
 from v1.models import t5
-from v1.models.loader import construct_model, iterate_weights
 from v1.pooling_params import PoolingParams
 from v1.sampling_params import SamplingParams
+from v1.worker.model_loader import construct_model, iterate_weights
 
 TINY_T5 = dict(
     vocab_size=128,
@@ -261,7 +262,7 @@ def make_core(path: str, **overrides: Any) -> EngineCore:
         max_num_batched_tokens=8,
         max_num_encoder_input_tokens=48,
     )
-    return EngineCore(make_engine_config(path, **{**kwargs, **overrides}))
+    return EngineCore(make_engine_config(path, **{**kwargs, **overrides}), UniProcExecutor)
 
 
 def drain(core: EngineCore, max_steps: int = 2000) -> dict[str, list[EngineCoreOutput]]:

@@ -22,8 +22,9 @@ from v1.config import make_engine_config
 from v1.core.engine_core import EngineCore
 from v1.core.protocol import EngineCoreRequest
 from v1.engine.inputs.whisper import WhisperInputBuilder
-from v1.engine.tokenizer import get_tokenizer
+from v1.executor.uniproc import UniProcExecutor
 from v1.sampling_params import SamplingParams
+from v1.tokenizer import get_tokenizer
 
 pytestmark = needs_assets(WHISPER_BASE)
 WINDOW = WHISPER_WINDOW
@@ -61,7 +62,7 @@ def make_core(path: str, **overrides: Any) -> EngineCore:
         max_num_encoder_input_tokens=4 * WINDOW,
         encoder_cache_size=8 * WINDOW,
     )
-    return EngineCore(make_engine_config(path, **{**args, **overrides}))
+    return EngineCore(make_engine_config(path, **{**args, **overrides}), UniProcExecutor)
 
 
 def make_builder(core: EngineCore) -> WhisperInputBuilder:
@@ -153,7 +154,7 @@ def until_eos(tokens: list[int], eos: int) -> list[int]:
 def test_real_checkpoint_loads_every_parameter_and_reads_its_configs() -> None:
     from transformers import AutoConfig
 
-    from v1.models.loader import iterate_weights, load_model_from_weights
+    from v1.worker.model_loader import iterate_weights, load_model_from_weights
 
     hf_config = AutoConfig.from_pretrained(str(WHISPER_BASE))
     model = load_model_from_weights(

@@ -564,7 +564,7 @@ def test_fp8_encoder_hands_over_unscaled_products_on_gpu() -> None:
 
     from v1.attention.selector import use_backend
     from v1.forward_context import set_forward_context
-    from v1.models.loader import load_model_from_weights
+    from v1.worker.model_loader import load_model_from_weights
 
     torch.manual_seed(0)
     cfg = small_whisper_config(3)

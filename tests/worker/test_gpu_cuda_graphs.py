@@ -142,8 +142,8 @@ def test_whisper_first_steps_replay(tmp_path) -> None:
     from tests.models.test_whisper import hf_generate, make_tiny_whisper_dir, make_waves
     from v1.config import make_engine_config
     from v1.engine.inputs.whisper import WhisperInputBuilder
-    from v1.engine.tokenizer import get_tokenizer
     from v1.sampling_params import SamplingParams
+    from v1.tokenizer import get_tokenizer
 
     path = make_tiny_whisper_dir(tmp_path / "whisper")
     waves = make_waves(8, seed=5)

@@ -10,6 +10,7 @@ from tests import utils
 from v1.config import make_engine_config
 from v1.core.engine_core import EngineCore
 from v1.core.protocol import EncoderInput, EngineCoreRequest
+from v1.executor.uniproc import UniProcExecutor
 from v1.sampling_params import SamplingParams
 
 EOS = 2
@@ -26,7 +27,7 @@ def make_tiny_bart_dir(path: Path) -> str:
 def make_core(path: str, **overrides: Any) -> EngineCore:
     """An in-process EngineCore in float32 (CPU unless `device` is given)."""
     args = dict(device="cpu", dtype="float32", block_size=16, enable_prefix_caching=False)
-    return EngineCore(make_engine_config(path, **{**args, **overrides}))
+    return EngineCore(make_engine_config(path, **{**args, **overrides}), UniProcExecutor)
 
 
 def llama_prompts(n: int) -> list[list[int]]:

@@ -1,12 +1,8 @@
-"""Data parallelism: N EngineCore processes behind one client (`data_parallel_size=N`).
-
-Each core is the ordinary core program (`python -m v1.core.engine_core_proc`) on its own device
-set (a CUDA_VISIBLE_DEVICES slice on CUDA). `CoreLoadBalancer` sends each request to the
-least-loaded core, or to the core that took the same encoder content last (its encoder and cross
-caches likely still hold it), or (a beam step's `fork_from`) to the core holding its parent's
-KV; aborts go to the owning core (of held requests too); stats are summed over the cores.
-One core's death is the engine's: every pending request fails with EngineDeadError and the other
-cores are stopped, so no process outlives a half-dead engine.
+"""Data parallelism: N EngineCore processes behind one client (`data_parallel_size=N`), each
+the ordinary core program on its own device set. `CoreLoadBalancer` routes a request to the
+least-loaded core, the one that last took its encoder content, or (`fork_from`) its parent's;
+aborts go to the owning core. One core's death is the engine's: every pending request fails
+with EngineDeadError and the other cores are stopped.
 """
 
 from __future__ import annotations
@@ -21,8 +17,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from v1.config import EngineConfig
-from v1.core.client import EngineCoreClient, EngineDeadError
-from v1.core.mp_client import _DEAD, EngineCoreStartError, LoopOutputQueue, MPClient, _Dead
+from v1.core.client import EngineCoreClient
+from v1.core.errors import EngineCoreStartError, EngineDeadError
+from v1.core.mp_client import _DEAD, LoopOutputQueue, MPClient, _Dead
 from v1.core.protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -200,12 +197,13 @@ class DPClient(EngineCoreClient):
         self,
         config: EngineConfig,
         *,
+        program: str,
         executor_factory: str | None = None,
         ready_timeout_s: float | None = None,
         input_address: str | None = None,
         output_address: str | None = None,
     ) -> None:
-        """`executor_factory`, `ready_timeout_s`: as MPClient's, for every core. Each core binds
+        """`program`, `executor_factory`, `ready_timeout_s`: as MPClient's, for every core. Each core binds
         its own private ipc:// sockets, so explicit addresses are refused."""
         if input_address is not None or output_address is not None:
             raise ValueError("a data-parallel engine binds one private ipc:// pair per core")
@@ -216,7 +214,11 @@ class DPClient(EngineCoreClient):
         num_cores = config.parallel_config.data_parallel_size
         self.balancer = CoreLoadBalancer(num_cores)
         envs = core_device_envs(config)
-        kwargs = {"executor_factory": executor_factory, "ready_timeout_s": ready_timeout_s}
+        kwargs = {
+            "program": program,
+            "executor_factory": executor_factory,
+            "ready_timeout_s": ready_timeout_s,
+        }
         self.cores: list[_CoreClient] = []
         # Start the cores side by side: each spends its start-up loading the model.
         with ThreadPoolExecutor(num_cores, thread_name_prefix="v1-dp-start") as pool:

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import gc
 from collections import deque
-from collections.abc import Callable
 from typing import Any
 
 from v1.config import EngineConfig
 from v1.core.admission import check_engine_capacity, check_request
 from v1.core.encoder_inputs import EncoderInputStore
-from v1.core.executor import Executor, WorkerDeadError
+from v1.core.errors import WorkerDeadError
+from v1.core.executor import ExecutorFactory
 from v1.core.protocol import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -25,9 +25,9 @@ from v1.core.protocol import (
 from v1.core.request import Request, RequestStatus
 from v1.core.sched_output import SchedulerOutput
 from v1.core.scheduler import Scheduler
+from v1.core.structured_output import StructuredOutputManager
 from v1.kv_cache.sizing import get_kv_cache_config
 from v1.logger import init_logger
-from v1.structured_output.manager import StructuredOutputManager
 
 logger = init_logger(__name__)
 
@@ -38,12 +38,10 @@ class EngineCore:
     def __init__(
         self,
         config: EngineConfig,
-        executor_factory: Callable[[EngineConfig], Executor] | None = None,
+        executor_factory: ExecutorFactory,
     ) -> None:
-        if executor_factory is None:
-            from v1.core.executor import executor_class
-
-            executor_factory = executor_class(config)
+        """`executor_factory`: the Executor class (or a callable making one) to run the model,
+        chosen above the core (v1.executor.executor_class, or a fake in tests)."""
         self.config = config
         self.model_info = config.model_config.info
         """The process's model facts (shared with an in-process frontend and the runner)."""

@@ -1,18 +1,15 @@
 """EngineCoreProc: the EngineCore in its own process, talking ZMQ + msgspec (docs/protocol.md).
-
-An input thread receives and decodes messages, a busy loop applies them in order and steps the
-core, an output thread encodes and sends. The process answers the ready handshake (or an error),
-sends the dead sentinel on a fatal error, and exits by itself when its frontend dies.
+An input thread decodes messages, a busy loop applies them in order and steps the core, an
+output thread encodes and sends; the process answers the handshake, sends the dead sentinel on a
+fatal error and exits when its frontend dies. Its program (`python -m v1.engine.core_process`)
+picks the executor and hands it in.
 """
 
 from __future__ import annotations
 
-import argparse
-import importlib
 import logging
 import os
 import queue
-import re
 import shutil
 import signal
 import sys
@@ -27,6 +24,7 @@ import zmq
 
 from v1.config import EngineConfig
 from v1.core.engine_core import EngineCore
+from v1.core.executor import ExecutorFactory
 from v1.core.protocol import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -48,7 +46,6 @@ PARENT_POLL_S = 1.0
 """How often the parent-death watch checks (the core exits within ~2x this of its frontend)."""
 STUCK_STEP_S = 5.0
 """How long the busy loop may stay in a step after a worker died before the process exits."""
-_FACTORY_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
 
 @dataclass(frozen=True)
@@ -82,7 +79,7 @@ class EngineCoreProc:
         self,
         config: EngineConfig,
         addresses: CoreAddresses,
-        executor_factory: Callable[[EngineConfig], Any] | None = None,
+        executor_factory: ExecutorFactory,
     ) -> None:
         self.zmq_ctx = zmq.Context()
         self.input_socket = self.zmq_ctx.socket(zmq.PULL)
@@ -334,20 +331,6 @@ def _unencodable(outputs: EngineCoreOutputs, error: str) -> EngineCoreOutputs:
 
 
 # ---- process entry point ----
-def load_executor_factory(path: str) -> Callable[[EngineConfig], Any]:
-    """`package.module:Name` -> the importable callable it names (tests inject fake executors
-    this way; nothing but an import path crosses the process boundary)."""
-    if not _FACTORY_PATH.match(path):
-        raise ValueError(f"executor factory must look like 'package.module:Name', got {path!r}")
-    module_name, _, qualname = path.partition(":")
-    obj: Any = importlib.import_module(module_name)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ValueError(f"executor factory {path!r} is not callable")
-    return obj
-
-
 class _ParentWatch(threading.Thread):
     """Exits the process when the frontend that started it is gone: at once while the core is
     still starting, through a graceful shutdown once it serves (`proc` set). The frontend is
@@ -399,8 +382,6 @@ class _ParentWatch(threading.Thread):
 class CoreOptions:
     """How a frontend started this core (everything but the config and the addresses)."""
 
-    executor_factory: str | None = None
-    """`package.module:Name` of the executor to build (tests inject fakes this way)."""
     parent_pid: int | None = None
     """The frontend's pid (default: our parent)."""
     watch_stdin: bool = False
@@ -413,9 +394,11 @@ def run_engine_core(
     config_json: str,
     input_address: str,
     output_address: str,
+    choose_executor: Callable[[EngineConfig], ExecutorFactory],
     options: CoreOptions | None = None,
 ) -> None:
-    """Process entry point: build the core, answer the handshake, serve until shutdown."""
+    """Process entry point: build the core with the executor `choose_executor` picks for the
+    config (the program above the core decides), answer the handshake, serve until shutdown."""
     options = options or CoreOptions()
     # Ctrl-C in a terminal reaches the whole process group; the frontend decides what happens.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -430,9 +413,7 @@ def run_engine_core(
     addresses = CoreAddresses(input_address, output_address)
     try:
         config = EngineConfig.from_json(config_json)
-        factory = (
-            load_executor_factory(options.executor_factory) if options.executor_factory else None
-        )
+        factory = choose_executor(config)
     except Exception as e:
         logger.exception("bad EngineCore arguments")
         _send_failed_handshake(output_address, f"{type(e).__name__}: {e}")
@@ -460,35 +441,3 @@ def _send_failed_handshake(output_address: str, error: str) -> None:
     sock.send_multipart(MsgpackEncoder().encode(ReadyMessage(status="FAILED", error=error)))
     sock.close()
     ctx.term()
-
-
-def main(argv: list[str] | None = None) -> None:
-    """`python -m v1.core.engine_core_proc --config FILE --input ADDR --output ADDR`: start a
-    core for a frontend that bound both addresses (our clients, or one written in another
-    language). `--config -` reads the config's JSON from the first line of stdin."""
-    parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("--config", required=True, help="EngineConfig JSON file (to_json), or -")
-    parser.add_argument("--input", required=True, help="address the frontend PUSHes to")
-    parser.add_argument("--output", required=True, help="address the frontend PULLs from")
-    parser.add_argument("--executor-factory", default=None, help="package.module:Name (tests)")
-    parser.add_argument("--parent-pid", type=int, default=None, help="the frontend's pid")
-    parser.add_argument(
-        "--watch-stdin",
-        action="store_true",
-        help="stdin is a pipe from the frontend: exit when it closes",
-    )
-    parser.add_argument(
-        "--ipc-dir", default=None, help="socket directory to remove if the frontend dies first"
-    )
-    args = parser.parse_args(argv)
-    if args.config == "-":
-        config_json = sys.stdin.buffer.readline().decode()
-    else:
-        with open(args.config) as f:
-            config_json = f.read()
-    options = CoreOptions(args.executor_factory, args.parent_pid, args.watch_stdin, args.ipc_dir)
-    run_engine_core(config_json, args.input, args.output, options)
-
-
-if __name__ == "__main__":
-    main()

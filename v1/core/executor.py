@@ -1,17 +1,16 @@
-"""Executor: the EngineCore's handle on its worker(s).
+"""Executor: the EngineCore's handle on its worker(s), as an interface only.
 
-The interface is torch-free so the core and its tests never import device code; the
-single-process executor imports the worker lazily, and the tensor-parallel ones
-(v1/distributed) are chosen by `executor_class` from the parallel config.
+Torch-free, so the core and its tests never import device code. The implementations live above
+the core (v1/executor); whoever builds a core chooses one and hands it down.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TypeAlias
 
-from v1.core.client import EngineDeadError
+from v1.config import EngineConfig
 from v1.core.sched_output import (
     DeferredRunnerOutput,
     ModelRunnerOutput,
@@ -19,14 +18,6 @@ from v1.core.sched_output import (
     SchedulerOutput,
 )
 from v1.kv_cache.spec import KVCacheConfig, KVCacheSpec
-
-if TYPE_CHECKING:
-    from v1.config import EngineConfig
-
-
-class WorkerDeadError(EngineDeadError):
-    """A worker process (a tensor-parallel rank) is gone: the engine cannot step any more and
-    dies loudly, as when its core dies (every pending request fails with EngineDeadError)."""
 
 
 class Executor(ABC):
@@ -59,43 +50,5 @@ class Executor(ABC):
         return None
 
 
-def executor_class(config: EngineConfig) -> Callable[[EngineConfig], Executor]:
-    """The executor for `config.parallel_config` (uni, mp or ray)."""
-    backend = config.parallel_config.executor_backend
-    if backend == "mp":
-        from v1.distributed.mp_executor import MultiprocExecutor
-
-        return MultiprocExecutor
-    if backend == "ray":
-        from v1.distributed.ray_executor import RayExecutor
-
-        return RayExecutor
-    return UniProcExecutor
-
-
-class UniProcExecutor(Executor):
-    """One worker in this process."""
-
-    def __init__(self, config: EngineConfig) -> None:
-        from v1.worker.worker import Worker
-
-        self.worker = Worker(config)
-        self.worker.load_model()
-
-    def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
-        return self.worker.get_kv_cache_specs()
-
-    def determine_available_kv_bytes(self) -> int:
-        return self.worker.determine_available_kv_bytes()
-
-    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
-        self.worker.initialize_kv_cache(kv_cache_config)
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.worker.execute_model(scheduler_output)
-
-    def execute_model_async(self, scheduler_output: SchedulerOutput) -> DeferredRunnerOutput:
-        return self.worker.execute_model_async(scheduler_output)
-
-    def shutdown(self) -> None:
-        self.worker.shutdown()
+ExecutorFactory: TypeAlias = Callable[[EngineConfig], Executor]
+"""What a core is built with: an Executor class, or any callable making one from the config."""

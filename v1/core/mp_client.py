@@ -1,12 +1,8 @@
-"""Clients that run the EngineCore in its own process: `SyncMPClient` (offline LLM, embeddable
-in any program) and `AsyncMPClient` (AsyncLLM, the server).
-
-Both bind a PUSH (inputs) and a PULL (outputs) socket, `ipc://` in a private 0700 directory unless
-the caller gives explicit TCP addresses, start the core as its own program (`python -m
-v1.core.engine_core_proc`: nothing of the caller's `__main__` is imported again, so scripts need
-no `if __name__ == "__main__"` guard and stdin scripts and notebooks work), wait for its
-handshake, and read outputs on a thread. A watcher turns the core's death into
-`EngineDeadError` for every caller; the core removes the ipc directory if the caller dies first.
+"""`SyncMPClient` (offline LLM) and `AsyncMPClient` (AsyncLLM, the server): the EngineCore as
+its own program (`python -m PROGRAM`, never a fork: scripts need no `__main__` guard), over a
+PUSH/PULL socket pair (`ipc://` in a private 0700 directory, or explicit TCP). A watcher turns
+the core's death into `EngineDeadError` for every caller; the core removes the ipc directory if
+the caller dies first.
 """
 
 from __future__ import annotations
@@ -33,7 +29,8 @@ import zmq
 
 from v1 import envs
 from v1.config import EngineConfig
-from v1.core.client import EngineCoreClient, EngineDeadError
+from v1.core.client import EngineCoreClient
+from v1.core.errors import EngineCoreStartError, EngineDeadError, UtilityCallError
 from v1.core.protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -53,14 +50,6 @@ _SENTINEL_GRACE_S = 0.3
 """After the process exits, how long to wait for its dead sentinel (it carries the error)."""
 
 
-class EngineCoreStartError(RuntimeError):
-    """The EngineCore process could not start (its error is in the message)."""
-
-
-class UtilityCallError(RuntimeError):
-    """A utility method raised inside the EngineCore (its error is in the message)."""
-
-
 class _Dead:
     """Output-queue marker: the core is gone; waiters raise EngineDeadError."""
 
@@ -75,7 +64,11 @@ class CoreProcess:
     Thread-safe: Popen serializes reaping, and a blocked `wait_exit` does not stop `join`."""
 
     def __init__(
-        self, args: list[str], config_json: str, env_overrides: dict[str, str] | None = None
+        self,
+        program: str,
+        args: list[str],
+        config_json: str,
+        env_overrides: dict[str, str] | None = None,
     ) -> None:
         env = dict(os.environ)
         # The caller's import path, as multiprocessing's spawn would give it (tests and
@@ -85,7 +78,7 @@ class CoreProcess:
         ).strip(os.pathsep)
         env.update(env_overrides or {})  # e.g. a data-parallel core's CUDA_VISIBLE_DEVICES
         self._popen = subprocess.Popen(
-            [sys.executable, "-m", "v1.core.engine_core_proc", *args],
+            [sys.executable, "-m", program, *args],
             stdin=subprocess.PIPE,
             env=env,
         )
@@ -195,18 +188,21 @@ class MPClient(EngineCoreClient):
         self,
         config: EngineConfig,
         *,
+        program: str,
         input_address: str | None = None,
         output_address: str | None = None,
         executor_factory: str | None = None,
         ready_timeout_s: float | None = None,
         core_env: dict[str, str] | None = None,
     ) -> None:
-        """`input_address`/`output_address`: explicit endpoints to bind (both or neither; e.g.
+        """`program`: the module run as the core process (`python -m program`; it picks the
+        executor and calls `v1.core.engine_core_proc.run_engine_core`). `input_address`/`output_address`: explicit endpoints to bind (both or neither; e.g.
         tcp://127.0.0.1:5555); default ipc:// in a private temp dir. `executor_factory`: an
         import path `module:Name` the core builds its executor with (tests). `core_env`:
         environment variables set for the core process only (a data-parallel core's devices)."""
         self.config = config
         self._core_env = core_env
+        self._program = program
         self._lock = threading.Lock()
         self._dead_error: str | None = None
         self._closing = False
@@ -269,7 +265,7 @@ class MPClient(EngineCoreClient):
             args += ["--executor-factory", executor_factory]
         if self._res.ipc_dir is not None:
             args += ["--ipc-dir", self._res.ipc_dir]
-        self._res.proc = CoreProcess(args, self.config.to_json(), self._core_env)
+        self._res.proc = CoreProcess(self._program, args, self.config.to_json(), self._core_env)
 
     def _wait_ready(self, timeout_s: float) -> ReadyMessage:
         decoder = MsgpackDecoder(ReadyMessage)

@@ -14,12 +14,10 @@ import gc
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 from v1.config import EngineConfig, make_engine_config
-from v1.core.client import EngineDeadError
-from v1.core.dp_client import AsyncDPClient
-from v1.core.mp_client import AsyncMPClient
+from v1.core.errors import EngineDeadError
 from v1.core.protocol import EngineCoreOutput, EngineCoreRequest
 from v1.engine.beam_search import (
     BeamSearchOutput,
@@ -28,15 +26,18 @@ from v1.engine.beam_search import (
     make_beam_search,
     run_beam_search_async,
 )
+from v1.engine.core_client import make_engine_core_client
 from v1.engine.input_processor import InputProcessor, Params
 from v1.engine.output_processor import AnyRequestOutput, OutputProcessor, ParentRequest
-from v1.engine.tokenizer import get_tokenizer
 from v1.logger import init_logger
 from v1.outputs import PoolingRequestOutput, RequestOutput, RequestOutputKind
 from v1.pooling_params import PoolingParams
 from v1.sampling_params import SamplingParams
+from v1.tokenizer import get_tokenizer
 
 if TYPE_CHECKING:
+    from v1.core.dp_client import AsyncDPClient
+    from v1.core.mp_client import AsyncMPClient
     from v1.engine.transcription import AsyncTranscriber, TranscriptionResult
 
 logger = init_logger(__name__)
@@ -81,7 +82,7 @@ class AsyncLLM:
     def from_engine_config(
         cls, config: EngineConfig, *, tokenizer: Any = None, **client_kwargs: Any
     ) -> AsyncLLM:
-        """`client_kwargs` go to AsyncMPClient (explicit addresses, a test executor factory)."""
+        """`client_kwargs` go to the asyncio client (explicit addresses, a test executor factory)."""
         self = cls.__new__(cls)
         self._setup(config, tokenizer=tokenizer, client_kwargs=client_kwargs)
         return self
@@ -117,10 +118,10 @@ class AsyncLLM:
         """Tokenization and input checks, off the event loop and one at a time (a tokenizer
         is not safe to use from two threads at once)."""
         # Last: starting the core process is the slow, resource-holding part.
-        if config.parallel_config.data_parallel_size > 1:
-            self.engine_core: AsyncMPClient | AsyncDPClient = AsyncDPClient(config, **client_kwargs)
-        else:
-            self.engine_core = AsyncMPClient(config, **client_kwargs)
+        self.engine_core = cast(
+            "AsyncMPClient | AsyncDPClient",
+            make_engine_core_client(config, multiprocess=True, asyncio_mode=True, **client_kwargs),
+        )
         gc.collect()
         gc.freeze()  # start-up objects live forever: keep them out of cyclic GC scans
 

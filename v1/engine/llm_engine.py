@@ -11,13 +11,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from v1.config import EngineConfig
-from v1.core.client import EngineCoreClient
 from v1.core.protocol import EngineCoreOutput, EngineCoreRequest
+from v1.engine.core_client import make_engine_core_client
 from v1.engine.input_processor import InputProcessor, Params
 from v1.engine.output_processor import AnyRequestOutput, OutputProcessor, ParentRequest
-from v1.engine.tokenizer import get_tokenizer
 from v1.outputs import RequestOutputKind
 from v1.sampling_params import SamplingParams
+from v1.tokenizer import get_tokenizer
 
 
 class LLMEngine:
@@ -41,7 +41,7 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         # The client last: it starts the core (and its process), which is the costly part.
-        self.engine_core = EngineCoreClient.make_client(config, multiprocess=multiprocess)
+        self.engine_core = make_engine_core_client(config, multiprocess=multiprocess)
         self._closed = False
         self._core_outputs: dict[str, EngineCoreOutput | None] = {}
         """Requests run by `run_core_requests` -> their final output (None until finished)."""

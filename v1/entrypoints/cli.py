@@ -1,8 +1,7 @@
-"""The `v1` command: `serve`, `transcribe`, `generate`, `embed`, `batch` (see v1.batch).
-
-Engine flags and their --help come from `v1.config.engine_arg_fields()`; each subcommand lists
-the ones that mean something to it. Inputs are checked before the model loads; errors are one
-line on stderr.
+"""The `v1` command's parser and its entry-point subcommands (`serve`, `transcribe`, `generate`,
+`embed`); packages above add theirs as `Subcommand`s (`v1 batch`, through `v1.__main__`).
+Engine flags and their help come from `v1.config.engine_arg_fields()`. Inputs and the model are
+checked before the model loads; errors are one line on stderr.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ import os
 import signal
 import sys
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from v1 import envs
@@ -162,9 +161,20 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return {name: value for name, value in vars(args).items() if name in names}
 
 
+@dataclasses.dataclass(frozen=True)
+class Subcommand:
+    """A subcommand that a package above the entry points adds to `v1` (`v1 batch`)."""
+
+    add_parser: Callable[[Any, Callable[..., None]], None]
+    """`add_parser(subparsers, add_engine_args)` declares the subcommand's parser."""
+    run: Callable[[argparse.Namespace, dict[str, Any]], int]
+    """`run(args, engine_kwargs(args))` runs it and returns the exit code."""
+
+
 # ---- parser ----
-def make_parser() -> argparse.ArgumentParser:
-    from v1 import __version__
+def make_parser(extra: Mapping[str, Subcommand] | None = None) -> argparse.ArgumentParser:
+    """The `v1` parser: the entry points' subcommands, then the `extra` ones."""
+    from v1.version import __version__
 
     parser = argparse.ArgumentParser(
         prog="v1", description="v1-engine: serve and run transformer models."
@@ -224,9 +234,8 @@ def make_parser() -> argparse.ArgumentParser:
     _add_transcribe(sub)
     _add_generate(sub)
     _add_embed(sub)
-    from v1.batch.cli import add_batch_parser
-
-    add_batch_parser(sub, add_engine_args)
+    for command in (extra or {}).values():
+        command.add_parser(sub, add_engine_args)
     return parser
 
 
@@ -412,8 +421,8 @@ def _serve(args: argparse.Namespace) -> int:
 def _transcribe(args: argparse.Namespace) -> int:
     """Checks every file and the model first; transcribes the files that can be read, prints
     their results, and exits 1 naming the files that could not."""
-    from v1 import LLM
     from v1.audio import SAMPLE_RATE, AudioError, load_audio
+    from v1.entrypoints.llm import LLM
     from v1.model_source import check_model_source
 
     failed: list[str] = []
@@ -489,7 +498,8 @@ def _error(command: str, message: str) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from v1 import LLM, SamplingParams
+    from v1.entrypoints.llm import LLM
+    from v1.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     with LLM(args.model, **engine_kwargs(args)) as llm:
@@ -500,7 +510,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _embed(args: argparse.Namespace) -> int:
-    from v1 import LLM
+    from v1.entrypoints.llm import LLM
 
     with LLM(args.model, **engine_kwargs(args)) as llm:
         outputs = llm.embed(list(args.texts), use_tqdm=False)
@@ -509,28 +519,25 @@ def _embed(args: argparse.Namespace) -> int:
     return 0
 
 
-def _batch(args: argparse.Namespace) -> int:
-    from v1.batch.cli import run_batch_command
-
-    return run_batch_command(args, engine_kwargs(args))
-
-
 _COMMANDS = {
     "serve": _serve,
     "transcribe": _transcribe,
     "generate": _generate,
     "embed": _embed,
-    "batch": _batch,
 }
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = make_parser()
+def main(argv: Sequence[str] | None = None, extra: Mapping[str, Subcommand] | None = None) -> int:
+    """Parses `argv` and runs the subcommand; `extra`: subcommands added from above."""
+    extra = extra or {}
+    parser = make_parser(extra)
     args = parser.parse_args(argv)
     if args.command != "serve":  # the server handles its own signals
         # SIGTERM unwinds like Ctrl-C, so the engine shuts down and its socket dir goes.
         signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
+        if args.command in extra:
+            return extra[args.command].run(args, engine_kwargs(args))
         return _COMMANDS[args.command](args)
     except ValueError as e:  # bad model, engine argument or input: the user's to fix
         _error(args.command, str(e))

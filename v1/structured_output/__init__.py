@@ -1,8 +1,6 @@
-"""Structured outputs (JSON object / JSON schema) through llguidance.
-
-`params` defines what a request asks for (it crosses the process boundary inside SamplingParams);
-`manager` lives in the EngineCore: one grammar matcher per request, advanced on each accepted
-token, and the token bitmask of the scheduled requests that the sampler applies.
+"""Structured outputs (JSON object / JSON schema): what a request asks for, torch-free
+(`params`; it crosses the process boundary inside SamplingParams). The grammar matchers that
+enforce it live in the EngineCore (v1/core/structured_output.py).
 """
 
 from v1.structured_output.params import StructuredOutputsParams

@@ -84,7 +84,7 @@ class ModelRunner:
 
     # ---- set-up ----
     def load_model(self) -> None:
-        from v1.models.loader import load_model
+        from v1.worker.model_loader import load_model
 
         with use_backend(self.backend_name):
             self.model = load_model(self.model_config, self.device, self.dtype, tp=self.tp)

@@ -172,7 +172,7 @@ class RemoteServer:
             return "(no log)"
 
     def find_core_pid(self) -> int:
-        """The EngineCore process: the server's `python -m v1.core.engine_core_proc` child."""
+        """The EngineCore process: the server's `python -m v1.engine.core_process` child."""
         for child in _children(self.proc.pid):
             if _is_core_process(child):
                 return child
@@ -238,7 +238,7 @@ def _is_core_process(pid: int) -> bool:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return False
-    return b"v1.core.engine_core_proc" in cmdline
+    return b"v1.engine.core_process" in cmdline
 
 
 def _alive(pid: int) -> bool:

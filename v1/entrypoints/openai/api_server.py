@@ -20,7 +20,6 @@ from fastapi import FastAPI, File, Form, Request, UploadFile
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-import v1
 from v1.engine.async_llm import request_group, request_observer
 from v1.entrypoints.openai.errors import (
     APIError,
@@ -53,6 +52,7 @@ from v1.entrypoints.openai.serving_transcriptions import (
     decoding_options,
 )
 from v1.logger import init_logger
+from v1.version import __version__
 
 logger = init_logger(__name__)
 
@@ -292,7 +292,7 @@ def build_app(engine: Any, args: argparse.Namespace | ServerSettings) -> FastAPI
 
     app = FastAPI(
         title="v1-engine OpenAI-compatible server",
-        version=v1.__version__,
+        version=__version__,
         lifespan=lifespan,
     )
     install_error_handlers(app)
@@ -332,7 +332,7 @@ def _add_info_routes(
 
     @app.get("/version")
     async def version() -> JSONResponse:
-        return JSONResponse({"version": v1.__version__})
+        return JSONResponse({"version": __version__})
 
     @app.get("/metrics")
     async def metrics_route() -> Response:

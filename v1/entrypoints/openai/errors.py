@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from v1.core.client import EngineDeadError
+from v1.core.errors import EngineDeadError
 from v1.logger import init_logger
 
 logger = init_logger(__name__)

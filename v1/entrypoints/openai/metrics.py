@@ -18,7 +18,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from v1.core.client import EngineDeadError
+from v1.core.errors import EngineDeadError
 from v1.logger import init_logger
 from v1.outputs import RequestOutput, RequestOutputKind
 

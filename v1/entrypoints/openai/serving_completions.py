@@ -16,7 +16,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from v1.core.client import EngineDeadError
+from v1.core.errors import EngineDeadError
 from v1.engine.beam_search import MAX_BEAM_WIDTH, BeamSearchParams
 from v1.entrypoints.openai.chat_template import ChatTemplate
 from v1.entrypoints.openai.errors import APIError, bad_request, engine_dead_error

@@ -23,7 +23,7 @@ from fastapi.responses import PlainTextResponse, Response
 
 from v1.audio import SAMPLE_RATE, AudioError
 from v1.audio.decode import stream_audio
-from v1.core.client import EngineDeadError
+from v1.core.errors import EngineDeadError
 from v1.engine.transcription import (
     AsyncTranscriber,
     ChunkMerger,

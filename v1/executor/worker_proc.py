@@ -1,9 +1,7 @@
-"""A tensor-parallel worker process (ranks 1..N-1; rank 0 runs inside the EngineCore).
-
-It joins the process group, loads its shard, then applies what the core's executor sends over
-ZMQ ipc sockets, msgspec-encoded (no pickle): each step's SchedulerOutput, and the few set-up
-calls. It replies to set-up calls only; sampled tokens come back from rank 0 alone. It never
-outlives its core: its stdin, a pipe only the core writes, reaching end-of-file ends it.
+"""A tensor-parallel worker process (ranks 1..N-1; rank 0 runs inside the EngineCore). It joins
+the process group, loads its shard, then applies the SchedulerOutputs and set-up calls its
+executor sends (msgspec over ZMQ ipc, no pickle); it replies to set-up calls only. Its stdin, a
+pipe only the core writes, reaching end-of-file ends it.
 """
 
 from __future__ import annotations
@@ -162,7 +160,7 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m v1.distributed.worker_proc --rank R --input ADDR --output ADDR
+    """`python -m v1.executor.worker_proc --rank R --input ADDR --output ADDR
     --init-method URL --parent-pid PID`, the EngineCore's JSON config on stdin's first line."""
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--rank", type=int, required=True)

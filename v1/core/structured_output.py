@@ -1,9 +1,7 @@
-"""Grammar matchers of the EngineCore's structured-output requests (llguidance).
-
-One matcher per request, advanced on every token the scheduler accepts. Before a step, the
-bitmask rows of its structured requests are computed from the matchers, so a request's mask
-always reflects all its tokens: such requests never run with a token still in flight (see
-Request.num_schedulable_tokens). No torch here; the sampler unpacks the bits on the device.
+"""Grammar matchers of the EngineCore's structured-output requests (llguidance), one per
+request, advanced on every accepted token. A step's bitmask rows are computed from the matchers,
+so a mask reflects all of a request's tokens: such requests never run with a token in flight
+(Request.num_schedulable_tokens). No torch here; the sampler unpacks the bits on the device.
 """
 
 from __future__ import annotations
@@ -36,7 +34,7 @@ class StructuredOutputManager:
         if tokenizer is None:
             import llguidance.hf
 
-            from v1.engine.tokenizer import get_tokenizer
+            from v1.tokenizer import get_tokenizer
 
             if self._hf_tokenizer is None:
                 self._hf_tokenizer = get_tokenizer(self.model_config)

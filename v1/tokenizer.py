@@ -1,11 +1,10 @@
-"""Loading the frontend's tokenizer (transformers) for a model config."""
+"""Loading the tokenizer (transformers) of a model config. Floor 0: it reads three fields of
+any config-like object (`TokenizerSource`), so the core and the frontend both may use it."""
 
 from __future__ import annotations
 
 import os
-from typing import Any
-
-from v1.config import ModelConfig
+from typing import Any, Protocol
 
 # Files one of which a local folder needs: without any, transformers builds an empty tokenizer
 # from the model config instead of failing.
@@ -21,7 +20,20 @@ _TOKENIZER_FILES = (
 )
 
 
-def get_tokenizer(model_config: ModelConfig) -> Any:
+class TokenizerSource(Protocol):
+    """What the loader reads of a ModelConfig."""
+
+    @property
+    def tokenizer_path(self) -> str: ...
+
+    @property
+    def revision(self) -> str | None: ...
+
+    @property
+    def trust_remote_code(self) -> bool: ...
+
+
+def get_tokenizer(model_config: TokenizerSource) -> Any:
     """The transformers tokenizer of `model_config.tokenizer_path`.
 
     Raises ValueError naming the path when the folder or hub id has no loadable tokenizer.

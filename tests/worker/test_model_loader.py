@@ -8,13 +8,18 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.models.hf_reference import assert_matches_hf, make_hf_model
 from v1.config import ModelConfig
-from v1.models import loader, registry
+from v1.models import registry
 from v1.models.gpt2 import GPT2LMHeadModel
 from v1.models.llama import LlamaForCausalLM
-from v1.models.loader import iterate_weights, load_model, load_model_from_weights, weight_files
-
-from .hf_reference import assert_matches_hf, make_hf_model
+from v1.worker import model_loader
+from v1.worker.model_loader import (
+    iterate_weights,
+    load_model,
+    load_model_from_weights,
+    weight_files,
+)
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +99,7 @@ def test_sharded_checkpoint(llama_dir, tmp_path) -> None:
     hf_model, _ = llama_dir
     hf_model.save_pretrained(tmp_path, max_shard_size="40KB")
     files = weight_files(str(tmp_path))
-    assert len(files) > 1 and (tmp_path / loader.SAFETENSORS_INDEX).exists()
+    assert len(files) > 1 and (tmp_path / model_loader.SAFETENSORS_INDEX).exists()
     assert_matches_hf(load(tmp_path), hf_model, num_decode_steps=1)
 
 

@@ -1,11 +1,8 @@
-"""Executors for tensor parallelism: rank 0's worker in the EngineCore process, ranks 1..N-1
-as worker processes (`MultiprocExecutor`) or Ray actors (`v1.distributed.ray_executor`).
-
-Every call goes to the other ranks first (msgspec over ZMQ: one PUSH socket per rank, one PULL
-for their replies), then runs on rank 0 here, so collectives inside the step meet. A watcher
-thread notices a worker that exits; the executor then raises WorkerDeadError from the step (and
-tells the core through its failure callback if the core is idle), and every exit path of the
-core kills the workers (shutdown, a finalizer; the workers also exit when their parent is gone).
+"""Tensor parallelism: rank 0's worker in the EngineCore process, ranks 1..N-1 as worker
+processes (`MultiprocExecutor`) or Ray actors (`v1.executor.ray`). Every call goes to the other
+ranks first (msgspec over ZMQ), then runs on rank 0, so collectives inside the step meet. A
+worker that exits makes the step raise WorkerDeadError (or the failure callback fire when idle);
+every exit path of the core kills the workers.
 """
 
 from __future__ import annotations
@@ -26,10 +23,11 @@ from typing import Any
 import zmq
 
 from v1.config import EngineConfig
-from v1.core.executor import Executor, WorkerDeadError
+from v1.core.errors import WorkerDeadError
+from v1.core.executor import Executor
 from v1.core.sched_output import DeferredRunnerOutput, ModelRunnerOutput, SchedulerOutput
 from v1.core.serial import MsgpackDecoder, MsgpackEncoder
-from v1.distributed.worker_proc import WorkerAddresses, WorkerMethod, WorkerReply
+from v1.executor.worker_proc import WorkerAddresses, WorkerMethod, WorkerReply
 from v1.kv_cache.spec import KVCacheConfig, KVCacheSpec
 from v1.logger import init_logger
 
@@ -277,7 +275,7 @@ class _WatchedDeferred:
 
 
 class MultiprocExecutor(DistributedExecutor):
-    """Ranks 1..N-1 as `python -m v1.distributed.worker_proc` processes on this machine,
+    """Ranks 1..N-1 as `python -m v1.executor.worker_proc` processes on this machine,
     talking over ipc sockets in a private directory."""
 
     def __init__(self, config: EngineConfig) -> None:
@@ -301,7 +299,7 @@ class MultiprocExecutor(DistributedExecutor):
             cmd = [
                 sys.executable,
                 "-m",
-                "v1.distributed.worker_proc",
+                "v1.executor.worker_proc",
                 f"--rank={rank}",
                 f"--input={address.input}",
                 f"--output={address.output}",

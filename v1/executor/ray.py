@@ -1,9 +1,7 @@
-"""Tensor parallelism across Ray nodes: ranks 1..N-1 as Ray actors in a placement group.
-
-Ray only places and supervises the workers (an actor dies with the EngineCore that owns it);
-the steps travel as with the multiprocess executor, msgspec over ZMQ (TCP on this node's
-address, bound explicitly), and the ranks' collectives over torch.distributed. Needs the `ray`
-extra; connects to the cluster Ray finds (RAY_ADDRESS) or starts a local one.
+"""Tensor parallelism across Ray nodes: ranks 1..N-1 as Ray actors in a placement group. Ray
+only places and supervises them; steps travel as with the multiprocess executor (msgspec over
+ZMQ, TCP on this node's address) and collectives over torch.distributed. Needs the `ray` extra;
+connects to the cluster Ray finds (RAY_ADDRESS) or starts a local one.
 """
 
 from __future__ import annotations
@@ -13,8 +11,8 @@ import socket
 from typing import Any
 
 from v1.config import EngineConfig
-from v1.distributed.mp_executor import DistributedExecutor
-from v1.distributed.worker_proc import WorkerAddresses
+from v1.executor.multiproc import DistributedExecutor
+from v1.executor.worker_proc import WorkerAddresses
 from v1.logger import init_logger
 
 logger = init_logger(__name__)
@@ -41,7 +39,7 @@ class _RayWorker:
         init_method: str,
         local_rank: int | None,
     ) -> int:
-        from v1.distributed.worker_proc import WorkerProc
+        from v1.executor.worker_proc import WorkerProc
 
         proc = WorkerProc(
             EngineConfig.from_json(config_json),
