@@ -22,14 +22,15 @@ from typing import Any
 
 import torch
 
+from v1.config import ABSORBED_KERNEL_ENV
 from v1.logger import init_logger
 
 logger = init_logger(__name__)
 
 SOURCE = Path(__file__).with_name("absorbed_attention.cu")
 KERNEL_NAME = "absorbed_attention_kernel"
-KERNEL_ENV = "V1_ABSORBED_KERNEL"
-"""`cuda` (the default where it applies) or `triton`."""
+KERNEL_ENV = ABSORBED_KERNEL_ENV
+"""`cuda` (the default where it applies) or `triton` (the config's cross-attention rule reads it)."""
 MAX_WARP_COLUMNS = 160
 """Columns of d a warp owns at most: 80 accumulator registers a thread per 16-row tile."""
 STEP_SHAPES = ((32, 2), (16, 2))
@@ -220,14 +221,6 @@ def nvrtc_cubin(source: str, name: str, arch: str) -> bytes:
         return cubin.raw
     finally:
         nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
-
-
-def takes_fp8_states(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the CUDA kernel serves fp8 encoder states for a `dtype` model on `device`
-    (what `cross_attention="auto"` asks before it picks absorbed for an fp8 KV cache)."""
-    if os.environ.get(KERNEL_ENV, "cuda") != "cuda" or dtype not in (torch.float16, torch.bfloat16):
-        return False
-    return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def _split64(value: int) -> list[int]:
