@@ -1,14 +1,8 @@
 """CUDA kernel of absorbed cross-attention (`absorbed_attention.cu`), compiled at run time by
-NVRTC to a cubin and loaded with torch's driver helpers: no build step, no CUDA toolkit, only
-the NVRTC library that CUDA builds of torch ship (the source includes no headers, so unlike
-`torch.cuda._compile_kernel` it needs no CUDA_HOME).
-
-It computes what `triton_absorbed.attend_encoder_states_triton` computes (the torch reference is
-`absorbed_cross_attention.attend_encoder_states_torch`) for 16-bit models over 16-bit or fp8
-encoder states: each warp streams its own column slice of E through shared memory once per row
-tile and uses it for both products, where the Triton kernel loads every E tile twice. fp32
-models, widths it cannot slice, GPUs without mma.sync (sm_80+) and fp8 states below sm_89
-stay on the Triton kernel; `V1_ABSORBED_KERNEL=triton` forces it everywhere.
+NVRTC (no build step, no CUDA_HOME): what `triton_absorbed` computes, for 16-bit models over
+16-bit or fp8 states, each warp streaming its column slice of E once per row tile. fp32 models,
+widths it cannot slice, pre-sm_80 GPUs and fp8 states below sm_89 stay on the Triton kernel;
+`V1_ABSORBED_KERNEL=triton` forces it everywhere (torch reference: absorbed_cross_attention).
 """
 
 from __future__ import annotations
