@@ -306,8 +306,11 @@ class CacheConfig:
     cross_attention: str = "auto"
     """Encoder-decoder cross-attention: per_layer (each decoder layer caches its own K/V of the
     encoder output), absorbed (the encoder output is cached once and every layer attends over it
-    through its query projected by W_k, exact), or auto (absorbed when per-layer K/V of a full
-    batch would not fit the cache; see docs/architecture.md)."""
+    through its query projected by W_k, exact), or auto (`EngineConfig.cross_attention_mode`
+    resolves it; see docs/architecture.md)."""
+    attention_backend: str = "auto"
+    """auto (the first of flash_attn, triton, torch_sdpa whose capabilities serve the model on
+    the device) or one of those names, which must then serve it (else a ValueError says why)."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -503,6 +506,12 @@ class EngineConfig:
                 f"cross_attention='absorbed' needs an encoder-decoder model, not {mc.architecture}"
             )
 
+    @cached_property
+    def cross_attention_mode(self) -> str:
+        """per_layer or absorbed: `cache_config.cross_attention` resolved, before the model is
+        built; the runner, its cache specs and every TP rank read this one value."""
+        return resolve_cross_attention(self)
+
     @property
     def use_async_scheduling(self) -> bool:
         """Pipelined steps (SchedulerConfig.async_scheduling, resolved for this model/device)."""
@@ -552,6 +561,52 @@ class EngineConfig:
             device_config=DeviceConfig(**data["device_config"]),
             enforce_eager=data["enforce_eager"],
         )
+
+
+# ---- attention: the cross-attention rule (torch-free facts; floor 2 sees no v1.attention) ----
+ABSORBED_KERNEL_ENV = "V1_ABSORBED_KERNEL"
+"""cuda (default: the CUDA absorbed kernel where it serves) or triton (the Triton one always)."""
+
+
+def resolve_cross_attention(config: EngineConfig) -> str:
+    """The rule behind cross_attention="auto" (measurements: docs/architecture.md,
+    "Cross-attention modes"): per_layer on CPU and for models without cross-attention (absorbed
+    attends over d_model-wide rows: compute-bound there); on a GPU absorbed, except with an fp8
+    KV cache where only the Triton kernel takes fp8 states (its fp8 path loses to per-layer)."""
+    mode = config.cache_config.cross_attention
+    if mode != "auto":
+        return mode
+    device_type = config.device_config.device_type
+    if device_type != "cuda" or config.model_config.kind != ModelKind.ENCODER_DECODER:
+        return "per_layer"
+    if config.cache_config.fp8_kv_cache and not _cuda_kernel_takes_fp8_states(config):
+        return "per_layer"
+    return "absorbed"
+
+
+def _cuda_kernel_takes_fp8_states(config: EngineConfig) -> bool:
+    """Whether the CUDA absorbed kernel serves fp8 encoder states: 16-bit models on sm_89+."""
+    import os
+
+    dtype = str(config.model_config.torch_dtype("cuda")).removeprefix("torch.")
+    if os.environ.get(ABSORBED_KERNEL_ENV, "cuda") != "cuda" or dtype not in _16_BIT:
+        return False
+    import torch
+
+    return torch.cuda.get_device_capability() >= (8, 9)
+
+
+_16_BIT = ("float16", "bfloat16")
+
+
+def attention_types(model_config: ModelConfig) -> tuple[str, ...]:
+    """The `AttentionType` values a model's layers use (its backend must serve all)."""
+    kind = model_config.kind
+    if kind == ModelKind.ENCODER_ONLY:
+        return ("encoder_only",)
+    if kind == ModelKind.ENCODER_DECODER:
+        return ("encoder", "decoder", "encoder_decoder")
+    return ("decoder",)
 
 
 _HEAD_COUNTS = (

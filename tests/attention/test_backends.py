@@ -34,9 +34,9 @@ def run_step(
 ) -> torch.Tensor:
     """Build the backend's metadata for the batch and run one Impl.forward."""
     shape = batch.shape
-    if batch.attn_type not in backend.cls.supported_attn_types:
+    if batch.attn_type not in backend.cls.capabilities.attn_types:
         pytest.skip(f"{backend.cls.name} does not support {batch.attn_type.value}")
-    if bias is not None and not backend.cls.supports_bias:
+    if bias is not None and not backend.cls.capabilities.bias:
         pytest.skip(f"{backend.cls.name} does not support bias")
     builder = backend.cls.get_builder_cls()(batch.attn_type, backend.device, shape.block_size)
     metadata = builder.build(batch.common)

@@ -38,7 +38,7 @@ def fp8_step(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize the batch's cache (poison and prior context), run one step; returns the
     output, the fp8 cache and its scales after the step."""
-    if not backend.cls.supports_fp8_kv_cache:
+    if not backend.cls.capabilities.fp8_kv_cache:
         pytest.skip(f"{backend.cls.name} has no fp8 KV cache")
     shape = batch.shape
     cache, scales = quantize_rows(batch.kv_cache)  # [2, nb, bs, Hkv, D], [2, nb, bs, Hkv]

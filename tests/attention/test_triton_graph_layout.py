@@ -88,8 +88,9 @@ def build_metadata(buffers: dict[str, torch.Tensor | None], attn_type: Attention
     from v1.attention.backends.triton import DECODE_BLOCK_M, TritonMetadataBuilder
 
     common = static_common(SIZE, buffers, DECODE_BLOCK_M, attn_type == DEC, WIDTH * BLOCK)
-    metadata = TritonMetadataBuilder(attn_type, torch.device(DEVICE), BLOCK).build(common)
-    check_static_work(metadata, SIZE, DECODE_BLOCK_M)
+    builder = TritonMetadataBuilder(attn_type, torch.device(DEVICE), BLOCK)
+    metadata = builder.build(common)
+    check_static_work(builder, metadata, SIZE, DECODE_BLOCK_M)
     return metadata
 
 

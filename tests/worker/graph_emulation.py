@@ -19,7 +19,7 @@ from v1.attention.backend import (
     AttentionBias,
     AttentionImpl,
     AttentionMetadataBuilder,
-    AttentionType,
+    BackendCapabilities,
     CommonAttentionMetadata,
 )
 from v1.attention.ops.reference import naive_attention, write_kv_cache
@@ -45,6 +45,9 @@ class EmulatedBuilder(AttentionMetadataBuilder):
         starts = torch.cumsum(blocks, 0) - blocks
         mblock = torch.arange(int(blocks.sum())) - torch.repeat_interleave(starts, blocks)
         return EmulatedMetadata(common, (req, mblock), block_m)
+
+    def graph_work(self, metadata: EmulatedMetadata) -> tuple[int, int]:
+        return metadata.work[0].numel(), metadata.block_m
 
 
 class EmulatedImpl(AttentionImpl):
@@ -107,8 +110,7 @@ class EmulatedImpl(AttentionImpl):
 
 class EmulatedBackend(AttentionBackend):
     name = "graph_emulation"
-    supported_attn_types = frozenset(AttentionType)
-    supports_bias = False
+    capabilities = BackendCapabilities(decode_cuda_graphs=True, graph_max_query_len=DECODE_BLOCK_M)
 
     @staticmethod
     def get_builder_cls() -> type[AttentionMetadataBuilder]:

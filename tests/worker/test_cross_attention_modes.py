@@ -298,24 +298,29 @@ def test_absorbed_needs_an_encoder_decoder_model(tiny_llama_dir: str) -> None:
         make_engine_config(tiny_llama_dir, cross_attention="fused")
 
 
-def test_auto_rule_picks_absorbed_on_a_gpu_and_per_layer_on_cpu(bart_dir: str) -> None:
-    """The rule itself (CPU-testable; measurements in docs/architecture.md): absorbed on a GPU
-    for a model with cross-attention unless the KV cache is fp8 and only the Triton kernel takes
-    fp8 states, per_layer on CPU; an explicit mode is kept as given."""
+def test_auto_rule_picks_absorbed_on_a_gpu_and_per_layer_on_cpu(
+    bart_dir: str, tiny_llama_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rule itself, resolved by the config before any model exists (CPU-testable;
+    measurements in docs/architecture.md): absorbed on a GPU for a model with cross-attention
+    unless the KV cache is fp8 and only the Triton kernel takes fp8 states, per_layer on CPU;
+    an explicit mode is kept as given."""
+    import v1.config
     from v1.config import make_engine_config
-    from v1.worker.cross_attention_mode import choose_cross_attention
 
-    auto = make_engine_config(bart_dir, device="cpu", cross_attention="auto")
-    assert choose_cross_attention(auto, True, "cuda") == "absorbed"
-    assert choose_cross_attention(auto, True, "cpu") == "per_layer"
-    assert choose_cross_attention(auto, False, "cuda") == "per_layer"
-    fp8 = make_engine_config(bart_dir, device="cpu", cross_attention="auto", kv_cache_dtype="fp8")
-    assert choose_cross_attention(fp8, True, "cuda") == "per_layer"  # Triton's fp8 states
-    assert choose_cross_attention(fp8, True, "cuda", fast_fp8_states=True) == "absorbed"
-    per_layer = make_engine_config(bart_dir, device="cpu", cross_attention="per_layer")
-    assert choose_cross_attention(per_layer, True, "cuda") == "per_layer"
-    absorbed = make_engine_config(bart_dir, device="cpu", cross_attention="absorbed")
-    assert choose_cross_attention(absorbed, True, "cpu") == "absorbed"
+    def mode(path: str, device: str, **kwargs: Any) -> str:
+        return make_engine_config(path, device=device, **kwargs).cross_attention_mode
+
+    assert mode(bart_dir, "cuda") == "absorbed"
+    assert mode(bart_dir, "cpu") == "per_layer"
+    assert mode(tiny_llama_dir, "cuda") == "per_layer"
+    fast_fp8 = [False]
+    monkeypatch.setattr(v1.config, "_cuda_kernel_takes_fp8_states", lambda _: fast_fp8[0])
+    assert mode(bart_dir, "cuda", kv_cache_dtype="fp8") == "per_layer"  # Triton's fp8 states
+    fast_fp8[0] = True
+    assert mode(bart_dir, "cuda", kv_cache_dtype="fp8") == "absorbed"
+    assert mode(bart_dir, "cuda", cross_attention="per_layer") == "per_layer"
+    assert mode(bart_dir, "cpu", cross_attention="absorbed") == "absorbed"
 
 
 # ---- CUDA graphs (replays emulated on CPU, tests/worker/graph_emulation.py) ----

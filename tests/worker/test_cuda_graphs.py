@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from graph_emulation import EmulatedGraphs
+from graph_emulation import EmulatedBackend, EmulatedGraphs
 from worker_factories import (
     bart_inputs,
     decoder_request,
@@ -176,7 +176,7 @@ def emulated_backend(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setitem(selector._BACKENDS, "graph_emulation", "graph_emulation:EmulatedBackend")
     monkeypatch.setattr(
-        "v1.worker.model_runner.default_backend_name", lambda *args, **kwargs: "graph_emulation"
+        "v1.worker.model_runner.select_backend", lambda *args, **kwargs: EmulatedBackend
     )
 
 

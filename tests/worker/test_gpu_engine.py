@@ -57,10 +57,15 @@ def run_ours(path, prompts, max_tokens, enforce_eager, **kwargs):
 
 
 def test_triton_is_the_default_gpu_backend():
-    from v1.attention.selector import default_backend_name
+    import dataclasses
 
-    assert default_backend_name("cuda") == "triton"
-    assert default_backend_name("cuda", needs_bias=True) == "triton"
+    from v1.attention.backend import AttentionType
+    from v1.attention.selector import AttentionNeeds, select_backend
+
+    cc = torch.cuda.get_device_capability()
+    needs = AttentionNeeds(frozenset({AttentionType.DECODER}), "cuda", cc)
+    assert select_backend(needs).name == "triton"
+    assert select_backend(dataclasses.replace(needs, bias=True)).name == "triton"
 
 
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "cuda_graphs"])

@@ -1,8 +1,8 @@
-"""Attention backend interface: attention types, per-step metadata, bias descriptions.
+"""Attention backend interface: attention types, static capabilities, per-step metadata, bias.
 
-A backend = static capabilities + a per-step MetadataBuilder (CommonAttentionMetadata -> the
-backend's own metadata, built once per KV group / attention type and shared by its layers) +
-an Impl whose forward writes K/V to the paged cache (where the type has one) and attends.
+A backend = `BackendCapabilities` (what the selector filters on; code outside v1/attention asks
+these, never a backend's name) + a MetadataBuilder (CommonAttentionMetadata -> the backend's
+metadata, once per KV group) + an Impl that writes K/V to the paged cache and attends.
 """
 
 from __future__ import annotations
@@ -80,6 +80,45 @@ class RelativePositionBias:
 AttentionBias = MaterializedBias | RelativePositionBias
 
 
+@dataclass(frozen=True)
+class BackendCapabilities:
+    """What a backend serves, declared on its class; `v1/attention/selector.py` matches these
+    against what the model and device need."""
+
+    attn_types: frozenset[AttentionType] = frozenset(AttentionType)
+    """Attention types (KV groups) it builds metadata for and runs."""
+    encoder_states: bool = True
+    """Builds the metadata of the absorbed encoder-states group (cross_attention=absorbed)."""
+    materialized_bias: bool = False
+    """Takes a `MaterializedBias`, in prefill and decode steps."""
+    in_kernel_bias: bool = False
+    """Evaluates a `RelativePositionBias` inside the kernel, in prefill and decode steps (a
+    backend with materialized_bias only expands it: T5 is served either way)."""
+    fp8_kv_cache: bool = False
+    """Reads and writes fp8 KV caches (with their float32 scales)."""
+    fp8_min_compute_capability: tuple[int, int] | None = None
+    """On CUDA, the compute capability its fp8 path needs (None: any)."""
+    device_types: frozenset[str] = frozenset({"cpu", "cuda"})
+    min_compute_capability: tuple[int, int] | None = None
+    """On CUDA, the least compute capability it runs on (None: any)."""
+    block_size_multiple: int = 1
+    """KV block sizes it pages over must be multiples of this."""
+    decode_cuda_graphs: bool = False
+    """Decoder steps replay in CUDA graphs: its builder gives the static work of
+    `AttentionMetadataBuilder.graph_work` for queries up to `graph_max_query_len` tokens."""
+    graph_max_query_len: int = 0
+    """Longest query a decoder-step graph serves (one work item per request)."""
+    encoder_cuda_graphs: bool = False
+    """Encoder-only forwards replay in CUDA graphs (16-bit models; v1/worker/encoder_graphs.py)."""
+    required_packages: tuple[str, ...] = ()
+    """Python packages it imports (a backend whose package is missing is skipped)."""
+
+    @property
+    def bias(self) -> bool:
+        """Serves models with an additive attention bias (T5 relative positions)."""
+        return self.materialized_bias or self.in_kernel_bias
+
+
 class AttentionMetadataBuilder(ABC):
     def __init__(self, attn_type: AttentionType, device: torch.device, block_size: int = 0) -> None:
         self.attn_type = attn_type
@@ -89,6 +128,11 @@ class AttentionMetadataBuilder(ABC):
 
     @abstractmethod
     def build(self, common: CommonAttentionMetadata) -> Any: ...
+
+    def graph_work(self, metadata: Any) -> tuple[int, int] | None:
+        """(work items, query rows per item) of metadata built for a CUDA graph, which replays
+        reuse; None where the backend has no static work (no decoder-step graphs)."""
+        return None
 
 
 class AttentionImpl(ABC):
@@ -138,13 +182,16 @@ class AttentionImpl(ABC):
 
 class AttentionBackend(ABC):
     name: ClassVar[str]
-    supported_attn_types: ClassVar[frozenset[AttentionType]]
-    supports_bias: ClassVar[bool] = False
-    supports_fp8_kv_cache: ClassVar[bool] = False
+    capabilities: ClassVar[BackendCapabilities]
 
     @staticmethod
     @abstractmethod
     def get_builder_cls() -> type[AttentionMetadataBuilder]: ...
+
+    @classmethod
+    def get_encoder_states_builder_cls(cls) -> type[AttentionMetadataBuilder]:
+        """Builder of the absorbed encoder-states group's metadata (default: its own)."""
+        return cls.get_builder_cls()
 
     @staticmethod
     @abstractmethod

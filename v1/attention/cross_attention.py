@@ -1,18 +1,15 @@
-"""The cross-attention layer of encoder-decoder decoders, in one of two modes.
+"""The cross-attention layer of encoder-decoder decoders, in the mode the config resolved.
 
-per_layer: the layer projects the encoder output through its K/V projection on a request's first
-step, writes K/V to its cross blocks (one entry per encoder input, shared by every request that
-reads it) and reads them on every step (an `Attention` of type
-ENCODER_DECODER). absorbed: the runner caches the encoder output E once per request in the
-encoder-states group (named ENCODER_STATES_LAYER) and every layer attends over it through its
-query projected by W_k (`ops/absorbed_cross_attention.py`); the K/V never exist.
+per_layer: each layer writes its K/V of the encoder output to cross blocks on a request's first
+step and reads them after. absorbed: the encoder output E is cached once (ENCODER_STATES_LAYER)
+and every layer attends over it through its query projected by W_k; the K/V never exist.
 """
 
 from __future__ import annotations
 
 import torch
 
-from v1.attention.backend import AttentionMetadataBuilder, AttentionType
+from v1.attention.backend import AttentionType
 from v1.attention.layer import Attention
 from v1.attention.ops.absorbed_cross_attention import (
     CrossProjection,
@@ -20,7 +17,6 @@ from v1.attention.ops.absorbed_cross_attention import (
     absorbed_cross_attention,
     project_values,
 )
-from v1.attention.selector import load_backend
 from v1.forward_context import get_forward_context
 
 ENCODER_STATES_LAYER = "encoder_states"
@@ -77,12 +73,3 @@ class EncoderDecoderAttention(Attention):
             self.num_heads,
             self.scale,
         )
-
-
-def encoder_states_builder_cls(backend_name: str) -> type[AttentionMetadataBuilder]:
-    """Metadata of the encoder-states group: the Triton kernel's work items with a GPU backend
-    (flash_attn included), else the backend's own (torch_sdpa: the torch reference's padded
-    key slots; the reference builds those from any other backend's metadata)."""
-    if backend_name == "flash_attn":
-        backend_name = "triton"
-    return load_backend(backend_name).get_builder_cls()

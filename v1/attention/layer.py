@@ -38,7 +38,7 @@ class Attention(nn.Module):
         self.attn_type = attn_type
         self.layer_name = prefix
         self.backend = get_attn_backend()
-        if attn_type not in self.backend.supported_attn_types:
+        if attn_type not in self.backend.capabilities.attn_types:
             raise ValueError(f"{self.backend.name} does not support {attn_type.value} attention")
         self.impl = self.backend.get_impl_cls()(
             num_heads, head_size, scale, self.num_kv_heads, attn_type

@@ -207,11 +207,7 @@ class DistributedExecutor(Executor):
     def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
         self._broadcast(WorkerMethod.KV_CACHE_SPECS)
         specs = self._local(self.worker.get_kv_cache_specs)
-        mode = self.worker.cross_attention
-        modes = self._gather(WorkerMethod.KV_CACHE_SPECS)
-        if any(m != mode for m in modes.values()):  # profiles differ: rank 0 decides
-            self._broadcast(WorkerMethod.SET_CROSS_ATTENTION, mode)
-            self._gather(WorkerMethod.SET_CROSS_ATTENTION)
+        self._gather(WorkerMethod.KV_CACHE_SPECS)
         return specs
 
     def determine_available_kv_bytes(self) -> int:

@@ -39,9 +39,7 @@ class WorkerMethod(Enum):
     READ_BACK = b"R"
     """Read back the oldest launched step, as rank 0 does now (the same order on every rank)."""
     KV_CACHE_SPECS = b"S"
-    """Resolve the cross-attention mode (profiling with the other ranks); reply the mode."""
-    SET_CROSS_ATTENTION = b"C"
-    """str: use rank 0's cross-attention mode."""
+    """Build this rank's KV cache specs (the config's cross-attention mode); reply when done."""
     AVAILABLE_KV_BYTES = b"A"
     """Reply this rank's KV cache budget (profiled on GPU)."""
     INIT_KV_CACHE = b"K"
@@ -100,7 +98,6 @@ class WorkerProc:
 
     def run(self) -> None:
         step_decoder = MsgpackDecoder(SchedulerOutput)
-        str_decoder = MsgpackDecoder(str)
         int_decoder = MsgpackDecoder(int)
         worker = self.worker
         launched: deque[Any] = deque()
@@ -116,9 +113,6 @@ class WorkerProc:
                 launched.popleft().get_output()
             elif method is WorkerMethod.KV_CACHE_SPECS:
                 worker.get_kv_cache_specs()
-                self.reply(method.name, worker.cross_attention)
-            elif method is WorkerMethod.SET_CROSS_ATTENTION:
-                worker.set_cross_attention(str_decoder.decode(payload))
                 self.reply(method.name)
             elif method is WorkerMethod.AVAILABLE_KV_BYTES:
                 self.reply(method.name, worker.determine_available_kv_bytes())

@@ -1,7 +1,6 @@
-"""AttentionMetadataFactory: owns the attention backend's metadata builders, the KV cache groups
-(their layer names and attention type) and each group's block table, and builds a step's
-attention metadata by layer name: decoder self-attention, cross-attention, and the cache-less
-bidirectional passes (encoders, encoder-only models).
+"""AttentionMetadataFactory: the backend's metadata builders, the KV cache groups (layer names,
+attention type) and each group's block table; builds a step's attention metadata by layer name
+(decoder self-attention, cross-attention, encoder-states, cache-less bidirectional passes).
 """
 
 from __future__ import annotations
@@ -11,9 +10,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from v1.attention.backend import AttentionMetadataBuilder, AttentionType, CommonAttentionMetadata
-from v1.attention.cross_attention import encoder_states_builder_cls
-from v1.attention.selector import load_backend
+from v1.attention.backend import (
+    AttentionBackend,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+)
 from v1.host_copy import to_device
 from v1.kv_cache.spec import CrossAttentionSpec, EncoderStatesSpec, KVCacheConfig
 from v1.worker.block_table import BlockTable
@@ -23,9 +25,10 @@ if TYPE_CHECKING:
 
 
 class AttentionMetadataFactory:
-    def __init__(self, backend_name: str, device: torch.device, block_size: int) -> None:
-        self.backend_name = backend_name
-        self.backend = load_backend(backend_name)
+    def __init__(
+        self, backend: type[AttentionBackend], device: torch.device, block_size: int
+    ) -> None:
+        self.backend = backend
         self.device = device
         self.block_size = block_size
         self.layer_types: dict[str, AttentionType] = {}
@@ -67,7 +70,7 @@ class AttentionMetadataFactory:
             self.group_layers.append(group.layer_names)
             self.group_types.append(attn_type)
             builder_cls = (
-                encoder_states_builder_cls(self.backend_name)
+                self.backend.get_encoder_states_builder_cls()
                 if isinstance(spec, EncoderStatesSpec)
                 else self.backend.get_builder_cls()
             )

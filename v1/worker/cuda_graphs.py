@@ -1,9 +1,6 @@
-"""CUDA graphs for decoder steps whose queries are all short: decode steps, first steps of short
-prompts (Whisper's 3-4 tokens) and small prefill chunks, alone or mixed in one batch.
-
-A graph per padded token count T runs over static buffers; it serves any step of at most T
-tokens whose queries are at most `max_query_len` (the Triton decode block) long, so every request
-is one kernel work item and the work items are the constants (request i, block 0) for i < T.
+"""CUDA graphs for decoder steps whose queries are all short (decodes, short first steps, small
+chunks): a graph per padded token count T serves any step of at most T tokens whose queries fit
+the backend's `graph_max_query_len`, so each request is one work item (request i, block 0).
 """
 
 from __future__ import annotations
@@ -14,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from v1.attention.backend import AttentionType, CommonAttentionMetadata
+from v1.attention.backend import AttentionMetadataBuilder, AttentionType, CommonAttentionMetadata
 from v1.forward_context import ForwardContext, set_forward_context
 from v1.host_copy import to_device
 from v1.logger import init_logger
@@ -95,13 +92,15 @@ def static_common(
     )
 
 
-def check_static_work(metadata: Any, size: int, max_query_len: int) -> None:
+def check_static_work(
+    builder: AttentionMetadataBuilder, metadata: Any, size: int, max_query_len: int
+) -> None:
     """Replays reuse the work items built at capture: one per request, `max_query_len` rows."""
-    work, block_m = getattr(metadata, "work", None), getattr(metadata, "block_m", None)
-    if work is None or block_m != max_query_len or work[0].numel() != size:
+    work = builder.graph_work(metadata)
+    if work is None or work != (size, max_query_len):
         raise RuntimeError(
             f"CUDA graphs need one work item of {max_query_len} query rows per request; the "
-            f"backend built {None if work is None else work[0].numel()} of {block_m} for {size}"
+            f"backend built (items, rows) {work} for {size} requests"
         )
 
 
@@ -161,13 +160,12 @@ class CudaGraphManager:
         decode_forward: DecodeForward,
         max_num_batched_tokens: int,
     ) -> CudaGraphManager:
-        """Sized for the scheduler's limits and the Triton kernel's decode block."""
-        from v1.attention.backends.triton import DECODE_BLOCK_M
-
+        """Sized for the scheduler's limits and the backend's graph query length."""
+        max_query_len = attn_metadata.backend.capabilities.graph_max_query_len
         max_tokens = graph_max_tokens(
-            input_batch.max_num_reqs, max_num_batched_tokens, DECODE_BLOCK_M
+            input_batch.max_num_reqs, max_num_batched_tokens, max_query_len
         )
-        return cls(attn_metadata, input_batch, decode_forward, max_tokens, DECODE_BLOCK_M)
+        return cls(attn_metadata, input_batch, decode_forward, max_tokens, max_query_len)
 
     # ---- capture ----
     def _metadata(self, size: int) -> dict[str, Any]:
@@ -186,7 +184,7 @@ class CudaGraphManager:
             causal = attn_type == AttentionType.DECODER
             common = static_common(size, buffers, self.max_query_len, causal, max_seq_len)
             metadata = groups.builders[i].build(common)
-            check_static_work(metadata, size, self.max_query_len)
+            check_static_work(groups.builders[i], metadata, size, self.max_query_len)
             out.update(dict.fromkeys(groups.group_layers[i], metadata))
         return out
 

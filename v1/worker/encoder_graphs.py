@@ -1,15 +1,7 @@
-"""CUDA graphs of encoder-only passes (BERT, RoBERTa/XLM-R, cross-encoders).
-
-An encoder-only step packs ~100 requests of mixed lengths into one varlen pass of tens of
-thousands of tokens; launching its ~100 kernels eagerly took ~8 ms of host time per step on an
-H100 host, about what the device needs for the step, so steps were host-bound. A graph per
-token count (multiples of GRAPH_TOKEN_STEP up to the step budget) replays the whole model over
-static buffers instead: the step's tokens, then padding tokens up to the graph's size.
-
-The flash varlen offsets are a static buffer of `max_num_reqs + num_pad_seqs + 1` entries: the
-step's requests, then the padding tokens as sequences of at most `max_len` (the kernel's
-maximum query length, fixed at capture), then empty sequences. Padding rows attend among
-themselves only and are cut from the output.
+"""CUDA graphs of encoder-only passes (BERT, RoBERTa/XLM-R, cross-encoders): one graph per token
+count (multiples of GRAPH_TOKEN_STEP) replays the whole model over static buffers, so big
+varlen steps are not bound by kernel launches. Padding tokens form sequences of at most
+`max_len` that attend among themselves only and are cut from the output.
 """
 
 from __future__ import annotations
@@ -180,12 +172,12 @@ def make_encoder_graphs(
     max_reqs: int,
     max_len: int,
 ) -> EncoderGraphs | None:
-    """Graphs for a CUDA encoder-only model whose backend runs it through flash varlen: the
-    Triton backend in 16 bits (None otherwise, or for a position limit past MAX_GRAPH_LEN)."""
+    """Graphs for a CUDA encoder-only model in 16 bits whose backend declares encoder graphs
+    (None otherwise, or for a position limit past MAX_GRAPH_LEN)."""
     dtype = next(model.parameters()).dtype
     if (
         device.type != "cuda"
-        or attn_metadata.backend_name != "triton"
+        or not attn_metadata.backend.capabilities.encoder_cuda_graphs
         or dtype not in (torch.float16, torch.bfloat16)
         or max_len > MAX_GRAPH_LEN
     ):

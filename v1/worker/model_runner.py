@@ -1,9 +1,7 @@
-"""ModelRunner: applies SchedulerOutput deltas to the persistent batch, builds step inputs
-(vectorized), and runs each step as prepare (the model-kind strategy), main pass (a CUDA graph
-replay or the strategy's eager forward: the runner chooses) and finish (the strategy).
-
-The runner alone owns the model, the KV cache, the persistent batch, the attention-metadata
-factory and the CUDA graphs; strategies and graphs get the pieces they use, never the runner.
+"""ModelRunner: applies SchedulerOutput deltas to the persistent batch, builds step inputs and
+runs each step as prepare (the model-kind strategy), main pass (CUDA graph replay or eager) and
+finish. It alone owns the model, KV cache, batch, attention metadata and graphs; it asks the
+attention backend's capabilities, never its name.
 """
 
 from __future__ import annotations
@@ -16,8 +14,8 @@ import torch
 from v1.attention.backend import AttentionType
 from v1.attention.cross_attention import ENCODER_STATES_LAYER, EncoderDecoderAttention
 from v1.attention.layer import Attention
-from v1.attention.selector import default_backend_name, use_backend
-from v1.config import EngineConfig
+from v1.attention.selector import AttentionNeeds, select_backend, use_backend
+from v1.config import EngineConfig, attention_types
 from v1.core.sched_output import (
     BurstRunnerOutput,
     DeferredRunnerOutput,
@@ -53,16 +51,18 @@ class ModelRunner:
         self.max_num_reqs = config.scheduler_config.max_num_seqs
         self.max_model_len = self.model_config.effective_max_model_len
         self.block_size = config.cache_config.block_size
-        needs_bias = self.model_config.spec.attention_bias is not None
         fp8_kv_cache = config.cache_config.fp8_kv_cache
-        self.backend_name = default_backend_name(
-            device.type, self.block_size, needs_bias, fp8_kv_cache
+        self.cross_attention = config.cross_attention_mode
+        """per_layer or absorbed (resolved by the config before the model is built)."""
+        self.attn_backend = select_backend(
+            self.attention_needs(config, device), config.cache_config.attention_backend
         )
+        self.backend_name = self.attn_backend.name
         self.kv_cache_dtype = (
             "float8_e4m3fn" if fp8_kv_cache else str(self.dtype).removeprefix("torch.")
         )
         """KV cache spec dtype (fp8 caches keep float32 scales beside their rows)."""
-        self.attn_metadata = AttentionMetadataFactory(self.backend_name, device, self.block_size)
+        self.attn_metadata = AttentionMetadataFactory(self.attn_backend, device, self.block_size)
         self.input_batch = InputBatch(
             self.max_num_reqs,
             self.max_model_len,
@@ -76,13 +76,24 @@ class ModelRunner:
         self.attn_layers: dict[str, Attention] = {}
         self.kv_cache_config: KVCacheConfig | None = None
         self.cuda_graphs: Any = None
-        mode = config.cache_config.cross_attention
-        self.cross_attention = "absorbed" if mode == "absorbed" else "per_layer"
-        """per_layer or absorbed (the worker resolves "auto" before sizing the cache)."""
         self.encoder_states: LayerCache | None = None
         """The encoder-states cache (absorbed cross-attention)."""
 
     # ---- set-up ----
+    @staticmethod
+    def attention_needs(config: EngineConfig, device: torch.device) -> AttentionNeeds:
+        """What the model on `device` asks of its attention backend."""
+        cuda = device.type == "cuda"
+        return AttentionNeeds(
+            attn_types=frozenset(AttentionType(t) for t in attention_types(config.model_config)),
+            device_type=device.type,
+            compute_capability=torch.cuda.get_device_capability(device) if cuda else None,
+            encoder_states=config.cross_attention_mode == "absorbed",
+            bias=config.model_config.spec.attention_bias is not None,
+            fp8_kv_cache=config.cache_config.fp8_kv_cache,
+            block_size=config.cache_config.block_size,
+        )
+
     def load_model(self) -> None:
         from v1.worker.model_loader import load_model
 
@@ -93,7 +104,7 @@ class ModelRunner:
             m.layer_name: m for m in self.model.modules() if isinstance(m, Attention)
         }
         self.attn_metadata.set_layers({n: m.attn_type for n, m in self.attn_layers.items()})
-        self.set_cross_attention(self.cross_attention)
+        self._apply_cross_attention()
         self.state = make_model_state(
             StateContext(
                 model=self.model,
@@ -104,28 +115,25 @@ class ModelRunner:
             )
         )
 
-    def set_cross_attention(self, mode: str) -> None:
-        """per_layer or absorbed, for the cross-attention layers too; before the cache exists
-        (its layout depends on it; a memory profile runs the mode's activations)."""
-        assert mode in ("per_layer", "absorbed") and self.kv_cache_config is None, mode
-        self.cross_attention = mode
+    def _apply_cross_attention(self) -> None:
+        """The config's mode on the loaded cross-attention layers (before the cache exists: its
+        layout follows the mode, and a memory profile runs the mode's activations)."""
+        absorbed = self.cross_attention == "absorbed" and self.has_cross_attention
         for layer in self.attn_layers.values():
             if isinstance(layer, EncoderDecoderAttention):
-                layer.absorbed = mode == "absorbed"
-        if self.model is not None:
-            from v1.attention.ops.absorbed_cross_attention import dequantize_for_absorbed
+                layer.absorbed = absorbed
+        from v1.attention.ops.absorbed_cross_attention import dequantize_for_absorbed
 
-            absorbed = mode == "absorbed" and self.has_cross_attention
-            if dequantize_for_absorbed(self.model, self.dtype if absorbed else None):
-                logger.info("absorbed cross-attention: fp8 K/V projections dequantized once")
+        if dequantize_for_absorbed(self.model, self.dtype if absorbed else None):
+            logger.info("absorbed cross-attention: fp8 K/V projections dequantized once")
 
     @property
     def has_cross_attention(self) -> bool:
         return any(isinstance(m, EncoderDecoderAttention) for m in self.attn_layers.values())
 
-    def get_kv_cache_specs(self, cross_attention: str | None = None) -> dict[str, KVCacheSpec]:
-        """Layer name -> spec; absorbed cross-attention (default: the runner's mode) replaces
-        the cross layers' specs by the one encoder-states pseudo-layer."""
+    def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
+        """Layer name -> spec; absorbed cross-attention replaces the cross layers' specs by the
+        one encoder-states pseudo-layer."""
         dtype = self.kv_cache_dtype
         kinds = {
             AttentionType.DECODER: FullAttentionSpec,
@@ -140,7 +148,7 @@ class ModelRunner:
             )
             for name, layer in self.attn_layers.items()
         }
-        if (cross_attention or self.cross_attention) == "absorbed" and self.has_cross_attention:
+        if self.cross_attention == "absorbed" and self.has_cross_attention:
             self_attention = [s for s in specs.values() if isinstance(s, FullAttentionSpec)]
             specs = {n: s for n, s in specs.items() if not isinstance(s, CrossAttentionSpec)}
             d_model = self.model_config.hf_config.d_model
@@ -187,7 +195,7 @@ class ModelRunner:
         return (
             self.device.type == "cuda"
             and not self.config.enforce_eager
-            and self.backend_name == "triton"
+            and self.attn_backend.capabilities.decode_cuda_graphs
             and self.state.supports_cuda_graphs
         )
 

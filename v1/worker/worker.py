@@ -70,34 +70,12 @@ class Worker:
     def load_model(self) -> None:
         self.model_runner.load_model()
 
-    @property
-    def cross_attention(self) -> str:
-        """per_layer or absorbed: the mode the KV cache specs are for."""
-        return self.model_runner.cross_attention
-
-    def set_cross_attention(self, mode: str) -> None:
-        """Rank 0's decision of the auto mode, on another rank (before the cache exists)."""
-        self.model_runner.set_cross_attention(mode)
-
     def current_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
-        """The specs of the mode already chosen (no auto resolution, no profiling)."""
+        """The specs of the config's cross-attention mode (no profiling)."""
         return self.model_runner.get_kv_cache_specs()
 
     def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
-        runner = self.model_runner
-        if self.config.cache_config.cross_attention == "auto" and runner.has_cross_attention:
-            from v1.worker.cross_attention_mode import choose_cross_attention
-
-            fast_fp8 = self.device.type == "cuda" and self._cuda_takes_fp8_states()
-            mode = choose_cross_attention(self.config, True, self.device.type, fast_fp8)
-            logger.info("cross_attention=auto: %s", mode)
-            runner.set_cross_attention(mode)
-        return runner.get_kv_cache_specs()
-
-    def _cuda_takes_fp8_states(self) -> bool:
-        from v1.attention.ops.cuda_absorbed import takes_fp8_states
-
-        return takes_fp8_states(self.device, self.model_runner.dtype)
+        return self.model_runner.get_kv_cache_specs()
 
     def determine_available_kv_bytes(self) -> int:
         cache_config = self.config.cache_config

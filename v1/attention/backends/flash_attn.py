@@ -17,7 +17,7 @@ from v1.attention.backend import (
     AttentionBias,
     AttentionImpl,
     AttentionMetadataBuilder,
-    AttentionType,
+    BackendCapabilities,
     CommonAttentionMetadata,
 )
 from v1.attention.ops.triton_attention import write_kv_cache
@@ -93,8 +93,19 @@ class FlashAttnImpl(AttentionImpl):
 
 class FlashAttnBackend(AttentionBackend):
     name = "flash_attn"
-    supported_attn_types = frozenset(AttentionType)
-    supports_bias = False
+    capabilities = BackendCapabilities(
+        device_types=frozenset({"cuda"}),
+        min_compute_capability=(8, 0),
+        block_size_multiple=PAGE_MULTIPLE,
+        required_packages=("flash_attn", "triton"),
+    )
+
+    @classmethod
+    def get_encoder_states_builder_cls(cls) -> type[AttentionMetadataBuilder]:
+        """The absorbed kernels read the Triton backend's work items."""
+        from v1.attention.backends.triton import TritonBackend
+
+        return TritonBackend.get_builder_cls()
 
     @staticmethod
     def get_builder_cls() -> type[AttentionMetadataBuilder]:

@@ -17,7 +17,7 @@ from v1.attention.backend import (
     AttentionBias,
     AttentionImpl,
     AttentionMetadataBuilder,
-    AttentionType,
+    BackendCapabilities,
     CommonAttentionMetadata,
     MaterializedBias,
     RelativePositionBias,
@@ -153,9 +153,7 @@ class SDPAImpl(AttentionImpl):
 
 class TorchSDPABackend(AttentionBackend):
     name = "torch_sdpa"
-    supported_attn_types = frozenset(AttentionType)
-    supports_bias = True
-    supports_fp8_kv_cache = True
+    capabilities = BackendCapabilities(materialized_bias=True, fp8_kv_cache=True)
 
     @staticmethod
     def get_builder_cls() -> type[AttentionMetadataBuilder]:

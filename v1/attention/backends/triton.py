@@ -17,7 +17,7 @@ from v1.attention.backend import (
     AttentionBias,
     AttentionImpl,
     AttentionMetadataBuilder,
-    AttentionType,
+    BackendCapabilities,
     CommonAttentionMetadata,
     MaterializedBias,
     RelativePositionBias,
@@ -80,6 +80,9 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
         lens = np.diff(offsets.numpy())
         uniform = int(lens[0]) if len(lens) and (lens == lens[0]).all() else None
         return TritonMetadata(common, work, block_m, uniform)
+
+    def graph_work(self, metadata: TritonMetadata) -> tuple[int, int]:
+        return metadata.work[0].numel(), metadata.block_m
 
 
 class TritonImpl(AttentionImpl):
@@ -244,9 +247,17 @@ class TritonImpl(AttentionImpl):
 
 class TritonBackend(AttentionBackend):
     name = "triton"
-    supported_attn_types = frozenset(AttentionType)
-    supports_bias = True
-    supports_fp8_kv_cache = True
+    capabilities = BackendCapabilities(
+        materialized_bias=True,
+        in_kernel_bias=True,
+        fp8_kv_cache=True,
+        fp8_min_compute_capability=(8, 9),  # Triton's float8e4nv
+        device_types=frozenset({"cuda"}),
+        decode_cuda_graphs=True,
+        graph_max_query_len=DECODE_BLOCK_M,
+        encoder_cuda_graphs=True,
+        required_packages=("triton",),
+    )
 
     @staticmethod
     def get_builder_cls() -> type[AttentionMetadataBuilder]:

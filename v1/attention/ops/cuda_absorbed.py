@@ -1,14 +1,8 @@
 """CUDA kernel of absorbed cross-attention (`absorbed_attention.cu`), compiled at run time by
-NVRTC to a cubin and loaded with torch's driver helpers: no build step, no CUDA toolkit, only
-the NVRTC library that CUDA builds of torch ship (the source includes no headers, so unlike
-`torch.cuda._compile_kernel` it needs no CUDA_HOME).
-
-It computes what `triton_absorbed.attend_encoder_states_triton` computes (the torch reference is
-`absorbed_cross_attention.attend_encoder_states_torch`) for 16-bit models over 16-bit or fp8
-encoder states: each warp streams its own column slice of E through shared memory once per row
-tile and uses it for both products, where the Triton kernel loads every E tile twice. fp32
-models, widths it cannot slice, GPUs without mma.sync (sm_80+) and fp8 states below sm_89
-stay on the Triton kernel; `V1_ABSORBED_KERNEL=triton` forces it everywhere.
+NVRTC (no build step, no CUDA_HOME): what `triton_absorbed` computes, for 16-bit models over
+16-bit or fp8 states, each warp streaming its column slice of E once per row tile. fp32 models,
+widths it cannot slice, pre-sm_80 GPUs and fp8 states below sm_89 stay on the Triton kernel;
+`V1_ABSORBED_KERNEL=triton` forces it everywhere (torch reference: absorbed_cross_attention).
 """
 
 from __future__ import annotations
@@ -22,14 +16,15 @@ from typing import Any
 
 import torch
 
+from v1.config import ABSORBED_KERNEL_ENV
 from v1.logger import init_logger
 
 logger = init_logger(__name__)
 
 SOURCE = Path(__file__).with_name("absorbed_attention.cu")
 KERNEL_NAME = "absorbed_attention_kernel"
-KERNEL_ENV = "V1_ABSORBED_KERNEL"
-"""`cuda` (the default where it applies) or `triton`."""
+KERNEL_ENV = ABSORBED_KERNEL_ENV
+"""`cuda` (the default where it applies) or `triton` (the config's cross-attention rule reads it)."""
 MAX_WARP_COLUMNS = 160
 """Columns of d a warp owns at most: 80 accumulator registers a thread per 16-row tile."""
 STEP_SHAPES = ((32, 2), (16, 2))
@@ -220,14 +215,6 @@ def nvrtc_cubin(source: str, name: str, arch: str) -> bytes:
         return cubin.raw
     finally:
         nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
-
-
-def takes_fp8_states(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the CUDA kernel serves fp8 encoder states for a `dtype` model on `device`
-    (what `cross_attention="auto"` asks before it picks absorbed for an fp8 KV cache)."""
-    if os.environ.get(KERNEL_ENV, "cuda") != "cuda" or dtype not in (torch.float16, torch.bfloat16):
-        return False
-    return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def _split64(value: int) -> list[int]:
