@@ -46,15 +46,20 @@ TINY_ENGINE_KWARGS = dict(
 
 @dataclass(frozen=True)
 class Variant:
-    """An N > 1 setting. `core_threads`: "default", or "share" (each core process's
-    OMP_NUM_THREADS = the host's CPUs / N). `admission`: "engine" (the Transcriber as built) or
-    "one-core" (its files per step and max active files divided by N: one core's values)."""
+    """A setting of one row. `core_threads`: "default" (the engine's), "share" (each core
+    process's OMP_NUM_THREADS = the host's CPUs / N) or "all" (= the host's CPUs: before issue
+    34). `admission`: "engine" (the Transcriber as built) or "one-core" (its files per step and
+    max active files divided by N: before issue 34). `hash`: "engine" (v1.audio.clip's
+    HASH_THREADS) or "auto" (blake3 on all threads: before issue 34)."""
 
     core_threads: str = "default"
     admission: str = "engine"
+    hash: str = "engine"
 
     def describe(self) -> str:
         parts = []
+        if self.hash != "engine":
+            parts.append(f"hash {self.hash}")
         if self.core_threads != "default":
             parts.append(f"core threads {self.core_threads}")
         if self.admission != "engine":
@@ -104,6 +109,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tokenizer", default=_asset("whisper-base"), help="whisper-base folder")
     p.add_argument("--core-threads", default="default", help="N > 1: default,share (list)")
     p.add_argument("--admission", default="engine", help="N > 1: engine,one-core (list)")
+    p.add_argument("--hash", default="engine", help="engine,auto (list; every N)")
     p.add_argument("--variants-for", default="default", help="weights whose N > 1 get variants")
     p.add_argument("--profile", default=None, help="cProfile one extra N > 1 fp16 run to here")
     p.add_argument("--stats", default=None, help="write each engine's core stats (json) here")
@@ -202,7 +208,10 @@ def run_engine(
     profile: bool,
     all_stats: dict[str, Any],
 ) -> list[RowResult]:
-    """One engine (its core-thread setting), timed under each admission variant."""
+    """One engine (its core-thread setting), timed under each admission and hash variant."""
+    from blake3 import blake3
+
+    import v1.audio.clip as clip_module
     from v1 import LLM
 
     per_gpu = args.clips_per_gpu or (16 if args.tiny else 512)
@@ -216,6 +225,8 @@ def run_engine(
     saved_threads = os.environ.get("OMP_NUM_THREADS")
     if variants[0].core_threads == "share":
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // dp))
+    elif variants[0].core_threads == "all":
+        os.environ["OMP_NUM_THREADS"] = str(os.cpu_count() or 1)
     llm = None
     try:
         kwargs = engine_kwargs(args, dp, quant)
@@ -229,11 +240,16 @@ def run_engine(
             admission = one_core if variant.admission == "one-core" else built
             transcriber.files_per_step, transcriber.max_active_files = admission
             print(f"  {result.label}: files per step, max active files = {admission}")
+            hash_threads = clip_module.HASH_THREADS
+            if variant.hash == "auto":
+                clip_module.HASH_THREADS = blake3.AUTO
             try:
                 time_runs(args, llm, result, clips, tokens)
             except Exception as e:  # noqa: BLE001 - report, go on with the next variant
                 traceback.print_exc()
                 result.error = f"{type(e).__name__}: {e}"
+            finally:
+                clip_module.HASH_THREADS = hash_threads
         transcriber.files_per_step, transcriber.max_active_files = built
         all_stats[f"{results[0].label} N={dp}"] = llm.llm_engine.get_stats()
         if profile:
@@ -307,13 +323,18 @@ def main(argv: list[str] | None = None) -> int:
     all_stats: dict[str, Any] = {}
     clips = ClipSource(per_gpu * max(dps))
     thread_modes, admissions = args.core_threads.split(","), args.admission.split(",")
+    hashes = args.hash.split(",")
     with tempfile.TemporaryDirectory(prefix="v1dp-") as root:
         path = build_turbo(args, root)
         for quant in args.quantization.split(","):
             for dp in dps:
                 varied = dp > 1 and quant in args.variants_for.split(",")
                 for mode in thread_modes if varied else ["default"]:
-                    variants = [Variant(mode, a) for a in (admissions if varied else ["engine"])]
+                    variants = [
+                        Variant(mode, a, h)
+                        for a in (admissions if varied else ["engine"])
+                        for h in (hashes if quant in args.variants_for.split(",") else ["engine"])
+                    ]
                     print(f"\n== {quant}, data_parallel_size={dp}, {variants}", flush=True)
                     start = time.perf_counter()
                     profile = bool(args.profile) and varied and mode == thread_modes[-1]
