@@ -47,10 +47,10 @@ TINY_ENGINE_KWARGS = dict(
 @dataclass(frozen=True)
 class Variant:
     """A setting of one row. `core_threads`: "default" (the engine's), "share" (each core
-    process's OMP_NUM_THREADS = the host's CPUs / N) or "all" (= the host's CPUs: before issue
-    34). `admission`: "engine" (the Transcriber as built) or "one-core" (its files per step and
-    max active files divided by N: before issue 34). `hash`: "engine" (v1.audio.clip's
-    HASH_THREADS) or "auto" (blake3 on all threads: before issue 34)."""
+    process's OMP_NUM_THREADS = the host's CPUs / N) or "all" (= the host's CPUs). `admission`:
+    "engine" (the Transcriber as built) or "one-core" (its files per step and max active files
+    divided by N: before issue 34). `hash`: "engine" (v1.audio.clip: blake3 on all threads for
+    a 30 s clip) or "one-thread"."""
 
     core_threads: str = "default"
     admission: str = "engine"
@@ -109,7 +109,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tokenizer", default=_asset("whisper-base"), help="whisper-base folder")
     p.add_argument("--core-threads", default="default", help="N > 1: default,share (list)")
     p.add_argument("--admission", default="engine", help="N > 1: engine,one-core (list)")
-    p.add_argument("--hash", default="engine", help="engine,auto (list; every N)")
+    p.add_argument("--hash", default="engine", help="engine,one-thread (list; every N)")
     p.add_argument("--variants-for", default="default", help="weights whose N > 1 get variants")
     p.add_argument("--profile", default=None, help="cProfile one extra N > 1 fp16 run to here")
     p.add_argument("--stats", default=None, help="write each engine's core stats (json) here")
@@ -209,8 +209,6 @@ def run_engine(
     all_stats: dict[str, Any],
 ) -> list[RowResult]:
     """One engine (its core-thread setting), timed under each admission and hash variant."""
-    from blake3 import blake3
-
     import v1.audio.clip as clip_module
     from v1 import LLM
 
@@ -240,16 +238,16 @@ def run_engine(
             admission = one_core if variant.admission == "one-core" else built
             transcriber.files_per_step, transcriber.max_active_files = admission
             print(f"  {result.label}: files per step, max active files = {admission}")
-            hash_threads = clip_module.HASH_THREADS
-            if variant.hash == "auto":
-                clip_module.HASH_THREADS = blake3.AUTO
+            parallel_bytes = clip_module._PARALLEL_HASH_BYTES
+            if variant.hash == "one-thread":
+                clip_module._PARALLEL_HASH_BYTES = 1 << 62
             try:
                 time_runs(args, llm, result, clips, tokens)
             except Exception as e:  # noqa: BLE001 - report, go on with the next variant
                 traceback.print_exc()
                 result.error = f"{type(e).__name__}: {e}"
             finally:
-                clip_module.HASH_THREADS = hash_threads
+                clip_module._PARALLEL_HASH_BYTES = parallel_bytes
         transcriber.files_per_step, transcriber.max_active_files = built
         all_stats[f"{results[0].label} N={dp}"] = llm.llm_engine.get_stats()
         if profile:

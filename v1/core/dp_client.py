@@ -12,7 +12,6 @@ cores are stopped, so no process outlives a half-dead engine.
 from __future__ import annotations
 
 import asyncio
-import os
 import queue
 import threading
 from abc import abstractmethod
@@ -43,8 +42,7 @@ holds, so a hash seen recently still finds the core that may have it cached)."""
 
 def core_device_envs(config: EngineConfig) -> list[dict[str, str]]:
     """Per core, the environment that gives it its own device set: on CUDA a slice of the
-    visible devices (`tensor_parallel_size` each) and, unless OMP_NUM_THREADS is set, its share
-    of the CPUs; on CPU nothing (each core is a process)."""
+    visible devices (`tensor_parallel_size` each); on CPU nothing (each core is a process)."""
     pc = config.parallel_config
     num_cores = pc.data_parallel_size
     if config.device_config.device_type != "cuda":
@@ -61,18 +59,10 @@ def core_device_envs(config: EngineConfig) -> list[dict[str, str]]:
             f"data_parallel_size={num_cores} x tensor_parallel_size={per_core} needs "
             f"{num_cores * per_core} CUDA devices; {len(visible)} visible"
         )
-    envs = [
+    return [
         {"CUDA_VISIBLE_DEVICES": ",".join(visible[i * per_core : (i + 1) * per_core])}
         for i in range(num_cores)
     ]
-    if "OMP_NUM_THREADS" not in os.environ:
-        # Each core's share of the host's CPUs, one share left to the frontend: with every
-        # core on all of them, their idle OpenMP threads spin and slow the frontend (which
-        # hashes, routes and reads back for all cores) and each other's host steps.
-        threads = str(max(1, (os.cpu_count() or 1) // (num_cores + 1)))
-        for env in envs:
-            env["OMP_NUM_THREADS"] = threads
-    return envs
 
 
 class CoreLoadBalancer:
