@@ -464,6 +464,24 @@ def test_files_start_a_step_budget_at_a_time_with_the_same_results(tiny_llm: LLM
     ]
 
 
+def test_data_parallel_engines_admit_a_budget_of_files_per_core(tiny_llm: LLM) -> None:
+    """Under data_parallel_size=N each core steps on its own: N step budgets of files start
+    between two engine steps, and twice max_num_seqs per core may be active."""
+    import dataclasses
+
+    config = tiny_llm.llm_engine.config
+    one = Transcriber(tiny_llm.llm_engine)
+    engine = RecordingEngine(tiny_llm.llm_engine)
+    engine.config = dataclasses.replace(  # type: ignore[attr-defined]
+        config,
+        parallel_config=dataclasses.replace(config.parallel_config, data_parallel_size=2),
+    )
+    two = Transcriber(engine)
+    assert two.files_per_step == 2 * one.files_per_step
+    assert two.max_active_files == 2 * one.max_active_files
+    assert two.num_cores == 2
+
+
 def test_many_inputs_load_on_threads_and_report_the_first_bad_one(tmp_path: Path) -> None:
     """Past a few inputs `load_audio_inputs` loads on threads: the waveforms keep input order
     (arrays at 16 kHz come back as views, no copy) and, of several bad inputs, the error names

@@ -82,21 +82,24 @@ class Transcriber:
     builder. `LLM` builds one."""
 
     def __init__(self, engine: Any, max_active_files: int | None = None) -> None:
-        """`max_active_files`: files decoded at once (default: twice the engine's max_num_seqs;
+        """`max_active_files`: files decoded at once (default: twice max_num_seqs per engine core;
         each has one window in flight)."""
         self.engine = engine
         self.builder = engine.input_processor.whisper_builder
         config = getattr(engine, "config", None)
+        num_cores = config.parallel_config.data_parallel_size if config is not None else 1
         if max_active_files is None:
             max_num_seqs = config.scheduler_config.max_num_seqs if config is not None else 128
-            max_active_files = 2 * max_num_seqs
+            max_active_files = 2 * max_num_seqs * num_cores
         self.max_active_files = max(1, max_active_files)
-        self.files_per_step = (
+        self.files_per_step = num_cores * (
             max(1, config.encoder_budget // config.model_config.max_encoder_len)
             if config is not None
             else 16
         )
-        """Files started between two engine steps: one step's encoder budget of windows."""
+        """Files started between two engine steps: one step's encoder budget of windows per
+        engine core (data parallelism: each core steps on its own)."""
+        self.num_cores = num_cores
 
     def transcribe(
         self, audio: Any, *, use_tqdm: bool = False, **options: Any
@@ -119,7 +122,9 @@ class Transcriber:
         ]
         bar = ProgressBar(progress, show_progress(use_tqdm, progress))
         try:
-            run = _SyncRun(self.engine, plans, self.max_active_files, self.files_per_step)
+            run = _SyncRun(
+                self.engine, plans, self.max_active_files, self.files_per_step, self.num_cores
+            )
             return run.run(bar.refresh)
         finally:
             bar.close()
@@ -133,9 +138,15 @@ class _SyncRun:
     (docs/decisions.md)."""
 
     def __init__(
-        self, engine: Any, plans: list[Plan], max_active: int, files_per_step: int = 1 << 30
+        self,
+        engine: Any,
+        plans: list[Plan],
+        max_active: int,
+        files_per_step: int = 1 << 30,
+        num_cores: int = 1,
     ) -> None:
         self.engine = engine
+        self.num_cores = num_cores
         self.plans = plans
         self.max_active = max_active
         self.files_per_step = files_per_step
@@ -165,7 +176,7 @@ class _SyncRun:
 
     def _run(self, on_progress: Callable[[], None]) -> None:
         engine = self.engine
-        self._start_waiting(extra=1)
+        self._start_waiting(extra=self.num_cores)  # one unscheduled file per core
         while self.pending or self.beams or self.waiting:
             for output in engine.step():
                 entry = self.pending.get(output.request_id)
