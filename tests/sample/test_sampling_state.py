@@ -58,8 +58,8 @@ def test_history_holds_prompt_then_outputs() -> None:
     state, _ = make_state([Req(prompt=[7, 8], outputs=[9]), Req(prompt=[1])], slots=[3, 1])
     state.append_output_tokens(torch.tensor([1, 3]), torch.tensor([11, 12]))
     state.append_output_tokens([3], [13])
-    assert state.token_ids[3, :5].tolist() == [7, 8, 9, 12, 13]
-    assert state.token_ids[1, :2].tolist() == [1, 11]
+    assert state.penalties.token_ids[3, :5].tolist() == [7, 8, 9, 12, 13]
+    assert state.penalties.token_ids[1, :2].tolist() == [1, 11]
     assert state.num_prompt_tokens[[3, 1]].tolist() == [2, 1]
     assert state.num_output_tokens[[3, 1]].tolist() == [3, 1]
     metadata = state.make_metadata([1, 3])
@@ -132,5 +132,5 @@ def test_whisper_state_with_rows_that_use_no_timestamps() -> None:
     # Slot 0 saw 52, 3, 55: a lone timestamp last, so its pair (>= 55) must follow.
     assert bool(whisper.block_text[0]) and not bool(whisper.block_timestamps[0])
     assert int(whisper.min_timestamp[0]) == 55
-    assert state.token_ids[0, 3:6].tolist() == [52, 3, 55]
-    assert state.token_ids[1, 3:6].tolist() == [8, 61, 52]
+    assert state.penalties.token_ids[0, 3:6].tolist() == [52, 3, 55]
+    assert state.penalties.token_ids[1, 3:6].tolist() == [8, 61, 52]
