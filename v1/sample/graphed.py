@@ -12,9 +12,10 @@ import numpy as np
 import torch
 
 from v1.logger import init_logger
-from v1.sample.logits_processors import apply_forced_tokens, token_mask, whisper_timestamp_rules_
 from v1.sample.sampler import SamplerOutput, gather_logprobs
 from v1.sample.state import SamplingState
+from v1.sample.states.token_tables import apply_forced_tokens, token_mask
+from v1.sample.states.whisper_timestamps import whisper_timestamp_rules_
 
 logger = init_logger(__name__)
 

@@ -10,15 +10,12 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from v1.sample.metadata import SamplingMetadata, WhisperTokenInfo
-from v1.sample.states import (
-    ParamsState,
-    PenaltiesState,
-    SlotRequest,
-    StepRows,
-    TokenTablesState,
-    WhisperTimestampsState,
-)
+from v1.sample.metadata import SamplingMetadata
+from v1.sample.states.params import ParamsState
+from v1.sample.states.penalties import PenaltiesState
+from v1.sample.states.slots import SlotRequest, StepRows
+from v1.sample.states.token_tables import TokenTablesState
+from v1.sample.states.whisper_timestamps import WhisperTimestampsState, WhisperTokenInfo
 from v1.sampling_params import SamplingParams
 
 
@@ -151,12 +148,12 @@ class SamplingState:
         self.flush()
         step = self._step(slots)
         self.params.stage(step)
-        fills = [
-            state.stage(step) for state in (self.penalties, self.token_tables, self.timestamps)
-        ]
-        step.ship(self.device)
+        penalties = self.penalties.stage(step)
+        token_tables = self.token_tables.stage(step)
+        whisper = self.timestamps.stage(step)
+        step.ship(self.device)  # one pinned copy of every state's host arrays
         metadata = self.params.metadata(step)
-        for fill in fills:
-            if fill is not None:
-                fill(metadata)
+        metadata.penalties = None if penalties is None else penalties()
+        metadata.token_tables = None if token_tables is None else token_tables()
+        metadata.whisper = None if whisper is None else whisper()
         return metadata

@@ -4,16 +4,48 @@ so a step can be built before the previous one's tokens reach the host (pipeline
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from v1.host_copy import to_device
-from v1.sample.metadata import SamplingMetadata
-from v1.sample.states.slots import Fill, SlotRequest, StepRows, push_rows
+from v1.sample.states.slots import SlotRequest, StepRows, push_rows
 from v1.sampling_params import SamplingParams
 
 _REPETITION, _FREQUENCY, _PRESENCE = range(3)
 _NEUTRAL = np.array([1.0, 0.0, 0.0], dtype=np.float32)
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class PenaltiesMetadata:
+    """A step's penalties and n-gram bans; rows follow the logits' rows."""
+
+    token_ids: torch.Tensor
+    """[n, L] int64 decoder sequence (prompt then outputs). Only the first num_prompt_tokens +
+    num_output_tokens entries of a row are valid (rows without a rule may be cut short)."""
+    num_prompt_tokens: torch.Tensor
+    """[n] int64."""
+    num_output_tokens: torch.Tensor
+    """[n] int64."""
+    repetition_penalties: torch.Tensor | None = None
+    """[n] float32 (1.0 = off); None (with the two below) when no row has a penalty."""
+    frequency_penalties: torch.Tensor | None = None
+    """[n] float32 (0.0 = off)."""
+    presence_penalties: torch.Tensor | None = None
+    """[n] float32 (0.0 = off)."""
+    no_repeat_ngram_size: torch.Tensor | None = None
+    """[n] int64 (0 = off); None when no row uses it."""
+    max_no_repeat_ngram_size: int = 0
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """The penalties (they move values), then the n-gram bans, in place."""
+        if self.repetition_penalties is not None:
+            apply_penalties(logits, self)
+        if self.no_repeat_ngram_size is not None:
+            apply_no_repeat_ngram(logits, self)
 
 
 class PenaltiesState:
@@ -76,7 +108,8 @@ class PenaltiesState:
         """token_ids[idx, positions] = tokens, on the device in stream order."""
         self.token_ids[idx, positions] = tokens.to(torch.int32)
 
-    def stage(self, step: StepRows) -> Fill | None:
+    def stage(self, step: StepRows) -> Callable[[], PenaltiesMetadata] | None:
+        """Stages the step's host arrays; returns what builds its metadata once they shipped."""
         slots = step.slots
         penalties = self._penalties[slots]
         use_penalties = (
@@ -93,19 +126,81 @@ class PenaltiesState:
         lengths = step.num_prompt_tokens + step.num_output_tokens
         width = int(lengths[needs_history].max())
 
-        def fill(metadata: SamplingMetadata) -> None:
+        def fill() -> PenaltiesMetadata:
             idx = step.idx
-            metadata.token_ids = self.token_ids[idx, :width].long()
-            metadata.num_prompt_tokens = self.num_prompt_tokens_dev[idx]
-            metadata.num_output_tokens = step["penalties.num_output_tokens"]
+            metadata = PenaltiesMetadata(
+                token_ids=self.token_ids[idx, :width].long(),
+                num_prompt_tokens=self.num_prompt_tokens_dev[idx],
+                num_output_tokens=step["penalties.num_output_tokens"],
+            )
             if bool(use_penalties.any()):
                 penalties_dev = self._penalties_dev[idx]
-                metadata.no_penalties = False
                 metadata.repetition_penalties = penalties_dev[:, _REPETITION]
                 metadata.frequency_penalties = penalties_dev[:, _FREQUENCY]
                 metadata.presence_penalties = penalties_dev[:, _PRESENCE]
             if bool((ngram > 0).any()):
                 metadata.no_repeat_ngram_size = self.no_repeat_ngram_size_dev[idx]
                 metadata.max_no_repeat_ngram_size = int(ngram.max())
+            return metadata
 
         return fill
+
+
+def get_token_bin_counts_and_mask(
+    token_ids: torch.Tensor, valid: torch.Tensor, vocab_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row token counts [n, vocab] (float32) and presence mask of the `valid` positions."""
+    ids = torch.where(valid & (token_ids >= 0) & (token_ids < vocab_size), token_ids, vocab_size)
+    counts = torch.zeros(token_ids.shape[0], vocab_size + 1, device=token_ids.device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
+    counts = counts[:, :vocab_size]
+    return counts, counts > 0
+
+
+def apply_penalties(logits: torch.Tensor, metadata: PenaltiesMetadata) -> None:
+    """vLLM semantics: repetition over prompt + output tokens, frequency/presence over outputs."""
+    token_ids = metadata.token_ids
+    assert metadata.repetition_penalties is not None
+    assert metadata.frequency_penalties is not None and metadata.presence_penalties is not None
+    vocab_size = logits.shape[1]
+    positions = torch.arange(token_ids.shape[1], device=token_ids.device)  # [L]
+    num_prompt = metadata.num_prompt_tokens.unsqueeze(1)
+    num_total = num_prompt + metadata.num_output_tokens.unsqueeze(1)
+    _, prompt_mask = get_token_bin_counts_and_mask(token_ids, positions < num_prompt, vocab_size)
+    output_counts, output_mask = get_token_bin_counts_and_mask(
+        token_ids, (positions >= num_prompt) & (positions < num_total), vocab_size
+    )
+    repetition = metadata.repetition_penalties.unsqueeze(1).expand_as(logits)
+    repetition = torch.where(prompt_mask | output_mask, repetition, 1.0)
+    logits.copy_(torch.where(logits > 0, logits / repetition, logits * repetition))
+    logits -= metadata.frequency_penalties.unsqueeze(1) * output_counts
+    logits -= metadata.presence_penalties.unsqueeze(1) * output_mask
+
+
+def apply_no_repeat_ngram(logits: torch.Tensor, metadata: PenaltiesMetadata) -> None:
+    """transformers' NoRepeatNGramLogitsProcessor over each row's decoder sequence.
+
+    With sizes n per row and sequence s of length len: s[t] is banned when t >= n-1 and
+    s[t-n+1 : t] equals the last n-1 tokens s[len-n+1 : len]. We grow the match backwards one
+    offset at a time (a loop over ngram length, not over requests).
+    """
+    sizes = metadata.no_repeat_ngram_size
+    token_ids = metadata.token_ids
+    assert sizes is not None
+    lengths = (metadata.num_prompt_tokens + metadata.num_output_tokens).unsqueeze(1)  # [n, 1]
+    sizes = sizes.unsqueeze(1)  # [n, 1]
+    num_positions = token_ids.shape[1]
+    t = torch.arange(num_positions, device=token_ids.device).unsqueeze(0)  # [1, L]
+    banned = (sizes > 0) & (t >= sizes - 1) & (t < lengths)  # [n, L]
+    for d in range(metadata.max_no_repeat_ngram_size - 1):
+        # Compare s[t-1-d] with s[len-1-d], needed only while d < n-1.
+        shifted = torch.nn.functional.pad(token_ids, (1 + d, 0), value=-1)[:, :num_positions]
+        # Rows without the rule may be longer than the shipped history: clamp keeps them in.
+        last = (lengths - 1 - d).clamp(min=0, max=num_positions - 1)
+        suffix = token_ids.gather(1, last)  # [n, 1]
+        banned &= (shifted == suffix) | (d >= sizes - 1)
+    vocab_size = logits.shape[1]
+    ids = torch.where(banned & (token_ids < vocab_size), token_ids, vocab_size)
+    mask = torch.zeros(logits.shape[0], vocab_size + 1, dtype=torch.bool, device=logits.device)
+    mask.scatter_(1, ids, True)
+    logits.masked_fill_(mask[:, :vocab_size], _NEG_INF)

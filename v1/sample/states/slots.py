@@ -4,21 +4,27 @@ What must hold: device rows change only in `flush()` (stream-ordered), never mid
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from v1.host_copy import to_device
-from v1.sample.metadata import SamplingMetadata
 from v1.sampling_params import SamplingParams
 
 TABLE_COLUMNS = 64
 """Token-id tables grow by this many columns."""
 
-Fill = Callable[[SamplingMetadata], None]
-"""Set by a state's `stage`: writes its fields of the metadata once the step's arrays shipped."""
+
+@dataclass
+class RowTokenIds:
+    """A token id list per row, for the rows of the batch one rule is active for."""
+
+    rows: torch.Tensor
+    """[k] int64 batch row indices."""
+    token_ids: torch.Tensor
+    """[k, width] int64, padded with -1."""
 
 
 @dataclass(frozen=True)

@@ -4,15 +4,72 @@ on a step follows from host-known token counts; the ids are read on the device."
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
-from v1.sample.metadata import RowLogitBias, RowTokenIds, SamplingMetadata
-from v1.sample.states.slots import TABLE_COLUMNS, Fill, SlotRequest, StepRows, TokenIdTable
+from v1.sample.states.slots import (
+    TABLE_COLUMNS,
+    RowTokenIds,
+    SlotRequest,
+    StepRows,
+    TokenIdTable,
+)
 from v1.sampling_params import SamplingParams
 
 _BAN_TABLE_WIDTH = 128
 """Initial width of the suppress-token table (Whisper's list has ~90 ids)."""
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class RowLogitBias:
+    """A sparse additive bias per row, for the rows of the batch that have one."""
+
+    rows: torch.Tensor
+    """[k] int64 batch row indices."""
+    token_ids: torch.Tensor
+    """[k, width] int64, padded with -1."""
+    biases: torch.Tensor
+    """[k, width] float32, the bias of each token id (0 in padding)."""
+
+
+@dataclass
+class TokenTablesMetadata:
+    """A step's token-table rules; each covers only the rows it is active for."""
+
+    logit_bias: RowLogitBias | None = None
+    """Added to the logits after the penalties (OpenAI's logit_bias)."""
+    allowed_token_ids: RowTokenIds | None = None
+    suppress_token_ids: RowTokenIds | None = None
+    begin_suppress_token_ids: RowTokenIds | None = None
+    """Only rows about to sample their first output token."""
+    min_tokens_stop_ids: RowTokenIds | None = None
+    """EOS (unless ignore_eos) and stop_token_ids, only for rows still under min_tokens."""
+    forced_token_ids: torch.Tensor | None = None
+    """[n] int64: the only token allowed at this step, -1 for none (forced_token_ids and
+    forced_eos_token_id merged; EOS wins when both apply, as in transformers)."""
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """The bias (it moves values), then the allowed and banned ids, in place."""
+        if self.logit_bias is not None:
+            apply_logit_bias(logits, self.logit_bias)
+        if self.allowed_token_ids is not None:
+            apply_allowed_token_ids(logits, self.allowed_token_ids)
+        for banned in (
+            self.suppress_token_ids,
+            self.begin_suppress_token_ids,
+            self.min_tokens_stop_ids,
+        ):
+            if banned is not None:
+                apply_banned_token_ids(logits, banned)
+
+    def apply_forced(self, logits: torch.Tensor) -> None:
+        """Forced tokens, in place; they override every other rule (so they run last)."""
+        if self.forced_token_ids is not None:
+            apply_forced_tokens(logits, self.forced_token_ids)
 
 
 class TokenTablesState:
@@ -87,7 +144,8 @@ class TokenTablesState:
         for table in self._tables:
             table.flush()
 
-    def stage(self, step: StepRows) -> Fill | None:
+    def stage(self, step: StepRows) -> Callable[[], TokenTablesMetadata] | None:
+        """Stages the step's host arrays; returns what builds its metadata once they shipped."""
         slots = step.slots
         rules = self._rule_rows(slots, step.num_output_tokens)
         for name, rows in rules.items():
@@ -98,7 +156,8 @@ class TokenTablesState:
         if not rules and forced is None:
             return None
 
-        def fill(metadata: SamplingMetadata) -> None:
+        def fill() -> TokenTablesMetadata:
+            metadata = TokenTablesMetadata()
             idx = step.idx
             for name, table in (
                 ("allowed_token_ids", self.allowed_token_ids),
@@ -120,6 +179,7 @@ class TokenTablesState:
                 )
             if forced is not None:
                 metadata.forced_token_ids = step["tables.forced"]
+            return metadata
 
         return fill
 
@@ -155,3 +215,45 @@ class TokenTablesState:
         is_last = (forced_eos >= 0) & (max_output > 0) & (num_output == max_output - 1)
         forced = np.where(is_last, forced_eos, forced)
         return forced if bool((forced >= 0).any()) else None
+
+
+def token_mask(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[k, width] ids (-1 padding) -> [k, vocab] bool; ids outside the vocabulary are dropped."""
+    spare = torch.where((token_ids < 0) | (token_ids >= vocab_size), vocab_size, token_ids)
+    mask = torch.zeros(
+        token_ids.shape[0], vocab_size + 1, dtype=torch.bool, device=token_ids.device
+    )
+    mask.scatter_(1, spare, True)
+    return mask[:, :vocab_size]
+
+
+def apply_allowed_token_ids(logits: torch.Tensor, allowed: RowTokenIds) -> None:
+    """Only the listed tokens stay possible on the listed rows."""
+    disallowed = ~token_mask(allowed.token_ids, logits.shape[1])
+    logits[allowed.rows] = logits[allowed.rows].masked_fill(disallowed, _NEG_INF)
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: RowLogitBias) -> None:
+    """Adds each listed row's sparse bias to its logits (padding ids -1 go to a spare column)."""
+    vocab_size = logits.shape[1]
+    ids = torch.where(
+        (bias.token_ids < 0) | (bias.token_ids >= vocab_size), vocab_size, bias.token_ids
+    )
+    dense = torch.zeros(ids.shape[0], vocab_size + 1, dtype=logits.dtype, device=logits.device)
+    dense.scatter_add_(1, ids, bias.biases.to(logits.dtype))
+    logits[bias.rows] += dense[:, :vocab_size]
+
+
+def apply_banned_token_ids(logits: torch.Tensor, banned: RowTokenIds) -> None:
+    """The listed tokens become impossible on the listed rows."""
+    mask = token_mask(banned.token_ids, logits.shape[1])
+    logits[banned.rows] = logits[banned.rows].masked_fill(mask, _NEG_INF)
+
+
+def apply_forced_tokens(logits: torch.Tensor, forced_token_ids: torch.Tensor) -> None:
+    """Rows with a forced token (>= 0) get 0 there and -inf elsewhere (as transformers)."""
+    forced = forced_token_ids.unsqueeze(1)  # [n, 1]
+    vocab_ids = torch.arange(logits.shape[1], device=logits.device)
+    is_forced_row = forced >= 0
+    logits.masked_fill_(is_forced_row & (vocab_ids != forced), _NEG_INF)
+    logits.masked_fill_(is_forced_row & (vocab_ids == forced), 0.0)

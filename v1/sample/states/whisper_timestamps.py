@@ -4,12 +4,14 @@ from the sampled tensor; the host only knows which rows use the rules and their 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from v1.host_copy import to_device
-from v1.sample.metadata import SamplingMetadata, WhisperTimestampMetadata, WhisperTokenInfo
-from v1.sample.states.slots import Fill, SlotRequest, StepRows, push_rows
+from v1.sample.states.slots import SlotRequest, StepRows, push_rows
 from v1.sampling_params import SamplingParams
 
 _LAST_TIMESTAMP, _FLAGS = range(2)
@@ -17,6 +19,38 @@ _LAST_TIMESTAMP, _FLAGS = range(2)
 _LAST_IS_TS, _PENULTIMATE_IS_TS = 1, 2
 """Bits of the _FLAGS column: timestamp state over the outputs so far."""
 _NEUTRAL = np.array([-1, _PENULTIMATE_IS_TS], dtype=np.int64)
+_NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class WhisperTokenInfo:
+    """The special token ids Whisper's timestamp rules need (from the model's generation config)."""
+
+    eos_token_id: int
+    """<|endoftext|>; the text tokens are the ids below it."""
+    no_timestamps_token_id: int
+    """<|notimestamps|>; never generated while timestamps are on."""
+    timestamp_begin: int
+    """<|0.00|>; every id from here up is a timestamp."""
+    max_initial_timestamp_index: int | None = 50
+    """The first timestamp is at most timestamp_begin + this (None: no limit)."""
+
+
+@dataclass
+class WhisperTimestampMetadata:
+    """Per-row state of Whisper's timestamp rules, read from the slots' device state."""
+
+    info: WhisperTokenInfo
+    rows: torch.Tensor
+    """[k] int64 batch rows with whisper_timestamps on."""
+    is_first: torch.Tensor
+    """[k] bool: no output token yet (the first token must be an early timestamp)."""
+    block_timestamps: torch.Tensor
+    """[k] bool: the last two outputs were timestamps (or one timestamp only): text must follow."""
+    block_text: torch.Tensor
+    """[k] bool: a single timestamp ends the outputs: its pair (or EOS) must follow."""
+    min_timestamp: torch.Tensor
+    """[k] int64: the smallest timestamp id allowed (timestamps never decrease)."""
 
 
 class WhisperTimestampsState:
@@ -66,7 +100,8 @@ class WhisperTimestampsState:
             push_rows(self.state_dev, self._state, self._dirty)
             self._dirty.clear()
 
-    def stage(self, step: StepRows) -> Fill | None:
+    def stage(self, step: StepRows) -> Callable[[], WhisperTimestampMetadata] | None:
+        """Stages the step's host arrays; returns what builds its metadata once they shipped."""
         if self.info is None:
             return None
         rows = np.flatnonzero(self.enabled[step.slots])
@@ -75,11 +110,9 @@ class WhisperTimestampsState:
         step.stage("whisper.rows", rows)
         step.stage("whisper.is_first", step.num_output_tokens[rows] == 0)
 
-        def fill(metadata: SamplingMetadata) -> None:
+        def fill() -> WhisperTimestampMetadata:
             dev_rows = step["whisper.rows"]
-            metadata.whisper = self.rule_metadata(
-                step.idx[dev_rows], dev_rows, step["whisper.is_first"] != 0
-            )
+            return self.rule_metadata(step.idx[dev_rows], dev_rows, step["whisper.is_first"] != 0)
 
         return fill
 
@@ -138,3 +171,47 @@ class WhisperTimestampsState:
         )
         state[:, _LAST_TIMESTAMP] = torch.where(is_timestamp, tokens, state[:, _LAST_TIMESTAMP])
         return state
+
+
+def apply_whisper_timestamp_rules(logits: torch.Tensor, whisper: WhisperTimestampMetadata) -> None:
+    """transformers' WhisperTimeStampLogitsProcessor on the rows with timestamps on.
+
+    <|notimestamps|> is never generated; timestamps come in pairs (after a lone timestamp only a
+    timestamp or a special token >= EOS, after a pair only non-timestamps) and never decrease;
+    the first output is a timestamp <= timestamp_begin + max_initial_timestamp_index; when the
+    timestamps' total probability beats every text token, a timestamp is forced.
+    """
+    scores = logits[whisper.rows]  # [k, vocab]
+    whisper_timestamp_rules_(scores, whisper)
+    logits[whisper.rows] = scores
+
+
+def whisper_timestamp_rules_(
+    scores: torch.Tensor, whisper: WhisperTimestampMetadata, active: torch.Tensor | None = None
+) -> None:
+    """The timestamp rules in place on `scores` [k, vocab], whose rows are `whisper`'s rows;
+    `active` [k] bool (None: all) leaves the other rows untouched (the fixed-shape sampler
+    applies the rules to every row of a step and enables them per row)."""
+    info = whisper.info
+    tb = info.timestamp_begin
+    vocab_ids = torch.arange(scores.shape[1], device=scores.device)
+    is_timestamp = vocab_ids >= tb  # [vocab]
+    mask = vocab_ids == info.no_timestamps_token_id
+    mask = mask | (whisper.block_timestamps.unsqueeze(1) & is_timestamp)
+    mask = mask | (whisper.block_text.unsqueeze(1) & (vocab_ids < info.eos_token_id))
+    mask = mask | (is_timestamp & (vocab_ids < whisper.min_timestamp.unsqueeze(1)))
+    first_banned = ~is_timestamp
+    if info.max_initial_timestamp_index is not None:
+        first_banned = first_banned | (vocab_ids > tb + info.max_initial_timestamp_index)
+    mask = mask | (whisper.is_first.unsqueeze(1) & first_banned)
+    if active is not None:
+        mask = mask & active.unsqueeze(1)
+    scores.masked_fill_(mask, _NEG_INF)
+
+    logprobs = torch.log_softmax(scores, dim=-1)
+    timestamp_logprob = logprobs[:, tb:].logsumexp(dim=-1)
+    max_text_logprob = logprobs[:, :tb].max(dim=-1).values
+    force_timestamp = timestamp_logprob > max_text_logprob
+    if active is not None:
+        force_timestamp = force_timestamp & active
+    scores[:, :tb].masked_fill_(force_timestamp.unsqueeze(1), _NEG_INF)
