@@ -15,7 +15,7 @@ from transformers.generation.logits_process import (
 )
 
 from v1.sample import WhisperTokenInfo
-from v1.sample.logits_processors import apply_logits_processors
+from v1.sample.sampler import apply_logits_processors
 from v1.sampling_params import SamplingParams
 
 NEG_INF = float("-inf")

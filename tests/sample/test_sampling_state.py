@@ -7,7 +7,7 @@ import torch
 from sample_factories import MAX_MODEL_LEN, VOCAB_SIZE, Req, make_state
 
 from v1.sample import SamplingState, WhisperTokenInfo
-from v1.sample.logits_processors import apply_logits_processors
+from v1.sample.sampler import apply_logits_processors
 from v1.sampling_params import SamplingParams
 
 RULES = SamplingParams(
@@ -31,14 +31,22 @@ RULES = SamplingParams(
 
 def test_removed_slot_leaves_nothing_behind() -> None:
     state, metadata = make_state([Req(params=RULES, eos_token_id=9), Req()])
-    assert metadata.max_num_logprobs == 2 and metadata.penalties is not None
-    assert metadata.top_k is not None and metadata.top_p is not None and metadata.min_p is not None
-    assert set(metadata.generators) == {0}
+    assert metadata.params.max_num_logprobs == 2 and metadata.penalties is not None
+    assert (
+        metadata.params.top_k is not None
+        and metadata.params.top_p is not None
+        and metadata.params.min_p is not None
+    )
+    assert set(metadata.params.generators) == {0}
     state.remove_request(0)
     state.add_request(0, SamplingParams(), [1, 2], [], eos_token_id=9)
     fresh = state.make_metadata([1, 0])
-    assert fresh.max_num_logprobs is None and fresh.penalties is None and not fresh.generators
-    assert fresh.top_k is None and fresh.top_p is None and fresh.min_p is None
+    assert (
+        fresh.params.max_num_logprobs is None
+        and fresh.penalties is None
+        and not fresh.params.generators
+    )
+    assert fresh.params.top_k is None and fresh.params.top_p is None and fresh.params.min_p is None
     assert fresh.token_tables is None and fresh.whisper is None
     logits = torch.randn(2, VOCAB_SIZE)
     assert torch.equal(apply_logits_processors(logits.clone(), fresh), logits)
@@ -47,8 +55,12 @@ def test_removed_slot_leaves_nothing_behind() -> None:
 def test_greedy_rows_skip_random_only_settings() -> None:
     greedy = RULES.clone(temperature=0.0)
     _, metadata = make_state([Req(params=greedy)])
-    assert metadata.all_greedy and not metadata.generators
-    assert metadata.top_k is None and metadata.top_p is None and metadata.min_p is None
+    assert metadata.params.all_greedy and not metadata.params.generators
+    assert (
+        metadata.params.top_k is None
+        and metadata.params.top_p is None
+        and metadata.params.min_p is None
+    )
 
 
 def test_history_holds_prompt_then_outputs() -> None:

@@ -152,8 +152,10 @@ class SamplingState:
         token_tables = self.token_tables.stage(step)
         whisper = self.timestamps.stage(step)
         step.ship(self.device)  # one pinned copy of every state's host arrays
-        metadata = self.params.metadata(step)
-        metadata.penalties = None if penalties is None else penalties()
-        metadata.token_tables = None if token_tables is None else token_tables()
-        metadata.whisper = None if whisper is None else whisper()
-        return metadata
+        return SamplingMetadata(
+            num_reqs=len(slots),
+            params=self.params.metadata(step),
+            penalties=None if penalties is None else penalties(),
+            token_tables=None if token_tables is None else token_tables(),
+            whisper=None if whisper is None else whisper(),
+        )

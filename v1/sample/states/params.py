@@ -4,11 +4,12 @@ a seeded request's draw depends only on its seed and output index (`step_seed`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 import torch
 
 from v1.host_copy import to_device
-from v1.sample.metadata import SamplingMetadata
 from v1.sample.states.slots import SlotRequest, StepRows, push_rows
 from v1.sampling_params import SamplingParams
 
@@ -16,6 +17,54 @@ GREEDY_EPS = 1e-5
 _MASK64 = (1 << 64) - 1
 _TEMPERATURE, _TOP_P, _MIN_P = range(3)
 _NEUTRAL = np.array([1.0, 1.0, 0.0], dtype=np.float32)
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class ParamsMetadata:
+    """A step's sampling parameters; rows follow the logits' rows."""
+
+    temperature: torch.Tensor
+    """[n] float32; rows below 1e-5 are greedy."""
+    all_greedy: bool
+    all_random: bool
+    top_k: torch.Tensor | None
+    """[n] int64, 0 disables; None when no random row uses top-k."""
+    top_p: torch.Tensor | None
+    """[n] float32; None when no random row uses top-p."""
+    min_p: torch.Tensor | None
+    """[n] float32; None when no random row uses min-p."""
+    generator: torch.Generator
+    """Shared stream for the random rows without a seed."""
+    generators: dict[int, torch.Generator] = field(default_factory=dict)
+    """Row -> that request's own generator, already positioned for this step's draw."""
+    max_num_logprobs: int | None = None
+    """Largest `logprobs` of the batch; None when no request asks for logprobs."""
+    processed_logprob_rows: torch.Tensor | None = None
+    """[k] int64 rows whose logprobs are "processed" (beam search): the rules run on their
+    log_softmax(logits) and the logprobs are what the rules leave, as transformers' beam search
+    scores them; None when no row asks for it."""
+
+    def sample(self, logits: torch.Tensor) -> torch.Tensor:
+        """One token per row of the processed float32 `logits` [n, vocab] (scaled in place):
+        argmax for greedy rows; temperature, top-k, top-p, min-p, then one exponential race
+        per random row (a seeded row draws its noise from its own generator)."""
+        greedy = None
+        if not self.all_random:
+            greedy = logits.argmax(dim=-1)
+            if self.all_greedy:
+                return greedy
+        is_greedy = self.temperature < GREEDY_EPS
+        temperature = torch.where(is_greedy, 1.0, self.temperature)
+        logits.div_(temperature.unsqueeze(1))
+        if self.top_k is not None or self.top_p is not None:
+            logits = apply_top_k_top_p(logits, self.top_k, self.top_p)
+        if self.min_p is not None:
+            logits = apply_min_p(logits, self.min_p)
+        random = random_sample(logits.softmax(dim=-1), self)
+        if greedy is None:
+            return random
+        return torch.where(is_greedy, greedy, random)
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -113,8 +162,8 @@ class ParamsState:
         if len(processed):
             step.stage("params.processed_rows", processed)
 
-    def metadata(self, step: StepRows) -> SamplingMetadata:
-        """The step's metadata with this state's fields; the other states fill theirs."""
+    def metadata(self, step: StepRows) -> ParamsMetadata:
+        """The step's parameters (after `stage` and the step's ship)."""
         slots = step.slots
         floats = self._floats[slots]
         is_greedy = floats[:, _TEMPERATURE] < GREEDY_EPS
@@ -125,8 +174,7 @@ class ParamsState:
         use_top_k = bool((is_random & (self.top_k[slots] > 0)).any())
         use_top_p = bool((is_random & (floats[:, _TOP_P] < 1.0)).any())
         use_min_p = bool((is_random & (floats[:, _MIN_P] > 0.0)).any())
-        metadata = SamplingMetadata(
-            num_reqs=len(slots),
+        metadata = ParamsMetadata(
             temperature=floats_dev[:, _TEMPERATURE],
             all_greedy=bool(is_greedy.all()),
             all_random=bool(is_random.all()),
@@ -159,3 +207,48 @@ class ParamsState:
             generator.manual_seed(step_seed(self.seeds[slot], step_index))
             generators[row] = generator
         return generators
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Masks (in place) all but the top-k logits, then all outside the top-p nucleus.
+
+    top_k <= 0 or >= vocab disables it for a row (ties with the k-th value are kept); top_p = 1
+    disables it; the most likely token always stays. Same results as transformers' warpers.
+    """
+    vocab_size = logits.shape[1]
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=False)  # [n, vocab] ascending
+    if top_k is not None:
+        k = torch.where((top_k <= 0) | (top_k > vocab_size), vocab_size, top_k)
+        kth_value = sorted_logits.gather(1, (vocab_size - k).unsqueeze(1))  # [n, 1]
+        sorted_logits.masked_fill_(sorted_logits < kth_value, _NEG_INF)
+    if top_p is not None:
+        cum_probs = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        outside = cum_probs <= 1 - top_p.unsqueeze(1)
+        outside[:, -1] = False
+        sorted_logits.masked_fill_(outside, _NEG_INF)
+    return logits.scatter_(1, sorted_ids, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Masks (in place) tokens whose probability is below min_p times the top probability."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill_(probs < threshold, _NEG_INF)
+
+
+def random_sample(probs: torch.Tensor, metadata: ParamsMetadata) -> torch.Tensor:
+    """argmax(probs / E) with E ~ Exp(1) per entry: an exact draw from each row's distribution.
+
+    Unseeded rows share one generator; each seeded row refills its own row of noise from its own
+    generator (the one per-request loop of the step, as in vLLM).
+    """
+    noise = torch.empty_like(probs)
+    if len(metadata.generators) < probs.shape[0]:
+        noise.exponential_(generator=metadata.generator)
+    for row, generator in metadata.generators.items():
+        noise[row].exponential_(generator=generator)
+    # Exp(1) can round to 0; a tiny floor keeps 0 / 0 out of the argmax.
+    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+    return probs.div_(noise).argmax(dim=-1)
