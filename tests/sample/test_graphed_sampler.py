@@ -77,7 +77,7 @@ def test_dense_sampler_matches_the_general_sampler_step_after_step() -> None:
         kept = slots_np[valid]
         general.append_output_tokens(kept, want.sampled_token_ids[torch.from_numpy(valid)])
         dense.count_output_tokens(kept)
-        assert torch.equal(dense.iparams_dev[:-1], general.iparams_dev[:-1])
+        assert torch.equal(dense.timestamps.state_dev[:-1], general.timestamps.state_dev[:-1])
     assert (dense.num_output_tokens == general.num_output_tokens).all()
 
 

@@ -15,7 +15,7 @@ from transformers.generation.logits_process import (
 )
 
 from v1.sample import WhisperTokenInfo
-from v1.sample.logits_processors import apply_logits_processors
+from v1.sample.sampler import apply_logits_processors
 from v1.sampling_params import SamplingParams
 
 NEG_INF = float("-inf")
@@ -64,7 +64,7 @@ def test_penalties_match_per_row_reference() -> None:
         reqs.append(Req(params=params, prompt=prompt, outputs=outputs))
     reqs.append(Req())  # a neutral row in the same batch
     _, metadata = make_state(reqs)
-    assert not metadata.no_penalties
+    assert metadata.penalties is not None and metadata.penalties.repetition_penalties is not None
     logits = random_logits(len(reqs))
     result = apply_logits_processors(logits.clone(), metadata)
     for i, req in enumerate(reqs):

@@ -11,7 +11,7 @@ import torch
 from sample_factories import VOCAB_SIZE, Req, make_state
 
 from v1.sample import Sampler, SamplingState
-from v1.sample.sampler import apply_min_p, apply_top_k_top_p
+from v1.sample.states.params import apply_min_p, apply_top_k_top_p
 from v1.sampling_params import SamplingParams
 
 
@@ -22,7 +22,7 @@ def random_logits(num_reqs: int, vocab_size: int = VOCAB_SIZE, seed: int = 0) ->
 def test_greedy_equals_argmax() -> None:
     reqs = [Req(params=SamplingParams(temperature=0.0, top_k=3, seed=i)) for i in range(5)]
     _, metadata = make_state(reqs)
-    assert metadata.all_greedy
+    assert metadata.params.all_greedy
     logits = random_logits(5)
     original = logits.clone()
     out = Sampler()(logits, metadata)
@@ -41,7 +41,7 @@ def test_mixed_batch_greedy_rows_take_argmax_of_processed_logits() -> None:
         Req(params=SamplingParams(temperature=1e-6)),  # below 1e-5: greedy
     ]
     _, metadata = make_state(reqs)
-    assert not metadata.all_greedy and not metadata.all_random
+    assert not metadata.params.all_greedy and not metadata.params.all_random
     out = Sampler()(logits, metadata)
     assert out.sampled_token_ids[0] == logits[0].topk(2).indices[1]
     assert out.sampled_token_ids[2] == logits[2].argmax()
@@ -192,7 +192,7 @@ def test_logprobs_are_raw_log_softmax_with_ranks() -> None:
         Req(params=SamplingParams(logprobs=5, temperature=2.0), outputs=[4, 4]),
     ]
     _, metadata = make_state(reqs)
-    assert metadata.max_num_logprobs == 5
+    assert metadata.params.max_num_logprobs == 5
     logits = random_logits(len(reqs), seed=9).to(torch.bfloat16)
     out = Sampler()(logits, metadata)
     assert out.logprobs is not None and out.logprob_token_ids is not None

@@ -7,7 +7,7 @@ import torch
 from sample_factories import MAX_MODEL_LEN, VOCAB_SIZE, Req, make_state
 
 from v1.sample import SamplingState, WhisperTokenInfo
-from v1.sample.logits_processors import apply_logits_processors
+from v1.sample.sampler import apply_logits_processors
 from v1.sampling_params import SamplingParams
 
 RULES = SamplingParams(
@@ -31,18 +31,23 @@ RULES = SamplingParams(
 
 def test_removed_slot_leaves_nothing_behind() -> None:
     state, metadata = make_state([Req(params=RULES, eos_token_id=9), Req()])
-    assert metadata.max_num_logprobs == 2 and not metadata.no_penalties
-    assert metadata.top_k is not None and metadata.top_p is not None and metadata.min_p is not None
-    assert set(metadata.generators) == {0}
+    assert metadata.params.max_num_logprobs == 2 and metadata.penalties is not None
+    assert (
+        metadata.params.top_k is not None
+        and metadata.params.top_p is not None
+        and metadata.params.min_p is not None
+    )
+    assert set(metadata.params.generators) == {0}
     state.remove_request(0)
     state.add_request(0, SamplingParams(), [1, 2], [], eos_token_id=9)
     fresh = state.make_metadata([1, 0])
-    assert fresh.max_num_logprobs is None and fresh.no_penalties and not fresh.generators
-    assert fresh.top_k is None and fresh.top_p is None and fresh.min_p is None
-    for name in ("allowed_token_ids", "suppress_token_ids", "begin_suppress_token_ids"):
-        assert getattr(fresh, name) is None, name
-    assert fresh.min_tokens_stop_ids is None and fresh.forced_token_ids is None
-    assert fresh.token_ids is None and fresh.no_repeat_ngram_size is None
+    assert (
+        fresh.params.max_num_logprobs is None
+        and fresh.penalties is None
+        and not fresh.params.generators
+    )
+    assert fresh.params.top_k is None and fresh.params.top_p is None and fresh.params.min_p is None
+    assert fresh.token_tables is None and fresh.whisper is None
     logits = torch.randn(2, VOCAB_SIZE)
     assert torch.equal(apply_logits_processors(logits.clone(), fresh), logits)
 
@@ -50,26 +55,31 @@ def test_removed_slot_leaves_nothing_behind() -> None:
 def test_greedy_rows_skip_random_only_settings() -> None:
     greedy = RULES.clone(temperature=0.0)
     _, metadata = make_state([Req(params=greedy)])
-    assert metadata.all_greedy and not metadata.generators
-    assert metadata.top_k is None and metadata.top_p is None and metadata.min_p is None
+    assert metadata.params.all_greedy and not metadata.params.generators
+    assert (
+        metadata.params.top_k is None
+        and metadata.params.top_p is None
+        and metadata.params.min_p is None
+    )
 
 
 def test_history_holds_prompt_then_outputs() -> None:
     state, _ = make_state([Req(prompt=[7, 8], outputs=[9]), Req(prompt=[1])], slots=[3, 1])
     state.append_output_tokens(torch.tensor([1, 3]), torch.tensor([11, 12]))
     state.append_output_tokens([3], [13])
-    assert state.token_ids[3, :5].tolist() == [7, 8, 9, 12, 13]
-    assert state.token_ids[1, :2].tolist() == [1, 11]
+    assert state.penalties.token_ids[3, :5].tolist() == [7, 8, 9, 12, 13]
+    assert state.penalties.token_ids[1, :2].tolist() == [1, 11]
     assert state.num_prompt_tokens[[3, 1]].tolist() == [2, 1]
     assert state.num_output_tokens[[3, 1]].tolist() == [3, 1]
     metadata = state.make_metadata([1, 3])
-    assert metadata.token_ids is None  # no rule reads the history
+    assert metadata.penalties is None  # no rule reads the history
     state.remove_request(1)
     state.add_request(1, SamplingParams(presence_penalty=1.0), [5], [6], eos_token_id=None)
     metadata = state.make_metadata([1, 3])
-    assert metadata.token_ids is not None and metadata.num_output_tokens is not None
-    assert metadata.token_ids[0, :2].tolist() == [5, 6]
-    assert metadata.token_ids.shape == (2, 2)  # only as wide as the rows that read it
+    penalties = metadata.penalties
+    assert penalties is not None and penalties.no_repeat_ngram_size is None
+    assert penalties.token_ids[0, :2].tolist() == [5, 6]
+    assert penalties.token_ids.shape == (2, 2)  # only as wide as the rows that read it
 
 
 def test_resumed_request_equals_appended_one() -> None:
@@ -132,5 +142,5 @@ def test_whisper_state_with_rows_that_use_no_timestamps() -> None:
     # Slot 0 saw 52, 3, 55: a lone timestamp last, so its pair (>= 55) must follow.
     assert bool(whisper.block_text[0]) and not bool(whisper.block_timestamps[0])
     assert int(whisper.min_timestamp[0]) == 55
-    assert state.token_ids[0, 3:6].tolist() == [52, 3, 55]
-    assert state.token_ids[1, 3:6].tolist() == [8, 61, 52]
+    assert state.penalties.token_ids[0, 3:6].tolist() == [52, 3, 55]
+    assert state.penalties.token_ids[1, 3:6].tolist() == [8, 61, 52]

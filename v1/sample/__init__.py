@@ -1,20 +1,14 @@
-"""Sampling: per-slot state, per-step metadata, batched logits rules and the Sampler."""
+"""Sampling: per-slot state (one module per rule under states/), per-step metadata and the Sampler."""
 
-from v1.sample.metadata import (
-    RowTokenIds,
-    SamplingMetadata,
-    WhisperTimestampMetadata,
-    WhisperTokenInfo,
-)
+from v1.sample.metadata import SamplingMetadata
 from v1.sample.sampler import Sampler, SamplerOutput
 from v1.sample.state import SamplingState
+from v1.sample.states.whisper_timestamps import WhisperTokenInfo
 
 __all__ = [
-    "RowTokenIds",
     "Sampler",
     "SamplerOutput",
     "SamplingMetadata",
     "SamplingState",
-    "WhisperTimestampMetadata",
     "WhisperTokenInfo",
 ]

@@ -1,23 +1,8 @@
 """The fixed-shape sampler: a step's logits, rules, argmax, logprobs and Whisper timestamp state
-as one CUDA graph replay, for the steps whose requests use only the rules it has.
-
-The general `Sampler` builds its metadata on the host every step and launches a kernel sequence
-that depends on it (which rules run, on which rows): 1.5-2 ms of host time for a batch of 256.
-Here every per-request input is read on the device from `SamplingState`'s slot-indexed tables,
-and a step ships three int64 numbers per row (slot, flags, forced token) in one pinned copy, so
-the kernel sequence depends only on the graph key: (padded rows, logprobs asked, timestamps on,
-forced tokens present, widths of the ban tables).
-
-Rules: greedy sampling; suppress_tokens, begin_suppress_tokens and min_tokens' stop ids (one
-merged ban list per row, built on the device); Whisper's timestamp rules; forced tokens
-(forced_token_ids, forced_eos_token_id); raw logprobs (top-N and the sampled token's rank). A
-step with any other rule (`SamplingState.needs_general_sampler`), prompt logprobs or a grammar
-takes the general Sampler. The results are the general Sampler's: the same rules in the same
-order, the same float32 arithmetic (tests/sample/test_graphed_sampler.py). On CUDA, a step
-without timestamp rules or top-N logprobs runs the rules, argmax and the sampled token's logprob
-and rank as one Triton kernel over the 16-bit logits (`triton_greedy.py`): same tokens and
-ranks, the logprob up to the order of float32 additions.
-"""
+as one CUDA graph replay, reading every per-request input from `SamplingState`'s slot-indexed
+device tensors (static addresses) and three int64 numbers per row (slot, flags, forced token).
+Same tokens, logprobs and ranks as the general Sampler; steps with a rule it lacks
+(`SamplingState.needs_general_sampler`), prompt logprobs or a grammar take that one instead."""
 
 from __future__ import annotations
 
@@ -27,9 +12,10 @@ import numpy as np
 import torch
 
 from v1.logger import init_logger
-from v1.sample.logits_processors import apply_forced_tokens, token_mask, whisper_timestamp_rules_
 from v1.sample.sampler import SamplerOutput, gather_logprobs
-from v1.sample.state import SamplingState, next_whisper_state, whisper_rule_metadata
+from v1.sample.state import SamplingState
+from v1.sample.states.token_tables import apply_forced_tokens, token_mask
+from v1.sample.states.whisper_timestamps import whisper_timestamp_rules_
 
 logger = init_logger(__name__)
 
@@ -71,19 +57,18 @@ def dense_sample(
     if banned is not None:
         logits.masked_fill_(banned, _NEG_INF)
     if timestamps:
-        assert state.whisper is not None
         rows = torch.arange(len(slots), device=logits.device)
-        rule_inputs = whisper_rule_metadata(state.iparams_dev[slots], rows, first, state.whisper)
+        rule_inputs = state.timestamps.rule_metadata(slots, rows, first)
         whisper_timestamp_rules_(logits, rule_inputs, active=is_ts)
     if forced is not None:
         apply_forced_tokens(logits, forced)
     sampled = logits.argmax(dim=-1)
     if timestamps:
-        assert state.whisper is not None
+        ts = state.timestamps
         writes = ((flags & VALID) != 0) & is_ts
-        spare = state.iparams_dev.shape[0] - 1  # rows that must not write write here
-        state.iparams_dev[torch.where(writes, slots, spare)] = next_whisper_state(
-            state.iparams_dev[slots], sampled, ~first, state.whisper
+        # Rows that must not write write the spare row (a fixed-shape scatter).
+        ts.state_dev[torch.where(writes, slots, ts.spare_row)] = ts.next_state(
+            ts.state_dev[slots], sampled, ~first
         )
     if raw_logprobs is None:
         return SamplerOutput(sampled_token_ids=sampled)
@@ -98,11 +83,12 @@ def _banned(
     """[n, vocab] bool: each row's suppress_tokens, begin_suppress_tokens on its first step and
     min_tokens' stop ids while under min_tokens (None when no table has a column)."""
     bans = []
-    if state.suppress_token_ids.dev.shape[1]:
-        bans.append(state.suppress_token_ids.dev[slots])
+    tables = state.token_tables
+    if tables.suppress_token_ids.dev.shape[1]:
+        bans.append(tables.suppress_token_ids.dev[slots])
     for table, active in (
-        (state.begin_suppress_token_ids, (flags & FIRST) != 0),
-        (state.min_tokens_stop_ids, (flags & UNDER_MIN) != 0),
+        (tables.begin_suppress_token_ids, (flags & FIRST) != 0),
+        (tables.min_tokens_stop_ids, (flags & UNDER_MIN) != 0),
     ):
         if table.dev.shape[1]:
             bans.append(torch.where(active.unsqueeze(1), table.dev[slots], -1))
@@ -132,9 +118,9 @@ def row_inputs(
     num_output = state.num_output_tokens[slots]
     flags = valid.astype(np.int64) * VALID
     flags += (num_output == 0) * FIRST
-    flags += (num_output < state.min_tokens[slots]) * UNDER_MIN
-    flags += state.whisper_timestamps[slots] * TIMESTAMPS
-    return flags, state.step_forced_tokens(slots, num_output)
+    flags += (num_output < state.token_tables.min_tokens[slots]) * UNDER_MIN
+    flags += state.timestamps.enabled[slots] * TIMESTAMPS
+    return flags, state.token_tables.forced_tokens_at(slots, num_output)
 
 
 def capture_sizes(max_rows: int) -> list[int]:
@@ -177,11 +163,11 @@ class SamplerGraphs:
         self.num_captures = 0
 
     def widths(self) -> tuple[int, int, int]:
-        state = self.state
+        tables = self.state.token_tables
         return (
-            state.suppress_token_ids.dev.shape[1],
-            state.begin_suppress_token_ids.dev.shape[1],
-            state.min_tokens_stop_ids.dev.shape[1],
+            tables.suppress_token_ids.dev.shape[1],
+            tables.begin_suppress_token_ids.dev.shape[1],
+            tables.min_tokens_stop_ids.dev.shape[1],
         )
 
     def _views(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -256,8 +242,10 @@ class SamplerGraphs:
         assert logits_indices.shape[0] == num_rows, "one logits row per request"
         if num_rows > self.max_rows or bool(state.needs_general_sampler[slots].any()):
             return None
-        max_logprobs = int(state.num_logprobs[slots].max(initial=-1))
-        timestamps = state.whisper is not None and bool(state.whisper_timestamps[slots].any())
+        max_logprobs = int(state.params.num_logprobs[slots].max(initial=-1))
+        timestamps = state.timestamps.info is not None and bool(
+            state.timestamps.enabled[slots].any()
+        )
         flags, forced = row_inputs(state, slots, valid)
         state.flush()  # tables current before the key reads their widths
         size = next(s for s in self.sizes if s >= num_rows)

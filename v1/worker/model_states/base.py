@@ -215,7 +215,7 @@ class GenerationState(ModelState):
         prompt_job = prompt_logprobs_job(  # before this step's tokens count as outputs
             step,
             batch.token_ids,
-            state.num_prompt_logprobs,
+            state.params.num_prompt_logprobs,
             state.num_prompt_tokens,
             state.num_output_tokens,
             hidden_states,
@@ -254,7 +254,7 @@ class GenerationState(ModelState):
         num_logprobs = None
         if out.logprobs is not None:
             to_host |= {"lp_ids": out.logprob_token_ids, "lp": out.logprobs, "ranks": out.ranks}
-            num_logprobs = self.sampling_state.num_logprobs[step.slots]
+            num_logprobs = self.sampling_state.params.num_logprobs[step.slots]
         to_host |= extra_to_host or {}
         if prompt_job is not None:
             to_host |= prompt_job[1]

@@ -18,7 +18,7 @@ from v1.core.sched_output import ModelRunnerOutput, NewRequestData
 from v1.forward_context import ForwardContext, set_forward_context
 from v1.logger import init_logger
 from v1.models.interfaces import SupportsWhisper
-from v1.sample.metadata import WhisperTokenInfo
+from v1.sample.states.whisper_timestamps import WhisperTokenInfo
 from v1.worker.input_batch import CachedRequestState
 from v1.worker.model_states.base import StateContext
 from v1.worker.model_states.encoder_decoder import EncoderDecoderState
