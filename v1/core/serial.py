@@ -1,9 +1,7 @@
 """msgpack (msgspec) encoding of wire messages with numpy arrays carried as extra ZMQ frames.
-
-An array becomes a msgpack ext value (code 1; code 2 for a torch CPU tensor) whose payload is
-`[dtype, shape, frame_index]`; its bytes travel in frame `frame_index` of the same multipart
-message, without copies on either side. No pickle, no fallback to it. docs/protocol.md has the
-exact layout. One encoder/decoder per thread: each keeps the frames of the message in flight.
+Must hold: no pickle and no fallback to it; arrays travel without copies on either side
+(layout at `MsgpackEncoder`, exact in docs/protocol.md). One encoder/decoder per thread: each
+keeps the frames of the message in flight.
 """
 
 from __future__ import annotations
@@ -36,6 +34,10 @@ class DecodeError(ValueError):
 
 class MsgpackEncoder:
     """Encodes a message into frames: `[msgpack_bytes, *array_buffers]`.
+
+    An array becomes a msgpack ext value (code 1; code 2 for a torch CPU tensor) whose payload
+    is `[dtype, shape, frame_index]`; its bytes travel in frame `frame_index` of the same
+    multipart message.
 
     The array buffers are memoryviews of the arrays themselves (no copy); keep the message alive
     until zmq has sent them (send with copy=False uses them in place)."""

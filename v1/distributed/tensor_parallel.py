@@ -1,12 +1,7 @@
-"""The tensor-parallel sharder: splits a model built at full size across the ranks.
-
-Applied from outside the model code (gpt-fast style): each layer's class says how it splits
-(`shard_dim` of the linears and embeddings; fused q/k/v and k/v by heads, GQA kv heads
-replicated when there are fewer than ranks). The model is built on the meta device
-(`build_on_meta`), so no rank ever holds the full weights; `shard_model` gives each parameter its
-rank's shape on the real device and a `weight_loader` that reads only the rank's slice of the
-checkpoint tensor (a CheckpointSlice when the loader reads lazily). Attention layers keep their
-rank's heads, so the KV caches hold them too.
+"""The tensor-parallel sharder: splits a model built at full size across the ranks, applied
+from outside the model code (gpt-fast style; each layer's class says how it splits).
+Must hold: no rank ever holds the full weights (built on meta, loaders read only the rank's
+slice), and attention layers keep their rank's heads, so the KV caches hold them too.
 """
 
 from __future__ import annotations
@@ -52,6 +47,7 @@ def _numel(shape_args: tuple) -> int:
 
 @contextmanager
 def build_on_meta() -> Iterator[None]:
+    """Build the model inside this on the meta device, so no rank allocates the full size."""
     with _EmptyOnMeta():
         yield
 
@@ -83,7 +79,12 @@ def check_divisible(hf_config: Any, model: nn.Module, world_size: int) -> None:
 
 def shard_model(model: nn.Module, tp: TensorParallelGroup, device: torch.device) -> nn.Module:
     """Resize every parameter to this rank's part (on `device`), with slice-reading loaders;
-    parameters that do not split become full-size, real tensors. Returns the model."""
+    parameters that do not split become full-size, real tensors. Returns the model.
+
+    How a layer splits: `shard_dim` of the linears and embeddings; fused q/k/v and k/v by
+    heads, GQA kv heads replicated when there are fewer than ranks. Each parameter gets its
+    rank's shape on the real device and a `weight_loader` that reads only the rank's slice of
+    the checkpoint tensor (a CheckpointSlice when the loader reads lazily)."""
     check_divisible(getattr(model, "config", None), model, tp.world_size)
     replaced: dict[int, nn.Parameter] = {}
     heads: list[LMHead] = []

@@ -1,10 +1,6 @@
 """A checkpoint tensor not read yet: tensor-parallel ranks read only their slices of it.
-
-`iterate_weights(..., lazy=True)` yields these instead of tensors. `narrow` and `t` stay lazy;
-`materialize` reads the selected part from safetensors (`safe_open(...).get_slice`). Anything
-else (a model's `load_weights` reshaping, comparing, casting) reads the whole tensor first, so
-code written for plain tensors keeps working: attributes fall through to the materialized
-tensor and torch functions materialize these arguments.
+Must hold: code written for plain tensors keeps working (anything but `narrow`, `t` and
+`materialize` reads the whole tensor first; see `CheckpointSlice`).
 """
 
 from __future__ import annotations
@@ -30,7 +26,13 @@ _SAFETENSORS_DTYPES = {
 
 
 class CheckpointSlice:
-    """A rectangular part of one safetensors tensor (the whole of it at first)."""
+    """A rectangular part of one safetensors tensor (the whole of it at first).
+
+    `iterate_weights(..., lazy=True)` yields these instead of tensors. `narrow` and `t` stay
+    lazy; `materialize` reads the selected part from safetensors (`safe_open(...).get_slice`).
+    Anything else (a model's `load_weights` reshaping, comparing, casting) reads the whole
+    tensor first: attributes fall through to the materialized tensor and torch functions
+    materialize these arguments."""
 
     def __init__(
         self,

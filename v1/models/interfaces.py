@@ -1,9 +1,6 @@
 """What the worker calls on a model, as typing Protocols. Each model-kind state names the
 protocols it needs and `require` checks them once, when the model is loaded: a model without
 one fails at start-up with the missing names, never mid-step or through a `getattr` fallback.
-
-Only members are checked (a structural `hasattr`), not signatures; every model is an
-`nn.Module`, so its forward (`model(input_ids, positions, ...)`) is there by construction.
 """
 
 from __future__ import annotations
@@ -73,7 +70,10 @@ def protocol_members(protocol: type) -> list[str]:
 
 def require(model: object, protocols: tuple[type, ...], user: str) -> None:
     """TypeError naming every member of `protocols` that `model` lacks; `user` says who
-    calls them (for the message)."""
+    calls them (for the message).
+
+    Only members are checked (a structural `hasattr`), not signatures; every model is an
+    `nn.Module`, so its forward (`model(input_ids, positions, ...)`) is there by construction."""
     missing = sorted(
         {name for p in protocols for name in protocol_members(p) if not hasattr(model, name)}
     )

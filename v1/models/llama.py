@@ -1,9 +1,6 @@
 """Llama-family decoder-only LMs: Llama (1-3.x), Mistral and Qwen2 share this file.
-
-Pre-norm blocks of GQA attention with RoPE and a SwiGLU MLP, RMSNorm throughout. Qwen2 adds a
-bias to q/k/v; Llama's `attention_bias`/`mlp_bias` add them everywhere. q/k/v and gate/up are
-fused at load time (see `packed_modules_mapping`). Sliding windows (Mistral, Qwen2) are not
-applied: ModelConfig caps max_model_len at the window, inside which full attention is the same.
+Pre-norm blocks of GQA attention with RoPE and a SwiGLU MLP, RMSNorm throughout.
+Must hold: sliding windows are not applied, so ModelConfig caps max_model_len at the window.
 """
 
 from __future__ import annotations
@@ -118,7 +115,12 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Serves LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM checkpoints."""
+    """Serves LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM checkpoints.
+
+    Qwen2 adds a bias to q/k/v; Llama's `attention_bias`/`mlp_bias` add them everywhere. q/k/v
+    and gate/up are fused at load time (`packed_modules_mapping`). Sliding windows (Mistral,
+    Qwen2) are not applied: ModelConfig caps max_model_len at the window, inside which full
+    attention is the same."""
 
     packed_modules_mapping: ClassVar[dict[str, tuple[str, int | str]]] = {
         "q_proj": ("qkv_proj", "q"),

@@ -1,15 +1,7 @@
-"""Triton kernel of the per-row fp8 quantizer: one read of x, one write of its fp8 rows and
-float32 scales, where `quantize_rows` (the torch reference, v1/quantization/fp8.py) launches
-abs, amax, a reciprocal multiply, clamp and the cast as separate passes over x. An fp8 Linear
-quantizes its input per token on every call, so those passes cost more than fp8 GEMMs saved
-(session 4).
-
-With GELU fused, a row is held in registers as up to MAX_CHUNKS power-of-two column chunks
-(5120 = 5 x 1024, 1280 = 5 x 256) rather than one block padded to the next power of two, whose
-masked lanes computed erf too: on an H100, 48,000 x 5120 took 532 us against 593 us padded
-(1280 columns: 136 against 156 us). Without GELU the one padded block is faster (247 against
-339 us at 5120 columns, ~3 TB/s), so plain rows take a single chunk. The tanh form of GELU
-(one exp) takes 389 us at 5120 columns against 530 us for erf.
+"""Triton kernel of the per-row fp8 quantizer (optionally with GELU, bias and an
+`Fp8Product`'s scales fused): one read of x, one write of its fp8 rows and float32 scales.
+Must hold: results equal the torch reference `quantize_rows` (v1/quantization/fp8.py), which
+launches abs, amax, a reciprocal multiply, clamp and the cast as separate passes over x.
 """
 
 from __future__ import annotations
@@ -24,7 +16,11 @@ MAX_CHUNKS = 5
 
 def row_chunks(n_cols: int) -> tuple[int, int]:
     """(chunk, num_chunks): the narrowest power-of-two chunk, at least 16 wide, that covers
-    n_cols in at most MAX_CHUNKS."""
+    n_cols in at most MAX_CHUNKS.
+
+    With GELU fused, a row is held in registers as these chunks (5120 = 5 x 1024, 1280 = 5 x
+    256) rather than one block padded to the next power of two, whose masked lanes would
+    compute erf too; plain rows take a single padded chunk (docs/decisions.md)."""
     chunk = max(16, triton.next_power_of_2(triton.cdiv(n_cols, MAX_CHUNKS)))
     return chunk, triton.cdiv(n_cols, chunk)
 

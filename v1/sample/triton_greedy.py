@@ -1,18 +1,7 @@
 """Greedy sampling of a step's logits in two Triton kernels: bans, forced tokens, argmax and
-the sampled token's raw logprob and rank, reading each row of 16-bit logits once (twice with
-logprobs: the rank pass re-reads the row from L2). Each row is split into chunks, one program
-each: the first kernel finds every chunk's best token and log-sum-exp terms, the second combines
-a row's chunks and counts the rank over its chunk.
-
-`graphed.dense_sample` runs it on CUDA where the step has no Whisper timestamp rules and asks
-for no top-N logprobs (transcription asks only for the sampled token's logprob). Its torch path
-is the reference: a float32 copy of the logits, log_softmax, a mask fill per rule, argmax and a
-rank count, each a pass over [rows, vocab] in float32 (about 0.3 ms a step at 256 rows of
-Whisper's 51,866 tokens on an H100).
-
-The results are the torch path's: the same argmax (first index of the largest value), the same
-rank rule (tokens whose raw logprob >= the sampled one's), the logprob equal up to the order of
-the log-sum-exp's float32 additions.
+the sampled token's raw logprob and rank, reading each row of 16-bit logits once.
+Must hold: the torch path of `graphed.dense_sample` is the reference; same argmax (first index
+of the largest value), same rank rule, logprob equal up to float32 summation order.
 """
 
 from __future__ import annotations
@@ -144,7 +133,16 @@ def greedy_sample(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(sampled [n] int64, logprob [n, 1] float32, rank [n] int64) of logits [n, vocab], with
     `banned` [n, vocab] bool and `forced` [n] (-1: none); both 2-D inputs with unit stride
-    along the vocabulary."""
+    along the vocabulary.
+
+    Each row is split into chunks, one program each: the first kernel finds every chunk's best
+    token and log-sum-exp terms, the second combines a row's chunks and counts the rank over
+    its chunk (with logprobs the rank pass re-reads the row, from L2). `graphed.dense_sample`
+    runs this on CUDA where the step has no Whisper timestamp rules and asks for no top-N
+    logprobs (transcription asks only for the sampled token's logprob). Its torch path: a
+    float32 copy of the logits, log_softmax, a mask fill per rule, argmax and a rank count,
+    each a pass over [rows, vocab] in float32. The rank counts tokens whose raw logprob >=
+    the sampled one's."""
     rows, vocab = logits.shape
     assert logits.stride(1) == 1
     device = logits.device

@@ -1,15 +1,7 @@
 """Device tensors of the KV cache pool and the views every paged layer reads.
-
-One uint8 buffer per KVCacheTensor, shared by the j-th layer of every group. All specs that share
-a buffer agree on where block i lives: two halves (K and V) of `num_blocks` chunks of values,
-then, for fp8 caches, two halves of `num_blocks` chunks of float32 scales:
-    [values: half 0 | half 1][scales: half 0 | half 1], each half [num_blocks, chunk].
-An attention layer sees values [2, num_blocks, block_size, Hkv, D] (+ scales [2, num_blocks,
-block_size, Hkv]); the encoder states of absorbed cross-attention see the first
-`rows_per_half * d` values of each chunk, in each of the first `span` buffers, as [span, 2,
-num_blocks, rows_per_half, d] (+ scales [span, 2, num_blocks, rows_per_half]): the buffers are
-slices of one allocation, so that view is a strided tensor. `KVBlockCopier` copies whole blocks
-inside the pool (forks).
+Must hold: all specs that share a buffer agree on where block i lives (layout at `PoolLayout`),
+so attention layers and the encoder states of absorbed cross-attention view the same bytes.
+`KVBlockCopier` copies whole blocks inside the pool (forks).
 """
 
 from __future__ import annotations
@@ -43,7 +35,17 @@ def torch_dtype(name: str) -> torch.dtype:
 
 @dataclass(frozen=True)
 class PoolLayout:
-    """Bytes of one block's chunk in each half: values, and scales (0 unless fp8)."""
+    """Bytes of one block's chunk in each half: values, and scales (0 unless fp8).
+
+    One uint8 buffer per KVCacheTensor, shared by the j-th layer of every group: two halves
+    (K and V) of `num_blocks` chunks of values, then, for fp8 caches, two halves of
+    `num_blocks` chunks of float32 scales:
+        [values: half 0 | half 1][scales: half 0 | half 1], each half [num_blocks, chunk].
+    An attention layer sees values [2, num_blocks, block_size, Hkv, D] (+ scales [2,
+    num_blocks, block_size, Hkv]); the encoder states of absorbed cross-attention see the
+    first `rows_per_half * d` values of each chunk, in each of the first `span` buffers, as
+    [span, 2, num_blocks, rows_per_half, d] (+ scales [span, 2, num_blocks, rows_per_half]):
+    the buffers are slices of one allocation, so that view is a strided tensor."""
 
     value_chunk: int
     scale_chunk: int

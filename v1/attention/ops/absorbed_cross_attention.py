@@ -1,20 +1,7 @@
-"""Absorbed cross-attention: every decoder layer attends over the one cached encoder output E.
-
-Per layer and head h, with E [S, d] a request's encoder output (exact algebra):
-    scores_h = q_h (E W_k,h + b_k,h)^T = (q_h W_k,h^T) E^T + const   (const cancels in softmax)
-    out_h    = softmax(scores_h) (E W_v,h + b_v,h) = (softmax(scores_h) E) W_v,h + b_v,h
-So a step projects the query into model space (`absorb_query`: q' = q W_k^T, [T, H, d]),
-attends over the paged E (`attend_encoder_states_*`: a torch reference here, a CUDA kernel in
-`cuda_absorbed.py` for 16-bit models, a Triton kernel in `triton_absorbed.py` for the rest),
-and applies W_v and b_v to the [T, H, d] context (`project_values`).
-
-Cache layout: a pool block of an attention layer is two halves (K and V) of rows in each of the
-pool's tensors; encoder states use both halves of the block's page in `span` tensors,
-`rows_per_half` encoder positions each: `states` [span, 2, num_blocks, rows_per_half, d] and,
-for fp8, `scales` [span, 2, num_blocks, rows_per_half]. Encoder position p of a request lives in
-block table entry p // block_size at offset o = p % block_size: tensor o // page_rows, then
-within it half (o % page_rows) // rows_per_half, row o % rows_per_half (page_rows = 2 *
-rows_per_half, block_size = span * page_rows).
+"""Absorbed cross-attention: every decoder layer attends over the one cached encoder output E,
+with W_k and W_v moved onto the query and the context (exact algebra, see
+`absorbed_cross_attention`). Owns the projections, the encoder-states cache writes and index,
+and the torch path, which is the reference of the CUDA and Triton kernels.
 """
 
 from __future__ import annotations
@@ -138,7 +125,15 @@ def states_index(
     slots: torch.Tensor, states: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Flat slots (block_id * block_size + offset) -> (tensor, half, block, row) indices into
-    `states` [span, 2, num_blocks, rows_per_half, d]."""
+    `states` [span, 2, num_blocks, rows_per_half, d].
+
+    A pool block of an attention layer is two halves (K and V) of rows in each of the pool's
+    tensors; encoder states use both halves of the block's page in `span` tensors,
+    `rows_per_half` encoder positions each (fp8 adds `scales` [span, 2, num_blocks,
+    rows_per_half]). Position p of a request lives in block table entry p // block_size at
+    offset o = p % block_size: tensor o // page_rows, then within it half
+    (o % page_rows) // rows_per_half, row o % rows_per_half (page_rows = 2 * rows_per_half,
+    block_size = span * page_rows)."""
     span, rows_per_half = states.shape[0], states.shape[3]
     page_rows = 2 * rows_per_half
     block, offset = slots // (span * page_rows), slots % (span * page_rows)
@@ -223,7 +218,15 @@ def absorbed_cross_attention(
     scale: float,
 ) -> torch.Tensor:
     """One layer's cross-attention over the cached encoder states: query [T, H * D] ->
-    [T, H * D] (the input of the layer's output projection)."""
+    [T, H * D] (the input of the layer's output projection).
+
+    Per head h, with E [S, d] a request's encoder output (exact algebra):
+        scores_h = q_h (E W_k,h + b_k,h)^T = (q_h W_k,h^T) E^T + const   (const cancels in softmax)
+        out_h    = softmax(scores_h) (E W_v,h + b_v,h) = (softmax(scores_h) E) W_v,h + b_v,h
+    So the query is projected into model space (`absorb_query`: q' = q W_k^T, [T, H, d]),
+    attends over the paged E (`attend_encoder_states_*`: the torch reference here, a CUDA
+    kernel in `cuda_absorbed.py` for 16-bit models, a Triton kernel in `triton_absorbed.py`
+    for the rest), and W_v and b_v apply to the [T, H, d] context (`project_values`)."""
     q_abs = absorb_query(query, proj, num_heads, scale)  # [T, H, d]
     if q_abs.is_cuda and hasattr(metadata, "work"):  # the Triton backend's work items
         context = attend_encoder_states_gpu(q_abs, states, scales, metadata)

@@ -1,29 +1,7 @@
-"""Triton kernel of absorbed cross-attention: projected queries attend over the paged encoder
-states E in one pass per (request, query block, row tile).
-
-Every head of every query token attends over the same E (multi-query attention of width d =
-d_model), so a program takes a tile of BLOCK_R (token, head) rows of one request and streams
-that request's E once: scores = q' E^T, online softmax, P E, for all its rows together. The
-query projection q' = q W_k^T and W_v after run as batched GEMMs around the kernel
-(`ops/absorbed_cross_attention.py`, whose torch path is this kernel's reference).
-
-The width d is cut into up to MAX_CHUNKS power-of-two column chunks (1280 = 5 x 256), each with
-its own accumulator: the scores sum the chunks' q'[:, c] E[:, c]^T, then P E updates each
-chunk's accumulator from the same block of E. No dot operand is d wide: the earlier kernel's
-[N, 1024] + [N, 256] operands took all 255 registers a thread and spilled.
-
-The grid is one-dimensional with the row tiles of a work item adjacent, so the tiles of one
-request (large-v3's 20 heads are two tiles of 16 rows) run at the same time and the second
-reads E from L2, not HBM. fp8 encoder states load as fp8 and convert to the query's dtype; their
-per-position scales fold into the scores and the softmax weights (no [N, d] multiply).
-Measured on an H100 (256 requests, bf16, one query token each): large-v3 (1500 x 1280, 20
-heads) 610 us per call against 649 us for the whole-width kernel (one read of E: 330 us);
-BART-large (512 x 1024, 16 heads) 129 against 166 us, 2.0 TB/s of E.
-
-Cache layout: states [span, 2, num_blocks, rows_per_half, d] (+ scales [span, 2, num_blocks,
-rows_per_half]); position p of a request: block table entry p // (span * 2 * rows_per_half),
-offset o = p % (span * 2 * rows_per_half) in pool tensor o // (2 * rows_per_half), and there in
-half (o // rows_per_half) % 2, row o % rows_per_half.
+"""Triton kernel of absorbed cross-attention: projected queries q' [T, H, d] attend over a
+request's paged encoder states E in one pass per (request, query block, row tile).
+Must hold: results equal the torch reference `attend_encoder_states_torch` in
+`ops/absorbed_cross_attention.py` (which also runs the W_k / W_v GEMMs around this kernel).
 """
 
 from __future__ import annotations
@@ -149,6 +127,24 @@ def _scores(
     return s
 
 
+# Every head of every query token attends over the same E (multi-query attention of width
+# d = d_model), so a program takes a tile of BLOCK_R (token, head) rows of one request and
+# streams that request's E once: scores = q' E^T, online softmax, P E, for all its rows together.
+#
+# Chunking: d is cut into up to MAX_CHUNKS power-of-two column chunks (1280 = 5 x 256), each with
+# its own accumulator: the scores sum the chunks' q'[:, c] E[:, c]^T, then P E updates each
+# chunk's accumulator from the same block of E. No dot operand is d wide: the earlier kernel's
+# [N, 1024] + [N, 256] operands took all 255 registers a thread and spilled.
+#
+# The grid is one-dimensional with the row tiles of a work item adjacent, so the tiles of one
+# request (large-v3's 20 heads are two tiles of 16 rows) run at the same time and the second
+# reads E from L2, not HBM. fp8 encoder states load as fp8 and convert to the query's dtype;
+# their per-position scales fold into the scores and the softmax weights (no [N, d] multiply).
+#
+# Cache layout: states [span, 2, num_blocks, rows_per_half, d] (+ scales [span, 2, num_blocks,
+# rows_per_half]); position p of a request: block table entry p // (span * 2 * rows_per_half),
+# offset o = p % (span * 2 * rows_per_half) in pool tensor o // (2 * rows_per_half), and there in
+# half (o // rows_per_half) % 2, row o % rows_per_half.
 @triton.jit
 def _absorbed_attention_kernel(
     Q,

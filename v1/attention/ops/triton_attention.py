@@ -1,11 +1,6 @@
 """Triton kernels: paged varlen attention for all four attention types, and the KV write.
-
-One kernel serves every type: queries are packed [T, H, D]; keys come either from the paged
-cache through the block table (DECODER, ENCODER_DECODER) or from packed K/V that share the
-query offsets (ENCODER, ENCODER_ONLY). Optional bias: a materialized padded tensor, or T5
-relative-position buckets evaluated in the kernel. fp8 caches (float8_e4m3fn rows with one
-float32 scale per token and head) are quantized by the write kernel and dequantized as K/V tiles
-load. Torch references: `ops/reference.py`.
+One kernel serves every type (packed queries [T, H, D], keys paged or packed; see
+`_attention_kernel`). Must hold: results equal the torch references in `ops/reference.py`.
 """
 
 from __future__ import annotations
@@ -47,6 +42,11 @@ def _relative_bucket(
     return bucket + tl.where(n < REL_MAX_EXACT, n, large)
 
 
+# Queries are packed [T, H, D]; keys come either from the paged cache through the block table
+# (DECODER, ENCODER_DECODER) or from packed K/V that share the query offsets (ENCODER,
+# ENCODER_ONLY). Optional bias: a materialized padded tensor, or T5 relative-position buckets
+# evaluated in the kernel. fp8 caches (float8_e4m3fn rows with one float32 scale per token and
+# head) are quantized by the write kernel and dequantized as K/V tiles load.
 @triton.jit
 def _attention_kernel(
     Q,

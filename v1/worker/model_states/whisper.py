@@ -1,9 +1,6 @@
 """Whisper at the runner level: the encoder-decoder strategy plus each request's no-speech
-probability (softmax of the raw logits at its <|startoftranscript|> position, probability of
-<|nospeech|>, as transformers and openai-whisper compute it), reported once per request in
-`ModelRunnerOutput.extras[req_id]["no_speech_prob"]`; and, for word_timestamps requests, the
-times of their text tokens (`extras[req_id]["token_times"]`) with the output that ends them,
-from an eager alignment pass over the window's kept encoder output (v1/worker/whisper_alignment).
+probability and, for word_timestamps requests, the times of their text tokens (`WhisperState`).
+Must hold: each is reported once per request, in `ModelRunnerOutput.extras[req_id]`.
 """
 
 from __future__ import annotations
@@ -53,6 +50,12 @@ class _WordTimingRequest:
 
 
 class WhisperState(EncoderDecoderState):
+    """The no-speech probability is the softmax of the raw logits at a request's
+    <|startoftranscript|> position, probability of <|nospeech|> (as transformers and
+    openai-whisper compute it), in `extras[req_id]["no_speech_prob"]`. Token times come from
+    an eager alignment pass over the window's kept encoder output (v1/worker/whisper_alignment),
+    in `extras[req_id]["token_times"]` with the output that ends them."""
+
     model_interfaces = (SupportsWhisper,)
 
     def __init__(self, ctx: StateContext) -> None:
