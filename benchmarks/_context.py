@@ -21,6 +21,18 @@ import torch
 from _harness import Device, EngineProbe, Machine, ProbeReport, Samples, compare_counts, timed
 from _report import Row
 
+
+def asset(name: str) -> str:
+    """../shared/assets/<name> beside the checkout, shared/assets/<name> inside it, or the
+    .bench_assets/<name> copy carried to a device machine."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for base in (os.path.join(root, "..", "shared"), os.path.join(root, "shared"), "../shared"):
+        path = os.path.join(base, "assets", name)
+        if os.path.isdir(path):
+            return os.path.normpath(path)
+    return os.path.join(root, ".bench_assets", name)
+
+
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",

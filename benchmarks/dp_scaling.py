@@ -30,7 +30,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from _context import copy_tokenizer  # noqa: E402
+from _context import asset, copy_tokenizer  # noqa: E402
 from _whisper import CLIP_SECONDS, make_clips, transcribe_run, whisper_config  # noqa: E402
 
 ENGINE_KWARGS = dict(
@@ -86,15 +86,6 @@ class RowResult:
         return f"[{work / max(self.seconds):,.0f}-{work / min(self.seconds):,.0f}]"
 
 
-def _asset(name: str) -> str:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for base in (os.path.join(root, "..", "shared"), os.path.join(root, "shared")):
-        path = os.path.join(base, "assets", name)
-        if os.path.isdir(path):
-            return os.path.normpath(path)
-    return os.path.join(root, ".bench_assets", name)
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dp", default=None, help="comma list of N (default 1,2[,4] as GPUs allow)")
@@ -106,7 +97,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="tiny random Whisper (CPU smoke run)")
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--num-scheduler-steps", type=int, default=None)
-    p.add_argument("--tokenizer", default=_asset("whisper-base"), help="whisper-base folder")
+    p.add_argument("--tokenizer", default=asset("whisper-base"), help="whisper-base folder")
     p.add_argument("--core-threads", default="default", help="N > 1: default,share (list)")
     p.add_argument("--admission", default="engine", help="N > 1: engine,one-core (list)")
     p.add_argument("--hash", default="engine", help="engine,one-thread (list; every N)")

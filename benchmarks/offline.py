@@ -76,7 +76,7 @@ from collections.abc import Callable
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import torch  # noqa: E402
-from _context import Context, ModelStore
+from _context import Context, ModelStore, asset
 from _harness import Device, Machine, measure_machine
 from _report import Row, markdown_table, notes_markdown
 from _text import bench_bart, bench_bert, bench_host_overhead, bench_llama
@@ -96,16 +96,6 @@ ENGINE_OPTIONS = ("cross_attention", "quantization", "kv_cache_dtype")
 """Issue 16's LLM options, passed through only when given."""
 
 
-def _asset(name: str) -> str:
-    """../shared/assets/<name> from the repository root, or shared/assets/<name>."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for base in (os.path.join(root, "..", "shared"), os.path.join(root, "shared"), "../shared"):
-        path = os.path.join(base, "assets", name)
-        if os.path.isdir(path):
-            return os.path.normpath(path)
-    return os.path.join("..", "shared", "assets", name)
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workloads", default="all", help=f"all, or a comma list of {list(WORKLOADS)}")
@@ -113,8 +103,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="tiny random models, few inputs (smoke)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per figure (median)")
     p.add_argument("--check", action="store_true", help="exit non-zero unless output sizes match")
-    p.add_argument("--tokenizer", default=_asset("whisper-base"), help="whisper-base folder")
-    p.add_argument("--bert-tokenizer", default=_asset("all-MiniLM-L6-v2"), help="MiniLM folder")
+    p.add_argument("--tokenizer", default=asset("whisper-base"), help="whisper-base folder")
+    p.add_argument("--bert-tokenizer", default=asset("all-MiniLM-L6-v2"), help="MiniLM folder")
     p.add_argument("--hf-batches", default=None, help="comma list: sweep exactly these")
     p.add_argument(
         "--hf-sweep-budget", type=float, default=240.0, help="seconds per transformers sweep"

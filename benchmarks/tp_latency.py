@@ -29,7 +29,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from _context import copy_tokenizer  # noqa: E402
+from _context import asset, copy_tokenizer  # noqa: E402
 from _whisper import make_clips, transcribe_run, whisper_config  # noqa: E402
 
 LLAMA_8B = dict(
@@ -56,15 +56,6 @@ LLAMA_TINY = dict(
 PROMPT_LEN = 128
 
 
-def _asset(name: str) -> str:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for base in (os.path.join(root, "..", "shared"), os.path.join(root, "shared")):
-        path = os.path.join(base, "assets", name)
-        if os.path.isdir(path):
-            return os.path.normpath(path)
-    return os.path.join(root, ".bench_assets", name)
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tp", default=None, help="comma list (default 1,2[,4] as GPUs allow)")
@@ -73,7 +64,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true")
-    p.add_argument("--tokenizer", default=_asset("whisper-base"), help="whisper-base folder")
+    p.add_argument("--tokenizer", default=asset("whisper-base"), help="whisper-base folder")
     return p.parse_args(argv)
 
 
