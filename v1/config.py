@@ -564,13 +564,8 @@ class EngineConfig:
 
 
 # ---- attention: the cross-attention rule (torch-free facts; floor 2 sees no v1.attention) ----
-ABSORBED_KERNEL_ENV = "V1_ABSORBED_KERNEL"
-"""cuda (default: the CUDA absorbed kernel where it serves) or triton (the Triton one always)."""
-
-
 def resolve_cross_attention(config: EngineConfig) -> str:
-    """The rule behind cross_attention="auto" (measurements: docs/architecture.md,
-    "Cross-attention modes"): per_layer on CPU and for models without cross-attention (absorbed
+    """The rule behind cross_attention="auto" (docs/decisions.md, cross-attention): per_layer on CPU and for models without cross-attention (absorbed
     attends over d_model-wide rows: compute-bound there); on a GPU absorbed, except with an fp8
     KV cache where only the Triton kernel takes fp8 states (its fp8 path loses to per-layer)."""
     mode = config.cache_config.cross_attention
@@ -586,10 +581,8 @@ def resolve_cross_attention(config: EngineConfig) -> str:
 
 def _cuda_kernel_takes_fp8_states(config: EngineConfig) -> bool:
     """Whether the CUDA absorbed kernel serves fp8 encoder states: 16-bit models on sm_89+."""
-    import os
-
     dtype = str(config.model_config.torch_dtype("cuda")).removeprefix("torch.")
-    if os.environ.get(ABSORBED_KERNEL_ENV, "cuda") != "cuda" or dtype not in _16_BIT:
+    if envs.absorbed_kernel() != "cuda" or dtype not in _16_BIT:
         return False
     import torch
 

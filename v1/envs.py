@@ -67,3 +67,12 @@ def sampler_graphs() -> bool | None:
     if value is None or value == "":
         return None
     return _bool("V1_SAMPLER_GRAPHS", True)
+
+
+ABSORBED_KERNEL_ENV = "V1_ABSORBED_KERNEL"
+
+
+def absorbed_kernel() -> str:
+    """V1_ABSORBED_KERNEL, read on each call (tests set it): "cuda" (default) runs the CUDA
+    absorbed cross-attention kernel where it serves, "triton" the Triton one always."""
+    return os.environ.get(ABSORBED_KERNEL_ENV, "cuda")

@@ -9,21 +9,20 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from v1.config import ABSORBED_KERNEL_ENV
+from v1 import envs
 from v1.logger import init_logger
 
 logger = init_logger(__name__)
 
 SOURCE = Path(__file__).with_name("absorbed_attention.cu")
 KERNEL_NAME = "absorbed_attention_kernel"
-KERNEL_ENV = ABSORBED_KERNEL_ENV
+KERNEL_ENV = envs.ABSORBED_KERNEL_ENV
 """`cuda` (the default where it applies) or `triton` (the config's cross-attention rule reads it)."""
 MAX_WARP_COLUMNS = 160
 """Columns of d a warp owns at most: 80 accumulator registers a thread per 16-row tile."""
@@ -136,7 +135,7 @@ def kernel_for(
     """(config, kernel) where the CUDA kernel takes these inputs, else None."""
     fp8 = states.dtype == torch.float8_e4m3fn and scales is not None
     if (
-        os.environ.get(KERNEL_ENV, "cuda") != "cuda"
+        envs.absorbed_kernel() != "cuda"
         or not q_abs.is_cuda
         or (states.dtype != q_abs.dtype and not fp8)
         or (fp8 and (scales.stride(3) != 1 or scales.dtype != torch.float32))
