@@ -54,6 +54,21 @@ def make_states_manager(
 # ---- spec and sizing ----
 
 
+def test_capacity_counts_the_encoder_states_blocks() -> None:
+    """The start-up fit check and admission count what the states manager allocates: a
+    request with 20 encoder positions takes ceil(20 / 8) states blocks beside its decoder's."""
+    from v1.kv_cache.capacity import max_tokens_that_fit, num_blocks_needed
+
+    config = get_kv_cache_config(states_layer_specs(block_size=4), num_blocks=32)
+    decoder_only = num_blocks_needed(config, 10)
+    assert num_blocks_needed(config, 10, 20) == decoder_only + 3
+    manager = KVCacheManager(config, max_model_len=1024, enable_caching=False)
+    free = manager.block_pool.get_num_free_blocks()
+    admit(manager, make_request(prompt_len=10, num_encoder_tokens=20))
+    assert free - manager.block_pool.get_num_free_blocks() == num_blocks_needed(config, 10, 20)
+    assert max_tokens_that_fit(config, 20) < max_tokens_that_fit(config, 0)
+
+
 def test_states_block_holds_twice_the_tokens_in_the_self_attention_page() -> None:
     specs = states_layer_specs(block_size=4)
     self_spec, states = specs["decoder.layers.0.self_attn"], specs[STATES]

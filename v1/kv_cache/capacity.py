@@ -6,7 +6,12 @@ Used by the engine's start-up check (one maximal request must fit the pool) and 
 
 from __future__ import annotations
 
-from v1.kv_cache.spec import CrossAttentionSpec, FullAttentionSpec, KVCacheConfig
+from v1.kv_cache.spec import (
+    CrossAttentionSpec,
+    EncoderStatesSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -17,13 +22,13 @@ def num_blocks_needed(
     kv_cache_config: KVCacheConfig, num_tokens: int, num_encoder_tokens: int = 0
 ) -> int:
     """Blocks over all groups for `num_tokens` decoder tokens and `num_encoder_tokens` encoder
-    positions (cross-attention groups), with no prefix-cache hits."""
+    positions (cross-attention and encoder-states groups), with no prefix-cache hits."""
     total = 0
     for group in kv_cache_config.groups:
         spec = group.spec
         if isinstance(spec, FullAttentionSpec):
             total += cdiv(num_tokens, spec.block_size)
-        elif isinstance(spec, CrossAttentionSpec):
+        elif isinstance(spec, (CrossAttentionSpec, EncoderStatesSpec)):
             total += cdiv(num_encoder_tokens, spec.block_size)
     return total
 
