@@ -6,10 +6,10 @@ connects to the cluster Ray finds (RAY_ADDRESS) or starts a local one.
 
 from __future__ import annotations
 
-import os
 import socket
 from typing import Any
 
+from v1 import envs
 from v1.config import EngineConfig
 from v1.executor.multiproc import DistributedExecutor
 from v1.executor.worker_proc import WorkerAddresses
@@ -163,12 +163,11 @@ class RayExecutor(DistributedExecutor):
 
 def _visible_index(gpu_id: str) -> int:
     """The torch device index of physical GPU `gpu_id` in this process."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if not visible:
+    ids = envs.cuda_visible_devices()
+    if not ids:
         return int(gpu_id)
-    ids = [v.strip() for v in visible.split(",")]
     if gpu_id not in ids:
-        raise ValueError(f"Ray gave rank 0 GPU {gpu_id}, not visible here ({visible})")
+        raise ValueError(f"Ray gave rank 0 GPU {gpu_id}, not visible here ({','.join(ids)})")
     return ids.index(gpu_id)
 
 
