@@ -205,10 +205,9 @@ class DistributedExecutor(Executor):
 
     # ---- Executor ----
     def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
-        self._broadcast(WorkerMethod.KV_CACHE_SPECS)
-        specs = self._local(self.worker.get_kv_cache_specs)
-        self._gather(WorkerMethod.KV_CACHE_SPECS)
-        return specs
+        # Every rank derives the same specs from the config (cross-attention mode included):
+        # rank 0's answer holds for all, and INIT_KV_CACHE rebuilds them on each rank.
+        return self._local(self.worker.get_kv_cache_specs)
 
     def determine_available_kv_bytes(self) -> int:
         self._broadcast(WorkerMethod.AVAILABLE_KV_BYTES)

@@ -38,8 +38,6 @@ class WorkerMethod(Enum):
     """SchedulerOutput: launch the step (pipelined scheduling; no reply)."""
     READ_BACK = b"R"
     """Read back the oldest launched step, as rank 0 does now (the same order on every rank)."""
-    KV_CACHE_SPECS = b"S"
-    """Build this rank's KV cache specs (the config's cross-attention mode); reply when done."""
     AVAILABLE_KV_BYTES = b"A"
     """Reply this rank's KV cache budget (profiled on GPU)."""
     INIT_KV_CACHE = b"K"
@@ -111,16 +109,13 @@ class WorkerProc:
                 launched.append(worker.execute_model_async(step_decoder.decode(payload)))
             elif method is WorkerMethod.READ_BACK:
                 launched.popleft().get_output()
-            elif method is WorkerMethod.KV_CACHE_SPECS:
-                worker.get_kv_cache_specs()
-                self.reply(method.name)
             elif method is WorkerMethod.AVAILABLE_KV_BYTES:
                 self.reply(method.name, worker.determine_available_kv_bytes())
             elif method is WorkerMethod.INIT_KV_CACHE:
                 from v1.kv_cache.sizing import get_kv_cache_config
 
                 num_blocks = int_decoder.decode(payload)
-                specs = worker.current_kv_cache_specs()
+                specs = worker.get_kv_cache_specs()
                 worker.initialize_kv_cache(get_kv_cache_config(specs, num_blocks=num_blocks))
                 self.reply(method.name)
             else:

@@ -70,10 +70,6 @@ class Worker:
     def load_model(self) -> None:
         self.model_runner.load_model()
 
-    def current_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
-        """The specs of the config's cross-attention mode (no profiling)."""
-        return self.model_runner.get_kv_cache_specs()
-
     def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
         return self.model_runner.get_kv_cache_specs()
 
