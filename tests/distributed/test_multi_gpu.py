@@ -50,14 +50,6 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> str:
     return make_tiny_llama_dir(tmp_path_factory.mktemp("llama"), initializer_range=0.2)
 
 
-@pytest.fixture(autouse=True)
-def ieee_fp32() -> Any:
-    previous = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = previous
-
-
 @needs_gpus(2)
 @pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 2}, {"data_parallel_size": 2}])
 def test_fp16_rows_that_differ_from_one_gpu(llama: str, parallel: dict[str, int]) -> None:

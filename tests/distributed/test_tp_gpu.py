@@ -37,14 +37,6 @@ def tp1_and_tp2(path: str, run: Any, **engine_args: Any) -> list[Any]:
     return results
 
 
-@pytest.fixture(autouse=True)
-def ieee_fp32() -> Any:
-    previous = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = previous
-
-
 @pytest.mark.parametrize("enforce_eager", [True, False])
 def test_llama_tp2_gpu(tmp_path: Path, enforce_eager: bool) -> None:
     path = make_tiny_llama_dir(tmp_path, initializer_range=0.2)
