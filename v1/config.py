@@ -24,6 +24,8 @@ logger = init_logger(__name__)
 
 CROSS_ATTENTION_MODES = ("auto", "per_layer", "absorbed")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+ATTENTION_BACKENDS = ("auto", "flash_attn", "triton", "torch_sdpa")
+"""`attention_backend` values: the selector's backends (v1/attention/selector.py), or auto."""
 _DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "fp32", "fp16", "bf16")
 FP8_IGNORE_REGEX = "re:"
 """Prefix of an `fp8_ignore` entry that is a regular expression over full module names."""
@@ -333,6 +335,11 @@ class CacheConfig:
             raise ValueError(
                 f"cross_attention must be one of {CROSS_ATTENTION_MODES}, got "
                 f"{self.cross_attention!r}"
+            )
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, got "
+                f"{self.attention_backend!r}"
             )
 
     @property

@@ -88,6 +88,14 @@ def test_cpu_picks_torch_sdpa_and_a_forced_backend_must_fit() -> None:
         select_backend(CPU_DECODER, forced="nope")
 
 
+def test_the_config_knows_every_backend() -> None:
+    """CacheConfig checks attention_backend against the selector's names (config cannot import
+    the selector: it sits floors below)."""
+    from v1.config import ATTENTION_BACKENDS
+
+    assert set(ATTENTION_BACKENDS) == {"auto", *selector._BACKENDS}
+
+
 def test_import_failure_is_a_reason(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(selector._BACKENDS, "broken", "no_such_module_xyz:Backend")
     with pytest.raises(ValueError, match="'broken' cannot serve this model: cannot be imported"):
@@ -100,6 +108,8 @@ def test_attention_backend_setting_reaches_the_runner(tiny_llama_dir: str) -> No
 
     with pytest.raises(ValueError, match="unknown engine argument"):
         make_engine_config(tiny_llama_dir, attention_backnd="triton")
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        make_engine_config(tiny_llama_dir, device="cpu", attention_backend="trition")
     config = make_engine_config(tiny_llama_dir, device="cpu", attention_backend="flash_attn")
     assert config.cache_config.attention_backend == "flash_attn"
     import torch
