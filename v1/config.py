@@ -309,7 +309,7 @@ class CacheConfig:
     """Encoder-decoder cross-attention: per_layer (each decoder layer caches its own K/V of the
     encoder output), absorbed (the encoder output is cached once and every layer attends over it
     through its query projected by W_k, exact), or auto (`EngineConfig.cross_attention_mode`
-    resolves it; see docs/architecture.md)."""
+    resolves it; see docs/decisions.md, "Cross-attention")."""
     attention_backend: str = "auto"
     """auto (the first of flash_attn, triton, torch_sdpa whose capabilities serve the model on
     the device) or one of those names, which must then serve it (else a ValueError says why)."""

@@ -302,7 +302,7 @@ def test_auto_rule_picks_absorbed_on_a_gpu_and_per_layer_on_cpu(
     bart_dir: str, tiny_llama_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The rule itself, resolved by the config before any model exists (CPU-testable;
-    measurements in docs/architecture.md): absorbed on a GPU for a model with cross-attention
+    measurements in docs/decisions.md): absorbed on a GPU for a model with cross-attention
     unless the KV cache is fp8 and only the Triton kernel takes fp8 states, per_layer on CPU;
     an explicit mode is kept as given."""
     import v1.config

@@ -119,7 +119,7 @@ class WhisperForConditionalGeneration(nn.Module):
     """Linears quantization="fp8" keeps in the model dtype: encoder layers 0 and 1 (layer 0's
     attention alone moves the output more than layers 1-5 together) and the decoder's
     per-token GEMMs; encoder layers 2+ and the cross K/V projections of the encoder states
-    (the compute-bound GEMMs) are fp8 (docs/architecture.md, "FP8")."""
+    (the compute-bound GEMMs) are fp8 (docs/decisions.md, "fp8")."""
 
     def __init__(self, hf_config: Any, prefix: str = "") -> None:
         super().__init__()

@@ -1,5 +1,5 @@
 """One input builder per model kind, chosen once: each turns a user prompt into the
-EngineCoreRequest of its kind (see docs/architecture.md, "From prompt to EngineCoreRequest")."""
+EngineCoreRequest of its kind (docs/architecture.md, `v1/engine/`)."""
 
 from __future__ import annotations
 
