@@ -65,6 +65,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--tokenizer", default=asset("whisper-base"), help="whisper-base folder")
+    p.add_argument(
+        "--profile-dir",
+        default=None,
+        help="profile Llama steps --profile-steps on every rank (V1_TORCH_PROFILER_DIR); "
+        "prints each rank's NCCL share of device time",
+    )
+    p.add_argument(
+        "--profile-steps",
+        default="700:740",
+        help="worker steps profiled (default: inside the batch-8 decode runs at 128 tokens)",
+    )
     return p.parse_args(argv)
 
 
@@ -119,6 +130,11 @@ def with_engine(
     if tp > 1:
         kwargs["tensor_parallel_size"] = tp
     llm = None
+    profile_dir = None
+    if args.profile_dir and kind == "llama":
+        profile_dir = os.path.join(args.profile_dir, f"{kind}-tp{tp}")
+        os.environ["V1_TORCH_PROFILER_DIR"] = profile_dir
+        os.environ["V1_TORCH_PROFILER_STEPS"] = args.profile_steps
     try:
         llm = LLM(path, dtype="auto", device=args.device, **kwargs)
         return fn(llm)
@@ -128,6 +144,11 @@ def with_engine(
     finally:
         if llm is not None:
             llm.shutdown()
+        os.environ.pop("V1_TORCH_PROFILER_DIR", None)
+        if profile_dir is not None:
+            for name in sorted(os.listdir(profile_dir)) if os.path.isdir(profile_dir) else []:
+                with open(os.path.join(profile_dir, name)) as f:
+                    print(f"profile {kind} TP {tp} {name}: {f.readline().strip()}", flush=True)
         gc.unfreeze()
         gc.collect()
         if cuda:

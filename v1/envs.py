@@ -76,3 +76,15 @@ def absorbed_kernel() -> str:
     """V1_ABSORBED_KERNEL, read on each call (tests set it): "cuda" (default) runs the CUDA
     absorbed cross-attention kernel where it serves, "triton" the Triton one always."""
     return os.environ.get(ABSORBED_KERNEL_ENV, "cuda")
+
+
+def torch_profiler_dir() -> str | None:
+    """V1_TORCH_PROFILER_DIR, read when a worker starts: each worker profiles a window of its
+    steps with torch.profiler and writes a per-kernel table to DIR/rank<R>.txt (unset: off)."""
+    return os.environ.get("V1_TORCH_PROFILER_DIR") or None
+
+
+def torch_profiler_steps() -> tuple[int, int]:
+    """V1_TORCH_PROFILER_STEPS "START:STOP" (default "20:40"): the worker steps profiled."""
+    start, _, stop = os.environ.get("V1_TORCH_PROFILER_STEPS", "20:40").partition(":")
+    return int(start), int(stop)

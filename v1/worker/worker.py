@@ -17,6 +17,7 @@ from v1.distributed.parallel_state import (
 from v1.kv_cache.spec import KVCacheConfig, KVCacheSpec
 from v1.logger import init_logger
 from v1.worker.model_runner import ModelRunner
+from v1.worker.step_profiler import StepProfiler
 
 logger = init_logger(__name__)
 
@@ -53,6 +54,7 @@ class Worker:
         self.model_runner = ModelRunner(config, self.device)
         self.model_runner.tp = self.tp
         self._available_kv_bytes: int | None = None
+        self.profiler = StepProfiler.from_env(rank)
 
     def limit_cpu_threads(self) -> None:
         """On CPU under tensor parallelism, the calling thread's ops use the rank's share of
@@ -89,10 +91,20 @@ class Worker:
         self.model_runner.initialize_kv_cache(kv_cache_config)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.model_runner.execute_model(scheduler_output)
+        if self.profiler is None:
+            return self.model_runner.execute_model(scheduler_output)
+        self.profiler.before_step()
+        out = self.model_runner.execute_model(scheduler_output)
+        self.profiler.after_step()
+        return out
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> DeferredRunnerOutput:
-        return self.model_runner.execute_model_async(scheduler_output)
+        if self.profiler is None:
+            return self.model_runner.execute_model_async(scheduler_output)
+        self.profiler.before_step()
+        out = self.model_runner.execute_model_async(scheduler_output)
+        self.profiler.after_step()
+        return out
 
     def shutdown(self) -> None:
         self.model_runner.shutdown()
