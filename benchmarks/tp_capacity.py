@@ -52,13 +52,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--dir", required=True, help="where the checkpoint is written (needs ~141 GB)")
     p.add_argument("--layers", type=int, default=None, help="override num_hidden_layers")
-    p.add_argument("--layers-per-shard", type=int, default=4)
+    p.add_argument(
+        "--layers-per-shard",
+        type=int,
+        default=1,
+        help="1: layers share random values, never within a file",
+    )
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--tokenizer", default=asset("whisper-base"))
     p.add_argument("--keep", action="store_true", help="keep the checkpoint afterwards")
     return p.parse_args(argv)
+
+
+_RANDOM: dict[tuple[str, tuple[int, int]], torch.Tensor] = {}
+"""Writing is the slow part of a 141 GB checkpoint: the layers share their random values."""
 
 
 def layer_tensors(i: int, cfg: dict, gen: torch.Generator, device: str) -> dict[str, torch.Tensor]:
@@ -76,8 +85,10 @@ def layer_tensors(i: int, cfg: dict, gen: torch.Generator, device: str) -> dict[
     }
     out = {}
     for name, shape in shapes.items():
-        w = torch.randn(shape, generator=gen, device=device, dtype=torch.bfloat16)
-        out[f"model.layers.{i}.{name}"] = w.mul_(shape[1] ** -0.5).cpu()
+        if (name, shape) not in _RANDOM:  # one random draw per projection, shared by the layers
+            w = torch.randn(shape, generator=gen, device=device, dtype=torch.bfloat16)
+            _RANDOM[(name, shape)] = w.mul_(shape[1] ** -0.5).cpu()
+        out[f"model.layers.{i}.{name}"] = _RANDOM[(name, shape)]
     for norm in ("input_layernorm", "post_attention_layernorm"):
         out[f"model.layers.{i}.{norm}.weight"] = torch.ones(d, dtype=torch.bfloat16)
     return out
