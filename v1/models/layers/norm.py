@@ -1,6 +1,7 @@
 """Normalization layers: RMSNorm and LayerNorm (float32 inside, cast back), and
 `add_layer_norm`, the residual add + LayerNorm (one Triton kernel on CUDA for large 16-bit
-batches, `triton_norm.py`; the torch path here is its reference). A LayerNorm feeding only fp8
+batches or under CUDA graph capture, `triton_norm.py`; the torch path here is its reference).
+RMSNorm's residual add + norm is likewise one kernel (`triton_rms_norm.py`). A LayerNorm feeding only fp8
 Linears (`fp8_output`) hands over `v1.quantization.fp8_rows.Fp8Rows` from the same kernel.
 """
 
@@ -31,7 +32,16 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual), the
-        pre-norm block's fused add, so the caller carries the un-normalized sum forward."""
+        pre-norm block's fused add, so the caller carries the un-normalized sum forward.
+        One Triton kernel (`triton_rms_norm.py`) under `use_fused_kernel`; the torch path
+        here is its reference."""
+        if use_fused_kernel(x) and (
+            residual is None or (residual.stride(-1) == 1 and residual.dtype == x.dtype)
+        ):
+            from v1.models.layers.triton_rms_norm import add_rms_norm_triton
+
+            out, h = add_rms_norm_triton(x, residual, self.weight, self.eps)
+            return out if h is None else (out, h)
         if residual is None:
             return self._norm(x)
         x = x + residual
@@ -69,7 +79,11 @@ def fp16_clamp_limit(dtype: torch.dtype) -> float | None:
     return torch.finfo(torch.float16).max - 1000 if dtype == torch.float16 else None
 
 
-def _fused(x: torch.Tensor) -> bool:
+def use_fused_kernel(x: torch.Tensor) -> bool:
+    """Whether a layer runs its Triton kernel on x (RMSNorm, LayerNorm's add, SiluAndMul,
+    RoPE): CUDA, 16 bits, 2-D with contiguous columns, and either many rows or a CUDA graph
+    being captured (where launch cost is paid once, at capture, and the kernels saved are
+    saved on every replay). Everywhere else the torch path, each kernel's reference, runs."""
     return (
         x.is_cuda
         and x.dtype in (torch.float16, torch.bfloat16)
@@ -102,11 +116,11 @@ def add_layer_norm(
     of the Linear whose product the next add brings: `BartEncoderLayer.link_fp8_norms`)."""
     scales = None
     if isinstance(x, Fp8Product):
-        if _fused(x.out) and residual.stride(-1) == 1:
+        if use_fused_kernel(x.out) and residual.stride(-1) == 1:
             scales, x = (x.row_scale, x.col_scale), x.out
         else:
             x = x.dequantize()
-    if _fused(x) and residual.stride(-1) == 1:
+    if use_fused_kernel(x) and residual.stride(-1) == 1:
         from v1.models.layers.triton_norm import add_layer_norm_triton
 
         fp8 = (FP8_DTYPE, FP8_MAX, MIN_SCALE) if norm.fp8_output else None
