@@ -2,7 +2,9 @@
 residual add + RMSNorm [T, 4096], SiLU-and-mul [T, 2 x 14336] -> [T, 14336] and RoPE of
 q [T, 32 x 128] and k [T, 8 x 128], at T = 1, 8 and 256 rows, bf16. Each op runs 100 times
 inside one CUDA graph (as a decode step replays it); a replay is timed with CUDA events and
-the median of 5 divided by 100 is printed, so launch overhead is what a graph pays.
+the median of 5 divided by 100 is printed, so launch overhead is what a graph pays. The
+eager column is the same op called 100 times without a graph (host launch cost included: the
+layers take the kernel eagerly at every size, `use_fused_elementwise`).
 
     python3 benchmarks/llama_layers.py [--dtype fp16] [--rows 1 8 256]
 """
@@ -10,6 +12,7 @@ the median of 5 divided by 100 is printed, so launch overhead is what a graph pa
 from __future__ import annotations
 
 import argparse
+import time
 from collections.abc import Callable
 
 import torch
@@ -46,6 +49,22 @@ def graph_us(fn: Callable[[], object]) -> float:
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) * 1000 / CALLS)
+    return sorted(times)[len(times) // 2]
+
+
+def eager_us(fn: Callable[[], object]) -> float:
+    """Median over REPEATS runs of CALLS eager calls of fn (host time until the GPU is
+    done), per call, in us."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        for _ in range(CALLS):
+            fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e6 / CALLS)
     return sorted(times)[len(times) // 2]
 
 
@@ -95,13 +114,14 @@ def main() -> None:
         per_layer = [0.0, 0.0]
         for name, (reference, fused) in ops(rows, dtype).items():
             t_ref, t_fused = graph_us(reference), graph_us(fused)
+            e_ref, e_fused = eager_us(reference), eager_us(fused)
             if name != "RMSNorm":  # a layer: 2 x add + RMSNorm, SiluAndMul, RoPE
                 weight = 2 if name == "add + RMSNorm" else 1
                 per_layer[0] += weight * t_ref
                 per_layer[1] += weight * t_fused
             print(
                 f"T={rows:4d} {name:14s} torch {t_ref:7.2f} us  fused {t_fused:7.2f} us"
-                f"  ({t_ref / t_fused:.1f}x)",
+                f"  ({t_ref / t_fused:.1f}x); eager torch {e_ref:7.2f} us  fused {e_fused:7.2f} us",
                 flush=True,
             )
         print(

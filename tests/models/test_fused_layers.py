@@ -197,8 +197,8 @@ def test_whisper_encoder_with_fused_paths_matches_transformers() -> None:
 
 
 # --- Llama's elementwise layers: RMSNorm (+ residual add), SiluAndMul, RoPE -----------------
-# Each runs one Triton kernel under `use_fused_kernel` (CUDA, 16 bits, many rows or CUDA graph
-# capture) and its torch path everywhere else; the torch path is the reference.
+# Each runs one Triton kernel under `use_fused_elementwise` (CUDA, 16 bits, 2-D, any rows) and
+# its torch path everywhere else; the torch path is the reference.
 
 _ULP = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}  # relative spacing at 1.0
 
@@ -220,12 +220,12 @@ def _rope(head_size: int, rotary_dim: int, scaling: float = 1.0, long: bool = Fa
 def _torch_paths(monkeypatch) -> None:
     """Every layer takes its torch path (the kernels' reference), even on CUDA."""
     for mod in (norm_mod, activation_mod, rotary_mod):
-        monkeypatch.setattr(mod, "use_fused_kernel", lambda x: False)
+        monkeypatch.setattr(mod, "use_fused_elementwise", lambda x: False)
 
 
 def test_llama_layers_take_the_torch_path_off_cuda() -> None:
     """CPU (and float32) never reach a kernel: the torch paths, byte for byte."""
-    assert not norm_mod.use_fused_kernel(torch.randn(4096, 8, dtype=torch.bfloat16))
+    assert not norm_mod.use_fused_elementwise(torch.randn(4096, 8, dtype=torch.bfloat16))
     x, r = torch.randn(3, 16), torch.randn(3, 16)
     norm = _rms_norm(16, "cpu", torch.float32)
     out, h = norm(x, r)
@@ -325,16 +325,15 @@ def test_fused_rms_norm_matches_torch(monkeypatch, dtype, rows, d) -> None:
     r = torch.randn(rows, d, device="cuda", dtype=dtype) * 4
     out, h = add_rms_norm_triton(x, r, norm.weight, norm.eps)
     out1, none = add_rms_norm_triton(x, None, norm.weight, norm.eps)
-    fused_module = norm(x, r)  # 3000 rows: the module's own fused path
+    fused_module = norm(x, r)  # the module's own (fused) path
     _torch_paths(monkeypatch)
     ref_out, ref_h = norm(x, r)
     torch.testing.assert_close(h, ref_h, rtol=0, atol=0)
     _assert_close_16bit(out, ref_out)
     assert none is None
     _assert_close_16bit(out1, norm(x))
-    if rows >= norm_mod.FUSED_MIN_ROWS:  # the module's eager forward took the kernel
-        torch.testing.assert_close(fused_module[0], out, rtol=0, atol=0)
-        torch.testing.assert_close(fused_module[1], h, rtol=0, atol=0)
+    torch.testing.assert_close(fused_module[0], out, rtol=0, atol=0)
+    torch.testing.assert_close(fused_module[1], h, rtol=0, atol=0)
 
 
 @requires_cuda
@@ -393,8 +392,10 @@ def test_fused_rope_matches_torch(
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_llama_layers_capture_their_kernels_in_a_cuda_graph(monkeypatch, dtype) -> None:
-    """At decode batch sizes the layers launch their kernels only under CUDA graph capture;
-    the replayed graph matches the torch paths run eagerly on the same inputs."""
+    """The engine's capture pattern (cuda_graphs.py): an eager warm-up step at the captured
+    size compiles and loads the kernels (a module cannot be loaded while a stream captures),
+    then the capture launches them; the replayed graph matches the torch paths run eagerly
+    on the same inputs."""
     from v1.models.layers import triton_activation, triton_rms_norm, triton_rotary
 
     calls: list[str] = []
@@ -424,21 +425,20 @@ def test_llama_layers_capture_their_kernels_in_a_cuda_graph(monkeypatch, dtype) 
     def step():
         return (*norm(x, r), norm(x), act(gu), *rope(positions, q, k))
 
-    step()  # eager: the torch paths at 8 rows, no kernel
-    assert calls == []
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
+    kernels = ["add_rms_norm_triton", "rope_triton", "silu_and_mul_triton"]
+    step()  # eager warm-up: the kernels at 8 rows too
+    torch.cuda.synchronize()
+    assert sorted(set(calls)) == kernels
+    calls.clear()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         outs = step()
-    assert sorted(set(calls)) == ["add_rms_norm_triton", "rope_triton", "silu_and_mul_triton"]
+    assert sorted(set(calls)) == kernels
     x.copy_(torch.randn_like(x))
     positions.add_(1000)
     graph.replay()
     torch.cuda.synchronize()
-    refs = step()  # eager again: the torch paths
+    _torch_paths(monkeypatch)
+    refs = step()
     for out, ref, scale in zip(outs, refs, (1.0, 1.0, 1.0, 3.0, 5.0, 5.0), strict=True):
         _assert_close_16bit(out, ref, scale)

@@ -33,9 +33,9 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual), the
         pre-norm block's fused add, so the caller carries the un-normalized sum forward.
-        One Triton kernel (`triton_rms_norm.py`) under `use_fused_kernel`; the torch path
+        One Triton kernel (`triton_rms_norm.py`) under `use_fused_elementwise`; the torch path
         here is its reference."""
-        if use_fused_kernel(x) and (
+        if use_fused_elementwise(x) and (
             residual is None or (residual.stride(-1) == 1 and residual.dtype == x.dtype)
         ):
             from v1.models.layers.triton_rms_norm import add_rms_norm_triton
@@ -79,18 +79,34 @@ def fp16_clamp_limit(dtype: torch.dtype) -> float | None:
     return torch.finfo(torch.float16).max - 1000 if dtype == torch.float16 else None
 
 
-def use_fused_kernel(x: torch.Tensor) -> bool:
-    """Whether a layer runs its Triton kernel on x (RMSNorm, LayerNorm's add, SiluAndMul,
-    RoPE): CUDA, 16 bits, 2-D with contiguous columns, and either many rows or a CUDA graph
-    being captured (where launch cost is paid once, at capture, and the kernels saved are
-    saved on every replay). Everywhere else the torch path, each kernel's reference, runs."""
+def _fusable(x: torch.Tensor) -> bool:
     return (
         x.is_cuda
         and x.dtype in (torch.float16, torch.bfloat16)
         and x.dim() == 2
         and x.stride(1) == 1
-        and (x.shape[0] >= FUSED_MIN_ROWS or torch.cuda.is_current_stream_capturing())
     )
+
+
+def use_fused_kernel(x: torch.Tensor) -> bool:
+    """Whether `add_layer_norm` runs its Triton kernel on x: CUDA, 16 bits, 2-D with
+    contiguous columns, and either many rows or a CUDA graph being captured (where launch
+    cost is paid once, at capture, and the kernel saved is saved on every replay)."""
+    return _fusable(x) and (
+        x.shape[0] >= FUSED_MIN_ROWS or torch.cuda.is_current_stream_capturing()
+    )
+
+
+def use_fused_elementwise(x: torch.Tensor) -> bool:
+    """Whether RMSNorm, SiluAndMul and RoPE run their Triton kernel on x: CUDA, 16 bits, 2-D
+    with contiguous columns, at any number of rows. Each kernel replaces 2 to 20 torch
+    kernels (RMSNorm's add, float, pow, mean, add, rsqrt, mul, to, mul; RoPE's cos / sin and
+    slices, cats, negs, muls and adds), so a launch saves host time even eagerly, unlike the
+    one kernel `add_layer_norm` saves. And they must run eagerly at decode sizes: a CUDA
+    graph's warm-up step is eager at the captured size, and it is what compiles and loads a
+    Triton kernel before the capture (loading a module, cuModuleLoadData, is not permitted
+    while a stream is capturing). Everywhere else the torch path, each kernel's reference."""
+    return _fusable(x)
 
 
 def linear_input(norm: LayerNorm, y: torch.Tensor) -> Any:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from v1.models.layers.norm import use_fused_kernel
+from v1.models.layers.norm import use_fused_elementwise
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -74,10 +74,10 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] int64; query [T, H*D], key [T, Hkv*D] -> rotated, same shapes (new
         tensors). One Triton kernel (`triton_rotary.py`, cos and sin computed inside) under
-        `use_fused_kernel`; the torch path is its reference."""
+        `use_fused_elementwise`; the torch path is its reference."""
         if (
-            use_fused_kernel(query)
-            and use_fused_kernel(key)
+            use_fused_elementwise(query)
+            and use_fused_elementwise(key)
             and positions.is_cuda
             and positions.dim() == 1
             and positions.shape[0] == query.shape[0]
