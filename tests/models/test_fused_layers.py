@@ -1,17 +1,27 @@
-"""The fused layer paths: residual add + LayerNorm (one Triton kernel on CUDA) and GELU as a
-GEMM epilogue, against their unfused torch references; and equal-length encoder batches taking
+"""The fused layer paths: residual add + LayerNorm (one Triton kernel on CUDA), GELU as a
+GEMM epilogue, and Llama's RMSNorm, SiluAndMul and RoPE kernels, against their unfused torch
+references; and equal-length encoder batches taking
 cuDNN attention. The CPU tests pin the reference semantics the GPU kernels are held to."""
 
 from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from tests.models.harness import small_whisper_config, uniform_encoder_context
-from v1.models.layers.activation import GELU, linear_act
+from v1.models.layers import activation as activation_mod
+from v1.models.layers import norm as norm_mod
+from v1.models.layers import rotary as rotary_mod
+from v1.models.layers.activation import GELU, SiluAndMul, linear_act
 from v1.models.layers.linear import ColumnLinear
-from v1.models.layers.norm import LayerNorm, add_layer_norm, fp16_clamp_limit
+from v1.models.layers.norm import LayerNorm, RMSNorm, add_layer_norm, fp16_clamp_limit
+from v1.models.layers.rotary import RotaryEmbedding
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -184,3 +194,251 @@ def test_whisper_encoder_with_fused_paths_matches_transformers() -> None:
         expected = hf.model.encoder(features.half()).last_hidden_state.reshape(6000, -1).float()
     err = (out - expected).norm() / expected.norm()
     assert err < 5e-3, err
+
+
+# --- Llama's elementwise layers: RMSNorm (+ residual add), SiluAndMul, RoPE -----------------
+# Each runs one Triton kernel under `use_fused_elementwise` (CUDA, 16 bits, 2-D, any rows) and
+# its torch path everywhere else; the torch path is the reference.
+
+_ULP = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}  # relative spacing at 1.0
+
+
+def _rms_norm(d: int, device: str, dtype: torch.dtype) -> RMSNorm:
+    g = torch.Generator().manual_seed(2)
+    norm = RMSNorm(d, eps=1e-5).to(device=device, dtype=dtype)
+    norm.weight.copy_(1 + 0.1 * torch.randn(d, generator=g))
+    return norm
+
+
+def _rope(head_size: int, rotary_dim: int, scaling: float = 1.0, long: bool = False):
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
+    if not long:
+        return RotaryEmbedding(head_size, inv_freq, scaling)
+    return RotaryEmbedding(head_size, inv_freq, scaling, inv_freq / 4, long_from=100)
+
+
+def _torch_paths(monkeypatch) -> None:
+    """Every layer takes its torch path (the kernels' reference), even on CUDA."""
+    for mod in (norm_mod, activation_mod, rotary_mod):
+        monkeypatch.setattr(mod, "use_fused_elementwise", lambda x: False)
+
+
+def test_llama_layers_take_the_torch_path_off_cuda() -> None:
+    """CPU (and float32) never reach a kernel: the torch paths, byte for byte."""
+    assert not norm_mod.use_fused_elementwise(torch.randn(4096, 8, dtype=torch.bfloat16))
+    x, r = torch.randn(3, 16), torch.randn(3, 16)
+    norm = _rms_norm(16, "cpu", torch.float32)
+    out, h = norm(x, r)
+    torch.testing.assert_close(h, x + r, rtol=0, atol=0)
+    hf = (x + r).float()
+    expected = norm.weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-5))
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    gu = torch.randn(3, 10)
+    torch.testing.assert_close(SiluAndMul()(gu), F.silu(gu[:, :5]) * gu[:, 5:], rtol=0, atol=0)
+
+
+@pytest.mark.slow  # about 30 s on a loaded 2-core box (a Python start plus the interpreter)
+def test_llama_kernels_under_triton_interpreter_match_torch() -> None:
+    """The kernels' arithmetic on CPU (Triton's interpreter, numpy) on small shapes, in a
+    subprocess (TRITON_INTERPRET is read when triton and the kernels are first imported):
+    `_interpreter_checks`."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    code = "from tests.models.test_fused_layers import _interpreter_checks; _interpreter_checks()"
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def _interpreter_checks() -> None:
+    """fp16 bit-exact with the torch path (the same rounding points; the interpreter rounds
+    bf16 by truncation, so bf16 is checked on the GPU only), float32 within its rounding."""
+    from v1.models.layers import triton_activation as act
+    from v1.models.layers import triton_rms_norm as rms
+    from v1.models.layers import triton_rotary as rot
+
+    assert rot._interpreted(rot._rope_kernel)
+    torch.manual_seed(0)
+    for dtype, tol in ((torch.float16, 0.0), (torch.float32, 1e-6)):
+        x = torch.randn(5, 3 * 48, dtype=dtype)[:, 48:96]  # strided rows
+        r = torch.randn(5, 48, dtype=dtype)
+        norm = _rms_norm(48, "cpu", dtype)
+        out, h = rms.add_rms_norm_triton(x, r, norm.weight, norm.eps)
+        ref_out, ref_h = norm(x, r)
+        torch.testing.assert_close(h, ref_h, rtol=0, atol=0)
+        torch.testing.assert_close(out, ref_out, rtol=tol, atol=tol)
+        out, none = rms.add_rms_norm_triton(x, None, norm.weight, norm.eps)
+        assert none is None
+        torch.testing.assert_close(out, norm(x), rtol=tol, atol=tol)
+
+        gu = torch.randn(4, 2 * 40, dtype=dtype) * 3
+        torch.testing.assert_close(
+            act.silu_and_mul_triton(gu), SiluAndMul()(gu), rtol=tol, atol=tol
+        )
+
+        # head_size 12 with rotary_dim 8 (a partial rotary, non-power-of-2 head), attention
+        # scaling and the longrope switch at position 100; q, k strided chunks of one qkv.
+        rope = _rope(12, 8, scaling=1.25, long=True)
+        qkv = torch.randn(6, (4 + 2 + 2) * 12, dtype=dtype)
+        q, k, _ = qkv.split([48, 24, 24], dim=-1)
+        positions = torch.tensor([0, 1, 99, 100, 4000, 131000])
+        fq, fk = rot.rope_triton(
+            positions, q, k, 12, rope.inv_freq, 1.25, rope.long_inv_freq, rope.long_from
+        )
+        rq, rk = rope(positions, q, k)
+        torch.testing.assert_close(fq, rq, rtol=tol, atol=tol)
+        torch.testing.assert_close(fk, rk, rtol=tol, atol=tol)
+        full = _rope(8, 8)
+        fq, fk = rot.rope_triton(positions, q[:, :32], k[:, :16], 8, full.inv_freq)
+        rq, rk = full(positions, q[:, :32], k[:, :16])
+        torch.testing.assert_close(fq, rq, rtol=tol, atol=tol)
+        torch.testing.assert_close(fk, rk, rtol=tol, atol=tol)
+
+
+def _assert_close_16bit(out: torch.Tensor, ref: torch.Tensor, scale: float = 1.0) -> None:
+    """Within two 16-bit rounding steps (relative, and absolute at `scale`, the magnitude of
+    the operands a cancelling sum rounded), with nearly every element bit-equal: the same
+    rounding points, float32 rsqrt / exp / cos differing in the last bits."""
+    step = _ULP[out.dtype]
+    torch.testing.assert_close(out, ref, rtol=2 * step, atol=2 * step * scale)
+    assert float((out == ref).float().mean()) >= 0.98
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 8, 256, 3000])
+@pytest.mark.parametrize("d", [4096, 896])
+def test_fused_rms_norm_matches_torch(monkeypatch, dtype, rows, d) -> None:
+    from v1.models.layers.triton_rms_norm import add_rms_norm_triton
+
+    torch.manual_seed(0)
+    norm = _rms_norm(d, "cuda", dtype)
+    x = torch.randn(rows, 3 * d, device="cuda", dtype=dtype)[:, d : 2 * d]  # strided rows
+    r = torch.randn(rows, d, device="cuda", dtype=dtype) * 4
+    out, h = add_rms_norm_triton(x, r, norm.weight, norm.eps)
+    out1, none = add_rms_norm_triton(x, None, norm.weight, norm.eps)
+    fused_module = norm(x, r)  # the module's own (fused) path
+    _torch_paths(monkeypatch)
+    ref_out, ref_h = norm(x, r)
+    torch.testing.assert_close(h, ref_h, rtol=0, atol=0)
+    _assert_close_16bit(out, ref_out)
+    assert none is None
+    _assert_close_16bit(out1, norm(x))
+    torch.testing.assert_close(fused_module[0], out, rtol=0, atol=0)
+    torch.testing.assert_close(fused_module[1], h, rtol=0, atol=0)
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 8, 256, 3000])
+@pytest.mark.parametrize("inter", [14336, 4864])
+def test_fused_silu_and_mul_matches_torch(monkeypatch, dtype, rows, inter) -> None:
+    from v1.models.layers.triton_activation import silu_and_mul_triton
+
+    torch.manual_seed(0)
+    gu = torch.randn(rows, 2 * inter, device="cuda", dtype=dtype) * 3
+    out = silu_and_mul_triton(gu)
+    strided = silu_and_mul_triton(
+        torch.randn(rows, 2 * inter + 64, device="cuda", dtype=dtype)[:, 64:]
+    )
+    assert strided.shape == (rows, inter)
+    _torch_paths(monkeypatch)
+    ref = SiluAndMul()(gu)
+    _assert_close_16bit(out, ref, scale=3.0)
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 8, 256, 3000])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_size", "rotary_dim", "scaling", "long"),
+    [(32, 8, 128, 128, 1.0, False), (14, 2, 64, 64, 1.0, False), (32, 8, 128, 64, 0.8, True)],
+)
+def test_fused_rope_matches_torch(
+    monkeypatch, dtype, rows, heads, kv_heads, head_size, rotary_dim, scaling, long
+) -> None:
+    from v1.models.layers.triton_rotary import rope_triton
+
+    torch.manual_seed(0)
+    rope = _rope(head_size, rotary_dim, scaling, long).cuda()
+    widths = [heads * head_size, kv_heads * head_size, kv_heads * head_size]
+    qkv = torch.randn(rows, sum(widths), device="cuda", dtype=dtype)
+    q, k, _ = qkv.split(widths, dim=-1)
+    positions = torch.randint(0, 8192, (rows,), device="cuda")
+    positions[0] = 131071 if rows > 1 else 5
+    before = qkv.clone()
+    fq, fk = rope_triton(
+        positions, q, k, head_size, rope.inv_freq, scaling, rope.long_inv_freq, rope.long_from
+    )
+    torch.testing.assert_close(qkv, before, rtol=0, atol=0)  # the inputs are not written
+    _torch_paths(monkeypatch)
+    rq, rk = rope(positions, q, k)
+    # A cos / sin one bit apart moves a rounded product of |x| <= ~5 by one step at 5.
+    _assert_close_16bit(fq, rq, scale=5.0)
+    _assert_close_16bit(fk, rk, scale=5.0)
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_llama_layers_capture_their_kernels_in_a_cuda_graph(monkeypatch, dtype) -> None:
+    """The engine's capture pattern (cuda_graphs.py): an eager warm-up step at the captured
+    size compiles and loads the kernels (a module cannot be loaded while a stream captures),
+    then the capture launches them; the replayed graph matches the torch paths run eagerly
+    on the same inputs."""
+    from v1.models.layers import triton_activation, triton_rms_norm, triton_rotary
+
+    calls: list[str] = []
+    for mod, name in (
+        (triton_rms_norm, "add_rms_norm_triton"),
+        (triton_activation, "silu_and_mul_triton"),
+        (triton_rotary, "rope_triton"),
+    ):
+        real = getattr(mod, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            calls.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(mod, name, spy)
+
+    torch.manual_seed(0)
+    rows, d, inter = 8, 4096, 14336
+    norm, act, rope = _rms_norm(d, "cuda", dtype), SiluAndMul(), _rope(128, 128).cuda()
+    x = torch.randn(rows, d, device="cuda", dtype=dtype)
+    r = torch.randn(rows, d, device="cuda", dtype=dtype)
+    gu = torch.randn(rows, 2 * inter, device="cuda", dtype=dtype)
+    qkv = torch.randn(rows, 48 * 128, device="cuda", dtype=dtype)
+    q, k, _ = qkv.split([4096, 1024, 1024], dim=-1)
+    positions = torch.arange(100, 100 + rows, device="cuda")
+
+    def step():
+        return (*norm(x, r), norm(x), act(gu), *rope(positions, q, k))
+
+    kernels = ["add_rms_norm_triton", "rope_triton", "silu_and_mul_triton"]
+    step()  # eager warm-up: the kernels at 8 rows too
+    torch.cuda.synchronize()
+    assert sorted(set(calls)) == kernels
+    calls.clear()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    assert sorted(set(calls)) == kernels
+    x.copy_(torch.randn_like(x))
+    positions.add_(1000)
+    graph.replay()
+    torch.cuda.synchronize()
+    _torch_paths(monkeypatch)
+    refs = step()
+    for out, ref, scale in zip(outs, refs, (1.0, 1.0, 1.0, 3.0, 5.0, 5.0), strict=True):
+        _assert_close_16bit(out, ref, scale)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from v1 import envs
+from v1.models.layers.norm import use_fused_elementwise
 from v1.quantization.fp8_rows import Fp8Product
 
 if TYPE_CHECKING:
@@ -17,9 +18,14 @@ if TYPE_CHECKING:
 
 
 class SiluAndMul(nn.Module):
-    """x [..., 2*I] = [gate | up] -> silu(gate) * up [..., I]."""
+    """x [..., 2*I] = [gate | up] -> silu(gate) * up [..., I]. One Triton kernel
+    (`triton_activation.py`) under `use_fused_elementwise`; the torch path is its reference."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_fused_elementwise(x):
+            from v1.models.layers.triton_activation import silu_and_mul_triton
+
+            return silu_and_mul_triton(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

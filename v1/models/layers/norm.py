@@ -1,6 +1,7 @@
 """Normalization layers: RMSNorm and LayerNorm (float32 inside, cast back), and
 `add_layer_norm`, the residual add + LayerNorm (one Triton kernel on CUDA for large 16-bit
-batches, `triton_norm.py`; the torch path here is its reference). A LayerNorm feeding only fp8
+batches or under CUDA graph capture, `triton_norm.py`; the torch path here is its reference).
+RMSNorm's residual add + norm is likewise one kernel (`triton_rms_norm.py`). A LayerNorm feeding only fp8
 Linears (`fp8_output`) hands over `v1.quantization.fp8_rows.Fp8Rows` from the same kernel.
 """
 
@@ -31,7 +32,16 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual), the
-        pre-norm block's fused add, so the caller carries the un-normalized sum forward."""
+        pre-norm block's fused add, so the caller carries the un-normalized sum forward.
+        One Triton kernel (`triton_rms_norm.py`) under `use_fused_elementwise`; the torch path
+        here is its reference."""
+        if use_fused_elementwise(x) and (
+            residual is None or (residual.stride(-1) == 1 and residual.dtype == x.dtype)
+        ):
+            from v1.models.layers.triton_rms_norm import add_rms_norm_triton
+
+            out, h = add_rms_norm_triton(x, residual, self.weight, self.eps)
+            return out if h is None else (out, h)
         if residual is None:
             return self._norm(x)
         x = x + residual
@@ -69,14 +79,34 @@ def fp16_clamp_limit(dtype: torch.dtype) -> float | None:
     return torch.finfo(torch.float16).max - 1000 if dtype == torch.float16 else None
 
 
-def _fused(x: torch.Tensor) -> bool:
+def _fusable(x: torch.Tensor) -> bool:
     return (
         x.is_cuda
         and x.dtype in (torch.float16, torch.bfloat16)
         and x.dim() == 2
         and x.stride(1) == 1
-        and (x.shape[0] >= FUSED_MIN_ROWS or torch.cuda.is_current_stream_capturing())
     )
+
+
+def use_fused_kernel(x: torch.Tensor) -> bool:
+    """Whether `add_layer_norm` runs its Triton kernel on x: CUDA, 16 bits, 2-D with
+    contiguous columns, and either many rows or a CUDA graph being captured (where launch
+    cost is paid once, at capture, and the kernel saved is saved on every replay)."""
+    return _fusable(x) and (
+        x.shape[0] >= FUSED_MIN_ROWS or torch.cuda.is_current_stream_capturing()
+    )
+
+
+def use_fused_elementwise(x: torch.Tensor) -> bool:
+    """Whether RMSNorm, SiluAndMul and RoPE run their Triton kernel on x: CUDA, 16 bits, 2-D
+    with contiguous columns, at any number of rows. Each kernel replaces 2 to 20 torch
+    kernels (RMSNorm's add, float, pow, mean, add, rsqrt, mul, to, mul; RoPE's cos / sin and
+    slices, cats, negs, muls and adds), so a launch saves host time even eagerly, unlike the
+    one kernel `add_layer_norm` saves. And they must run eagerly at decode sizes: a CUDA
+    graph's warm-up step is eager at the captured size, and it is what compiles and loads a
+    Triton kernel before the capture (loading a module, cuModuleLoadData, is not permitted
+    while a stream is capturing). Everywhere else the torch path, each kernel's reference."""
+    return _fusable(x)
 
 
 def linear_input(norm: LayerNorm, y: torch.Tensor) -> Any:
@@ -102,11 +132,11 @@ def add_layer_norm(
     of the Linear whose product the next add brings: `BartEncoderLayer.link_fp8_norms`)."""
     scales = None
     if isinstance(x, Fp8Product):
-        if _fused(x.out) and residual.stride(-1) == 1:
+        if use_fused_kernel(x.out) and residual.stride(-1) == 1:
             scales, x = (x.row_scale, x.col_scale), x.out
         else:
             x = x.dequantize()
-    if _fused(x) and residual.stride(-1) == 1:
+    if use_fused_kernel(x) and residual.stride(-1) == 1:
         from v1.models.layers.triton_norm import add_layer_norm_triton
 
         fp8 = (FP8_DTYPE, FP8_MAX, MIN_SCALE) if norm.fp8_output else None

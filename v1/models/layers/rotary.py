@@ -13,6 +13,8 @@ import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from v1.models.layers.norm import use_fused_elementwise
+
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
@@ -70,7 +72,28 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] int64; query [T, H*D], key [T, Hkv*D] -> rotated, same shapes."""
+        """positions [T] int64; query [T, H*D], key [T, Hkv*D] -> rotated, same shapes (new
+        tensors). One Triton kernel (`triton_rotary.py`, cos and sin computed inside) under
+        `use_fused_elementwise`; the torch path is its reference."""
+        if (
+            use_fused_elementwise(query)
+            and use_fused_elementwise(key)
+            and positions.is_cuda
+            and positions.dim() == 1
+            and positions.shape[0] == query.shape[0]
+        ):
+            from v1.models.layers.triton_rotary import rope_triton
+
+            return rope_triton(
+                positions,
+                query,
+                key,
+                self.head_size,
+                self.inv_freq,
+                self.attention_scaling,
+                self.long_inv_freq,
+                self.long_from,
+            )
         cos, sin = self.cos_sin(positions, query.dtype)
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
 
