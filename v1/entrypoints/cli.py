@@ -520,9 +520,10 @@ def check_model_kind(command: str, model: str, kwargs: Mapping[str, Any]) -> Non
     from v1.config import make_engine_config
 
     info = make_engine_config(model, **kwargs).model_config.info
-    if info.is_whisper:
+    tasks = info.supported_tasks
+    if "transcription" in tasks:
         fits, what = "transcribe", "a Whisper speech model"
-    elif info.generates:
+    elif "generate" in tasks:
         fits, what = "generate", "a text generation model"
     else:
         fits, what = "embed", "an embedding (encoder-only) model"
