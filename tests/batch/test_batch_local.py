@@ -67,7 +67,14 @@ def test_cli_job_matches_llm_and_resumes_by_shard(
     out = tmp_path / "out"
     assert main(batch_args(inp, out, tiny_llama_dir)) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert summary == {"output": str(out), "rows": 30, "shards": 4, "written": 4, "skipped": 0}
+    assert summary == {
+        "output": str(out),
+        "rows": 30,
+        "shards": 4,
+        "written": 4,
+        "skipped": 0,
+        "errors": 0,
+    }
     assert read_output(out) == expected
 
     # A restart writes only the missing shard; shards already there are left as they are.
@@ -120,9 +127,14 @@ def test_inputs_are_listed_in_a_stable_order_and_bad_input_is_a_value_error(tmp_
     globbed = BatchJob(**{**job.__dict__, "input": str(audio / "b" / "*.flac")})
     assert [r["id"] for r in list_inputs(globbed)] == ["2.flac"]
 
-    bad = write_jsonl(tmp_path / "bad.jsonl", [{"text": "ok"}, {"txt": "typo"}])
-    with pytest.raises(ValueError, match=r"bad.jsonl:2: needs a string 'text or prompt'"):
-        list_inputs(BatchJob(input=bad, output=str(tmp_path / "o"), task="embed", model="m"))
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"text": "ok"}, {"id": "t", "txt": "typo"}])
+    rows = list_inputs(BatchJob(input=bad, output=str(tmp_path / "o"), task="embed", model="m"))
+    assert rows[1] == {  # a bad row keeps its place and id; its record will be an error
+        "index": 1,
+        "id": "t",
+        "text": None,
+        "error": "line 2: needs a string 'text or prompt'",
+    }
     with pytest.raises(ValueError, match="reads a JSONL file"):
         list_inputs(BatchJob(input=str(audio), output=str(tmp_path / "o"), task="embed", model="m"))
     with pytest.raises(ValueError, match="task must be one of"):

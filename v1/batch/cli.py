@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from v1.batch.job import OUTPUT_FORMATS, TASKS, BatchJob
@@ -16,13 +17,27 @@ def add_batch_parser(sub: Any, add_engine_args: Any) -> None:
     p = sub.add_parser(
         "batch",
         help="run an offline job over a corpus (here, or over a Ray cluster with --ray)",
-        description="Transcribe audio files, or embed / complete the texts of a JSONL file, into "
-        "output shards (part-00000.jsonl, ...). A restarted job skips the shards already "
-        "written. With --ray the job runs over Ray Data, one engine per actor.",
+        description="Transcribe audio files, or embed / complete the texts of a JSONL file, or "
+        "answer an OpenAI Batch file (as vLLM's run-batch), into output shards "
+        "(part-00000.jsonl, ...). A bad row becomes an error record with its id; the rest "
+        "still runs. A restarted job skips the shards already written. With --ray the job runs "
+        "over Ray Data, one engine per actor.",
     )
     p.add_argument("--input", required=True, help="audio directory / glob / file, or a .jsonl")
     p.add_argument("--output", required=True, help="output directory (one file per shard)")
-    p.add_argument("--task", required=True, choices=TASKS, help="what to run on each input")
+    p.add_argument(
+        "--task",
+        default=None,
+        choices=TASKS,
+        help="what to run on each input; openai: an OpenAI Batch file (custom_id, method, url, "
+        "body lines; the default when the input is one), answered as `v1 serve` would",
+    )
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="openai: the `model` names the requests may use (default: the model argument)",
+    )
     p.add_argument("--model", required=True, help="model folder or Hugging Face hub id")
     p.add_argument(
         "--format", default="jsonl", choices=OUTPUT_FORMATS, help="shard format (default: jsonl)"
@@ -58,8 +73,20 @@ def add_batch_parser(sub: Any, add_engine_args: Any) -> None:
 
 
 def job_from_args(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> BatchJob:
+    from v1.batch.openai_batch import is_openai_batch_file
+
+    task = args.task
+    if task is None:
+        if not is_openai_batch_file(args.input):
+            raise ValueError(
+                f"--task is needed: {args.input} is not an OpenAI Batch file (JSONL lines with "
+                f"custom_id and body); tasks: {', '.join(TASKS)}"
+            )
+        task = "openai"
     options: dict[str, Any] = {}
-    if args.task == "transcribe":
+    if task == "openai" and args.served_model_name:
+        options["served_model_name"] = list(args.served_model_name)
+    if task == "transcribe":
         if args.language is not None:
             options["language"] = args.language
         if args.translate:
@@ -68,14 +95,14 @@ def job_from_args(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> Ba
             options["temperature"] = args.temperature
         if args.max_tokens is not None:
             options["max_tokens"] = args.max_tokens
-    elif args.task == "generate":
+    elif task == "generate":
         options["temperature"] = args.temperature if args.temperature is not None else 0.0
         if args.max_tokens is not None:
             options["max_tokens"] = args.max_tokens
     return BatchJob(
         input=args.input,
         output=args.output,
-        task=args.task,
+        task=task,
         model=args.model,
         engine_kwargs=engine_kwargs,
         options=options,
@@ -97,6 +124,14 @@ def run_batch_command(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -
         "shards": report.num_shards,
         "written": len(report.written),
         "skipped": report.num_skipped,
+        "errors": report.num_errors,
     }
     print(json.dumps(summary), flush=True)
+    if report.num_errors:
+        print(
+            f"v1 batch: {report.num_errors} row(s) failed; their output records hold the row's "
+            'id and the reason in "error"',
+            file=sys.stderr,
+            flush=True,
+        )
     return 0

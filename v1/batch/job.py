@@ -14,7 +14,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-TASKS = ("transcribe", "embed", "generate")
+TASKS = ("transcribe", "embed", "generate", "openai")
+"""openai: an OpenAI Batch file (requests to the server's endpoints; see openai_batch.py)."""
 OUTPUT_FORMATS = ("jsonl", "parquet")
 AUDIO_EXTENSIONS = (".wav", ".flac", ".mp3", ".ogg", ".opus", ".m4a", ".webm", ".aac")
 MANIFEST = "_job.json"
@@ -32,7 +33,8 @@ class BatchJob:
     output: str
     """Directory the output shards go to (created if absent)."""
     task: str
-    """transcribe (Whisper), embed (encoder-only embedding models) or generate."""
+    """transcribe (Whisper), embed (encoder-only embedding models), generate, or openai (an
+    OpenAI Batch JSONL file of requests, answered by the server's endpoints)."""
     model: str
     """Model folder or hub id."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -63,6 +65,10 @@ class BatchJob:
         for name in ("shard_size", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.task == "openai" and self.ray_address is not None:
+            raise ValueError("OpenAI batch files run in this process: leave out --ray")
+        if self.task == "openai" and self.output_format != "jsonl":
+            raise ValueError("OpenAI batch output is JSONL: leave out --format parquet")
         if self.num_actors is not None and self.num_actors < 1:
             raise ValueError(f"num_actors must be >= 1, got {self.num_actors}")
         if self.output_format == "parquet":
@@ -73,12 +79,22 @@ class BatchJob:
 
     @property
     def input_kind(self) -> str:
-        """The row field an input fills: "path" (audio files) or "text"."""
+        """The row field an input fills: "path" (audio files), "request" (an OpenAI batch
+        line) or "text"."""
+        if self.task == "openai":
+            return "request"
         return "path" if self.task == "transcribe" else "text"
 
 
 def list_inputs(job: BatchJob) -> list[dict[str, Any]]:
-    """Every input row, in a stable order: {"index", "id", and "path" or "text"}."""
+    """Every input row, in a stable order: {"index", "id", and "path", "text" or "request";
+    "error" for a row known bad}."""
+    if job.task == "openai":
+        from v1.batch.openai_batch import read_requests
+
+        if not os.path.isfile(job.input):
+            raise ValueError(f"no such file: {job.input!r}")
+        return read_requests(job.input)
     if job.input.endswith(".jsonl"):
         return _read_jsonl(job)
     if job.task != "transcribe":
@@ -104,6 +120,8 @@ def list_inputs(job: BatchJob) -> list[dict[str, Any]]:
 
 
 def _read_jsonl(job: BatchJob) -> list[dict[str, Any]]:
+    """The JSONL file's rows; a line that is not a usable row (not JSON, no input) becomes a row
+    with its "error" (written as that row's error record; the others still run)."""
     if not os.path.isfile(job.input):
         raise ValueError(f"no such file: {job.input!r}")
     keys = _AUDIO_KEYS if job.input_kind == "path" else _TEXT_KEYS
@@ -113,21 +131,29 @@ def _read_jsonl(job: BatchJob) -> list[dict[str, Any]]:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
+            index = len(rows)
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{job.input}:{line_no}: not JSON: {e}") from None
+                rows.append(_bad_row(job, index, str(index), f"line {line_no}: not JSON: {e}"))
+                continue
+            row_id = str(obj.get("id", index)) if isinstance(obj, dict) else str(index)
             key = next((k for k in keys if isinstance(obj, dict) and k in obj), None)
             if key is None or not isinstance(obj[key], str):
-                raise ValueError(f"{job.input}:{line_no}: needs a string {' or '.join(keys)!r}")
-            index = len(rows)
+                reason = f"line {line_no}: needs a string {' or '.join(keys)!r}"
+                rows.append(_bad_row(job, index, row_id, reason))
+                continue
             value = obj[key]
             if job.input_kind == "path":
                 value = os.path.join(base, value)  # absolute paths stay as they are
-            rows.append({"index": index, "id": str(obj.get("id", index)), job.input_kind: value})
+            rows.append({"index": index, "id": row_id, job.input_kind: value})
     if not rows:
         raise ValueError(f"{job.input} holds no rows")
     return rows
+
+
+def _bad_row(job: BatchJob, index: int, row_id: str, reason: str) -> dict[str, Any]:
+    return {"index": index, "id": row_id, job.input_kind: None, "error": reason}
 
 
 def num_shards(num_rows: int, shard_size: int) -> int:

@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 from v1.batch.job import BatchJob, list_inputs, num_shards, pending_shards, shard_path
 from v1.batch.processor import BatchProcessor
-from v1.batch.writer import write_shard
+from v1.batch.writer import read_shard, write_shard
 from v1.logger import init_logger
 
 logger = init_logger(__name__)
@@ -32,6 +32,8 @@ class BatchReport:
     """Shards this run wrote."""
     num_skipped: int
     """Shards already written by an earlier run."""
+    num_errors: int = 0
+    """Rows this run wrote as error records (bad input, or the engine failed them)."""
 
 
 def run_batch(job: BatchJob, *, use_tqdm: bool = True) -> BatchReport:
@@ -52,17 +54,35 @@ def run_batch(job: BatchJob, *, use_tqdm: bool = True) -> BatchReport:
             disable=not use_tqdm,
         )
         with progress:
-            run = _run_local if job.ray_address is None else _run_ray
+            if job.task == "openai":
+                from v1.batch.openai_batch import run_openai_shards
+
+                run = run_openai_shards
+            else:
+                run = _run_local if job.ray_address is None else _run_ray
             written = run(job, shards, progress)
-    return BatchReport(len(rows), total, written, total - len(pending))
+    num_errors = sum(_count_errors(path) for path in written)
+    if num_errors:
+        logger.warning('%d row(s) failed: their records hold the reason in "error"', num_errors)
+    return BatchReport(len(rows), total, written, total - len(pending), num_errors)
+
+
+def _count_errors(path: str) -> int:
+    return sum(1 for row in read_shard(path) if row.get("error"))
 
 
 def _output_row(source: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
-    return {"id": source["id"], **{k: v for k, v in result.items() if k not in _RESULT_SKIP}}
+    """A row's output record: its results, or {"id", "error"} when it failed."""
+    error = source.get("error") or result.get("error")
+    if error:
+        return {"id": source["id"], "error": str(error)}
+    skip = (*_RESULT_SKIP, "error")
+    return {"id": source["id"], **{k: v for k, v in result.items() if k not in skip}}
 
 
 def _columns(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
-    return {key: [r[key] for r in rows] for key in rows[0]}
+    keys = dict.fromkeys(key for r in rows for key in r)
+    return {key: [r.get(key) for r in rows] for key in keys}
 
 
 def _rows(columns: dict[str, list[Any]]) -> list[dict[str, Any]]:
@@ -115,7 +135,15 @@ def _run_ray(job: BatchJob, shards: dict[int, list[dict[str, Any]]], progress: t
     except ImportError:
         raise ValueError("--ray needs Ray Data: pip install 'v1-engine[ray]'") from None
     if not ray.is_initialized():
-        ray.init(address=job.ray_address)
+        try:
+            ray.init(address=job.ray_address)
+        except ConnectionError as e:
+            reason = str(e).splitlines()[0] if str(e) else "no answer"
+            raise ValueError(
+                f"--ray {job.ray_address}: no running Ray cluster ({reason.rstrip('.')}); start "
+                "one with `ray start --head` (or give its address), or leave out --ray to run "
+                "in this process"
+            ) from None
     resources = ray.cluster_resources()
     use_gpu = job.engine_kwargs.get("device", "auto") != "cpu" and resources.get("GPU", 0) >= 1
     num_actors = job.num_actors or max(
@@ -124,7 +152,21 @@ def _run_ray(job: BatchJob, shards: dict[int, list[dict[str, Any]]], progress: t
         if use_gpu
         else int(resources.get("CPU", 1) // job.cpus_per_actor),
     )
-    todo = [row for shard in shards.values() for row in shard]
+    done: dict[int, list[tuple[int, dict[str, Any]]]] = {k: [] for k in shards}
+    todo = []
+    for k, shard in shards.items():
+        for row in shard:
+            if row.get("error"):  # known bad before any engine sees it
+                done[k].append((row["index"], _output_row(row, {})))
+                progress.update(1)
+            else:
+                todo.append(row)
+    written = []
+    for k in list(done):
+        if len(done[k]) == len(shards[k]):
+            _write_done(job, k, done, written)
+    if not todo:
+        return sorted(written)
     if job.task == "transcribe":
         # Ray reads the files where the actors run (no shared file system needed).
         # Reading is I/O: its tasks take no CPU slot, or actors holding every CPU would starve
@@ -154,9 +196,7 @@ def _run_ray(job: BatchJob, shards: dict[int, list[dict[str, Any]]], progress: t
         num_gpus=1 if use_gpu else 0,
         num_cpus=None if use_gpu else job.cpus_per_actor,
     )
-    done: dict[int, list[tuple[int, dict[str, Any]]]] = {k: [] for k in shards}
     rows_by_index = {r["index"]: r for r in todo}
-    written = []
     for table in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
         for result in table.to_pylist():
             if "index" in result:
@@ -168,12 +208,18 @@ def _run_ray(job: BatchJob, shards: dict[int, list[dict[str, Any]]], progress: t
                 done[k].append((index, _output_row(rows_by_index[index], result)))
                 progress.update(1)
                 if len(done[k]) == len(shards[k]):
-                    out = [row for _, row in sorted(done.pop(k), key=lambda item: item[0])]
-                    write_shard(shard_path(job, k), out, job.output_format)
-                    written.append(shard_path(job, k))
+                    _write_done(job, k, done, written)
     if done:
         raise RuntimeError(f"Ray returned no rows for shards {sorted(done)}")
     return sorted(written)
+
+
+def _write_done(
+    job: BatchJob, k: int, done: dict[int, list[tuple[int, dict[str, Any]]]], written: list[str]
+) -> None:
+    out = [row for _, row in sorted(done.pop(k), key=lambda item: item[0])]
+    write_shard(shard_path(job, k), out, job.output_format)
+    written.append(shard_path(job, k))
 
 
 def _norm(path: str) -> str:

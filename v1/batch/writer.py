@@ -15,7 +15,10 @@ def write_shard(path: str, rows: list[dict[str, Any]], output_format: str) -> No
             import pyarrow as pa
             import pyarrow.parquet as pq
 
-            pq.write_table(pa.Table.from_pylist(rows), tmp)
+            # Error records have fewer columns: every row gets every column (None if absent).
+            keys = dict.fromkeys(key for row in rows for key in row)
+            uniform = [{key: row.get(key) for key in keys} for row in rows]
+            pq.write_table(pa.Table.from_pylist(uniform), tmp)
         else:
             with open(tmp, "w", encoding="utf-8") as f:
                 for row in rows:

@@ -8,6 +8,7 @@ with EngineDeadError and the other cores are stopped.
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
 import threading
 from abc import abstractmethod
@@ -39,11 +40,14 @@ holds, so a hash seen recently still finds the core that may have it cached)."""
 
 def core_device_envs(config: EngineConfig) -> list[dict[str, str]]:
     """Per core, the environment that gives it its own device set: on CUDA a slice of the
-    visible devices (`tensor_parallel_size` each); on CPU nothing (each core is a process)."""
+    visible devices (`tensor_parallel_size` each); on CPU its share of the host's cores as
+    OMP_NUM_THREADS (torch sizes its thread pool from it at start-up; without it every core
+    spins one thread per host core and the cores starve each other, 4-10x slower than one)."""
     pc = config.parallel_config
     num_cores = pc.data_parallel_size
     if config.device_config.device_type != "cuda":
-        return [{} for _ in range(num_cores)]
+        share = cpu_threads_per_rank(num_cores * pc.tensor_parallel_size)
+        return [{"OMP_NUM_THREADS": str(share)} for _ in range(num_cores)]
     if config.device_config.device != "auto" and ":" in config.device_config.device:
         raise ValueError(
             f"data_parallel_size={num_cores} gives each core its own devices; use device "
@@ -60,6 +64,12 @@ def core_device_envs(config: EngineConfig) -> list[dict[str, str]]:
         {"CUDA_VISIBLE_DEVICES": ",".join(visible[i * per_core : (i + 1) * per_core])}
         for i in range(num_cores)
     ]
+
+
+def cpu_threads_per_rank(num_ranks: int) -> int:
+    """Threads each of `num_ranks` processes sharing this host's cores (its affinity) may use."""
+    num_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (num_cpus or 1) // num_ranks)
 
 
 class CoreLoadBalancer:

@@ -52,12 +52,15 @@ class InputProcessor:
             parent = ParentRequest(request_id, params)
             ids = parent.child_ids
             first = self.process(ids[0], prompt, parent.child_params(0), priority=priority)
-            return [first] + [
+            children = [first] + [
                 self.builder.build_child(
                     first, prompt, ids[i], parent.child_params(i), priority=priority
                 )
                 for i in range(1, params.n)
             ]
+            for child in children:  # the children share their parent's fair share
+                child.group_id = request_id
+            return children
         return [self.process(request_id, prompt, params, priority=priority)]
 
     def process(

@@ -117,7 +117,16 @@ def add_engine_args(parser: argparse.ArgumentParser, ignored: frozenset[str] = f
             "%", "%%"
         )
         flag = "--" + f.name.replace("_", "-")
-        if kind is bool:
+        if f.name == "policy":  # vLLM's name for it too
+            group.add_argument(
+                flag,
+                "--scheduling-policy",
+                dest=f.name,
+                choices=["fcfs", "priority"],
+                default=argparse.SUPPRESS,
+                help=help_text,
+            )
+        elif kind is bool:
             group.add_argument(
                 flag,
                 dest=f.name,
@@ -497,10 +506,40 @@ def _error(command: str, message: str) -> None:
     print(f"v1 {command}: error: {message}", file=sys.stderr, flush=True)
 
 
+_SUBCOMMAND_USAGE = {
+    "transcribe": "v1 transcribe --model {model} FILE...",
+    "generate": "v1 generate --model {model} PROMPT...",
+    "embed": "v1 embed --model {model} TEXT...",
+}
+
+
+def check_model_kind(command: str, model: str, kwargs: Mapping[str, Any]) -> None:
+    """ValueError naming the subcommand that fits when `model` cannot run `command` (a Whisper
+    model given to `generate`, an embedding model to `generate`, a generative one to `embed`);
+    reads only the model's config, before anything loads."""
+    from v1.config import make_engine_config
+
+    info = make_engine_config(model, **kwargs).model_config.info
+    tasks = info.supported_tasks
+    if "transcription" in tasks:
+        fits, what = "transcribe", "a Whisper speech model"
+    elif "generate" in tasks:
+        fits, what = "generate", "a text generation model"
+    else:
+        fits, what = "embed", "an embedding (encoder-only) model"
+    if fits == command:
+        return
+    usage = _SUBCOMMAND_USAGE[fits].format(model=model)
+    raise ValueError(
+        f"{model} is {what} ({info.architecture}), which `v1 {command}` cannot run: use `{usage}`"
+    )
+
+
 def _generate(args: argparse.Namespace) -> int:
     from v1.entrypoints.llm import LLM
     from v1.sampling_params import SamplingParams
 
+    check_model_kind("generate", args.model, engine_kwargs(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     with LLM(args.model, **engine_kwargs(args)) as llm:
         outputs = llm.generate(list(args.prompts), params, use_tqdm=False)
@@ -512,6 +551,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _embed(args: argparse.Namespace) -> int:
     from v1.entrypoints.llm import LLM
 
+    check_model_kind("embed", args.model, engine_kwargs(args))
     with LLM(args.model, **engine_kwargs(args)) as llm:
         outputs = llm.embed(list(args.texts), use_tqdm=False)
     for text, out in zip(args.texts, outputs, strict=True):

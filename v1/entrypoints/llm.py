@@ -1,4 +1,4 @@
-"""The offline API: `LLM(model).generate(...)`, `.embed`, `.classify`, `.score`, `.rerank`,
+"""The offline API: `LLM(model).generate(...)`, `.chat`, `.embed`, `.classify`, `.score`, `.rerank`,
 `.transcribe`.
 
 Invalid input raises ValueError naming the prompt and the engine keeps serving; results come
@@ -128,6 +128,48 @@ class LLM:
             sampling_params, len(prompts), SamplingParams, SamplingParams, "sampling_params"
         )
         return self._run(prompts, params, use_tqdm, priority)
+
+    def chat(
+        self,
+        messages: Any,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Replies to one conversation (a list of {"role", "content"} messages) or a list of
+        conversations, in input order, as vLLM's `LLM.chat`: each is rendered with the
+        tokenizer's chat template (or `chat_template`, Jinja text or a file) and generated
+        from. `add_generation_prompt` opens the assistant's turn; `continue_final_message`
+        instead continues the last message; `chat_template_kwargs` reach the template."""
+        from v1.entrypoints.chat_prompts import chat_prompt_ids, conversations, read_template
+
+        if "generate" not in self.model_info.supported_tasks:
+            raise ValueError(
+                f"{self.config.model_config.architecture} is an encoder-only model: chat needs "
+                f"a generating model"
+            )
+        convs = conversations(messages)
+        template = read_template(chat_template)
+        tokenizer = self.get_tokenizer()
+        prompts = []
+        for i, conv in enumerate(convs):
+            try:
+                ids = chat_prompt_ids(
+                    tokenizer,
+                    conv,
+                    chat_template=template,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                    chat_template_kwargs=chat_template_kwargs,
+                )
+            except ValueError as e:
+                raise ValueError(f"conversation {i}: {e}" if len(convs) > 1 else str(e)) from e
+            prompts.append({"prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def beam_search(
         self,

@@ -57,16 +57,18 @@ class Worker:
         self.profiler = StepProfiler.from_env(rank)
 
     def limit_cpu_threads(self) -> None:
-        """On CPU under tensor parallelism, the calling thread's ops use the rank's share of
-        the host's cores (OpenMP's setting is per thread: called again from the thread that
-        will run the steps). With more, OpenMP threads spinning after each op starve the rank
-        a collective waits for (steps 50x slower on a busy host)."""
-        tp_size = self.config.parallel_config.tensor_parallel_size
-        if self.device.type != "cpu" or tp_size == 1:
+        """On CPU under tensor or data parallelism, the calling thread's ops use the rank's
+        share of the host's cores (OpenMP's setting is per thread: called again from the thread
+        that will run the steps). With more, OpenMP threads spinning after each op starve the
+        rank a collective waits for (steps 50x slower on a busy host), or the other
+        data-parallel cores (4-10x slower than one core)."""
+        pc = self.config.parallel_config
+        num_ranks = pc.tensor_parallel_size * pc.data_parallel_size
+        if self.device.type != "cpu" or num_ranks == 1:
             return
         if self._prev_num_threads is None:
             self._prev_num_threads = torch.get_num_threads()
-        share = max(1, _num_cpus() // tp_size)
+        share = max(1, _num_cpus() // num_ranks)
         torch.set_num_threads(min(self._prev_num_threads, share))
 
     def load_model(self) -> None:

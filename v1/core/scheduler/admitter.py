@@ -1,7 +1,8 @@
 """`Admitter`: which waiting requests enter this step (mini-sglang's prefill adder), within the
 step's token, sequence and encoder budgets, the encoder cache and the KV cache. A request that
 cannot run now is passed over for later ones at most MAX_SKIPS_PER_STEP times a step, and is
-never overtaken once passed MAX_TIMES_PASSED times (no starvation).
+never overtaken once passed MAX_TIMES_PASSED times (no starvation). Groups at their fair share
+(fair_share.py) are admitted after the others.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 from v1.config import EngineConfig
 from v1.core.encoder_cache import EncoderCacheManager
 from v1.core.request import Request, RequestStatus
+from v1.core.scheduler.fair_share import MAX_DEFERRED
 from v1.core.scheduler.request_queue import RequestQueue
 from v1.core.scheduler.resources import RequestResources
 from v1.core.scheduler.step_plan import StepPlan
@@ -56,24 +58,45 @@ class Admitter:
         self.num_cross_cache_hits = 0
         """Admissions that attached to cross K/V already in the cache (no encoder, no write)."""
 
-    def admit_waiting(self, plan: StepPlan, step_id: int) -> None:
+    def admit_waiting(
+        self, plan: StepPlan, step_id: int, capped: frozenset[str] = frozenset()
+    ) -> None:
         """Admits waiting requests in queue order while the budgets last (into
-        `plan.scheduled_new`), passing over those that cannot run now."""
+        `plan.scheduled_new`), passing over those that cannot run now. Requests of `capped`
+        groups (at their fair share, see FairShare) come after everyone else's."""
         scheduled = plan.scheduled_new
         skipped: list[tuple[Request, int]] = []
         """Requests passed over, each with how many were admitted before it was."""
+        deferred: list[Request] = []
+        popped: list[Request] = []
+        """Everything taken off the queue in order (what is not admitted goes back so)."""
         while len(self.waiting) and plan.tokens > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.pop()
+            popped.append(request)
+            if request.group_id in capped:
+                deferred.append(request)
+                if len(deferred) >= MAX_DEFERRED:
+                    break
+                continue
             if self._try_admit(request, plan, step_id):
                 scheduled.append(request)
                 continue
             skipped.append((request, len(scheduled)))
             if len(skipped) >= MAX_SKIPS_PER_STEP or request.num_times_passed >= MAX_TIMES_PASSED:
                 break
-        for request, num_before in reversed(skipped):
+        # Slots nobody else could take go to the capped groups (the batch stays full).
+        for request in deferred:
+            if plan.tokens <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            if not self._try_admit(request, plan, step_id):
+                break
+            scheduled.append(request)
+        for request, num_before in skipped:
             if len(scheduled) > num_before:
                 request.num_times_passed += 1
-            self.waiting.add_front(request)
+        for request in reversed(popped):
+            if request.status != RequestStatus.RUNNING:
+                self.waiting.add_front(request)
 
     def _try_admit(self, request: Request, plan: StepPlan, step_id: int) -> bool:
         """Moves `request` (already off the queue) to running with its first chunk in this

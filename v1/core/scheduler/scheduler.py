@@ -1,6 +1,7 @@
 """`Scheduler`, the step loop: no prefill or decode phases. Each request has computed vs total
 tokens; a step hands out at most max_num_batched_tokens within max_num_seqs, running requests
-first, then waiting ones (the admitter). Out of KV blocks, held requests are freed first, then
+first, then waiting ones (the admitter); a group over its fair share of the batch yields slots to
+waiting groups (fair_share). Out of KV blocks, held requests are freed first, then
 the lowest-priority running request is preempted by recompute (all its blocks freed).
 """
 
@@ -21,6 +22,7 @@ from v1.core.sched_output import (
 )
 from v1.core.scheduler.admitter import Admitter
 from v1.core.scheduler.bursts import allocate_burst, burst_length
+from v1.core.scheduler.fair_share import FairShare
 from v1.core.scheduler.output_stage import OutputStage
 from v1.core.scheduler.request_queue import RequestQueue
 from v1.core.scheduler.resources import RequestResources
@@ -55,6 +57,7 @@ class Scheduler:
             self.kv_cache_manager, self.encoder_cache, self.forks, self.requests
         )
         self.admitter = Admitter(config, self.waiting, self.running, self.resources)
+        self.fair_share = FairShare(sc.max_num_seqs, self.policy)
         self.output_stage = OutputStage(self.running, self.resources, self.max_model_len)
         self.num_preemptions = 0
         self.num_steps = 0
@@ -113,9 +116,15 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self.num_steps += 1
         plan = StepPlan(self.max_num_batched_tokens, self.encoder_budget)
+        capped: frozenset[str] = frozenset()
+        shares = self.fair_share.state(self.running, self.waiting)
+        if shares is not None:
+            capped = shares.capped
+            for victim in self.fair_share.pick_victims(self.running, self.waiting, shares):
+                self._preempt(victim, requeue=True)
         preempted = self._schedule_running(plan)
         if not preempted:
-            self.admitter.admit_waiting(plan, self.num_steps)
+            self.admitter.admit_waiting(plan, self.num_steps, capped)
         if self.num_scheduler_steps > 1 and plan.scheduled_running and not plan.scheduled_new:
             num_steps = burst_length(plan, self.num_scheduler_steps, self.max_model_len)
             if num_steps > 1:
@@ -180,7 +189,9 @@ class Scheduler:
             return max(self.running)
         return self.running[-1]
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, requeue: bool = False) -> None:
+        """`requeue`: preempted for another group's share, it waits first in its group but
+        keeps its group's turn (else it goes back first in the queue)."""
         self.running.remove(request)
         self.kv_cache_manager.free(request)
         self.encoder_cache.free(request)
@@ -191,7 +202,10 @@ class Scheduler:
         self.num_preemptions += 1
         # The runner drops its copy; the request comes back as a new one with all its tokens.
         self.resources.finished_req_ids.add(request.request_id)
-        self.waiting.add_front(request)
+        if requeue:
+            self.waiting.requeue(request)
+        else:
+            self.waiting.add_front(request)
 
     def _make_output(self, plan: StepPlan) -> SchedulerOutput:
         new_reqs = [
