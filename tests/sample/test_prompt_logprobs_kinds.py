@@ -28,7 +28,7 @@ def _check(entries: list, ids: list[int], expected: torch.Tensor, num_top: int) 
         assert entry[ids[position]].logprob == pytest.approx(row[ids[position]].item(), abs=1e-4)
         top = sorted((lp.rank, t) for t, lp in entry.items() if lp.rank is not None)
         assert [t for _, t in top] == row.topk(num_top).indices.tolist()
-        for rank, t in top:
+        for _, t in top:
             assert entry[t].logprob == pytest.approx(row[t].item(), abs=1e-4)
 
 

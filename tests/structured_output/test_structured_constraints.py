@@ -46,7 +46,9 @@ def llm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 def _run(llm: LLM, structured: StructuredOutputsParams, max_tokens: int = 40) -> list:
     params = [SamplingParams(temperature=0, max_tokens=max_tokens, structured_outputs=structured)]
     params += [
-        SamplingParams(temperature=1.0, seed=i, max_tokens=max_tokens, structured_outputs=structured)
+        SamplingParams(
+            temperature=1.0, seed=i, max_tokens=max_tokens, structured_outputs=structured
+        )
         for i in range(5)
     ]
     outs = llm.generate(["Hello world", *["The quick brown fox"] * 5], params)

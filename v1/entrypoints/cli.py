@@ -101,6 +101,10 @@ IGNORED_ENGINE_ARGS: dict[str, frozenset[str]] = {
 """Engine arguments a subcommand does not offer (they mean nothing to what it runs)."""
 
 
+_FLAG_ALIASES: dict[str, tuple[str, ...]] = {"policy": ("--scheduling-policy",)}
+"""vLLM's names of engine flags, accepted beside ours."""
+
+
 def add_engine_args(parser: argparse.ArgumentParser, ignored: frozenset[str] = frozenset()) -> None:
     """One flag per engine argument not in `ignored` (only flags given on the command line
     reach the engine)."""
@@ -117,6 +121,7 @@ def add_engine_args(parser: argparse.ArgumentParser, ignored: frozenset[str] = f
             "%", "%%"
         )
         flag = "--" + f.name.replace("_", "-")
+        aliases = _FLAG_ALIASES.get(f.name, ())
         if kind is bool:
             group.add_argument(
                 flag,
@@ -137,6 +142,7 @@ def add_engine_args(parser: argparse.ArgumentParser, ignored: frozenset[str] = f
         else:
             group.add_argument(
                 flag,
+                *aliases,
                 dest=f.name,
                 type=kind,
                 default=argparse.SUPPRESS,
