@@ -150,6 +150,7 @@ class ServingCompletions(ServingBase):
         if body.use_beam_search:
             _reject_with_beam_search(body)
         self._check_priority(body)
+        _check_stream_options(body)
         if body.echo and body.logprobs is not None and not self.inputs.prompt_is_decoder_prompt:
             raise bad_request(
                 "echo with logprobs needs a decoder-only model (the prompt here is the encoder's)",
@@ -259,6 +260,7 @@ class ServingCompletions(ServingBase):
         self._check_generator("/v1/chat/completions")
         _reject_unsupported_chat(body)
         self._check_priority(body)
+        _check_stream_options(body)
         if body.top_logprobs and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
         num_chars = sum(_content_chars(m.content) for m in body.messages)
@@ -847,6 +849,14 @@ def _constraint(body: SamplingFields, name: str) -> StructuredOutputsParams:
     )
 
 
+def _check_stream_options(body: SamplingFields) -> None:
+    """stream_options means something only for a stream (OpenAI answers 400 too)."""
+    if body.stream_options is not None and not body.stream:
+        raise bad_request(
+            "stream_options is only allowed when stream is true", param="stream_options"
+        )
+
+
 def _reject_with_beam_search(body: CompletionRequest) -> None:
     """use_beam_search keeps no grammar per beam, no prompt logprobs and no priority."""
     for name in (*_CONSTRAINT_FIELDS, "prompt_logprobs"):
@@ -871,7 +881,7 @@ def _reject_unsupported_chat(body: ChatCompletionRequest) -> None:
             "parallel_tool_calls needs tools, which are not supported", "parallel_tool_calls"
         )
     if body.modalities is not None and any(m != "text" for m in body.modalities):
-        raise bad_request("only the 'text' output modality is supported", param="modalities")
+        raise bad_request("output modalities other than 'text' are not supported", "modalities")
     for name in (
         "audio",
         "prediction",
