@@ -1,4 +1,5 @@
-"""No request field is silently ignored (the app over AsyncLLMs, in this process).
+"""No request field is silently ignored, and vLLM's extension fields work (the app over
+AsyncLLMs, in this process).
 
 1. An unknown field is OpenAI's 400 "Unrecognized request argument supplied: X" (`param` X, the
    OpenAI error body) on every route: completions, chat (also inside a message), embeddings,
@@ -7,12 +8,17 @@
 2. Every field of OpenAI's own request types (the installed `openai` package's TypedDicts) is
    either honoured (200) or refused with a 400 that names it and says "not supported"; a field
    of a newer `openai` package that this file does not classify fails the test.
+3. vLLM's guided_choice / guided_regex / guided_json / guided_grammar / structured_outputs
+   constrain the output (also through the official client's extra_body); prompt_logprobs comes
+   back in the choice (vLLM's shape) equal to transformers' for max_tokens=1; priority reaches
+   the engine under --scheduling-policy priority and is a 400 under fcfs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import io
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -47,7 +53,7 @@ def _app(model: str, **engine_args: Any) -> tuple[Any, Any]:
 @pytest.fixture(scope="module")
 def llama_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     path = make_chat_llama_dir(tmp_path_factory.mktemp("llama"), CHAT_TEMPLATE)
-    llm, app = _app(path, num_kv_blocks=128)
+    llm, app = _app(path, num_kv_blocks=128, policy="priority")
     try:
         yield app
     finally:
@@ -335,6 +341,7 @@ def test_openai_embedding_fields(minilm_app: Any) -> None:
     )
 
 
+@pytest.mark.slow
 def test_openai_audio_fields(whisper_app: Any) -> None:
     from openai.types.audio import transcription_create_params as tr
     from openai.types.audio import translation_create_params as tl
@@ -372,3 +379,216 @@ def test_stream_options_needs_stream(llama_app: Any) -> None:
     )
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "stream_options"
+
+
+# ---- 3. vLLM's extension fields ----
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 99},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["id", "ok"],
+    "additionalProperties": False,
+}
+
+
+def test_guided_fields_constrain_the_output(llama_app: Any) -> None:
+    import json
+    import re
+
+    import jsonschema
+
+    def cmpl(**extra: Any) -> tuple[str, dict[str, Any]]:
+        return "/v1/completions", {
+            "json": {"prompt": "Hi", "max_tokens": 30, "n": 3, "temperature": 1.0, **extra}
+        }
+
+    checks = [
+        (cmpl(guided_choice=["yes", "no", "maybe so"]), lambda t: t in ("yes", "no", "maybe so")),
+        (cmpl(guided_regex="[0-9]{3}-[a-z]{2}"), lambda t: re.fullmatch("[0-9]{3}-[a-z]{2}", t)),
+        (cmpl(guided_json=SCHEMA), lambda t: jsonschema.validate(json.loads(t), SCHEMA) is None),
+        (
+            cmpl(guided_json=json.dumps(SCHEMA)),
+            lambda t: jsonschema.validate(json.loads(t), SCHEMA) is None,
+        ),
+        (
+            cmpl(guided_grammar='start: "x" /[0-9]{1,3}/ ";"'),
+            lambda t: re.fullmatch("x[0-9]{1,3};", t),
+        ),
+        (
+            cmpl(guided_grammar='root ::= "<" [ab]{1,4} ">"'),
+            lambda t: re.fullmatch("<[ab]{1,4}>", t),
+        ),
+        (cmpl(structured_outputs={"choice": ["a b", "c"]}), lambda t: t in ("a b", "c")),
+        (cmpl(structured_outputs={"regex": "[A-Z]{2}"}), lambda t: re.fullmatch("[A-Z]{2}", t)),
+        (
+            cmpl(structured_outputs={"json": SCHEMA}),
+            lambda t: jsonschema.validate(json.loads(t), SCHEMA) is None,
+        ),
+        (
+            cmpl(structured_outputs={"grammar": 'start: "ok" | "ko"'}),
+            lambda t: t in ("ok", "ko"),
+        ),
+        (
+            (
+                "/v1/chat/completions",
+                {
+                    "json": {
+                        "messages": MSG,
+                        "max_tokens": 30,
+                        "n": 2,
+                        "guided_choice": ["up", "down"],
+                    }
+                },
+            ),
+            lambda t: t in ("up", "down"),
+        ),
+    ]
+    responses = _post_all(llama_app, [call for call, _ in checks])
+    for (call, check), response in zip(checks, responses, strict=True):
+        assert response.status_code == 200, (call, response.text)
+        for choice in response.json()["choices"]:
+            text = choice["text"] if "text" in choice else choice["message"]["content"]
+            assert choice["finish_reason"] == "stop", (call, text)
+            assert check(text), (call, text)
+
+
+def test_guided_fields_refused_clearly(llama_app: Any) -> None:
+    def cmpl(**extra: Any) -> tuple[str, dict[str, Any]]:
+        return "/v1/completions", {"json": {"prompt": "Hi", "max_tokens": 4, **extra}}
+
+    cases = [
+        (cmpl(guided_choice=["a"], guided_regex="a"), "guided_choice"),
+        (cmpl(guided_regex="(["), "guided_regex"),
+        (cmpl(guided_grammar="start: nowhere"), "guided_grammar"),
+        (cmpl(guided_choice=[]), "guided_choice"),
+        (cmpl(structured_outputs={"whitespace_pattern": " "}), "structured_outputs"),
+        (cmpl(structured_outputs={}), "structured_outputs"),
+        (cmpl(guided_choice=["a"], use_beam_search=True, best_of=2), "guided_choice"),
+        (cmpl(response_format={"type": "json_object"}, use_beam_search=True), "response_format"),
+        (cmpl(prompt_logprobs=1, use_beam_search=True), "prompt_logprobs"),
+        (cmpl(prompt_logprobs=21), "prompt_logprobs"),
+    ]
+    responses = _post_all(llama_app, [call for call, _ in cases])
+    for (call, param), response in zip(cases, responses, strict=True):
+        assert response.status_code == 400, (call, response.text)
+        assert response.json()["error"]["param"] == param, (call, response.text)
+
+
+def test_openai_client_extra_body(llama_app: Any) -> None:
+    """The official client sends vLLM's fields through extra_body."""
+    import openai
+
+    async def run() -> Any:
+        transport = httpx.ASGITransport(app=llama_app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+            client = openai.AsyncOpenAI(
+                base_url="http://t/v1", api_key="x", http_client=http, max_retries=0
+            )
+            chat = await client.chat.completions.create(
+                model="m",
+                messages=MSG,
+                max_tokens=10,
+                extra_body={"structured_outputs": {"choice": ["red", "blue"]}},
+            )
+            with pytest.raises(openai.BadRequestError) as bad:
+                await client.completions.create(
+                    model="m", prompt="Hi", extra_body={"guided_choise": ["x"]}
+                )
+            return chat, bad.value
+
+    chat, bad = asyncio.run(run())
+    assert chat.choices[0].message.content in ("red", "blue")
+    assert bad.status_code == 400
+    assert bad.body["message"] == "Unrecognized request argument supplied: guided_choise"
+
+
+def test_prompt_logprobs_served(llama_app: Any) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    engine = llama_app.state.engine
+    path = engine.model_config.model
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    text = "The quick brown fox jumps"
+    ids = tokenizer(text)["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(path).float().eval()
+    with torch.no_grad():
+        expected = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    body = {"prompt": text, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 2}
+    plain, streamed, echoed, chat = _post_all(
+        llama_app,
+        [
+            ("/v1/completions", {"json": body}),
+            ("/v1/completions", {"json": {**body, "stream": True}}),
+            ("/v1/completions", {"json": {**body, "echo": True, "logprobs": 1}}),
+            (
+                "/v1/chat/completions",
+                {"json": {"messages": MSG, "max_tokens": 1, "prompt_logprobs": 0}},
+            ),
+        ],
+    )
+    assert plain.status_code == 200, plain.text
+    entries = plain.json()["choices"][0]["prompt_logprobs"]
+    assert len(entries) == len(ids) and entries[0] is None
+    for position in range(1, len(ids)):
+        entry = entries[position]
+        row = expected[position - 1]
+        assert entry[str(ids[position])]["logprob"] == pytest.approx(
+            row[ids[position]].item(), abs=1e-4
+        )
+        ranked = sorted((v["rank"], int(k)) for k, v in entry.items() if v["rank"] is not None)
+        ranked = [t for r, t in ranked if r <= 2]
+        assert ranked == row.topk(2).indices.tolist()
+    chunks = [
+        json.loads(line[len("data: ") :])
+        for line in streamed.text.splitlines()
+        if line.startswith("data: {")
+    ]
+    assert chunks[0]["choices"][0]["prompt_logprobs"] == entries
+    # echo's logprobs keep their own top-1, prompt_logprobs its top-2.
+    choice = echoed.json()["choices"][0]
+    assert choice["prompt_logprobs"] == entries
+    assert all(len(top) <= 2 for top in choice["logprobs"]["top_logprobs"][1 : len(ids)])
+    assert chat.status_code == 200, chat.text
+    chat_entries = chat.json()["prompt_logprobs"]
+    assert chat_entries[0] is None and all(len(e) == 1 for e in chat_entries[1:])
+
+
+def test_priority_reaches_the_engine(llama_app: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    engine = llama_app.state.engine
+    seen: list[int] = []
+    generate = engine.generate
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        seen.append(kwargs.get("priority", 0))
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "generate", recording)
+    ok, chat_ok = _post_all(
+        llama_app,
+        [
+            ("/v1/completions", {"json": {"prompt": "Hi", "max_tokens": 1, "priority": -7}}),
+            ("/v1/chat/completions", {"json": {"messages": MSG, "max_tokens": 1, "priority": 5}}),
+        ],
+    )
+    assert ok.status_code == 200 and chat_ok.status_code == 200
+    assert seen == [-7, 5]
+    fcfs = SimpleNamespace(scheduler_config=SimpleNamespace(policy="fcfs"))
+    monkeypatch.setattr(engine, "config", fcfs)
+    (refused,) = _post_all(
+        llama_app, [("/v1/completions", {"json": {"prompt": "Hi", "priority": 1}})]
+    )
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "priority"
+    assert "--scheduling-policy priority" in refused.json()["error"]["message"]
+
+
+def test_scheduling_policy_flag() -> None:
+    from v1.entrypoints.cli import engine_kwargs, make_parser
+
+    args = make_parser().parse_args(["serve", "m", "--scheduling-policy", "priority"])
+    assert engine_kwargs(args)["policy"] == "priority"
