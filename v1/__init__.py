@@ -13,6 +13,7 @@ _LAZY = {
     "AsyncLLM": "v1.engine.async_llm",
     "LLMEngine": "v1.engine.llm_engine",
     "SamplingParams": "v1.sampling_params",
+    "StructuredOutputsParams": "v1.structured_output",
     "PoolingParams": "v1.pooling_params",
     "BeamSearchParams": "v1.engine.beam_search",
     "BeamSearchOutput": "v1.engine.beam_search",
@@ -42,6 +43,7 @@ __all__ = [
     "AsyncLLM",
     "LLMEngine",
     "SamplingParams",
+    "StructuredOutputsParams",
     "PoolingParams",
     "BeamSearchParams",
     "BeamSearchOutput",
@@ -88,6 +90,7 @@ if TYPE_CHECKING:
     )
     from v1.pooling_params import PoolingParams
     from v1.sampling_params import SamplingParams
+    from v1.structured_output import StructuredOutputsParams
 
 
 def __getattr__(name: str) -> Any:

@@ -112,6 +112,14 @@ class EngineCore:
             )
             if matcher is not None:
                 self.structured_outputs.add(request.request_id, matcher)
+            if request.sampling_params is not None and (
+                request.sampling_params.prompt_logprobs is not None
+            ):
+                # Rows per prompt token after the first, filled by the prefill chunks; sent
+                # with the first token even when the request ends on it (max_tokens=1) or
+                # has a one-token prompt (an encoder-decoder's decoder start token).
+                rows = max(len(request.prompt_token_ids) - 1, 0)
+                self._prompt_logprobs[request.request_id] = ([[]] * rows, [[]] * rows)
         except ValueError as e:
             if request.fork_from is not None and request.last_fork:
                 self.scheduler.release_held(request.fork_from)  # it still was the last fork
@@ -181,13 +189,9 @@ class EngineCore:
         first token."""
         requests = self.scheduler.requests
         for req_id, (start, ids, values) in runner_output.prompt_logprobs.items():
-            request = requests.get(req_id)
-            if request is None:
+            rows = self._prompt_logprobs.get(req_id)  # registered by add_request
+            if rows is None:
                 continue
-            rows = self._prompt_logprobs.setdefault(
-                req_id,
-                ([[]] * (request.num_prompt_tokens - 1), [[]] * (request.num_prompt_tokens - 1)),
-            )
             rows[0][start - 1 : start - 1 + len(ids)] = ids
             rows[1][start - 1 : start - 1 + len(values)] = values
         for out in outputs:

@@ -50,7 +50,7 @@ class StructuredOutputManager:
         """A fresh matcher for `params`; ValueError for a grammar llguidance refuses."""
         from llguidance import LLMatcher
 
-        matcher = LLMatcher(self._ll_tokenizer(eos_token_id), params.grammar(), log_level=0)
+        matcher = LLMatcher(self._ll_tokenizer(eos_token_id), params.grammar_spec(), log_level=0)
         if matcher.is_error():
             raise ValueError(f"structured_outputs: {matcher.get_error()}")
         return matcher

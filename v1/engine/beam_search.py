@@ -428,6 +428,11 @@ def make_beam_search(
     """Validates and processes `prompt` once (tokens, audio decoding and hashing) with greedy
     `sampling_params` (the generation-config rules filled in) and sets up its search; raises
     ValueError on invalid input. `engine`: an LLMEngine or AsyncLLM (its input processor)."""
+    if sampling_params is not None and sampling_params.structured_outputs is not None:
+        raise ValueError(
+            "beam search does not support structured_outputs (a grammar constrains one "
+            "sequence; use generate)"
+        )
     base_params = (sampling_params or SamplingParams()).clone(
         n=1, temperature=0.0, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos
     )

@@ -101,6 +101,10 @@ IGNORED_ENGINE_ARGS: dict[str, frozenset[str]] = {
 """Engine arguments a subcommand does not offer (they mean nothing to what it runs)."""
 
 
+_FLAG_ALIASES: dict[str, tuple[str, ...]] = {"policy": ("--scheduling-policy",)}
+"""vLLM's names of engine flags, accepted beside ours."""
+
+
 def add_engine_args(parser: argparse.ArgumentParser, ignored: frozenset[str] = frozenset()) -> None:
     """One flag per engine argument not in `ignored` (only flags given on the command line
     reach the engine)."""
@@ -117,16 +121,8 @@ def add_engine_args(parser: argparse.ArgumentParser, ignored: frozenset[str] = f
             "%", "%%"
         )
         flag = "--" + f.name.replace("_", "-")
-        if f.name == "policy":  # vLLM's name for it too
-            group.add_argument(
-                flag,
-                "--scheduling-policy",
-                dest=f.name,
-                choices=["fcfs", "priority"],
-                default=argparse.SUPPRESS,
-                help=help_text,
-            )
-        elif kind is bool:
+        aliases = _FLAG_ALIASES.get(f.name, ())
+        if kind is bool:
             group.add_argument(
                 flag,
                 dest=f.name,
@@ -146,6 +142,7 @@ def add_engine_args(parser: argparse.ArgumentParser, ignored: frozenset[str] = f
         else:
             group.add_argument(
                 flag,
+                *aliases,
                 dest=f.name,
                 type=kind,
                 default=argparse.SUPPRESS,

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from v1.sample.metadata import RowBitmask, SamplingMetadata
+from v1.sample.states.token_tables import apply_forced_tokens
 from v1.sample.states.whisper_timestamps import apply_whisper_timestamp_rules
 
 _NEG_INF = float("-inf")
@@ -84,20 +85,39 @@ def apply_logits_processors(logits: torch.Tensor, metadata: SamplingMetadata) ->
     Order: 1. penalties, then no_repeat_ngram_size; 2. logit_bias, allowed_token_ids,
     suppress_tokens, begin_suppress_tokens, min_tokens; 3. the structured-output grammar mask;
     4. Whisper timestamp rules (their timestamp-vs-text probability test must see every other
-    rule, as in transformers); 5. forced tokens override all of the above. Value rules (penalties,
-    bias) come before the masks they could otherwise undo; masks (-inf) commute.
+    rule, as in transformers); 5. forced tokens override all of the above, except the grammar:
+    on a grammar row a forced token the grammar does not allow (BART's forced BOS / EOS) is not
+    forced, so a structured output is never broken by a generation-config rule. Value rules
+    (penalties, bias) come before the masks they could otherwise undo; masks (-inf) commute.
     """
     if metadata.penalties is not None:
         metadata.penalties.apply(logits)
     if metadata.token_tables is not None:
         metadata.token_tables.apply(logits)
+    allowed = None
     if metadata.grammar_bitmask is not None:
-        apply_token_bitmask(logits, metadata.grammar_bitmask)
+        allowed = apply_token_bitmask(logits, metadata.grammar_bitmask)
     if metadata.whisper is not None:
         apply_whisper_timestamp_rules(logits, metadata.whisper)
-    if metadata.token_tables is not None:
-        metadata.token_tables.apply_forced(logits)
+    forced = metadata.token_tables.forced_token_ids if metadata.token_tables else None
+    if forced is not None:
+        if allowed is not None:
+            assert metadata.grammar_bitmask is not None
+            forced = forced_within_grammar(forced, metadata.grammar_bitmask.rows, allowed)
+        apply_forced_tokens(logits, forced)
     return logits
+
+
+def forced_within_grammar(
+    forced: torch.Tensor, rows: torch.Tensor, allowed: torch.Tensor
+) -> torch.Tensor:
+    """`forced` [n] (-1: none) with the forced tokens of the grammar `rows` that their grammar
+    mask `allowed` [k, vocab] forbids dropped (-1): the grammar wins over forced tokens."""
+    on_rows = forced[rows]
+    ok = allowed.gather(1, on_rows.clamp(min=0).unsqueeze(1)).squeeze(1)
+    forced = forced.clone()
+    forced[rows] = torch.where(ok, on_rows, torch.full_like(on_rows, -1))
+    return forced
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -107,7 +127,9 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
-def apply_token_bitmask(logits: torch.Tensor, grammar: RowBitmask) -> None:
-    """Tokens outside each listed row's (grammar) mask become impossible."""
+def apply_token_bitmask(logits: torch.Tensor, grammar: RowBitmask) -> torch.Tensor:
+    """Tokens outside each listed row's (grammar) mask become impossible; returns the unpacked
+    mask [k, vocab] bool."""
     allowed = unpack_bitmask(grammar.bitmask, logits.shape[1])
     logits[grammar.rows] = logits[grammar.rows].masked_fill(~allowed, _NEG_INF)
+    return allowed

@@ -1,4 +1,4 @@
-"""Structured outputs (JSON object / JSON schema): what a request asks for, torch-free
+"""Structured outputs (JSON schema or object, regex, choice, grammar): what a request asks for, torch-free
 (`params`; it crosses the process boundary inside SamplingParams). The grammar matchers that
 enforce it live in the EngineCore (v1/core/structured_output.py).
 """

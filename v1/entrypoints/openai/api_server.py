@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
-from fastapi import FastAPI, File, Form, Request, UploadFile
+from fastapi import Depends, FastAPI, File, Form, Request, UploadFile
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -27,6 +27,7 @@ from v1.entrypoints.openai.errors import (
     error_response,
     install_error_handlers,
 )
+from v1.entrypoints.openai.form_fields import check_form_fields
 from v1.entrypoints.openai.http_limits import HttpLimits, limited_protocol
 from v1.entrypoints.openai.lifecycle import DrainingServer, ServerLifecycle
 from v1.entrypoints.openai.metrics import RequestObserver, ServerMetrics
@@ -394,7 +395,8 @@ def _add_inference_routes(
         return await tokenization.detokenize(body)
 
     upload_limits: dict[str, Any] = {
-        "form_limits": {"max_files": 1, "max_fields": 32, "max_part_size": 64 << 10}
+        "form_limits": {"max_files": 1, "max_fields": 32, "max_part_size": 64 << 10},
+        "dependencies": [Depends(check_form_fields)],  # unknown form fields are a 400
     }
 
     @app.post("/v1/audio/transcriptions", **upload_limits)

@@ -90,6 +90,9 @@ def validation_message(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | 
     """(message, param) of pydantic / FastAPI validation errors."""
     if not errors:
         return "invalid request", None
+    unknown = [_field_path(e) for e in errors if e.get("type") == "extra_forbidden"]
+    if unknown:
+        return unrecognized_message(unknown), unknown[0]
     first = errors[0]
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", "")
@@ -108,13 +111,32 @@ def validation_message(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | 
     return "; ".join(parts) + more, (loc[0] if loc else None)
 
 
+def unrecognized_message(names: Sequence[str]) -> str:
+    """OpenAI's words for request fields it does not know."""
+    if len(names) == 1:
+        return f"Unrecognized request argument supplied: {names[0]}"
+    return f"Unrecognized request arguments supplied: {', '.join(names)}"
+
+
+def _field_path(error: Mapping[str, Any]) -> str:
+    """The location of a field error without the "body" / "form" prefix: `x`, `messages.0.x`."""
+    parts = [str(p) for p in error.get("loc", ()) if p not in ("body", "form")]
+    # Union members show up in the location (str, list[int], a model's class name); drop them.
+    return ".".join(
+        p
+        for p in parts
+        if not (p.startswith(("list[", "dict[")) or p in ("str", "int") or p[:1].isupper())
+    )
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Every error the app produces gets the OpenAI error body."""
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = validation_message(_json_safe(exc.errors()))
-        return error_response(APIError(400, message, param=param, code="invalid_value"))
+        code = None if message.startswith("Unrecognized request argument") else "invalid_value"
+        return error_response(APIError(400, message, param=param, code=code))
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException) -> Response:

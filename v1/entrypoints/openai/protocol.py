@@ -1,7 +1,10 @@
 """Pydantic request and response bodies of the OpenAI-compatible server.
 
 Requests follow OpenAI's field names (plus vLLM's sampling extensions); validation happens here,
-so a bad field is a 400 naming that field. Unknown fields are ignored, NaN and infinity rejected.
+so a bad field is a 400 naming that field. No field is silently ignored: an unknown one is a 400
+"Unrecognized request argument supplied: X" (OpenAI's rule, `extra="forbid"`), and every field of
+OpenAI's own spec is declared, then honoured or refused with a 400 saying it is not supported
+(serving_*.py). NaN and infinity are rejected.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ def now_s() -> int:
 
 
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, protected_namespaces=())
 
     @field_validator("*", mode="after")
     @classmethod
@@ -88,6 +91,8 @@ class UsageInfo(BaseModel):
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
+    include_obfuscation: bool | None = None
+    """Only false (or null) is supported: chunks carry no obfuscation padding."""
 
 
 # ---- sampling fields shared by completions and chat ----
@@ -123,6 +128,22 @@ class SamplingFields(OpenAIModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    # vLLM extensions: structured outputs (at most one of these and response_format)
+    guided_json: StrictStr | dict[str, Any] | None = None
+    """A JSON schema (object or its JSON text) the output validates against."""
+    guided_regex: StrictStr | None = None
+    """A regular expression the whole output matches."""
+    guided_choice: list[StrictStr] | None = Field(None, min_length=1, max_length=MAX_BATCH_INPUTS)
+    """The output is exactly one of these strings."""
+    guided_grammar: StrictStr | None = None
+    """A context-free grammar (Lark `start: ...` or GBNF/EBNF `root ::= ...`)."""
+    structured_outputs: dict[str, Any] | None = None
+    """vLLM's form: exactly one of {"json", "regex", "choice", "grammar", "json_object"}."""
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    """The prompt's logprobs with the top-N tokens per position (`prompt_logprobs` in the
+    answer; the first prompt token has none)."""
+    priority: int = Field(0, ge=-INT32_MAX - 1, le=INT32_MAX)
+    """Scheduling priority under --scheduling-policy priority (lower runs first)."""
 
 
 class CompletionRequest(SamplingFields):
@@ -142,6 +163,12 @@ class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    # OpenAI message fields of function calling and audio: refused unless null (no tools).
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    function_call: dict[str, Any] | None = None
+    refusal: str | None = None
+    audio: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -163,6 +190,23 @@ class ChatCompletionRequest(SamplingFields):
     audio: Any = None
     prediction: Any = None
     web_search_options: Any = None
+    moderation: Any = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    store: bool | None = None
+    """Only false (or null): this server stores no completions."""
+    metadata: dict[str, str] | None = None
+    """Only with store (unsupported): must be null or empty."""
+    service_tier: str | None = None
+    """"auto" or "default" (the one tier this server has); others are refused."""
+    prompt_cache_retention: str | None = None
+    """"in_memory" (the automatic prefix cache); "24h" is refused."""
+    prompt_cache_options: dict[str, Any] | None = None
+    """Refused unless null or empty (prefix caching here is automatic, without options)."""
+    # Identifiers with no effect on the answer: the server keeps no per-user state and its
+    # prefix cache is automatic, so there is nothing for them to change.
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
 
 
 # ---- completion responses ----
@@ -175,12 +219,27 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """One token of a prompt position (vLLM's shape): logprob, rank (1 = most likely; null for
+    the prompt's own token outside the top-N) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobsOut = list[dict[str, PromptLogprob] | None]
+"""Per prompt token: {token id (as a string): PromptLogprob} of that token and the top-N; null
+for the first token."""
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobsOut | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -235,6 +294,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobsOut | None = None
 
 
 class CompletionStreamResponse(BaseModel):
@@ -253,6 +313,7 @@ class ChatCompletionStreamResponse(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobsOut | None = None
 
 
 # ---- tokenize, detokenize ----

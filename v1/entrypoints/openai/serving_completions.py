@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import Response
 
@@ -57,6 +58,7 @@ from v1.entrypoints.openai.serving_engine import (
 from v1.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from v1.sampling_params import SamplingParams
 from v1.structured_output import StructuredOutputsParams
+from v1.structured_output.params import KINDS as STRUCTURED_KINDS
 
 _OPTIONAL_SAMPLING_FIELDS = (
     "temperature",
@@ -94,6 +96,11 @@ class _Job:
     top_logprobs: int = 0
     keep_logprobs: bool = True
     """False: logprobs were asked for only to rank best_of samples, not to return."""
+    echo_top: int | None = None
+    """Echo with logprobs: the top-N of each echoed prompt token (None: no echo logprobs)."""
+    prompt_logprobs: int | None = None
+    """The `prompt_logprobs` asked for (vLLM's answer field), None when not."""
+    priority: int = 0
 
 
 @dataclass
@@ -140,10 +147,10 @@ class ServingCompletions(ServingBase):
             raise bad_request("best_of > n and use_beam_search cannot stream", param="stream")
         if body.use_beam_search and best_of > MAX_BEAM_WIDTH:
             raise bad_request(f"beam search keeps at most {MAX_BEAM_WIDTH} beams", "best_of")
-        if body.use_beam_search and body.response_format is not None:
-            raise bad_request(
-                "response_format cannot be combined with use_beam_search", "response_format"
-            )
+        if body.use_beam_search:
+            _reject_with_beam_search(body)
+        self._check_priority(body)
+        _check_stream_options(body)
         if body.echo and body.logprobs is not None and not self.inputs.prompt_is_decoder_prompt:
             raise bad_request(
                 "echo with logprobs needs a decoder-only model (the prompt here is the encoder's)",
@@ -166,8 +173,10 @@ class ServingCompletions(ServingBase):
         ]
         if body.use_beam_search:
             return await self._beam_search(body, model, prompts, params, request)
-        if body.echo and body.logprobs is not None:
-            params = [p.clone(prompt_logprobs=body.logprobs) for p in params]
+        echo_top = body.logprobs if body.echo else None
+        wanted = [v for v in (body.prompt_logprobs, echo_top) if v is not None]
+        if wanted:
+            params = [p.clone(prompt_logprobs=max(wanted)) for p in params]
         params = await self._with_structured_outputs(body, params)
         if best_of > body.n:
             # Sample best_of, return the n most likely (highest cumulative logprob).
@@ -184,6 +193,9 @@ class ServingCompletions(ServingBase):
             echo=body.echo,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
             keep_logprobs=body.logprobs is not None,
+            echo_top=echo_top,
+            prompt_logprobs=body.prompt_logprobs,
+            priority=body.priority,
         )
         return await self._run(job, body.stream, request)
 
@@ -247,6 +259,8 @@ class ServingCompletions(ServingBase):
         model = self.check_model(body.model)
         self._check_generator("/v1/chat/completions")
         _reject_unsupported_chat(body)
+        self._check_priority(body)
+        _check_stream_options(body)
         if body.top_logprobs and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
         num_chars = sum(_content_chars(m.content) for m in body.messages)
@@ -258,6 +272,8 @@ class ServingCompletions(ServingBase):
         params = self._sampling_params(
             body, prompt, max_tokens, max_tokens is not None, logprobs, "messages"
         )
+        if body.prompt_logprobs is not None:
+            params = params.clone(prompt_logprobs=body.prompt_logprobs)
         (params,) = await self._with_structured_outputs(body, [params])
         job = _Job(
             random_id("chatcmpl"),
@@ -269,6 +285,8 @@ class ServingCompletions(ServingBase):
             chat=True,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
             top_logprobs=body.top_logprobs or 0,
+            prompt_logprobs=body.prompt_logprobs,
+            priority=body.priority,
         )
         return await self._run(job, body.stream, request)
 
@@ -282,6 +300,18 @@ class ServingCompletions(ServingBase):
             extra=body.chat_template_kwargs,
         )
         return self._text_prompt(text, False, body.truncate_prompt_tokens, "messages")
+
+    def _check_priority(self, body: SamplingFields) -> None:
+        """A priority means something only under the priority policy: else a 400, not a
+        silently ignored field."""
+        config = getattr(self.engine, "config", None)
+        policy = getattr(getattr(config, "scheduler_config", None), "policy", "fcfs")
+        if body.priority and policy != "priority":
+            raise bad_request(
+                f"priority is not supported by this server's scheduling policy ({policy!r}); "
+                "start it with --scheduling-policy priority",
+                param="priority",
+            )
 
     def _check_generator(self, endpoint: str) -> None:
         if not self.is_generator:
@@ -399,24 +429,31 @@ class ServingCompletions(ServingBase):
     async def _with_structured_outputs(
         self, body: SamplingFields, params: list[SamplingParams]
     ) -> list[SamplingParams]:
-        """`params` constrained by response_format (its schema compiled once, off the event
-        loop), or unchanged for text."""
-        if body.response_format is None:
+        """`params` constrained by response_format, guided_* or structured_outputs (at most
+        one; compiled once, off the event loop), or unchanged for none / text."""
+        names = _constraint_fields(body)
+        if not names:
             return params
         structured = await self.offload(_structured_outputs, body)
         if structured is None:
             return params
         if body.ignore_eos:
-            raise bad_request("response_format cannot be used with ignore_eos", "ignore_eos")
+            raise bad_request(f"{names[0]} cannot be used with ignore_eos", "ignore_eos")
         if body.min_tokens:
-            raise bad_request("response_format cannot be used with min_tokens", "min_tokens")
+            raise bad_request(f"{names[0]} cannot be used with min_tokens", "min_tokens")
         return [p.clone(structured_outputs=structured) for p in params]
 
     # ---- running ----
     async def _run(self, job: _Job, stream: bool, request: Request) -> Response:
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.CUMULATIVE
         gens = [
-            self.engine.generate(p.engine_prompt, params, f"{job.request_id}-{i}", output_kind=kind)
+            self.engine.generate(
+                p.engine_prompt,
+                params,
+                f"{job.request_id}-{i}",
+                output_kind=kind,
+                priority=job.priority,
+            )
             for i, (p, params) in enumerate(zip(job.prompts, job.params, strict=True))
         ]
         timer = RequestTimer(self.metrics, job.endpoint)
@@ -485,6 +522,7 @@ class ServingCompletions(ServingBase):
                         logprobs=logprobs,
                         finish_reason=c.finish_reason,
                         stop_reason=c.stop_reason,
+                        prompt_logprobs=self._prompt_entries(job, out),
                     )
                 )
         return CompletionResponse(
@@ -495,9 +533,19 @@ class ServingCompletions(ServingBase):
         self, job: _Job, out: RequestOutput, offsets: dict[int, int], index: int
     ) -> CompletionLogprobs | None:
         """The echoed prompt's logprobs (echo with logprobs), else None."""
-        if not job.echo or job.params[0].prompt_logprobs is None:
+        if not job.echo or job.echo_top is None:
             return None
-        return self.logprobs.prompt(out.prompt_token_ids or [], out.prompt_logprobs, offsets, index)
+        return self.logprobs.prompt(
+            out.prompt_token_ids or [], out.prompt_logprobs, offsets, index, job.echo_top
+        )
+
+    def _prompt_entries(self, job: _Job, out: RequestOutput) -> Any:
+        """vLLM's `prompt_logprobs` answer field when the request asked for it, else None."""
+        if job.prompt_logprobs is None:
+            return None
+        return self.logprobs.prompt_entries(
+            out.prompt_token_ids or [], out.prompt_logprobs, job.prompt_logprobs
+        )
 
     def _chat_response(
         self, job: _Job, finals: list[RequestOutput], usage: _Usage
@@ -513,7 +561,11 @@ class ServingCompletions(ServingBase):
             for c in sorted(finals[0].outputs, key=lambda c: c.index)
         ]
         return ChatCompletionResponse(
-            id=job.request_id, model=job.model, choices=choices, usage=usage.info()
+            id=job.request_id,
+            model=job.model,
+            choices=choices,
+            usage=usage.info(),
+            prompt_logprobs=self._prompt_entries(job, finals[0]),
         )
 
     async def _stream_completion(
@@ -522,6 +574,7 @@ class ServingCompletions(ServingBase):
         usage = _Usage()
         offsets: dict[int, int] = {}
         echoed: set[int] = set()
+        prompt_sent: set[int] = set()
         ends = _Ends(self.metrics, job.endpoint, len(job.prompts) * job.n)
         try:
             async for i, out in merge_streams(streams):
@@ -550,6 +603,10 @@ class ServingCompletions(ServingBase):
                         logprobs = self.logprobs.completion(c, offsets, index)
                     if prompt_lp is not None:
                         logprobs = join(prompt_lp, logprobs)
+                    prompt_entries = None
+                    if index not in prompt_sent and out.prompt_logprobs is not None:
+                        prompt_sent.add(index)  # with the choice's first chunk
+                        prompt_entries = self._prompt_entries(job, out)
                     choices.append(
                         CompletionChoice(
                             index=index,
@@ -557,6 +614,7 @@ class ServingCompletions(ServingBase):
                             logprobs=logprobs,
                             finish_reason=c.finish_reason,
                             stop_reason=c.stop_reason,
+                            prompt_logprobs=prompt_entries,
                         )
                     )
                 if choices:
@@ -587,6 +645,7 @@ class ServingCompletions(ServingBase):
     ) -> AsyncIterator[str]:
         usage = _Usage()
         started: set[int] = set()
+        prompt_sent = False
         ends = _Ends(self.metrics, job.endpoint, job.n)
         try:
             async for _, out in merge_streams(streams):
@@ -600,9 +659,16 @@ class ServingCompletions(ServingBase):
                 usage.completion_tokens += num_new
                 timer.tokens(num_new)
                 for choice in self._chat_chunks(job, out.outputs, started):
+                    prompt_entries = None
+                    if not prompt_sent and out.prompt_logprobs is not None:
+                        prompt_sent = True  # with the first chunk
+                        prompt_entries = self._prompt_entries(job, out)
                     yield sse_model(
                         ChatCompletionStreamResponse(
-                            id=job.request_id, model=job.model, choices=[choice]
+                            id=job.request_id,
+                            model=job.model,
+                            choices=[choice],
+                            prompt_logprobs=prompt_entries,
                         )
                     )
             if job.include_usage:
@@ -696,38 +762,108 @@ def _logit_bias(body: SamplingFields, vocab_size: int) -> dict[int, float] | Non
     return bias
 
 
-def _structured_outputs(body: SamplingFields) -> StructuredOutputsParams | None:
-    """response_format as StructuredOutputsParams (None for text); 400 naming response_format
-    for an unknown type or a schema llguidance cannot compile."""
+_CONSTRAINT_FIELDS = (
+    "response_format",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+)
+"""Request fields that constrain the output (at most one per request)."""
+
+
+def _constraint_fields(body: SamplingFields) -> list[str]:
+    """The constraint fields the request sets (a text response_format is none)."""
+    names = [n for n in _CONSTRAINT_FIELDS if getattr(body, n) is not None]
     fmt = body.response_format
-    if fmt is None:
+    if fmt is not None and fmt.get("type", "text") == "text":
+        names.remove("response_format")
+    return names
+
+
+def _structured_outputs(body: SamplingFields) -> StructuredOutputsParams | None:
+    """The request's constraint (response_format, guided_*, structured_outputs) as
+    StructuredOutputsParams, None for none / text; 400 naming the field for two constraints, an
+    unknown kind or one llguidance cannot compile."""
+    names = _constraint_fields(body)
+    if not names:
         return None
-    kind = fmt.get("type", "text")
+    if len(names) > 1:
+        raise bad_request(
+            f"at most one of {', '.join(_CONSTRAINT_FIELDS)} may be given; got {', '.join(names)}",
+            param=names[1],
+        )
+    name = names[0]
     try:
-        if kind == "text":
-            return None
-        if kind == "json_object":
-            params = StructuredOutputsParams(json_object=True)
-        elif kind == "json_schema":
-            spec = fmt.get("json_schema")
-            schema = spec.get("schema") if isinstance(spec, dict) else None
-            if not isinstance(schema, (dict, bool)):
-                raise ValueError(
-                    "response_format json_schema needs {'json_schema': {'name': ..., "
-                    "'schema': {...}}} with the schema as a JSON object"
-                )
-            params = StructuredOutputsParams(json=schema if isinstance(schema, dict) else {})
-        else:
-            raise ValueError(
-                f"response_format type {kind!r} is not one of 'text', 'json_object', 'json_schema'"
-            )
+        params = _constraint(body, name)
         params.validate()
     except ValueError as e:
-        raise bad_request(
-            str(e).replace("structured_outputs.json", "response_format json_schema"),
-            param="response_format",
-        ) from e
+        message = str(e)
+        if name.startswith("guided_"):
+            message = message.replace(f"structured_outputs.{name[len('guided_') :]}", name)
+        raise bad_request(message, param=name) from e
     return params
+
+
+def _constraint(body: SamplingFields, name: str) -> StructuredOutputsParams:
+    if name == "guided_json":
+        assert body.guided_json is not None
+        return StructuredOutputsParams(json=body.guided_json)
+    if name == "guided_regex":
+        return StructuredOutputsParams(regex=body.guided_regex)
+    if name == "guided_choice":
+        return StructuredOutputsParams(choice=body.guided_choice)
+    if name == "guided_grammar":
+        return StructuredOutputsParams(grammar=body.guided_grammar)
+    if name == "structured_outputs":
+        spec = body.structured_outputs or {}
+        unknown = [k for k in spec if k not in STRUCTURED_KINDS]
+        if unknown:
+            raise ValueError(
+                f"structured_outputs.{unknown[0]} is not supported (supported: "
+                f"{', '.join(STRUCTURED_KINDS)})"
+            )
+        try:
+            return msgspec.convert(spec, StructuredOutputsParams)
+        except msgspec.ValidationError as e:
+            raise ValueError(f"structured_outputs: {e}") from e
+    fmt = body.response_format or {}
+    kind = fmt.get("type", "text")
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, (dict, bool)):
+            raise ValueError(
+                "response_format json_schema needs {'json_schema': {'name': ..., "
+                "'schema': {...}}} with the schema as a JSON object"
+            )
+        try:
+            return StructuredOutputsParams(json=schema if isinstance(schema, dict) else {})
+        except ValueError as e:
+            raise ValueError(str(e).replace("structured_outputs.json", "response_format")) from e
+    raise ValueError(
+        f"response_format type {kind!r} is not one of 'text', 'json_object', 'json_schema'"
+    )
+
+
+def _check_stream_options(body: SamplingFields) -> None:
+    """stream_options means something only for a stream (OpenAI answers 400 too)."""
+    if body.stream_options is not None and not body.stream:
+        raise bad_request(
+            "stream_options is only allowed when stream is true", param="stream_options"
+        )
+
+
+def _reject_with_beam_search(body: CompletionRequest) -> None:
+    """use_beam_search keeps no grammar per beam, no prompt logprobs and no priority."""
+    for name in (*_CONSTRAINT_FIELDS, "prompt_logprobs"):
+        if getattr(body, name) is not None:
+            raise bad_request(f"{name} cannot be combined with use_beam_search", param=name)
+    if body.priority:
+        raise bad_request("priority cannot be combined with use_beam_search", param="priority")
 
 
 def _reject_unsupported_chat(body: ChatCompletionRequest) -> None:
@@ -745,10 +881,48 @@ def _reject_unsupported_chat(body: ChatCompletionRequest) -> None:
             "parallel_tool_calls needs tools, which are not supported", "parallel_tool_calls"
         )
     if body.modalities is not None and any(m != "text" for m in body.modalities):
-        raise bad_request("only the 'text' output modality is supported", param="modalities")
-    for name in ("audio", "prediction", "web_search_options"):
+        raise bad_request("output modalities other than 'text' are not supported", "modalities")
+    for name in (
+        "audio",
+        "prediction",
+        "web_search_options",
+        "moderation",
+        "reasoning_effort",
+        "verbosity",
+    ):
         if getattr(body, name) is not None:
             raise bad_request(f"{name} is not supported", param=name)
+    if body.store:
+        raise bad_request("store is not supported (this server stores no completions)", "store")
+    if body.metadata:
+        raise bad_request("metadata is not supported (it goes with store)", param="metadata")
+    if body.service_tier not in (None, "auto", "default"):
+        raise bad_request(
+            f"service_tier {body.service_tier!r} is not supported (only 'auto' and 'default')",
+            param="service_tier",
+        )
+    if body.prompt_cache_retention not in (None, "in_memory"):
+        raise bad_request(
+            f"prompt_cache_retention {body.prompt_cache_retention!r} is not supported (the "
+            "prefix cache is in memory only)",
+            param="prompt_cache_retention",
+        )
+    if body.prompt_cache_options:
+        raise bad_request(
+            "prompt_cache_options is not supported (prefix caching is automatic)",
+            param="prompt_cache_options",
+        )
+    if body.stream_options is not None and body.stream_options.include_obfuscation:
+        raise bad_request(
+            "stream_options.include_obfuscation is not supported", param="stream_options"
+        )
+    for i, m in enumerate(body.messages):
+        for name in ("tool_calls", "tool_call_id", "function_call", "audio", "refusal"):
+            if getattr(m, name) is not None:
+                raise bad_request(
+                    f"messages[{i}].{name} is not supported (no function calling or audio)",
+                    param=f"messages.{i}.{name}",
+                )
 
 
 def _content_chars(content: Any) -> int:
