@@ -109,7 +109,8 @@ def test_cuda_cores_get_disjoint_device_slices(tiny_llama_dir: str, monkeypatch)
     with pytest.raises(ValueError, match="own devices"):
         core_device_envs(pinned)
     cpu = make_engine_config(tiny_llama_dir, device="cpu", data_parallel_size=2)
-    assert core_device_envs(cpu) == [{}, {}]
+    share = str(max(1, len(os.sched_getaffinity(0)) // 2))  # each CPU core: its thread share
+    assert core_device_envs(cpu) == [{"OMP_NUM_THREADS": share}] * 2
 
 
 def test_data_parallel_size_is_validated(tiny_llama_dir: str):

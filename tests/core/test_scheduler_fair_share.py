@@ -104,3 +104,38 @@ def test_priority_policy_never_preempts_a_higher_priority_group_for_a_lower_one(
         so, _ = run_scheduler_step(sched, runner)
         assert "low" not in so.num_scheduled_tokens
     assert sched.fair_share.num_fair_preemptions == 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_fair_preemption_in_the_engine_core_keeps_every_token(async_scheduling) -> None:
+    """Preempting a child with steps in flight (pipelined) loses no token and ends clean."""
+    from tests.core.fakes import make_engine_core, to_core_request
+    from tests.core.test_engine_core import drain
+
+    core = make_engine_core(max_num_seqs=4, num_kv_blocks=256, async_scheduling=async_scheduling)
+
+    def add(req_id: str, group: str, max_tokens: int) -> None:
+        request = to_core_request(make_request(req_id, max_tokens=max_tokens))
+        request.group_id = group  # what AsyncLLM sets per client request
+        core.add_request(request)
+
+    for i in range(4):
+        add(f"big-{i}", "big", 30)
+    outs = []
+    for _ in range(4):
+        outs.extend(core.step().outputs)
+    add("small", "small", 4)
+    outs.extend(drain(core))
+    tokens: dict[str, list[int]] = {}
+    order = []
+    for o in outs:
+        tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+        if o.finished:
+            order.append(o.request_id)
+    assert {r: len(t) for r, t in tokens.items()} == {
+        **{f"big-{i}": 30 for i in range(4)},
+        "small": 4,
+    }
+    assert order[0] == "small"  # not behind 30-token requests that held every slot
+    assert core.scheduler.fair_share.num_fair_preemptions == 1
+    assert core.get_stats()["num_requests"] == 0

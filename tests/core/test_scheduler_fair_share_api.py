@@ -106,3 +106,27 @@ def test_priority_policy_lets_a_high_priority_request_overtake_the_queue(
     finally:
         llm.shutdown()
     assert finished[:2] == ["head", "urgent"], finished
+
+
+def test_one_offline_batch_is_one_group_and_is_never_preempted_for_fairness(
+    tiny_llama_dir: str,
+) -> None:
+    """LLM.generate is one client: every core request of a call (n children included) reaches
+    the core in one fair-share group, so fair shares never preempt between its own prompts."""
+    from v1 import LLM
+
+    with LLM(tiny_llama_dir, multiprocess=False, num_kv_blocks=128, max_num_seqs=4) as llm:
+        core = llm.llm_engine.engine_core
+        groups: list[str | None] = []
+        add_request = core.add_request
+
+        def spy(request):
+            groups.append(request.group_id)
+            return add_request(request)
+
+        core.add_request = spy
+        outs = llm.generate(["a b c", "d e", "f"] * 4, greedy(6, n=2), use_tqdm=False)
+        stats = llm.llm_engine.get_stats()
+    assert all(len(c.token_ids) == 6 for o in outs for c in o.outputs)
+    assert len(groups) == 24 and len(set(groups)) == 1 and groups[0] is not None
+    assert stats["num_preemptions"] == 0

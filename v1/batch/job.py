@@ -90,11 +90,7 @@ def list_inputs(job: BatchJob) -> list[dict[str, Any]]:
     """Every input row, in a stable order: {"index", "id", and "path", "text" or "request";
     "error" for a row known bad}."""
     if job.task == "openai":
-        from v1.batch.openai_batch import read_requests
-
-        if not os.path.isfile(job.input):
-            raise ValueError(f"no such file: {job.input!r}")
-        return read_requests(job.input)
+        raise ValueError("an OpenAI batch file's rows come from openai_batch.read_requests")
     if job.input.endswith(".jsonl"):
         return _read_jsonl(job)
     if job.task != "transcribe":

@@ -52,6 +52,8 @@ def is_openai_batch_file(path: str) -> bool:
 def read_requests(path: str) -> list[dict[str, Any]]:
     """Rows {"index", "id" (custom_id), "request" (the line), and "error" for a line that is
     not a batch request}: the row keeps its place and gets an error record."""
+    if not os.path.isfile(path):
+        raise ValueError(f"no such file: {path!r}")
     rows: list[dict[str, Any]] = []
     with open(path, encoding="utf-8") as f:
         for line_no, line in enumerate(f, 1):

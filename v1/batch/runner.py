@@ -37,7 +37,12 @@ class BatchReport:
 
 
 def run_batch(job: BatchJob, *, use_tqdm: bool = True) -> BatchReport:
-    rows = list_inputs(job)
+    if job.task == "openai":
+        from v1.batch.openai_batch import read_requests
+
+        rows = read_requests(job.input)
+    else:
+        rows = list_inputs(job)
     pending = pending_shards(job, rows)
     total = num_shards(len(rows), job.shard_size)
     if len(pending) < total:

@@ -495,6 +495,10 @@ class _Feed:
                 core_requests = self._process(i)
             processed[i] = None
             req_id, prompt, params, _ = items[i]
+            for request in core_requests:
+                # One call is one client's batch: one fair-share group (the scheduler's fair
+                # shares are between clients, not between the prompts of one batch).
+                request.group_id = items[0][0]
             engine.add_processed_request(req_id, prompt, params, core_requests)
             self.added.append(req_id)
             self.next = i + 1
