@@ -13,6 +13,7 @@ _LAZY = {
     "AsyncLLM": "v1.engine.async_llm",
     "LLMEngine": "v1.engine.llm_engine",
     "SamplingParams": "v1.sampling_params",
+    "LoRARequest": "v1.lora_request",
     "PoolingParams": "v1.pooling_params",
     "BeamSearchParams": "v1.engine.beam_search",
     "BeamSearchOutput": "v1.engine.beam_search",
@@ -42,6 +43,7 @@ __all__ = [
     "AsyncLLM",
     "LLMEngine",
     "SamplingParams",
+    "LoRARequest",
     "PoolingParams",
     "BeamSearchParams",
     "BeamSearchOutput",
@@ -72,6 +74,7 @@ if TYPE_CHECKING:
     from v1.engine.llm_engine import LLMEngine
     from v1.entrypoints.llm import LLM
     from v1.inputs import ExplicitEncoderDecoderPrompt, PromptType, TextPrompt, TokensPrompt
+    from v1.lora_request import LoRARequest
     from v1.outputs import (
         ClassificationOutput,
         ClassificationRequestOutput,
