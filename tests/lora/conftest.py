@@ -19,7 +19,7 @@ T5_TARGETS = ["q", "k", "v", "o", "wi", "wo"]
 def make_adapter(
     model: Any,
     path: Path,
-    targets: list[str],
+    targets: list[str] | str,
     rank: int,
     *,
     seed: int,
@@ -27,7 +27,8 @@ def make_adapter(
     rslora: bool = False,
     std: float = 0.2,
 ) -> str:
-    """A random LoRA adapter of `model` (a transformers model) saved by PEFT into `path`."""
+    """A random LoRA adapter of `model` (a transformers model) saved by PEFT into `path`;
+    `targets`: PEFT's target_modules (names, or one regex a whole module name must match)."""
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(
@@ -61,6 +62,8 @@ def peft_greedy(
         model = PeftModel.from_pretrained(model, adapter).eval()
     key = "decoder_input_ids" if "decoder_input_ids" in inputs else "input_ids"
     seq = inputs.pop(key)
+    if key == "decoder_input_ids":  # the encoder once (with the adapter), not every step
+        inputs = {"encoder_outputs": model.get_encoder()(**inputs)}
     out: list[int] = []
     for _ in range(num_tokens):
         logits = model(**inputs, **{key: torch.tensor([seq])}).logits[0, -1]
@@ -111,3 +114,49 @@ def bart_adapters(bart_dir: str, tmp_path_factory: pytest.TempPathFactory) -> li
 @pytest.fixture(scope="session")
 def t5_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return make_tiny_t5_dir(tmp_path_factory.mktemp("lora_t5"), feed_forward_proj="gated-gelu")
+
+
+WHISPER_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"]
+
+
+@pytest.fixture(scope="session")
+def whisper_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from tests.utils import WHISPER_BASE, make_tiny_whisper_dir
+
+    if not WHISPER_BASE.is_dir():
+        pytest.skip(f"needs the real whisper-base folder at {WHISPER_BASE}")
+    return make_tiny_whisper_dir(tmp_path_factory.mktemp("lora_whisper"))
+
+
+@pytest.fixture(scope="session")
+def whisper_adapters(whisper_dir: str, tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """Rank 4 on every projection of encoder and decoder (cross-attention included); rank 8
+    on the encoder's and the cross-attention's k/v only."""
+    from transformers import WhisperForConditionalGeneration
+
+    root = tmp_path_factory.mktemp("whisper_adapters")
+    model = WhisperForConditionalGeneration.from_pretrained(whisper_dir, dtype=torch.float32)
+    first = make_adapter(model, root / "a4", WHISPER_TARGETS, 4, seed=5, std=0.3)
+    model = WhisperForConditionalGeneration.from_pretrained(whisper_dir, dtype=torch.float32)
+    second = make_adapter(
+        model,
+        root / "b8",
+        r".*encoder\.layers\.\d+\.self_attn\.(k_proj|v_proj)|.*encoder_attn\.(k_proj|v_proj)",
+        8,
+        seed=6,
+        std=0.3,
+    )
+    return [first, second]
+
+
+@pytest.fixture(scope="session")
+def t5_adapters(t5_dir: str, tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """Rank 4 on every T5 projection (gated wi_0 / wi_1 included); rank 8 on q, v, wo."""
+    from transformers import T5ForConditionalGeneration
+
+    root = tmp_path_factory.mktemp("t5_adapters")
+    model = T5ForConditionalGeneration.from_pretrained(t5_dir, dtype=torch.float32)
+    first = make_adapter(model, root / "a4", [*T5_TARGETS, "wi_0", "wi_1"], 4, seed=7)
+    model = T5ForConditionalGeneration.from_pretrained(t5_dir, dtype=torch.float32)
+    second = make_adapter(model, root / "b8", ["q", "v", "wo"], 8, seed=8)
+    return [first, second]

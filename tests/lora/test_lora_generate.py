@@ -3,8 +3,6 @@ and two adapters (ranks 4 and 8) gets PEFT's greedy tokens for its own adapter."
 
 from __future__ import annotations
 
-import pytest
-
 from tests.lora.conftest import peft_greedy
 from v1 import LLM, LoRARequest, SamplingParams
 
@@ -18,6 +16,7 @@ def _engine(model: str, **kw: object) -> LLM:
         multiprocess=False,
         num_kv_blocks=128,
         block_size=4,
+        max_model_len=64,
         enable_lora=True,
         max_loras=2,
         max_lora_rank=8,
@@ -72,4 +71,29 @@ def test_bart_mixed_batch_matches_peft(bart_dir: str, bart_adapters: list[str]) 
         )
         assert tokens == want, (text, lora)
     # Same text, base vs adapter: distinct encoder runs (the encoder output is keyed by adapter).
+    assert got[0] != got[2]
+
+
+def test_t5_mixed_batch_matches_peft(t5_dir: str, t5_adapters: list[str]) -> None:
+    import torch
+    from transformers import AutoTokenizer, T5ForConditionalGeneration
+
+    tok = AutoTokenizer.from_pretrained(t5_dir)
+    texts = ["hello world", "a b c d e", "hello world"]
+    loras = [LoRARequest("a4", 1, t5_adapters[0]), LoRARequest("b8", 2, t5_adapters[1])]
+    per_prompt = [None, loras[0], loras[1]]
+    with _engine(t5_dir, max_encoder_input_len=64) as llm:
+        outs = llm.generate(texts, GREEDY, lora_request=per_prompt)
+    start = T5ForConditionalGeneration.from_pretrained(t5_dir).config.decoder_start_token_id
+    got = [o.outputs[0].token_ids for o in outs]
+    for text, lora, tokens in zip(texts, per_prompt, got, strict=True):
+        want = peft_greedy(
+            T5ForConditionalGeneration,
+            t5_dir,
+            None if lora is None else lora.lora_path,
+            NUM_TOKENS,
+            input_ids=torch.tensor([tok(text)["input_ids"]]),
+            decoder_input_ids=[start],
+        )
+        assert tokens == want, (text, lora)
     assert got[0] != got[2]
