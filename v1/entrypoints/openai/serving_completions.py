@@ -416,7 +416,13 @@ class ServingCompletions(ServingBase):
     async def _run(self, job: _Job, stream: bool, request: Request) -> Response:
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.CUMULATIVE
         gens = [
-            self.engine.generate(p.engine_prompt, params, f"{job.request_id}-{i}", output_kind=kind)
+            self.engine.generate(
+                p.engine_prompt,
+                params,
+                f"{job.request_id}-{i}",
+                output_kind=kind,
+                lora_request=self.lora_for(job.model),
+            )
             for i, (p, params) in enumerate(zip(job.prompts, job.params, strict=True))
         ]
         timer = RequestTimer(self.metrics, job.endpoint)
