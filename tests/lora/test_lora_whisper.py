@@ -52,3 +52,39 @@ def test_whisper_mixed_batch_matches_peft(whisper_dir: str, whisper_adapters: li
         assert list(tokens) == want, lora
     assert got[0] != got[1] and got[0] != got[2] and got[1] != got[2]
     assert got[1] == got[3]
+
+
+def test_transcribe_with_adapter_equals_the_merged_model(
+    whisper_dir: str, whisper_adapters: list[str], tmp_path
+) -> None:
+    """`LLM.transcribe(lora_request=...)` (the long-form driver's windows) gives the text of
+    the model with the adapter merged into its weights by PEFT (`merge_and_unload`)."""
+    import shutil
+    from pathlib import Path
+
+    from peft import PeftModel
+    from transformers import WhisperForConditionalGeneration
+
+    merged_dir = tmp_path / "merged"
+    base = WhisperForConditionalGeneration.from_pretrained(whisper_dir, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(base, whisper_adapters[0]).merge_and_unload()
+    merged.save_pretrained(str(merged_dir))
+    for item in Path(whisper_dir).iterdir():
+        if item.suffix != ".safetensors" and not (merged_dir / item.name).exists():
+            shutil.copy(item, merged_dir / item.name)
+    wave = np.random.default_rng(1).standard_normal(SR * 3).astype(np.float32) * 0.1
+    options = dict(
+        language="en",
+        temperature=0.0,
+        sampling_params=SamplingParams(max_tokens=8),
+        use_tqdm=False,
+    )
+    lora = LoRARequest("a4", 1, whisper_adapters[0])
+    kwargs = dict(multiprocess=False, block_size=16, num_kv_blocks=512)
+    with LLM(whisper_dir, enable_lora=True, max_lora_rank=8, **kwargs) as llm:
+        (with_adapter,) = llm.transcribe((wave, SR), lora_request=lora, **options)
+        (plain,) = llm.transcribe((wave, SR), **options)
+    with LLM(str(merged_dir), **kwargs) as llm:
+        (want,) = llm.transcribe((wave, SR), **options)
+    assert with_adapter.text == want.text
+    assert with_adapter.text != plain.text

@@ -266,6 +266,7 @@ class LLM:
         sampling_params: SamplingParams | None = None,
         *,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | None = None,
         **options: Any,
     ) -> list[TranscriptionResult]:
         """Transcribes (or translates) audio with a Whisper model: one `TranscriptionResult`
@@ -284,12 +285,17 @@ class LLM:
         beam_size (beam search at temperature 0, as transformers' num_beams), best_of (samples
         per window above temperature 0, the most likely kept), patience, length_penalty. A
         progress bar (audio seconds, real-time factor) shows for
-        batches and long audio unless `use_tqdm=False`."""
+        batches and long audio unless `use_tqdm=False`. `lora_request`: the LoRA adapter every
+        window runs with."""
         if self.transcriber is None:
             mc = self.config.model_config
             raise ValueError(f"transcribe() needs a Whisper model; {mc.model} is {mc.architecture}")
         return self.transcriber.transcribe(
-            audio, use_tqdm=use_tqdm, sampling_params=sampling_params, **options
+            audio,
+            use_tqdm=use_tqdm,
+            sampling_params=sampling_params,
+            lora_request=lora_request,
+            **options,
         )
 
     # ---- misc ----
