@@ -15,6 +15,7 @@ from tests.utils import ASSETS
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not (ASSETS / "whisper-base").is_dir(), reason="needs whisper-base")
 def test_tiny_lora_bench(tmp_path: Path) -> None:
     sys.path.insert(0, str(BENCHMARKS))
