@@ -64,6 +64,10 @@ def test_server_serves_loads_and_unloads_adapters(
         assert base == _peft_text(llama_dir, None)
         assert base != _text(client, "a4")
 
+        # Families that do not run adapters refuse their names instead of running the base.
+        r = http.post("/tokenize", json={"model": "a4", "prompt": "hi"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+
         # Bad loads: 400 with an OpenAI error body; nothing changes.
         for body, words in [
             ({"lora_name": "x", "lora_path": str(tmp_path / "nowhere")}, "does not exist"),

@@ -119,6 +119,8 @@ class _Usage:
 class ServingCompletions(ServingBase):
     """Text generation endpoints of a decoder-only or text encoder-decoder model."""
 
+    serves_lora = True
+
     def __init__(self, engine: Any, settings: ServerSettings, metrics: ServerMetrics) -> None:
         super().__init__(engine, settings, metrics)
         self.vocab_size: int = self.model_config.vocab_size

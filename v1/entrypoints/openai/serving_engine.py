@@ -11,7 +11,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import anyio
 from fastapi import Request
@@ -132,6 +132,8 @@ class ServingBase:
 
     loras: LoRAModules | None = None
     """The server's adapters (set by build_app; None: checks see base names only)."""
+    serves_lora: ClassVar[bool] = False
+    """Whether the family runs requests with an adapter (else naming one is a 400)."""
 
     def __init__(self, engine: Any, settings: ServerSettings, metrics: ServerMetrics) -> None:
         self.engine = engine
@@ -156,6 +158,13 @@ class ServingBase:
         if requested is None or requested in self.settings.served_model_names:
             return self.model_name
         if self.loras is not None and requested in self.loras.by_name:
+            if not self.serves_lora:
+                raise APIError(
+                    400,
+                    f"{requested!r} is a LoRA adapter; adapters are served on /v1/completions "
+                    "and /v1/chat/completions (this endpoint runs the base model only)",
+                    param="model",
+                )
             return requested
         raise APIError(
             404,
