@@ -79,7 +79,7 @@ if HAS_TRITON:
             delta = tl.sum(b * y[None, :], axis=1)
             ptrs = out_ptr + t * stride_ot + n
             old = tl.load(ptrs, mask=n < N, other=0.0)
-            tl.store(ptrs, (old.to(tl.float32) + delta).to(old.dtype), mask=n < N)
+            tl.store(ptrs, (old.to(tl.float32) + delta).to(out_ptr.dtype.element_ty), mask=n < N)
 
 
 def bgmv_add_lora(
