@@ -31,6 +31,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
         "v1.gc_policy",
         "v1.forward_context",
         "v1.sampling_params",
+        "v1.lora_request",
         "v1.pooling_params",
         "v1.structured_output",
         "v1.inputs",

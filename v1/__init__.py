@@ -14,6 +14,7 @@ _LAZY = {
     "LLMEngine": "v1.engine.llm_engine",
     "SamplingParams": "v1.sampling_params",
     "StructuredOutputsParams": "v1.structured_output",
+    "LoRARequest": "v1.lora_request",
     "PoolingParams": "v1.pooling_params",
     "BeamSearchParams": "v1.engine.beam_search",
     "BeamSearchOutput": "v1.engine.beam_search",
@@ -44,6 +45,7 @@ __all__ = [
     "LLMEngine",
     "SamplingParams",
     "StructuredOutputsParams",
+    "LoRARequest",
     "PoolingParams",
     "BeamSearchParams",
     "BeamSearchOutput",
@@ -74,6 +76,7 @@ if TYPE_CHECKING:
     from v1.engine.llm_engine import LLMEngine
     from v1.entrypoints.llm import LLM
     from v1.inputs import ExplicitEncoderDecoderPrompt, PromptType, TextPrompt, TokensPrompt
+    from v1.lora_request import LoRARequest
     from v1.outputs import (
         ClassificationOutput,
         ClassificationRequestOutput,

@@ -479,6 +479,35 @@ class DeviceConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving: PEFT adapters chosen per request (v1/lora/)."""
+
+    enable_lora: bool = False
+    """Serve LoRA adapters (requests name one with `lora_request`)."""
+    max_loras: int = 1
+    """Adapters one step may run together: the slots on the device (and the most distinct
+    adapters among running requests)."""
+    max_lora_rank: int = 16
+    """Highest adapter rank accepted (the slots' rank; smaller ranks are zero-padded)."""
+    max_cpu_loras: int | None = None
+    """Adapters kept read in host memory (least recently used ones dropped); None: max_loras."""
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
+            )
+
+    @property
+    def num_cpu_loras(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine core, worker and frontends need to agree on."""
 
@@ -489,9 +518,11 @@ class EngineConfig:
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     enforce_eager: bool = False
     """Disable CUDA graphs."""
+    lora_config: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
         mc, sc = self.model_config, self.scheduler_config
+        self._check_lora()
         if mc.kind == ModelKind.ENCODER_ONLY and sc.max_num_batched_tokens < mc.max_encoder_len:
             # An encoder-only request runs whole in one step; a budget below the model's limit
             # only narrows the longest accepted input (validated per request).
@@ -511,6 +542,24 @@ class EngineConfig:
         if self.cache_config.cross_attention == "absorbed" and mc.kind != ModelKind.ENCODER_DECODER:
             raise ValueError(
                 f"cross_attention='absorbed' needs an encoder-decoder model, not {mc.architecture}"
+            )
+
+    def _check_lora(self) -> None:
+        """LoRA adds its product inside whole (unsharded) 16/32-bit Linears and needs per-layer
+        cross-attention (the K/V projections of the encoder output carry adapters)."""
+        if not self.lora_config.enable_lora:
+            return
+        mc = self.model_config
+        if mc.kind == ModelKind.ENCODER_ONLY:
+            raise ValueError(f"enable_lora serves generating models, not {mc.architecture}")
+        if self.parallel_config.tensor_parallel_size > 1:
+            raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported")
+        if mc.quantization is not None:
+            raise ValueError("enable_lora with quantization is not supported")
+        if self.cache_config.cross_attention == "absorbed":
+            raise ValueError(
+                "enable_lora needs cross_attention='per_layer' (or 'auto'): adapters on the "
+                "cross-attention K/V projections change them per request"
             )
 
     @cached_property
@@ -555,6 +604,7 @@ class EngineConfig:
             f.name: getattr(mc, f.name) for f in dataclasses.fields(mc) if f.name != "hf_config"
         }
         out["enforce_eager"] = self.enforce_eager
+        out["lora_config"] = dataclasses.asdict(self.lora_config)
         return json.dumps(out)
 
     @classmethod
@@ -567,6 +617,7 @@ class EngineConfig:
             parallel_config=ParallelConfig(**data["parallel_config"]),
             device_config=DeviceConfig(**data["device_config"]),
             enforce_eager=data["enforce_eager"],
+            lora_config=LoRAConfig(**data.get("lora_config", {})),
         )
 
 
@@ -578,6 +629,8 @@ def resolve_cross_attention(config: EngineConfig) -> str:
     mode = config.cache_config.cross_attention
     if mode != "auto":
         return mode
+    if config.lora_config.enable_lora:
+        return "per_layer"
     device_type = config.device_config.device_type
     if device_type != "cuda" or config.model_config.kind != ModelKind.ENCODER_DECODER:
         return "per_layer"
@@ -637,7 +690,14 @@ def _check_tensor_parallel_heads(hf_config: Any, tp_size: int) -> None:
         )
 
 
-_ENGINE_ARG_OWNERS = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, DeviceConfig)
+_ENGINE_ARG_OWNERS = (
+    ModelConfig,
+    CacheConfig,
+    SchedulerConfig,
+    ParallelConfig,
+    DeviceConfig,
+    LoRAConfig,
+)
 
 
 def engine_arg_fields() -> list[tuple[type, dataclasses.Field]]:
@@ -668,4 +728,5 @@ def make_engine_config(model: str, **kwargs: Any) -> EngineConfig:
         parallel_config=ParallelConfig(**parts[ParallelConfig]),
         device_config=DeviceConfig(**parts[DeviceConfig]),
         enforce_eager=enforce_eager,
+        lora_config=LoRAConfig(**parts[LoRAConfig]),
     )

@@ -39,6 +39,7 @@ def test_request_has_every_field_kv_request_names() -> None:
         "is_pooling",
         "encoder_hash",
         "num_encoder_tokens",
+        "lora_int_id",
     }
     for name in names:
         getattr(request, name)  # raises AttributeError if Request lost one

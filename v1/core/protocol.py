@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 
+from v1.lora_request import LoRARequest
 from v1.pooling_params import PoolingParams
 from v1.sampling_params import SamplingParams
 
@@ -76,6 +77,10 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
     """Requests of one client request (n > 1 samples, a batch of prompts, a transcription's
     windows) share a group; the fcfs waiting queue takes turns between groups, so one client's
     many sequences do not queue ahead of everyone else. None: a group of its own."""
+    lora_request: LoRARequest | None = None
+    """The LoRA adapter the request runs with (None: the base model). The core keys the
+    request's encoder input and prefix-cache blocks by `lora_int_id`, so no two adapters share
+    an encoder output, cross K/V or cached prefix."""
 
 
 class EngineCoreOutput(msgspec.Struct, omit_defaults=True, array_like=True, gc=False):

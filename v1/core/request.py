@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import enum
 
+import msgspec
+
 from v1.core.protocol import EncoderInput, EngineCoreRequest, FinishReason
+from v1.lora_request import LoRARequest
 from v1.pooling_params import PoolingParams
 from v1.sampling_params import SamplingParams
 
@@ -53,10 +56,19 @@ class Request:
         priority: int = 0,
         max_model_len: int = 1 << 30,
         group_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         if (sampling_params is None) == (pooling_params is None):
             raise ValueError("a request needs exactly one of sampling_params and pooling_params")
         self.request_id = request_id
+        self.lora_request = lora_request
+        if lora_request is not None and encoder_input is not None:
+            # Keyed by adapter: the encoder runs with it, so its output, the cross K/V and
+            # every cache keyed by the content hash differ per adapter.
+            encoder_input = msgspec.structs.replace(
+                encoder_input,
+                content_hash=f"{encoder_input.content_hash}|lora:{lora_request.lora_int_id}",
+            )
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
         self.pooling_params = pooling_params
@@ -123,6 +135,7 @@ class Request:
             priority=req.priority,
             max_model_len=max_model_len,
             group_id=req.group_id,
+            lora_request=req.lora_request,
         )
         if req.output_token_ids:
             # A continued sequence: it runs like a request resumed after preemption.
@@ -175,6 +188,11 @@ class Request:
     @property
     def is_pooling(self) -> bool:
         return self.pooling_params is not None
+
+    @property
+    def lora_int_id(self) -> int:
+        """The request's adapter (0: the base model)."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     @property
     def is_finished(self) -> bool:

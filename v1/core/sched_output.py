@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from v1.core.protocol import EncoderInput
+from v1.lora_request import LoRARequest
 from v1.pooling_params import PoolingParams
 from v1.sampling_params import SamplingParams
 
@@ -29,6 +30,8 @@ class NewRequestData:
     token_type_ids: list[int] | None = None
     eos_token_id: int | None = None
     """The request's EOS (min_tokens holds it back)."""
+    lora_request: LoRARequest | None = None
+    """The adapter the request runs with (None: the base model)."""
 
 
 @dataclass

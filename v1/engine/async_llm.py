@@ -30,6 +30,7 @@ from v1.engine.core_client import make_engine_core_client
 from v1.engine.input_processor import InputProcessor, Params
 from v1.engine.output_processor import AnyRequestOutput, OutputProcessor, ParentRequest
 from v1.logger import init_logger
+from v1.lora_request import LoRARequest
 from v1.outputs import PoolingRequestOutput, RequestOutput, RequestOutputKind
 from v1.pooling_params import PoolingParams
 from v1.sampling_params import SamplingParams
@@ -98,6 +99,7 @@ class AsyncLLM:
             self.tokenizer,
             max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
             model_info=self.model_info,
+            lora_config=config.lora_config,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.transcriber: AsyncTranscriber | None = None
@@ -172,13 +174,27 @@ class AsyncLLM:
         priority: int = 0,
         *,
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Streams the request's outputs as they arrive (per `output_kind`); the last one has
         `finished=True`. Cancelling or closing the iterator aborts the request; `abort()` from
-        elsewhere ends it without a final output."""
+        elsewhere ends it without a final output. `lora_request`: the adapter it runs with."""
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError("generate() needs SamplingParams (use encode() for pooling)")
-        async for out in self._run(request_id, prompt, sampling_params, priority, output_kind):
+        core_requests = None
+        if lora_request is not None:
+            self._check_running()
+            core_requests = await self.run_input_work(
+                self.input_processor.process_all,
+                request_id,
+                prompt,
+                sampling_params,
+                priority=priority,
+                lora_request=lora_request,
+            )
+        async for out in self._run(
+            request_id, prompt, sampling_params, priority, output_kind, core_requests
+        ):
             yield out
 
     async def generate_processed(

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from v1.config import ModelConfig
+import msgspec
+
+from v1.config import LoRAConfig, ModelConfig
 from v1.core.protocol import EngineCoreRequest, now
 from v1.engine.inputs import make_input_builder
+from v1.lora_request import LoRARequest
 from v1.pooling_params import PoolingParams
 from v1.sampling_params import SamplingParams
 
@@ -31,9 +34,15 @@ class InputProcessor:
         *,
         max_num_batched_tokens: int | None = None,
         model_info: ModelInfo | None = None,
+        lora_config: LoRAConfig | None = None,
     ) -> None:
         """`model_info`: the process's ModelInfo (default: `model_config.info`)."""
         self.model_config = model_config
+        self.lora_config = lora_config if lora_config is not None else LoRAConfig()
+        self._lora_targets: Any = None
+        """The model's LoRA view (built on the meta device on the first adapter)."""
+        self._checked_loras: dict[int, LoRARequest] = {}
+        """Adapters read and checked once, by id."""
         self.tokenizer = tokenizer
         self.info = model_info if model_info is not None else model_config.info
         self.builder = make_input_builder(
@@ -41,11 +50,57 @@ class InputProcessor:
         )
 
     # ---- public ----
+    def check_lora(self, lora_request: Any) -> None:
+        """ValueError unless `lora_request` is None or an adapter this engine can serve: LoRA
+        on, a readable PEFT folder of rank <= max_lora_rank whose targets and shapes fit the
+        model. Each adapter id is read once (later requests naming it are only compared)."""
+        if lora_request is None:
+            return
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(
+                f"lora_request must be a LoRARequest, got {type(lora_request).__name__}"
+            )
+        if not self.lora_config.enable_lora:
+            raise ValueError("lora_request given but LoRA is not enabled (enable_lora=True)")
+        known = self._checked_loras.get(lora_request.lora_int_id)
+        if known is not None:
+            if known.lora_path != lora_request.lora_path:
+                raise ValueError(
+                    f"lora_int_id {lora_request.lora_int_id} is already adapter "
+                    f"{known.lora_name!r} at {known.lora_path!r}"
+                )
+            return
+        from v1.lora import load_adapter, lora_targets_for_config
+
+        if self._lora_targets is None:
+            mc = self.model_config
+            self._lora_targets = lora_targets_for_config(mc.hf_config, mc.architecture)
+        load_adapter(lora_request, self._lora_targets, self.lora_config.max_lora_rank)
+        self._checked_loras[lora_request.lora_int_id] = lora_request
+
+    def forget_lora(self, lora_int_id: int) -> None:
+        """An unloaded adapter: the next request naming the id reads its folder again."""
+        self._checked_loras.pop(lora_int_id, None)
+
     def process_all(
-        self, request_id: str, prompt: Any, params: Any, *, priority: int = 0
+        self,
+        request_id: str,
+        prompt: Any,
+        params: Any,
+        *,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> list[EngineCoreRequest]:
         """The core requests one user request becomes: itself, or its n children for n > 1
         sampling (ids and seeds from ParentRequest). Raises ValueError on invalid input."""
+        if lora_request is not None:
+            self.check_lora(lora_request)
+            if not isinstance(params, SamplingParams):
+                raise ValueError("lora_request applies to generation, not pooling")
+            return [
+                msgspec.structs.replace(r, lora_request=lora_request)
+                for r in self.process_all(request_id, prompt, params, priority=priority)
+            ]
         if isinstance(params, SamplingParams) and params.n > 1:
             from v1.engine.output_processor import ParentRequest
 

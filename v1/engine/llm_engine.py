@@ -15,6 +15,7 @@ from v1.core.protocol import EngineCoreOutput, EngineCoreRequest
 from v1.engine.core_client import make_engine_core_client
 from v1.engine.input_processor import InputProcessor, Params
 from v1.engine.output_processor import AnyRequestOutput, OutputProcessor, ParentRequest
+from v1.lora_request import LoRARequest
 from v1.outputs import RequestOutputKind
 from v1.sampling_params import SamplingParams
 from v1.tokenizer import get_tokenizer
@@ -38,6 +39,7 @@ class LLMEngine:
             self.tokenizer,
             max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
             model_info=self.model_info,
+            lora_config=config.lora_config,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         # The client last: it starts the core (and its process), which is the costly part.
@@ -52,11 +54,19 @@ class LLMEngine:
 
     # ---- requests ----
     def process_request(
-        self, request_id: str, prompt: Any, params: Params, priority: int = 0
+        self,
+        request_id: str,
+        prompt: Any,
+        params: Params,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> list[Any]:
         """Validates one prompt without queueing it: the EngineCoreRequests it becomes (one per
-        completion). Raises ValueError on invalid input."""
-        return self.input_processor.process_all(request_id, prompt, params, priority=priority)
+        completion), run with `lora_request`'s adapter if given. Raises ValueError on invalid
+        input."""
+        return self.input_processor.process_all(
+            request_id, prompt, params, priority=priority, lora_request=lora_request
+        )
 
     def pretokenize(self, prompts: list[Any]) -> list[Any]:
         """`prompts` with the texts the model's input builder tokenizes tokenized in one call
@@ -72,6 +82,7 @@ class LLMEngine:
         priority: int = 0,
         *,
         output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Validates and queues one request; n > 1 runs as n child requests merged into one
         RequestOutput. Raises ValueError (nothing queued) on invalid input."""
@@ -79,7 +90,7 @@ class LLMEngine:
             request_id,
             prompt,
             params,
-            self.process_request(request_id, prompt, params, priority),
+            self.process_request(request_id, prompt, params, priority, lora_request),
             output_kind=output_kind,
         )
 

@@ -196,6 +196,13 @@ def make_parser(extra: Mapping[str, Subcommand] | None = None) -> argparse.Argum
         "--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)"
     )
     serve.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT folders) served under NAME (needs --enable-lora)",
+    )
+    serve.add_argument(
         "--served-model-name",
         nargs="+",
         default=None,

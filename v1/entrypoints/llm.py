@@ -26,6 +26,7 @@ from v1.engine.beam_search import (
 )
 from v1.engine.llm_engine import LLMEngine
 from v1.gc_policy import deferred_full_collections
+from v1.lora_request import LoRARequest
 from v1.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
@@ -114,10 +115,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Completions of one prompt or a list of prompts (str, TokensPrompt, TextPrompt or
         {"encoder_prompt", "decoder_prompt"}), in input order. `sampling_params`: one for all
-        or one per prompt (default SamplingParams())."""
+        or one per prompt (default SamplingParams()). `lora_request`: the LoRA adapter of every
+        prompt, or one per prompt (None: the base model)."""
         if "generate" not in self.model_info.supported_tasks:
             raise ValueError(
                 f"{self.config.model_config.architecture} is an encoder-only model: use embed, "
@@ -127,7 +130,8 @@ class LLM:
         params = _per_prompt(
             sampling_params, len(prompts), SamplingParams, SamplingParams, "sampling_params"
         )
-        return self._run(prompts, params, use_tqdm, priority)
+        loras = _per_prompt_loras(lora_request, len(prompts))
+        return self._run(prompts, params, use_tqdm, priority, loras)
 
     def chat(
         self,
@@ -304,6 +308,7 @@ class LLM:
         sampling_params: SamplingParams | None = None,
         *,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | None = None,
         **options: Any,
     ) -> list[TranscriptionResult]:
         """Transcribes (or translates) audio with a Whisper model: one `TranscriptionResult`
@@ -322,12 +327,17 @@ class LLM:
         beam_size (beam search at temperature 0, as transformers' num_beams), best_of (samples
         per window above temperature 0, the most likely kept), patience, length_penalty. A
         progress bar (audio seconds, real-time factor) shows for
-        batches and long audio unless `use_tqdm=False`."""
+        batches and long audio unless `use_tqdm=False`. `lora_request`: the LoRA adapter every
+        window runs with."""
         if self.transcriber is None:
             mc = self.config.model_config
             raise ValueError(f"transcribe() needs a Whisper model; {mc.model} is {mc.architecture}")
         return self.transcriber.transcribe(
-            audio, use_tqdm=use_tqdm, sampling_params=sampling_params, **options
+            audio,
+            use_tqdm=use_tqdm,
+            sampling_params=sampling_params,
+            lora_request=lora_request,
+            **options,
         )
 
     # ---- misc ----
@@ -385,6 +395,7 @@ class LLM:
         params: list[Any],
         use_tqdm: bool,
         priority: Sequence[int] | None,
+        loras: list[LoRARequest | None] | None = None,
     ) -> list[Any]:
         """Feeds the batch to the engine (see _Feed) and steps until done; outputs in input
         order."""
@@ -403,7 +414,7 @@ class LLM:
                 if priority is not None
                 else 2 * self.config.scheduler_config.max_num_seqs
             )
-            feed = _Feed(engine, items, window=window)
+            feed = _Feed(engine, items, window=window, loras=loras)
         outputs = self._run_engine(set(req_ids), use_tqdm and len(prompts) > 1, feed)
         ordered = [outputs[r] for r in req_ids]
         failed = [(i, o.error) for i, o in enumerate(ordered) if o.error is not None]
@@ -461,6 +472,7 @@ class _Feed:
         *,
         window: int | None = None,
         pooling_depth: PoolingQueueDepth | None = None,
+        loras: list[LoRARequest | None] | None = None,
     ) -> None:
         """`items`: (request id, prompt, params, priority) in input order; exactly one of
         `window` and `pooling_depth`."""
@@ -469,6 +481,8 @@ class _Feed:
         self.items = items
         self.window = window
         self.pooling_depth = pooling_depth
+        self.loras = loras
+        """Per item: the LoRA adapter it runs with (None: all run the base model)."""
         self.processed: list[list[Any] | None] = [None] * len(items)
         """Core requests of prompts processed but not added yet."""
         self.to_build = [prompt for _, prompt, _, _ in items]
@@ -525,13 +539,27 @@ class _Feed:
             self.to_build[i:end] = self.engine.pretokenize(self.to_build[i:end])
             self.num_pretokenized = end
         try:
-            core_requests = self.engine.process_request(req_id, self.to_build[i], params, priority)
+            lora = self.loras[i] if self.loras is not None else None
+            core_requests = self.engine.process_request(
+                req_id, self.to_build[i], params, priority, lora
+            )
         except ValueError as e:
             if len(self.items) == 1:
                 raise
             raise ValueError(f"prompt {i}: {e}") from e
         self.to_build[i] = None  # its tokens live on in the request
         return core_requests
+
+
+def _per_prompt_loras(lora_request: Any, num_prompts: int) -> list[LoRARequest | None] | None:
+    """One LoRARequest (or None) per prompt from one for all or a list."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return None if lora_request is None else [lora_request] * num_prompts
+    if not isinstance(lora_request, Sequence) or isinstance(lora_request, str):
+        raise ValueError(f"lora_request must be a LoRARequest or a list, got {lora_request!r}")
+    if len(lora_request) != num_prompts:
+        raise ValueError(f"lora_request has {len(lora_request)} entries for {num_prompts} prompts")
+    return list(lora_request)
 
 
 def _as_list(prompts: Any) -> list[Any]:

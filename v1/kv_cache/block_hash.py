@@ -62,11 +62,17 @@ def hash_block_tokens(
 
 def block_extra_keys(request: KVRequest, block_index: int) -> tuple | None:
     """Extra keys of one block: the first block of an encoder-decoder request carries the
-    encoder input's hash, so equal decoder prompts over different encoder inputs never share KV
-    (every later block inherits it through the chain)."""
-    if block_index == 0 and request.encoder_hash is not None:
-        return ("encoder", request.encoder_hash)
-    return None
+    encoder input's hash, so equal decoder prompts over different encoder inputs never share KV,
+    and the first block of a LoRA request its adapter id, so two adapters never share a prefix
+    (every later block inherits both through the chain)."""
+    if block_index != 0:
+        return None
+    keys: tuple = ()
+    if request.encoder_hash is not None:
+        keys = ("encoder", request.encoder_hash)
+    if request.lora_int_id:
+        keys = (*keys, "lora", request.lora_int_id)
+    return keys or None
 
 
 def request_block_hashes(request: KVRequest, block_size: int) -> list[bytes]:

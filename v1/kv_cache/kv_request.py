@@ -30,3 +30,8 @@ class KVRequest(Protocol):
 
     @property
     def num_encoder_tokens(self) -> int: ...
+
+    @property
+    def lora_int_id(self) -> int:
+        """The LoRA adapter the request runs with (0: none): part of its first block's key."""
+        ...

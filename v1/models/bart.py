@@ -23,7 +23,7 @@ from v1.models.layers.attention import CrossAttention, SelfAttention
 from v1.models.layers.embedding import LMHead, VocabEmbedding
 from v1.models.layers.linear import ColumnLinear, RowLinear
 from v1.models.layers.norm import LayerNorm, add_layer_norm, fp16_clamp_limit, linear_input
-from v1.models.utils import load_weights_into
+from v1.models.utils import load_weights_into, lora_target_of
 from v1.quantization.fp8 import is_fp8_linear
 from v1.quantization.fp8_recipes import decoder_per_token_linears
 from v1.quantization.fp8_rows import Fp8Product
@@ -35,6 +35,12 @@ _SELF_QKV = re.compile(r"\.self_attn\.([qkv])_proj\.")
 _CROSS_KV = re.compile(r"\.encoder_attn\.([kv])_proj\.")
 _LEARNED_POS_OFFSET = 2
 """BART and mBART learned position i sits in row i + 2 (fairseq's padding offset)."""
+
+
+def _rename_projections(name: str) -> str:
+    """Checkpoint q/k/v projection names -> the names `packed_modules_mapping` fuses."""
+    name = _SELF_QKV.sub(r".self_attn.qkv_\1.", name)
+    return _CROSS_KV.sub(r".encoder_attn.kv_\1.", name)
 
 
 @dataclass(frozen=True)
@@ -388,6 +394,17 @@ class BartForConditionalGeneration(nn.Module):
         r"^model\.(encoder|decoder)\.version$",  # fairseq leftovers in old checkpoints
         r"^model\.shared\.weight$",  # present in untied checkpoints too; read in load_weights
     )
+    lora_target_modules: ClassVar[tuple[str, ...]] = (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "out_proj",
+        "fc1",
+        "fc2",
+    )
+    """PEFT target names an adapter may use (v1/lora applies them from outside)."""
+    lora_encoder_modules: ClassVar[str | None] = r"^model\.encoder\.|\.encoder_attn\.kv_proj$"
+    """Regex of our Linears fed encoder rows (the encoder, the cross K/V projections)."""
 
     def __init__(self, hf_config: Any, prefix: str = "") -> None:
         super().__init__()
@@ -441,10 +458,12 @@ class BartForConditionalGeneration(nn.Module):
                 name, tensor = "lm_head.bias", tensor.reshape(-1)  # [1, V] -> [V]
             elif name == "model.shared.weight" and name not in params:
                 untied_shared.append(tensor)
-            name = self.tied_aliases.get(name, name)
-            name = _SELF_QKV.sub(r".self_attn.qkv_\1.", name)
-            name = _CROSS_KV.sub(r".encoder_attn.kv_\1.", name)
+            name = _rename_projections(self.tied_aliases.get(name, name))
             yield name, tensor
+
+    def lora_target(self, module_name: str) -> tuple[str, int | str | None]:
+        """A PEFT target module (checkpoint name) -> (our Linear, shard id in it or None)."""
+        return lora_target_of(module_name, self.packed_modules_mapping, _rename_projections)
 
     def default_fp8_ignore(self) -> list[str]:
         """fp8 keeps the decoder's per-token GEMMs in the model dtype (slower in fp8 at decode

@@ -17,7 +17,7 @@ from v1.models.layers.embedding import LMHead, VocabEmbedding
 from v1.models.layers.linear import MergedColumnLinear, QKVLinear, RowLinear
 from v1.models.layers.norm import RMSNorm
 from v1.models.layers.rotary import get_rope
-from v1.models.utils import load_weights_into
+from v1.models.utils import load_weights_into, lora_target_of
 
 
 def _head_dim(cfg: Any) -> int:
@@ -130,6 +130,18 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
     ignore_unexpected_patterns: ClassVar[tuple[str, ...]] = (r"rotary_emb\.inv_freq$",)
+    lora_target_modules: ClassVar[tuple[str, ...]] = (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    )
+    """PEFT target names an adapter may use (v1/lora applies them from outside)."""
+    lora_encoder_modules: ClassVar[str | None] = None
+    """Regex of our Linears fed encoder rows (none: decoder-only)."""
 
     def __init__(self, hf_config: Any, prefix: str = "") -> None:
         super().__init__()
@@ -150,6 +162,10 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states [N, hidden] -> logits [N, vocab] (model dtype; samplers upcast)."""
         return self.lm_head(hidden_states)
+
+    def lora_target(self, module_name: str) -> tuple[str, int | str | None]:
+        """A PEFT target module (checkpoint name) -> (our Linear, shard id in it or None)."""
+        return lora_target_of(module_name, self.packed_modules_mapping)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         ignore = self.ignore_unexpected_patterns

@@ -26,7 +26,7 @@ from v1.models.layers.linear import (
     default_weight_loader,
 )
 from v1.models.layers.norm import RMSNorm
-from v1.models.utils import load_weights_into
+from v1.models.utils import load_weights_into, lora_target_of
 from v1.quantization.fp8_recipes import decoder_per_token_linears
 
 # Every T5 checkpoint ties both stacks' input embeddings to `shared`.
@@ -276,6 +276,19 @@ class T5ForConditionalGeneration(nn.Module):
     ignore_unexpected_patterns: ClassVar[tuple[str, ...]] = (
         r"EncDecAttention\.relative_attention_bias\.weight$",
     )
+    lora_target_modules: ClassVar[tuple[str, ...]] = (
+        "q",
+        "k",
+        "v",
+        "o",
+        "wi",
+        "wi_0",
+        "wi_1",
+        "wo",
+    )
+    """PEFT target names an adapter may use (v1/lora applies them from outside)."""
+    lora_encoder_modules: ClassVar[str | None] = r"^encoder\.|\.EncDecAttention\.kv_proj$"
+    """Regex of our Linears fed encoder rows (the encoder, the cross K/V projections)."""
 
     def __init__(self, hf_config: Any, prefix: str = "") -> None:
         super().__init__()
@@ -308,6 +321,14 @@ class T5ForConditionalGeneration(nn.Module):
         if self.output_scale is not None:
             hidden_states = hidden_states * self.output_scale
         return self.lm_head(hidden_states)
+
+    def lora_target(self, module_name: str) -> tuple[str, int | str | None]:
+        """A PEFT target module (checkpoint name) -> (our Linear, shard id in it or None)."""
+        return lora_target_of(
+            module_name,
+            self.packed_modules_mapping,
+            lambda n: _CROSS_QKV.sub(r".EncDecAttention.\1_proj.", n),
+        )
 
     def default_fp8_ignore(self) -> list[str]:
         """fp8 keeps the decoder's per-token GEMMs in the model dtype, as for BART."""

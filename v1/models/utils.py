@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -34,6 +34,18 @@ def _packed_target(name: str, packed: PackedMapping) -> tuple[str, int | str | N
             fused, shard_id = packed[part]
             return ".".join([*parts[:i], fused, *parts[i + 1 :]]), shard_id
     return name, None
+
+
+def lora_target_of(
+    module_name: str, packed: PackedMapping, rename: Callable[[str], str] | None = None
+) -> tuple[str, int | str | None]:
+    """A checkpoint module name (as PEFT names LoRA targets) -> (our Linear's module name, its
+    shard id in that fused Linear or None), by the model's own checkpoint renames."""
+    name = module_name + ".weight"
+    if rename is not None:
+        name = rename(name)
+    name, shard_id = _packed_target(name, packed)
+    return name.removesuffix(".weight"), shard_id
 
 
 def load_weights_into(

@@ -19,7 +19,7 @@ from v1.audio.features import LogMelSpectrogram
 from v1.models.bart import MBART, BartDecoderLayer, BartEncoderLayer, finish_stack
 from v1.models.layers.embedding import LMHead, VocabEmbedding
 from v1.models.layers.norm import LayerNorm, fp16_clamp_limit
-from v1.models.utils import load_weights_into
+from v1.models.utils import load_weights_into, lora_target_of
 
 # Checkpoint projections are renamed onto fused parameters (as in bart.py): q/k/v of the
 # self-attentions and k/v of the cross-attentions share names that `packed_modules_mapping`
@@ -28,6 +28,12 @@ _SELF_QKV = re.compile(r"\.self_attn\.([qkv])_proj\.")
 _CROSS_KV = re.compile(r"\.encoder_attn\.([kv])_proj\.")
 # Whisper's k projections have no bias; the fused layers hold a zero bias for their k rows.
 _K_WEIGHT = re.compile(r"\.(self_attn\.qkv|encoder_attn\.kv)_k\.weight$")
+
+
+def _rename_projections(name: str) -> str:
+    """Checkpoint q/k/v projection names -> the names `packed_modules_mapping` fuses."""
+    name = _SELF_QKV.sub(r".self_attn.qkv_\1.", name)
+    return _CROSS_KV.sub(r".encoder_attn.kv_\1.", name)
 
 
 class WhisperEncoder(nn.Module):
@@ -111,6 +117,17 @@ class WhisperForConditionalGeneration(nn.Module):
     }
     # Some conversions store the tied head; it is the decoder's embedding either way.
     ignore_unexpected_patterns: ClassVar[tuple[str, ...]] = (r"^proj_out\.weight$",)
+    lora_target_modules: ClassVar[tuple[str, ...]] = (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "out_proj",
+        "fc1",
+        "fc2",
+    )
+    """PEFT target names an adapter may use (v1/lora applies them from outside)."""
+    lora_encoder_modules: ClassVar[str | None] = r"^model\.encoder\.|\.encoder_attn\.kv_proj$"
+    """Regex of our Linears fed encoder rows (the encoder, the cross K/V projections)."""
     fp8_keep: ClassVar[tuple[str, ...]] = (
         "model.encoder.layers.0",
         "model.encoder.layers.1",
@@ -202,11 +219,14 @@ class WhisperForConditionalGeneration(nn.Module):
         self, weights: Iterable[tuple[str, torch.Tensor]]
     ) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in weights:
-            name = _SELF_QKV.sub(r".self_attn.qkv_\1.", name)
-            name = _CROSS_KV.sub(r".encoder_attn.kv_\1.", name)
+            name = _rename_projections(name)
             yield name, tensor
             if _K_WEIGHT.search(name):
                 yield name.removesuffix("weight") + "bias", tensor.new_zeros(tensor.shape[0])
+
+    def lora_target(self, module_name: str) -> tuple[str, int | str | None]:
+        """A PEFT target module (checkpoint name) -> (our Linear, shard id in it or None)."""
+        return lora_target_of(module_name, self.packed_modules_mapping, _rename_projections)
 
     def default_fp8_ignore(self) -> list[str]:
         return list(self.fp8_keep)

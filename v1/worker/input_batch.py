@@ -61,6 +61,9 @@ class InputBatch:
         pending token refers to those), keeping one entry per launched engine step."""
         self._pending_oldest = 0
         """Index in `sampled` of the oldest step the last `pending_inputs` rows read."""
+        self.lora_slots = np.full(max_num_reqs, -1, dtype=np.int64)
+        """Per batch slot: the device slot of the request's LoRA adapter (-1: none; the
+        runner sets it when LoRA is enabled)."""
         self.slot_generations = np.zeros(max_num_reqs, dtype=np.int64)
         """Per slot: how many requests have held it, so results of a launched step can tell
         whether the slot still belongs to the same request (vectorized)."""
@@ -130,6 +133,7 @@ class InputBatch:
             slots = np.array(slot_list, dtype=np.int64)
             self.num_tokens[slots] = 0
             self.pending_positions[slots] = -1
+            self.lora_slots[slots] = -1
             self._free_slots.extend(slot_list)
         return states
 

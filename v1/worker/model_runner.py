@@ -78,6 +78,10 @@ class ModelRunner:
         self.cuda_graphs: Any = None
         self.encoder_states: LayerCache | None = None
         """The encoder-states cache (absorbed cross-attention)."""
+        self.lora: Any = None
+        """The LoRAModelManager (enable_lora), attached to the model at load."""
+        self.lora_ids: dict[str, int] = {}
+        """Requests in the batch that run an adapter -> its id (released when they leave)."""
 
     # ---- set-up ----
     @staticmethod
@@ -105,6 +109,18 @@ class ModelRunner:
         }
         self.attn_metadata.set_layers({n: m.attn_type for n, m in self.attn_layers.items()})
         self._apply_cross_attention()
+        if self.config.lora_config.enable_lora:
+            from v1.lora import LoRAModelManager
+
+            sc = self.config.scheduler_config
+            self.lora = LoRAModelManager(
+                self.model,
+                self.config.lora_config,
+                max_decoder_rows=padded_num_tokens(max(sc.max_num_batched_tokens, sc.max_num_seqs)),
+                max_encoder_rows=padded_num_tokens(self.config.encoder_budget),
+                device=self.device,
+                dtype=self.dtype,
+            )
         self.state = make_model_state(
             StateContext(
                 model=self.model,
@@ -112,6 +128,7 @@ class ModelRunner:
                 attn_metadata=self.attn_metadata,
                 device=self.device,
                 config=self.config,
+                lora=self.lora,
             )
         )
 
@@ -245,6 +262,8 @@ class ModelRunner:
         enter (each list in one call: an encoder-only step replaces ~100 requests), running
         ones advance."""
         batch, tables = self.input_batch, self.attn_metadata
+        if self.lora is not None:
+            self._release_loras(so.finished_req_ids)
         removed = batch.remove_requests(so.finished_req_ids)
         if removed:
             tables.clear_rows(np.array([state.slot for state in removed], dtype=np.int64))
@@ -252,6 +271,11 @@ class ModelRunner:
         new_reqs = so.scheduled_new_reqs
         if new_reqs:
             added = batch.add_requests(new_reqs)
+            if self.lora is not None:
+                for state, data in zip(added, new_reqs, strict=True):
+                    if data.lora_request is not None:
+                        batch.lora_slots[state.slot] = self.lora.acquire(data.lora_request)
+                        self.lora_ids[data.req_id] = data.lora_request.lora_int_id
             tables.set_rows([state.slot for state in added], [d.block_ids for d in new_reqs])
             self.state.on_requests_added(added, new_reqs)
         cached = so.scheduled_cached_reqs
@@ -264,6 +288,12 @@ class ModelRunner:
             for slot, blocks in zip(slots.tolist(), cached.new_block_ids, strict=True):
                 if blocks is not None:
                     tables.append_rows(slot, blocks)
+
+    def _release_loras(self, finished_req_ids: Any) -> None:
+        for req_id in finished_req_ids:
+            lora_id = self.lora_ids.pop(req_id, None)
+            if lora_id is not None:
+                self.lora.release(lora_id)
 
     def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         batch = self.input_batch
@@ -284,6 +314,8 @@ class ModelRunner:
         token_index = batch.token_index(token_slots, positions)
         ids = batch.token_ids.reshape(-1).take(token_index)
         pad = padded_num_tokens(num_tokens) - num_tokens if pads_tokens(self.device) else 0
+        if self.lora is not None:  # each token runs with its request's adapter
+            self.lora.indices.set(False, batch.lora_slots[token_slots])
         zeros = np.zeros(pad, np.int64)
         # One pinned copy for the step's index arrays, padded ids and positions first:
         # [ids | 0s | positions | 0s | logits rows | dst | src]

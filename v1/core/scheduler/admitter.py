@@ -53,6 +53,9 @@ class Admitter:
         self.kv_cache_manager: KVCacheManager = resources.kv_cache_manager
         self.encoder_cache: EncoderCacheManager = resources.encoder_cache
         self.forks = resources.forks
+        lora = config.lora_config
+        self.max_loras = lora.max_loras if lora.enable_lora else 0
+        """Distinct adapters running requests may use together (the worker's device slots)."""
         self.num_encoder_runs = 0
         self.num_encoder_lookups = 0
         self.num_cross_cache_hits = 0
@@ -112,6 +115,8 @@ class Admitter:
     def _admit(self, request: Request, plan: StepPlan, step_id: int) -> bool | None:
         """One admission attempt: False when the step budgets or the encoder cache have no
         room, None (changing nothing) when the KV cache has too few free blocks."""
+        if not self._lora_fits(request):
+            return False
         computed_blocks, num_cached = None, 0
         fork_source = self._fork_source(request)
         if fork_source is not None:
@@ -159,6 +164,14 @@ class Admitter:
         self.running.append(request)
         plan.take(request, num_new)
         return True
+
+    def _lora_fits(self, request: Request) -> bool:
+        """A request's adapter is already running or a device slot is left for it."""
+        lora_id = request.lora_int_id
+        if not lora_id:
+            return True
+        running = {r.lora_int_id for r in self.running} - {0}
+        return lora_id in running or len(running) < self.max_loras
 
     def _encoder_plan(self, request: Request, plan: StepPlan) -> _EncoderPlan | None:
         """How the request gets its encoder output, or None when it cannot this step (the

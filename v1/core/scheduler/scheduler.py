@@ -220,6 +220,7 @@ class Scheduler:
                 encoder_input=r.encoder_input,
                 token_type_ids=r.token_type_ids,
                 eos_token_id=r.eos_token_id,
+                lora_request=r.lora_request,
             )
             for r in plan.scheduled_new
         ]

@@ -12,6 +12,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
 from v1.audio import SAMPLE_RATE
 from v1.engine.beam_search import (
     BeamSearch,
@@ -102,14 +104,17 @@ class Transcriber:
         self.num_cores = num_cores
 
     def transcribe(
-        self, audio: Any, *, use_tqdm: bool = False, **options: Any
+        self, audio: Any, *, use_tqdm: bool = False, lora_request: Any = None, **options: Any
     ) -> list[TranscriptionResult]:
         """One result per input, in order; `options` are `TranscriptionOptions` fields.
 
         `audio`: a path, bytes, `(samples, sample_rate)` or a list of them. Files advance
         window by window (each window depends on the one before); the windows of many files
         run in the same engine steps. Raises ValueError (AudioError for audio) on bad input
-        before anything runs, and TranscriptionError if the engine fails a request."""
+        before anything runs, and TranscriptionError if the engine fails a request.
+        `lora_request`: the LoRA adapter every window runs with (None: the base model)."""
+        if lora_request is not None:
+            self.engine.input_processor.check_lora(lora_request)
         planner = TranscriptionPlanner(
             self.builder,
             TranscriptionOptions.from_kwargs(options),
@@ -125,6 +130,7 @@ class Transcriber:
             run = _SyncRun(
                 self.engine, plans, self.max_active_files, self.files_per_step, self.num_cores
             )
+            run.lora_request = lora_request
             return run.run(bar.refresh)
         finally:
             bar.close()
@@ -136,6 +142,9 @@ class _SyncRun:
     start `files_per_step` (one step's encoder budget) between two steps, and one more before
     the first, so every step() has a step to launch before it reads back the last one
     (docs/decisions.md)."""
+
+    lora_request: Any = None
+    """The LoRA adapter of every window's core requests (None: the base model)."""
 
     def __init__(
         self,
@@ -207,13 +216,18 @@ class _SyncRun:
             request.request_id,
             request.prompt,
             request.params,
-            request.core_requests,
+            self._with_lora(request.core_requests),
             lazy_logprobs=True,
         )
         self.pending[request.request_id] = (
             i,
             WindowCollector(f"audio input {i}", request.length_penalty),
         )
+
+    def _with_lora(self, core_requests: list[Any]) -> list[Any]:
+        if self.lora_request is None:
+            return core_requests
+        return [msgspec.structs.replace(r, lora_request=self.lora_request) for r in core_requests]
 
     def _step_beam(self, req_id: str) -> None:
         """Feeds a window's beam search its last step's outputs once all are in, then queues
@@ -232,7 +246,7 @@ class _SyncRun:
             step = beam_step_requests([search])
             if step.requests:
                 self.beams[req_id] = (search, i, step.keys)
-                engine.add_core_requests(step.requests)
+                engine.add_core_requests(self._with_lora(step.requests))
             if step.release_ids:
                 engine.abort_core_requests(step.release_ids)  # parents nothing forks from
             if step.requests:

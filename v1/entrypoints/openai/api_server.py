@@ -24,6 +24,7 @@ from v1.engine.async_llm import request_group, request_observer
 from v1.entrypoints.openai.errors import (
     APIError,
     ClientDisconnected,
+    bad_request,
     error_response,
     install_error_handlers,
 )
@@ -44,7 +45,7 @@ from v1.entrypoints.openai.protocol import (
 )
 from v1.entrypoints.openai.serving_completions import ServingCompletions
 from v1.entrypoints.openai.serving_embeddings import ServingEmbeddings
-from v1.entrypoints.openai.serving_engine import ServerSettings, json_response
+from v1.entrypoints.openai.serving_engine import LoRAModules, ServerSettings, json_response
 from v1.entrypoints.openai.serving_score import ServingScore
 from v1.entrypoints.openai.serving_tokenization import ServingTokenization
 from v1.entrypoints.openai.serving_transcriptions import (
@@ -268,6 +269,9 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         value = getattr(args, name, None)
         if value is not None:
             kwargs[name] = value
+    lora_modules = getattr(args, "lora_modules", None)
+    if lora_modules:
+        kwargs["lora_modules"] = tuple(parse_lora_module(m) for m in lora_modules)
     return ServerSettings(
         served_model_names=tuple(names),
         model_path=args.model,
@@ -275,6 +279,14 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         chat_template=getattr(args, "chat_template", None),
         **kwargs,
     )
+
+
+def parse_lora_module(text: str) -> tuple[str, str]:
+    """`name=path` of --lora-modules -> (name, path)."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"--lora-modules takes name=path, got {text!r}")
+    return name, path
 
 
 def build_app(engine: Any, args: argparse.Namespace | ServerSettings) -> FastAPI:
@@ -303,6 +315,11 @@ def build_app(engine: Any, args: argparse.Namespace | ServerSettings) -> FastAPI
         return Response(status_code=499)
 
     app.add_middleware(ServerMiddleware, settings=settings, metrics=metrics, lifecycle=lifecycle)
+    lora_config = getattr(getattr(engine, "config", None), "lora_config", None)
+    lora_on = lora_config is not None and lora_config.enable_lora
+    app.state.loras = LoRAModules(engine, settings) if lora_on else None
+    if settings.lora_modules and app.state.loras is None:
+        raise ValueError("--lora-modules needs --enable-lora")
     _add_info_routes(app, engine, settings, metrics)
     _add_inference_routes(app, engine, settings, metrics)
     app.state.engine = engine
@@ -318,9 +335,19 @@ def _add_info_routes(
     max_model_len = engine.model_config.effective_max_model_len
 
     def cards() -> list[ModelCard]:
-        return [
+        base = [
             ModelCard(id=name, root=settings.model_path, max_model_len=max_model_len)
             for name in settings.served_model_names
+        ]
+        loras = app.state.loras.by_name.values() if app.state.loras is not None else ()
+        return base + [
+            ModelCard(
+                id=lora.lora_name,
+                root=lora.lora_path,
+                parent=settings.model_name,
+                max_model_len=max_model_len,
+            )
+            for lora in loras
         ]
 
     @app.api_route("/health", methods=["GET", "HEAD"])
@@ -344,6 +371,8 @@ def _add_info_routes(
     async def list_models() -> Response:
         return json_response(ModelList(data=cards()))
 
+    _add_lora_routes(app)
+
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> Response:
         for card in cards():
@@ -354,6 +383,43 @@ def _add_info_routes(
         )
 
 
+def _add_lora_routes(app: FastAPI) -> None:
+    """vLLM's run-time adapter endpoints (JSON bodies: lora_name, lora_path)."""
+
+    def registry() -> LoRAModules:
+        if app.state.loras is None:
+            raise bad_request("LoRA is not enabled on this server (--enable-lora)")
+        return app.state.loras
+
+    async def body_of(request: Request) -> dict[str, Any]:
+        try:
+            body = await request.json()
+        except ValueError as e:
+            raise bad_request(f"the body is not JSON: {e}") from e
+        if not isinstance(body, dict):
+            raise bad_request("the body must be a JSON object")
+        return body
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        body, loras = await body_of(request), registry()
+        name, path = body.get("lora_name"), body.get("lora_path")
+        try:
+            await loras.engine.run_input_work(loras.load, name, path)
+        except ValueError as e:
+            raise bad_request(str(e), param="lora_path") from e
+        return Response(f"Success: LoRA adapter '{name}' added successfully.", status_code=200)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        body, loras = await body_of(request), registry()
+        name = body.get("lora_name")
+        if not isinstance(name, str) or not name:
+            raise bad_request("lora_name must be a non-empty string", param="lora_name")
+        loras.unload(name)
+        return Response(f"Success: LoRA adapter '{name}' removed successfully.", status_code=200)
+
+
 def _add_inference_routes(
     app: FastAPI, engine: Any, settings: ServerSettings, metrics: ServerMetrics
 ) -> None:
@@ -362,6 +428,8 @@ def _add_inference_routes(
     scores = ServingScore(engine, settings, metrics)
     audio = ServingTranscriptions(engine, settings, metrics)
     tokenization = ServingTokenization(engine, settings, metrics)
+    for serving in (completions, embeddings, scores, audio, tokenization):
+        serving.loras = app.state.loras
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request) -> Response:

@@ -75,6 +75,8 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=now_s)
     owned_by: str = "v1-engine"
     root: str | None = None
+    parent: str | None = None
+    """The base model of a LoRA adapter (None for the base model itself)."""
     max_model_len: int | None = None
 
 

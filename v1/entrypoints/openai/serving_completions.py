@@ -126,6 +126,8 @@ class _Usage:
 class ServingCompletions(ServingBase):
     """Text generation endpoints of a decoder-only or text encoder-decoder model."""
 
+    serves_lora = True
+
     def __init__(self, engine: Any, settings: ServerSettings, metrics: ServerMetrics) -> None:
         super().__init__(engine, settings, metrics)
         self.vocab_size: int = self.model_config.vocab_size
@@ -453,6 +455,7 @@ class ServingCompletions(ServingBase):
                 f"{job.request_id}-{i}",
                 output_kind=kind,
                 priority=job.priority,
+                lora_request=self.lora_for(job.model),
             )
             for i, (p, params) in enumerate(zip(job.prompts, job.params, strict=True))
         ]

@@ -11,7 +11,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import anyio
 from fastapi import Request
@@ -22,6 +22,7 @@ from starlette.types import Receive, Scope, Send
 from v1 import envs
 from v1.entrypoints.openai.errors import APIError, ClientDisconnected, bad_request, error_body
 from v1.entrypoints.openai.metrics import ServerMetrics
+from v1.lora_request import LoRARequest
 from v1.pooling_params import PoolingParamsError
 
 T = TypeVar("T")
@@ -59,6 +60,9 @@ class ServerSettings:
     audio_chunk_seconds: int = 300
     """Audio a transcription decodes and hands the engine at a time (a multiple of Whisper's
     30 s window): memory and engine share per request are bounded by it, not by the file."""
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    """(name, PEFT adapter folder) pairs served from the start (`--lora-modules name=path`);
+    a request's `model` naming one runs with that adapter."""
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):
@@ -88,8 +92,48 @@ class ServerSettings:
         return self.served_model_names[0]
 
 
+class LoRAModules:
+    """The LoRA adapters the server serves by name: `--lora-modules` at start, then
+    `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`. Each load gets a new adapter id, so
+    a name loaded again from a changed folder never reuses the old one's caches."""
+
+    def __init__(self, engine: Any, settings: ServerSettings) -> None:
+        self.engine = engine
+        self.base_names = settings.served_model_names
+        self.by_name: dict[str, LoRARequest] = {}
+        self._next_id = 1
+        for name, path in settings.lora_modules:
+            self.load(name, path)
+
+    def load(self, name: str, path: str) -> LoRARequest:
+        """Reads and checks the adapter (ValueError on anything wrong) and serves it."""
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            raise ValueError("lora_name and lora_path must be non-empty strings")
+        if name in self.by_name or name in self.base_names:
+            raise ValueError(f"the name {name!r} is already served")
+        request = LoRARequest(name, self._next_id, path)
+        self.engine.input_processor.check_lora(request)
+        self._next_id += 1
+        self.by_name[name] = request
+        return request
+
+    def unload(self, name: str) -> None:
+        """Stops serving `name` (requests already running with it finish)."""
+        request = self.by_name.pop(name, None)
+        if request is None:
+            raise APIError(
+                404, f"no LoRA adapter named {name!r}", param="lora_name", code="model_not_found"
+            )
+        self.engine.input_processor.forget_lora(request.lora_int_id)
+
+
 class ServingBase:
     """Shared state and checks of the endpoint families."""
+
+    loras: LoRAModules | None = None
+    """The server's adapters (set by build_app; None: checks see base names only)."""
+    serves_lora: ClassVar[bool] = False
+    """Whether the family runs requests with an adapter (else naming one is a 400)."""
 
     def __init__(self, engine: Any, settings: ServerSettings, metrics: ServerMetrics) -> None:
         self.engine = engine
@@ -109,9 +153,19 @@ class ServingBase:
         return self.settings.model_name
 
     def check_model(self, requested: str | None) -> str:
-        """The served name to report; 404 for a model this server does not serve."""
+        """The served name to report (a LoRA adapter's name for its requests); 404 for a model
+        this server does not serve."""
         if requested is None or requested in self.settings.served_model_names:
             return self.model_name
+        if self.loras is not None and requested in self.loras.by_name:
+            if not self.serves_lora:
+                raise APIError(
+                    400,
+                    f"{requested!r} is a LoRA adapter; adapters are served on /v1/completions "
+                    "and /v1/chat/completions (this endpoint runs the base model only)",
+                    param="model",
+                )
+            return requested
         raise APIError(
             404,
             f"the model {requested!r} does not exist on this server; it serves "
@@ -119,6 +173,10 @@ class ServingBase:
             param="model",
             code="model_not_found",
         )
+
+    def lora_for(self, model: str) -> LoRARequest | None:
+        """The adapter a request's reported model name selects (None: the base model)."""
+        return self.loras.by_name.get(model) if self.loras is not None else None
 
     # ---- input limits ----
     def check_chars(self, num_chars: int, where: str, param: str) -> None:

@@ -80,6 +80,7 @@ def linear_act(layer: Linear, act: nn.Module, x: torch.Tensor) -> torch.Tensor:
     `V1_GELU_EPILOGUE=0` turns it off; float32 and CPU always take the exact path."""
     if (
         layer.quant_method is None  # first: an fp8 layer's x may be `Fp8Rows`, not a tensor
+        and layer.lora is None  # adapters add their product to layer(x), before act
         and isinstance(act, GELU)
         and envs.V1_GELU_EPILOGUE
         and x.is_cuda

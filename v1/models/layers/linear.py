@@ -39,6 +39,9 @@ class Linear(nn.Module):
     unscaled_output: bool = False
     """An fp8 layer that returns an `Fp8Product` without its bias (set by its owner at load:
     `Fp8LinearMethod.set_unscaled_output`)."""
+    lora: Any = None
+    """Multi-LoRA, applied from outside (v1/lora): its `apply(x, out)` adds each token's
+    adapter product to the layer's output."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
@@ -59,7 +62,8 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant_method is not None:
             return self.quant_method.apply(self, x)
-        return F.linear(x, self.weight, self.bias)
+        out = F.linear(x, self.weight, self.bias)
+        return out if self.lora is None else self.lora.apply(x, out)
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"

@@ -36,6 +36,9 @@ class StateContext:
     attn_metadata: AttentionMetadataFactory
     device: torch.device
     config: EngineConfig
+    lora: Any = None
+    """The LoRAModelManager when LoRA is enabled: the state sets the encoder rows' adapter
+    slots before running encoder rows (encoders, cross K/V projections)."""
 
 
 class ModelState(ABC):
@@ -59,6 +62,7 @@ class ModelState(ABC):
         self.attn_metadata = ctx.attn_metadata
         self.device = ctx.device
         self.config = ctx.config
+        self.lora = ctx.lora
         self.model_config = ctx.config.model_config
         self.info = self.model_config.info
         """The process's model facts (special tokens, pooling config, classifier head)."""

@@ -70,6 +70,7 @@ class EncoderDecoderState(GenerationState):
         encoder_hidden_states = torch.cat(
             [self.encoder_outputs[requests[r].encoder_input.content_hash] for r in encoder_reqs]
         )
+        self._set_encoder_lora(encoder_reqs)
         metadata = self._cross_attn_metadata(step, encoder_reqs)
         if self.encoder_states is not None:
             # Absorbed cross-attention: E itself is the cache, written once for all layers.
@@ -95,6 +96,7 @@ class EncoderDecoderState(GenerationState):
         requests = self.input_batch.requests
         inputs = [requests[req_id].encoder_input for req_id in hashes_to_run.values()]
         lengths = np.array([e.num_encoder_tokens for e in inputs], dtype=np.int64)
+        self._set_encoder_lora(list(hashes_to_run.values()))
         metadata = self.attn_metadata.uncached(lengths, AttentionType.ENCODER, self.encoder_layers)
         with set_forward_context(ForwardContext(metadata)):
             output = self.model.encode(**self._encoder_kwargs(inputs))  # [sum(len) (+pad), H]
@@ -103,6 +105,16 @@ class EncoderDecoderState(GenerationState):
             self.encoder_outputs[content_hash] = part
         self.num_encoder_runs += len(inputs)
         return len(inputs)
+
+    def _set_encoder_lora(self, req_ids: list[str]) -> None:
+        """Encoder rows of `req_ids` (packed in that order) run with each request's adapter."""
+        if self.lora is None:
+            return
+        batch = self.input_batch
+        states = [batch.requests[r] for r in req_ids]
+        slots = batch.lora_slots[[s.slot for s in states]]
+        lengths = [s.encoder_input.num_encoder_tokens for s in states]
+        self.lora.indices.set(True, np.repeat(slots, lengths))
 
     def _encoder_kwargs(self, inputs: list[EncoderInput]) -> dict[str, Any]:
         if inputs[0].audio is not None:
