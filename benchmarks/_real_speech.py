@@ -53,16 +53,32 @@ def load_clips(directory: str | None = None) -> list[Clip]:
     transformers run did)."""
     import os
 
-    import librosa
-
     directory = directory or audio_dir()
     clips = []
     for audio_name, text_name in CLIPS:
-        audio, _ = librosa.load(os.path.join(directory, audio_name), sr=SAMPLE_RATE, mono=True)
+        audio = _load_16k_mono(os.path.join(directory, audio_name))
         with open(os.path.join(directory, text_name)) as f:
             reference = f.read().strip()
         clips.append(Clip(audio_name, audio.astype(np.float32), reference))
     return clips
+
+
+def _load_16k_mono(path: str) -> np.ndarray:
+    """librosa.load(path, sr=16000, mono=True) where librosa is installed; else soundfile +
+    soxr (librosa's default resampler, soxr_hq) for hosts without librosa."""
+    try:
+        import librosa
+    except ImportError:
+        import soundfile as sf
+        import soxr
+
+        audio, rate = sf.read(path, dtype="float32", always_2d=True)
+        audio = audio.mean(axis=1)
+        if rate != SAMPLE_RATE:
+            audio = soxr.resample(audio, rate, SAMPLE_RATE, quality="HQ")
+        return audio
+    audio, _ = librosa.load(path, sr=SAMPLE_RATE, mono=True)
+    return audio
 
 
 def variant(clip: Clip, key: int) -> np.ndarray:
