@@ -33,7 +33,7 @@ def model_path(ctx: Context) -> str:
 
 def bench_whisper_base_real(ctx: Context) -> list[Row]:
     path = model_path(ctx)
-    clips = load_clips()
+    clips = load_clips(getattr(ctx.args, "audio_dir", None))
     num_inputs = ctx.num_inputs(ctx.sizes(1024, 6))
     sets: dict[int, InputSet] = {}
 

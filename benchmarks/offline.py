@@ -114,6 +114,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="real whisper-base folder for whisper-base-real (default: the assets' copy)",
     )
+    p.add_argument(
+        "--audio-dir", default=None, help="the assets' audio folder (default: found like assets)"
+    )
     p.add_argument("--bert-tokenizer", default=asset("all-MiniLM-L6-v2"), help="MiniLM folder")
     p.add_argument("--hf-batches", default=None, help="comma list: sweep exactly these")
     p.add_argument(

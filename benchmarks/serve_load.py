@@ -153,11 +153,12 @@ def main() -> int:
     p.add_argument("--num-requests", type=int, default=512, help="requests per timed round")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds (median), after a warm one")
     p.add_argument("--offline-baseline", action="store_true", help="also time LLM.transcribe")
+    p.add_argument("--audio-dir", default=None, help="the assets' audio folder")
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--log-dir", default=os.environ.get("OUT", "."), help="server log folder")
     p.add_argument("serve_args", nargs="*", help="after `--`: extra `v1 serve` arguments")
     args = p.parse_args()
-    clips = load_clips()
+    clips = load_clips(args.audio_dir)
     sets = [make_inputs(clips, args.num_requests, s) for s in range(args.rounds + 1)]
     files = [[wav_bytes(a) for a in s.audio] for s in sets]
 
