@@ -42,6 +42,9 @@ start-up (~20-60 s, CUDA graph capture included), warm-up and 3 runs:
 - whisper-turbo-step  ours at batch 256: 1+3 runs of 1 and of 101 tokens  ~1.5 min
 - whisper-large-v3    256 clips x 100 tokens; HF batches 256/128/64/32   ~4-6 min (HF ~8 s a run)
 - whisper-beam        large-v3, 64 clips x beam 5 x 100 tokens; HF 64/32/16   (not yet timed)
+- whisper-base-real   REAL whisper-base weights on real speech (LibriSpeech x 2 + JFK, fresh
+                      shifted variants), EOS-ended; RTFx, WER of both sides, transcripts that
+                      differ; 1024 inputs; HF 1024/512/256/128/64      (not yet timed)
 - bart-large          256 x (512 in / 128 out); HF 256/128/64/32        ~1.5 min
 - bert-base           4096 inputs of 16-512 tokens; HF 256/128/64/32    ~1 min
 - llama-1b            64 x (128 in / 256 out); HF batches 64/32           ~1.5 min
@@ -81,12 +84,14 @@ from _harness import Device, Machine, measure_machine
 from _report import Row, markdown_table, notes_markdown
 from _text import bench_bart, bench_bert, bench_host_overhead, bench_llama
 from _whisper import bench_turbo_step, bench_whisper, bench_whisper_beam
+from _whisper_real import bench_whisper_base_real
 
 WORKLOADS: dict[str, Callable[[Context], list[Row]]] = {
     "whisper-turbo": lambda ctx: bench_whisper(ctx, "whisper-large-v3-turbo", 4),
     "whisper-turbo-step": bench_turbo_step,
     "whisper-large-v3": lambda ctx: bench_whisper(ctx, "whisper-large-v3", 32),
     "whisper-beam": bench_whisper_beam,
+    "whisper-base-real": bench_whisper_base_real,
     "bart-large": bench_bart,
     "bert-base": bench_bert,
     "llama-1b": bench_llama,
@@ -104,6 +109,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="timed runs per figure (median)")
     p.add_argument("--check", action="store_true", help="exit non-zero unless output sizes match")
     p.add_argument("--tokenizer", default=asset("whisper-base"), help="whisper-base folder")
+    p.add_argument(
+        "--whisper-base",
+        default=None,
+        help="real whisper-base folder for whisper-base-real (default: the assets' copy)",
+    )
+    p.add_argument(
+        "--audio-dir", default=None, help="the assets' audio folder (default: found like assets)"
+    )
     p.add_argument("--bert-tokenizer", default=asset("all-MiniLM-L6-v2"), help="MiniLM folder")
     p.add_argument("--hf-batches", default=None, help="comma list: sweep exactly these")
     p.add_argument(

@@ -355,8 +355,11 @@ class CacheConfig:
 class SchedulerConfig:
     """The token-budget scheduler's knobs."""
 
-    max_num_seqs: int = 128
-    """Most requests in one step."""
+    max_num_seqs: int | None = None
+    """Most requests in one step. None (auto): EngineConfig resolves it once
+    (`resolve_max_num_seqs`, docs/decisions.md): 512 for an encoder-decoder model with absorbed
+    cross-attention on a GPU (a Whisper request holds ~3 MiB of KV there), else 128; the engine
+    core then lowers an auto value to the requests its KV cache holds at a typical length."""
     max_num_batched_tokens: int = 4096
     """Most decoder (or encoder-only) tokens in one step."""
     max_num_encoder_input_tokens: int | None = None
@@ -378,16 +381,18 @@ class SchedulerConfig:
     absorbs a slow host step (a GC pause, a batch of finishing requests) with a second queued
     step, at the cost of one more wasted row per request that ends on EOS."""
 
-    num_scheduler_steps: int = 1
+    num_scheduler_steps: int | None = None
     """Decode steps one engine step runs on the device when every request it schedules is
     decoding (no admission, no prefill chunk, no grammar, no word timestamps): the host
     schedules, reads back and processes outputs once per up to this many tokens of each request,
     so a large batch's per-step host work stops bounding the device (vLLM V0's multi-step
     scheduling). A request that ends inside such a step (EOS, a stop, max_tokens) wastes the
-    rest of it; max_model_len shortens it. 1: one token per engine step."""
+    rest of it; max_model_len shortens it. 1: one token per engine step. None (auto): 8 for
+    offline batches (`LLM`, where nothing streams per token) on a GPU, else 1 (the server streams
+    every token); EngineConfig resolves it (`resolve_num_scheduler_steps`)."""
 
     def __post_init__(self) -> None:
-        if not 1 <= self.num_scheduler_steps <= 64:
+        if self.num_scheduler_steps is not None and not 1 <= self.num_scheduler_steps <= 64:
             raise ValueError(
                 f"num_scheduler_steps must be in [1, 64], got {self.num_scheduler_steps}"
             )
@@ -396,7 +401,7 @@ class SchedulerConfig:
                 f"max_steps_in_flight must be in [2, 4], got {self.max_steps_in_flight} "
                 "(async_scheduling=False runs steps one at a time)"
             )
-        if self.max_num_seqs < 1:
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(
@@ -519,8 +524,15 @@ class EngineConfig:
     enforce_eager: bool = False
     """Disable CUDA graphs."""
     lora_config: LoRAConfig = field(default_factory=LoRAConfig)
+    offline: bool = False
+    """Built for offline batches (`LLM`): no output streams per token, so the auto
+    num_scheduler_steps may run decode bursts. The server leaves it False."""
+    auto_max_num_seqs: bool = False
+    """Set when max_num_seqs was left to auto and resolved here: the engine core may lower it
+    to what its KV cache holds (`kv_bounded_max_num_seqs`). Not a user argument."""
 
     def __post_init__(self) -> None:
+        self._resolve_auto_scheduling()
         mc, sc = self.model_config, self.scheduler_config
         self._check_lora()
         if mc.kind == ModelKind.ENCODER_ONLY and sc.max_num_batched_tokens < mc.max_encoder_len:
@@ -561,6 +573,19 @@ class EngineConfig:
                 "enable_lora needs cross_attention='per_layer' (or 'auto'): adapters on the "
                 "cross-attention K/V projections change them per request"
             )
+
+    def _resolve_auto_scheduling(self) -> None:
+        """Replaces the auto (None) scheduler values by the resolved ones, once: every reader
+        (scheduler, runner, frontends, other processes via to_json) sees plain ints."""
+        sc = self.scheduler_config
+        resolved: dict[str, int] = {}
+        if sc.max_num_seqs is None:
+            resolved["max_num_seqs"] = resolve_max_num_seqs(self)
+            object.__setattr__(self, "auto_max_num_seqs", True)
+        if sc.num_scheduler_steps is None:
+            resolved["num_scheduler_steps"] = resolve_num_scheduler_steps(self)
+        if resolved:
+            object.__setattr__(self, "scheduler_config", dataclasses.replace(sc, **resolved))
 
     @cached_property
     def cross_attention_mode(self) -> str:
@@ -605,6 +630,8 @@ class EngineConfig:
         }
         out["enforce_eager"] = self.enforce_eager
         out["lora_config"] = dataclasses.asdict(self.lora_config)
+        out["offline"] = self.offline
+        out["auto_max_num_seqs"] = self.auto_max_num_seqs
         return json.dumps(out)
 
     @classmethod
@@ -618,7 +645,54 @@ class EngineConfig:
             device_config=DeviceConfig(**data["device_config"]),
             enforce_eager=data["enforce_eager"],
             lora_config=LoRAConfig(**data.get("lora_config", {})),
+            offline=data.get("offline", False),
+            auto_max_num_seqs=data.get("auto_max_num_seqs", False),
         )
+
+
+# ---- scheduling: the auto defaults (docs/decisions.md, "Scheduling and the step loop") ----
+AUTO_MAX_NUM_SEQS_ABSORBED = 512
+"""max_num_seqs for an encoder-decoder model with absorbed cross-attention on a GPU: Whisper
+turbo, 512 clips, H100: 6,336-6,382 RTFx at max_num_seqs 512 against 6,013-6,220 at 256
+(RESULTS.md, session 13); a request holds ~3.1 MiB of KV (fp8) there."""
+AUTO_MAX_NUM_SEQS = 128
+"""max_num_seqs elsewhere (CPU, decoder-only, encoder-only, per-layer cross-attention)."""
+OFFLINE_NUM_SCHEDULER_STEPS = 8
+"""num_scheduler_steps for offline batches on a GPU: turbo, 512 clips, H100: 6,142 -> 6,382
+RTFx (machines B and D: +3-5%) (RESULTS.md, session 13)."""
+TYPICAL_DECODER_TOKENS = 256
+"""Decoder tokens of a typical request when the core sizes an auto max_num_seqs by its KV cache
+(capped by max_model_len); an encoder-decoder request adds its whole encoder input."""
+
+
+def resolve_max_num_seqs(config: EngineConfig) -> int:
+    """The rule behind max_num_seqs=None (before the KV cache is sized; the core may lower it,
+    `kv_bounded_max_num_seqs`)."""
+    if (
+        config.device_config.device_type == "cuda"
+        and config.model_config.kind == ModelKind.ENCODER_DECODER
+        and config.cross_attention_mode == "absorbed"
+    ):
+        return AUTO_MAX_NUM_SEQS_ABSORBED
+    return AUTO_MAX_NUM_SEQS
+
+
+def resolve_num_scheduler_steps(config: EngineConfig) -> int:
+    """The rule behind num_scheduler_steps=None: bursts for offline batches on a GPU only (the
+    server streams each token; on CPU the device, not the host, bounds a step)."""
+    if config.offline and config.device_config.device_type == "cuda":
+        return OFFLINE_NUM_SCHEDULER_STEPS
+    return 1
+
+
+def kv_bounded_max_num_seqs(config: EngineConfig, requests_that_fit: int) -> int:
+    """max_num_seqs once the KV cache is sized: an auto value lowered to `requests_that_fit`
+    (requests of a typical length the cache holds, at least 1); a user's value as given."""
+    max_num_seqs = config.scheduler_config.max_num_seqs
+    assert max_num_seqs is not None
+    if not config.auto_max_num_seqs:
+        return max_num_seqs
+    return max(1, min(max_num_seqs, requests_that_fit))
 
 
 # ---- attention: the cross-attention rule (torch-free facts; floor 2 sees no v1.attention) ----
@@ -714,6 +788,7 @@ def make_engine_config(model: str, **kwargs: Any) -> EngineConfig:
     """Build an EngineConfig from flat keyword arguments (`LLM(model, block_size=..., ...)`)."""
     parts: dict[type, dict[str, Any]] = {owner: {} for owner in _ENGINE_ARG_OWNERS}
     enforce_eager = bool(kwargs.pop("enforce_eager", False))
+    offline = bool(kwargs.pop("offline", False))
     hf_config = kwargs.pop("hf_config", None)
     names = {f.name: owner for owner in _ENGINE_ARG_OWNERS for f in dataclasses.fields(owner)}
     for key, value in kwargs.items():
@@ -729,4 +804,5 @@ def make_engine_config(model: str, **kwargs: Any) -> EngineConfig:
         device_config=DeviceConfig(**parts[DeviceConfig]),
         enforce_eager=enforce_eager,
         lora_config=LoRAConfig(**parts[LoRAConfig]),
+        offline=offline,
     )

@@ -6,11 +6,12 @@ I/O threads, handshake) lives in `v1.core.engine_core_proc`.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from collections import deque
 from typing import Any
 
-from v1.config import EngineConfig
+from v1.config import TYPICAL_DECODER_TOKENS, EngineConfig, kv_bounded_max_num_seqs
 from v1.core.admission import check_engine_capacity, check_request
 from v1.core.encoder_inputs import EncoderInputStore
 from v1.core.errors import WorkerDeadError
@@ -26,6 +27,7 @@ from v1.core.request import Request, RequestStatus
 from v1.core.sched_output import SchedulerOutput
 from v1.core.scheduler import Scheduler
 from v1.core.structured_output import StructuredOutputManager
+from v1.kv_cache.capacity import num_blocks_needed, num_usable_blocks
 from v1.kv_cache.sizing import get_kv_cache_config
 from v1.logger import init_logger
 
@@ -60,6 +62,8 @@ class EngineCore:
         except BaseException:
             self.executor.shutdown()  # its worker processes too
             raise
+        config = self._bound_max_num_seqs(config)
+        self.config = config
         self.scheduler = Scheduler(config, self.kv_cache_config)
         self.max_model_len = config.model_config.effective_max_model_len
         self._pending_outputs: list[EngineCoreOutput] = []
@@ -90,6 +94,32 @@ class EngineCore:
                 self.kv_cache_config.block_size,
                 len(self.kv_cache_config.groups),
             )
+
+    def _bound_max_num_seqs(self, config: EngineConfig) -> EngineConfig:
+        """An auto max_num_seqs lowered to the requests of a typical length the KV cache holds
+        (`kv_bounded_max_num_seqs`); the chosen value is logged."""
+        sc = config.scheduler_config
+        if not config.auto_max_num_seqs or not self.kv_cache_config.groups:
+            return config
+        mc = config.model_config
+        tokens = min(TYPICAL_DECODER_TOKENS, mc.effective_max_model_len)
+        encoder_tokens = mc.max_encoder_len if self.model_info.has_cross_attention else 0
+        per_request = max(1, num_blocks_needed(self.kv_cache_config, tokens, encoder_tokens))
+        fits = num_usable_blocks(self.kv_cache_config) // per_request
+        chosen = kv_bounded_max_num_seqs(config, fits)
+        logger.info(
+            "max_num_seqs=%d (auto: up to %d; the KV cache holds %d requests of %d tokens%s)",
+            chosen,
+            sc.max_num_seqs,
+            fits,
+            tokens,
+            f" + {encoder_tokens} encoder positions" if encoder_tokens else "",
+        )
+        if chosen == sc.max_num_seqs:
+            return config
+        return dataclasses.replace(
+            config, scheduler_config=dataclasses.replace(sc, max_num_seqs=chosen)
+        )
 
     # ---- requests ----
     def add_request(self, request: EngineCoreRequest) -> None:

@@ -91,6 +91,7 @@ class LLM:
             seed=seed,
             trust_remote_code=trust_remote_code,
             enforce_eager=enforce_eager,
+            offline=True,  # auto num_scheduler_steps: bursts (nothing streams per token)
             **{k: v for k, v in optional.items() if v is not None},
             **engine_kwargs,
         )
