@@ -153,6 +153,8 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: HTTPException) -> Response:
         if isinstance(exc, APIError):
             return error_response(exc)
+        if isinstance(exc.__cause__, APIError):  # raised while FastAPI read the body
+            return error_response(exc.__cause__)
         if isinstance(exc.__cause__, ClientDisconnect):  # left while sending the body
             return Response(status_code=499)
         if exc.status_code == 413:

@@ -233,6 +233,7 @@ def timed_receive(receive: Receive, timeout: float) -> Receive:
                 408,
                 f"the request body did not arrive within {timeout:g} s (--body-timeout)",
                 code="request_timeout",
+                headers={"Connection": "close"},
             ) from None
         if message["type"] != "http.request" or not message.get("more_body", False):
             done = True
