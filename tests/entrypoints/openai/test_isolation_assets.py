@@ -17,9 +17,9 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def test_embeddings_over_the_token_budget_are_refused(minilm_server: RemoteServer) -> None:
-    """256 inputs of 300 token ids (76,800 tokens) pass every per-input check; the request as a
+    """400 inputs of 200 token ids (80,000 tokens) pass every per-input check; the request as a
     whole is over the default --max-tokens-per-request (65,536) and runs nothing."""
-    body = {"input": [[1000 + i % 500 for i in range(300)]] * 256}
+    body = {"input": [[1000 + i % 500 for i in range(200)]] * 400}
     with minilm_server.http(timeout=120) as http:
         error = assert_error_body(http.post("/v1/embeddings", json=body), 400)
     assert error["code"] == "request_too_large" and "--max-tokens-per-request" in error["message"]
