@@ -17,6 +17,10 @@ _INT_MAX = 2**31 - 1
 """Largest count or id accepted: every integer field fits the int32/int64 tensors it is written to."""
 FLOAT32_MAX = 3.4028234663852886e38
 """Largest float accepted: every float field is written to a float32 tensor."""
+MAX_STOP_STRINGS = 128
+"""Most stop strings per request: each one is searched for in every new piece of text."""
+MAX_STOP_STRING_CHARS = 4096
+"""Longest stop string, in characters."""
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -161,8 +165,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             raise bad("no_repeat_ngram_size", f"must be in [0, {_INT_MAX}]")
         if self.forced_eos_token_id is not None and not 0 <= self.forced_eos_token_id <= _INT_MAX:
             raise bad("forced_eos_token_id", "must be a token id")
+        if self.stop is not None and len(self.stop) > MAX_STOP_STRINGS:
+            raise bad("stop", f"must hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
         if self.stop is not None and any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be a list of non-empty strings")
+        if self.stop is not None and any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            raise bad("stop", f"strings must be at most {MAX_STOP_STRING_CHARS} characters")
         for name in (
             "stop_token_ids",
             "suppress_tokens",

@@ -7,12 +7,14 @@ RequestOutput. Stop-string hits are returned for aborting in the core. Sample lo
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, overload
 
 from v1.core.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
 from v1.engine.detokenizer import IncrementalDetokenizer, make_detokenizer
+from v1.logger import init_logger
 from v1.outputs import (
     CompletionOutput,
     Logprob,
@@ -24,6 +26,8 @@ from v1.outputs import (
     SampleLogprobs,
 )
 from v1.sampling_params import SamplingParams
+
+logger = init_logger(__name__)
 
 AnyRequestOutput = RequestOutput | PoolingRequestOutput
 
@@ -264,55 +268,90 @@ class OutputProcessor:
             state = request_states.get(out.request_id)
             if state is None:
                 continue  # aborted, or finished by a stop string while the core ran on
-            if out.num_cached_tokens > state.num_cached_tokens:
-                state.num_cached_tokens = out.num_cached_tokens
-            if out.queue_time is not None:
-                state.queue_time = out.queue_time
-            if out.extras:
-                state.extras.update(out.extras)
-            detokenizer = state.detokenizer
-            if detokenizer is None:
-                results.append(self._pooling_output(state, out))
-                del request_states[out.request_id]
-                continue
-            finish_reason, stop_reason = out.finish_reason, out.stop_reason
-            num_before = len(detokenizer.token_ids)
-            stop_str = detokenizer.update(
-                out.new_token_ids, finish_reason is not None and finish_reason == FinishReason.STOP
-            )
-            lp_ids, lps, lp_ranks = (
-                out.new_logprob_token_ids,
-                out.new_logprobs,
-                out.new_logprob_ranks,
-            )
-            if stop_str is not None:
-                if finish_reason is None:
-                    reqs_to_abort.append(out.request_id)
-                finish_reason, stop_reason = FinishReason.STOP, stop_str
-                num_new = len(detokenizer.token_ids) - num_before
-                if lps is not None and num_new < len(lps):  # tokens past the stop: dropped
-                    lp_ids, lps, lp_ranks = lp_ids[:num_new], lps[:num_new], lp_ranks[:num_new]
-            if state.num_logprobs is not None and lps is not None:
-                assert lp_ids is not None and lp_ranks is not None
-                state.raw_ids.extend(lp_ids)
-                state.raw_lps.extend(lps)
-                state.raw_ranks.extend(lp_ranks)
-            if out.prompt_logprobs is not None:
-                state.prompt_logprobs = self._prompt_logprobs(out)
-            finished = finish_reason is not None
-            if (
-                not finished
-                and state.parent is None
-                and state.output_kind == RequestOutputKind.FINAL_ONLY
-            ):
-                continue  # the common decode step of a batch run: nothing to report yet
-            completion = self._completion(state, finish_reason, stop_reason, finished)
-            if finished:
-                del request_states[out.request_id]
-            result = self._request_output(state, completion, finished, out.error)
-            if result is not None:
-                results.append(result)
+            try:
+                self._process_output(state, out, results, reqs_to_abort)
+            except Exception:  # noqa: BLE001 - one request's failure ends that request alone
+                results.append(self._fail_request(state, reqs_to_abort))
         return results, reqs_to_abort
+
+    def _fail_request(self, state: RequestState, reqs_to_abort: list[str]) -> AnyRequestOutput:
+        """Ends the user request of `state` (every child of an n>1 request) with an error after
+        its output could not be processed; its core requests are aborted. The exception goes to
+        the log under an id the error names."""
+        error_id = uuid.uuid4().hex
+        user_id = state.user_request_id
+        logger.exception("processing the output of request %s failed (id: %s)", user_id, error_id)
+        for core_id in self.abort_requests([user_id]):
+            if core_id not in reqs_to_abort:
+                reqs_to_abort.append(core_id)
+        error = f"internal error (id: {error_id})"
+        if state.detokenizer is None:
+            return PoolingRequestOutput(
+                request_id=user_id,
+                outputs=None,
+                prompt_token_ids=state.prompt_token_ids,
+                finished=True,
+                error=error,
+                queue_time=state.queue_time,
+            )
+        return self._make_request_output(state, user_id, [], True, error)
+
+    def _process_output(
+        self,
+        state: RequestState,
+        out: EngineCoreOutput,
+        results: list[AnyRequestOutput],
+        reqs_to_abort: list[str],
+    ) -> None:
+        request_states = self.request_states
+        if out.num_cached_tokens > state.num_cached_tokens:
+            state.num_cached_tokens = out.num_cached_tokens
+        if out.queue_time is not None:
+            state.queue_time = out.queue_time
+        if out.extras:
+            state.extras.update(out.extras)
+        detokenizer = state.detokenizer
+        if detokenizer is None:
+            results.append(self._pooling_output(state, out))
+            del request_states[out.request_id]
+            return
+        finish_reason, stop_reason = out.finish_reason, out.stop_reason
+        num_before = len(detokenizer.token_ids)
+        stop_str = detokenizer.update(
+            out.new_token_ids, finish_reason is not None and finish_reason == FinishReason.STOP
+        )
+        lp_ids, lps, lp_ranks = (
+            out.new_logprob_token_ids,
+            out.new_logprobs,
+            out.new_logprob_ranks,
+        )
+        if stop_str is not None:
+            if finish_reason is None:
+                reqs_to_abort.append(out.request_id)
+            finish_reason, stop_reason = FinishReason.STOP, stop_str
+            num_new = len(detokenizer.token_ids) - num_before
+            if lps is not None and num_new < len(lps):  # tokens past the stop: dropped
+                lp_ids, lps, lp_ranks = lp_ids[:num_new], lps[:num_new], lp_ranks[:num_new]
+        if state.num_logprobs is not None and lps is not None:
+            assert lp_ids is not None and lp_ranks is not None
+            state.raw_ids.extend(lp_ids)
+            state.raw_lps.extend(lps)
+            state.raw_ranks.extend(lp_ranks)
+        if out.prompt_logprobs is not None:
+            state.prompt_logprobs = self._prompt_logprobs(out)
+        finished = finish_reason is not None
+        if (
+            not finished
+            and state.parent is None
+            and state.output_kind == RequestOutputKind.FINAL_ONLY
+        ):
+            return  # the common decode step of a batch run: nothing to report yet
+        completion = self._completion(state, finish_reason, stop_reason, finished)
+        if finished:
+            del request_states[out.request_id]
+        result = self._request_output(state, completion, finished, out.error)
+        if result is not None:
+            results.append(result)
 
     def _pooling_output(self, state: RequestState, out: EngineCoreOutput) -> PoolingRequestOutput:
         data = PoolingOutput(out.pooled_output) if out.pooled_output is not None else None

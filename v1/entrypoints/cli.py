@@ -404,6 +404,33 @@ def _add_server_limits(serve: argparse.ArgumentParser) -> None:
         help="open connections; more get 503 (default: %(default)s)",
     )
     group.add_argument(
+        "--max-connections-per-client",
+        type=int,
+        default=http.max_connections_per_client,
+        help="open connections from one client address; more get 429 (default: %(default)s)",
+    )
+    group.add_argument(
+        "--body-timeout",
+        type=float,
+        default=60.0,
+        help="seconds for a request's body to arrive after its headers; then 408 "
+        "(default: %(default)s)",
+    )
+    group.add_argument(
+        "--max-request-seconds",
+        type=float,
+        default=1800.0,
+        help="wall-clock budget of one inference request; past it its work is stopped and it "
+        "ends with a 408 error (0: no budget; default: %(default)s)",
+    )
+    group.add_argument(
+        "--health-timeout",
+        type=float,
+        default=10.0,
+        help="/health answers 503 when the engine core does not answer within this many "
+        "seconds (default: %(default)s)",
+    )
+    group.add_argument(
         "--shutdown-timeout",
         type=float,
         default=30.0,

@@ -2,13 +2,19 @@
 
 Routes /v1/models, /health, /metrics, /version and the endpoint families (serving_*.py) over one
 AsyncLLM; a pure-ASGI middleware checks the API key, bounds requests in flight (503), caps body
-sizes while they stream in and counts requests per endpoint and status.
+sizes and body-read time while they stream in (413 / 408), bounds the nesting depth of JSON
+bodies (400), ends a request past its wall-clock budget (--max-request-seconds: 408) and counts
+requests per endpoint and status. /health answers 503 when the engine died or its core does not
+answer a probe within --health-timeout (a frozen core).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import hmac
+import json
 import sys
 import time
 import uuid
@@ -22,17 +28,26 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from v1.engine.async_llm import request_group, request_observer
 from v1.entrypoints.openai.errors import (
+    RETRY_AFTER_S,
     APIError,
     ClientDisconnected,
     bad_request,
+    engine_dead_error,
+    error_body,
     error_response,
     install_error_handlers,
 )
 from v1.entrypoints.openai.form_fields import check_form_fields
-from v1.entrypoints.openai.http_limits import HttpLimits, limited_protocol
+from v1.entrypoints.openai.http_limits import (
+    HttpLimits,
+    check_json_depth,
+    limited_protocol,
+    timed_receive,
+)
 from v1.entrypoints.openai.lifecycle import DrainingServer, ServerLifecycle
 from v1.entrypoints.openai.metrics import RequestObserver, ServerMetrics
 from v1.entrypoints.openai.protocol import (
+    MAX_LENGTH_PENALTY,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -80,7 +95,7 @@ _PUBLIC_PATHS = frozenset({"/health"})
 _AUDIO_PATHS = frozenset({"/v1/audio/transcriptions", "/v1/audio/translations"})
 _FORM_OVERHEAD_BYTES = 1 << 20
 """Room for the multipart framing and text fields around the audio file."""
-_RETRY_AFTER_S = 1
+_RETRY_AFTER_S = RETRY_AFTER_S
 
 
 class ServerMiddleware:
@@ -103,6 +118,8 @@ class ServerMiddleware:
         self.max_pending = settings.max_pending
         self.json_limit = settings.max_request_bytes
         self.audio_limit = settings.max_audio_bytes + _FORM_OVERHEAD_BYTES
+        self.body_timeout = settings.body_timeout
+        self.max_request_seconds = settings.max_request_seconds
         self.metrics = metrics
         self.lifecycle = lifecycle
         self.in_flight = 0
@@ -127,7 +144,9 @@ class ServerMiddleware:
             if rejection is not None:
                 await error_response(rejection)(scope, receive, send_and_record)
                 return
-            receive = _size_limited(receive, limit)
+            receive = timed_receive(_size_limited(receive, limit), self.body_timeout)
+            if path not in _AUDIO_PATHS and _is_json(scope):
+                receive = check_json_depth(receive)
             if path not in INFERENCE_PATHS:
                 await self.app(scope, receive, send_and_record)
                 return
@@ -138,7 +157,7 @@ class ServerMiddleware:
             group = request_group.set(f"http-{uuid.uuid4().hex}")
             observer = request_observer.set(RequestObserver(self.metrics, endpoint))
             try:
-                await self.app(scope, receive, send_and_record)
+                await self._run_budgeted(scope, receive, send_and_record, status)
             except Exception:
                 status.setdefault("code", 500)
                 raise
@@ -154,6 +173,33 @@ class ServerMiddleware:
         finally:
             # No response started: the client went away first (nginx's 499).
             self.metrics.observe_request(endpoint, status.get("code", 499))
+
+    async def _run_budgeted(
+        self, scope: Scope, receive: Receive, send: Send, status: dict[str, int]
+    ) -> None:
+        """The app under --max-request-seconds: past it the handler is cancelled (its engine
+        requests are aborted, their KV freed) and the client gets a 408 error body, or an error
+        event ending a stream that already started."""
+        budget = self.max_request_seconds
+        if budget is None:
+            await self.app(scope, receive, send)
+            return
+        try:
+            await asyncio.wait_for(self.app(scope, receive, send), budget)
+        except TimeoutError:
+            error = APIError(
+                408,
+                f"the request ran past this server's limit of {budget:g} s per request "
+                "(--max-request-seconds); its work was stopped",
+                code="request_timeout",
+            )
+            if "code" not in status:
+                await error_response(error)(scope, receive, send)
+                return
+            event = json.dumps(error_body(error.message, error.error_type, None, error.code))
+            with contextlib.suppress(Exception):  # the client may be gone
+                await send({"type": "http.response.body", "body": f"data: {event}\n\n".encode()})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     def _observe_end(self, endpoint: str, code: int, arrival: float) -> None:
         """Latency of every inference request; a request that ended without its answer
@@ -230,6 +276,15 @@ def _size_limited(receive: Receive, limit: int) -> Receive:
     return receive_counted
 
 
+def _is_json(scope: Scope) -> bool:
+    if scope.get("method") != "POST":
+        return False
+    for name, value in scope.get("headers", []):
+        if name == b"content-type":
+            return not value.lower().startswith(b"multipart/")
+    return True  # FastAPI parses a body without a content type as JSON
+
+
 def _bearer_token(scope: Scope) -> bytes | None:
     for name, value in scope.get("headers", []):
         if name == b"authorization":
@@ -265,6 +320,9 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         "shutdown_timeout",
         "keep_alive_on_engine_death",
         "audio_chunk_seconds",
+        "body_timeout",
+        "max_request_seconds",
+        "health_timeout",
     ):
         value = getattr(args, name, None)
         if value is not None:
@@ -272,6 +330,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     lora_modules = getattr(args, "lora_modules", None)
     if lora_modules:
         kwargs["lora_modules"] = tuple(parse_lora_module(m) for m in lora_modules)
+    if kwargs.get("max_request_seconds") == 0:
+        kwargs["max_request_seconds"] = None
     return ServerSettings(
         served_model_names=tuple(names),
         model_path=args.model,
@@ -350,11 +410,21 @@ def _add_info_routes(
             for lora in loras
         ]
 
+    probe = CoreProbe(engine, settings.health_timeout)
+
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         if engine.errored:
+            return error_response(engine_dead_error(engine.dead_error))
+        if not await probe.responsive():
             return error_response(
-                APIError(503, f"the engine is not running: {engine.dead_error}", code="engine_dead")
+                APIError(
+                    503,
+                    f"the engine core did not answer within {settings.health_timeout:g} s "
+                    "(--health-timeout): it is stuck or overloaded",
+                    code="engine_unresponsive",
+                    headers={"Retry-After": str(_RETRY_AFTER_S)},
+                )
             )
         return Response(status_code=200)
 
@@ -418,6 +488,39 @@ def _add_lora_routes(app: FastAPI) -> None:
             raise bad_request("lora_name must be a non-empty string", param="lora_name")
         loras.unload(name)
         return Response(f"Success: LoRA adapter '{name}' removed successfully.", status_code=200)
+
+
+class CoreProbe:
+    """Whether the EngineCore still answers: one utility call at a time (a frozen core gets no
+    pile of them), answered between its steps; a core that has not answered the current probe
+    within `timeout` seconds is unresponsive. A success is reused for a second."""
+
+    _FRESH_S = 1.0
+
+    def __init__(self, engine: Any, timeout: float) -> None:
+        self.engine = engine
+        self.timeout = timeout
+        self._task: asyncio.Future[Any] | None = None
+        self._started = 0.0
+        self._ok_at = -float("inf")
+
+    async def responsive(self) -> bool:
+        now = time.monotonic()
+        if now - self._ok_at < self._FRESH_S:
+            return True
+        if self._task is None or self._task.done():
+            self._task = asyncio.ensure_future(self._ping())
+            self._started = now
+        left = self._started + self.timeout - now
+        if left > 0:
+            await asyncio.wait({self._task}, timeout=left)
+        if not self._task.done() or self._task.cancelled() or self._task.exception():
+            return False
+        self._ok_at = time.monotonic()
+        return True
+
+    async def _ping(self) -> None:
+        await self.engine.get_stats()
 
 
 def _add_inference_routes(
@@ -488,6 +591,7 @@ def _add_inference_routes(
         length_penalty: Annotated[float | None, Form()] = None,
     ) -> Response:
         _reject_unsupported_audio(include, chunking_strategy)
+        _check_length_penalty(length_penalty)
         req = AudioRequest(
             "transcribe",
             file,
@@ -517,6 +621,7 @@ def _add_inference_routes(
         patience: Annotated[float | None, Form()] = None,
         length_penalty: Annotated[float | None, Form()] = None,
     ) -> Response:
+        _check_length_penalty(length_penalty)
         req = AudioRequest(
             "translate",
             file,
@@ -533,8 +638,25 @@ def _add_inference_routes(
 
 
 def http_limits_from_args(args: argparse.Namespace) -> HttpLimits:
-    names = ("max_header_bytes", "max_headers", "header_timeout", "max_connections")
+    names = (
+        "max_header_bytes",
+        "max_headers",
+        "header_timeout",
+        "max_connections",
+        "max_connections_per_client",
+    )
     return HttpLimits(**{n: getattr(args, n) for n in names if getattr(args, n, None) is not None})
+
+
+def _check_length_penalty(length_penalty: float | None) -> None:
+    if length_penalty is not None and not abs(length_penalty) <= MAX_LENGTH_PENALTY:
+        raise APIError(
+            400,
+            f"length_penalty must be in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}], got "
+            f"{length_penalty!r}",
+            param="length_penalty",
+            code="invalid_value",
+        )
 
 
 def _reject_unsupported_audio(include: list[str] | None, chunking_strategy: str | None) -> None:

@@ -1,11 +1,16 @@
 """Errors of the OpenAI-compatible server: one body shape, `{"error": {message, type, param,
 code}}`, for every failure, and the exception handlers that produce it (validation 400 instead of
 FastAPI's 422, engine death 503, unexpected exceptions 500). Messages are bounded in length.
+
+A server error (5xx other than the server's own 503s) never shows exception text: its body says
+"internal error (id: ...)" and the text goes to the log under that id.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -50,11 +55,26 @@ class APIError(HTTPException):
         error_type: str | None = None,
         headers: Mapping[str, str] | None = None,
     ) -> None:
+        if status_code >= 500 and status_code != 503:
+            message = internal_error_message(message)
         super().__init__(status_code=status_code, detail=message, headers=dict(headers or {}))
         self.message = message
         self.param = param
         self.code = code
         self.error_type = error_type or _TYPES.get(status_code, "server_error")
+
+
+_ERROR_ID = re.compile(r"\(id: ([0-9a-f]{32})\)")
+
+
+def internal_error_message(detail: str) -> str:
+    """ "internal error (id: ...)"; `detail` (exception text) goes to the log under that id. A
+    detail that already names an id (an error logged where it happened) keeps it."""
+    found = _ERROR_ID.search(detail)
+    error_id = found.group(1) if found else uuid.uuid4().hex
+    if found is None:
+        logger.error("internal error (id: %s): %s", error_id, detail)
+    return f"internal error (id: {error_id})"
 
 
 class ClientDisconnected(Exception):
@@ -82,8 +102,21 @@ def error_response(error: APIError) -> JSONResponse:
     return JSONResponse(body, status_code=error.status_code, headers=error.headers)
 
 
-def engine_dead_error(e: BaseException) -> APIError:
-    return APIError(503, f"the engine is not running: {e}", code="engine_dead")
+RETRY_AFTER_S = 1
+"""Retry-After (seconds) of the 503s: overload, drain, engine death."""
+
+
+def engine_dead_error(e: BaseException | str) -> APIError:
+    """503 + Retry-After; the reason (exception text) goes to the log under the id the body
+    names."""
+    error_id = uuid.uuid4().hex
+    logger.error("engine not running (id: %s): %s", error_id, e)
+    return APIError(
+        503,
+        f"the engine is not running; retry on another instance (id: {error_id})",
+        code="engine_dead",
+        headers={"Retry-After": str(RETRY_AFTER_S)},
+    )
 
 
 def validation_message(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | None]:
@@ -142,6 +175,8 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: HTTPException) -> Response:
         if isinstance(exc, APIError):
             return error_response(exc)
+        if isinstance(exc.__cause__, APIError):  # raised while FastAPI read the body
+            return error_response(exc.__cause__)
         if isinstance(exc.__cause__, ClientDisconnect):  # left while sending the body
             return Response(status_code=499)
         if exc.status_code == 413:
@@ -158,9 +193,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        message = f"internal server error: {type(exc).__name__}: {exc}"
-        return error_response(APIError(500, message))
+        error_id = uuid.uuid4().hex
+        logger.exception(
+            "unhandled error on %s %s (id: %s)", request.method, request.url.path, error_id
+        )
+        return error_response(APIError(500, f"(id: {error_id})"))
 
 
 _FORM_PART_TOO_LARGE = ("Part exceeded maximum size", "Field exceeded maximum size")

@@ -152,6 +152,14 @@ class ServerMetrics:
 
         return make
 
+    def observe_transcription(self, result: Any) -> None:
+        """A finished transcription / translation (a TranscriptionResult): its audio seconds,
+        and its text tokens as generation tokens."""
+        self.audio_seconds.inc(result.duration)
+        num_tokens = sum(len(segment.tokens) for segment in result.segments)
+        if num_tokens:
+            self.generation_tokens.inc(num_tokens)
+
     def observe_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
         if status >= 400:

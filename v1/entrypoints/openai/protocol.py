@@ -13,7 +13,17 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StrictStr,
+    StringConstraints,
+    field_validator,
+)
+
+from v1.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 
 MAX_N = 128
 """Most completions per prompt (SamplingParams' limit)."""
@@ -24,6 +34,10 @@ INT32_MAX = 2**31 - 1
 FLOAT32_MAX = 3.4028234663852886e38
 """Largest float accepted (what the engine's float32 tensors hold)."""
 TokenId = Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]
+MAX_LENGTH_PENALTY = 10.0
+"""Beam search's length_penalty is in [-10, 10] (length ** penalty stays a finite, non-zero
+float for every length the engine holds)."""
+StopString = Annotated[StrictStr, StringConstraints(max_length=MAX_STOP_STRING_CHARS)]
 
 
 def random_id(prefix: str) -> str:
@@ -112,7 +126,7 @@ class SamplingFields(OpenAIModel):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
-    stop: StrictStr | list[StrictStr] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -147,6 +161,20 @@ class SamplingFields(OpenAIModel):
     priority: int = Field(0, ge=-INT32_MAX - 1, le=INT32_MAX)
     """Scheduling priority under --scheduling-policy priority (lower runs first)."""
 
+    @field_validator("response_format", mode="after")
+    @classmethod
+    def _no_false_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The JSON schema `false` matches no value: nothing could be generated (it is not
+        "any JSON", which is `true` or `{}`)."""
+        if value is not None and value.get("type") == "json_schema":
+            spec = value.get("json_schema")
+            if isinstance(spec, dict) and spec.get("schema") is False:
+                raise ValueError(
+                    "json_schema.schema is `false`, a schema no JSON value matches; use `true` "
+                    "or {} for any JSON"
+                )
+        return value
+
 
 class CompletionRequest(SamplingFields):
     prompt: PromptInput
@@ -157,7 +185,7 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     # vLLM extensions: beam search (best_of beams, default n; the n best are returned)
     use_beam_search: bool = False
-    length_penalty: float = Field(1.0, ge=-FLOAT32_MAX, le=FLOAT32_MAX)
+    length_penalty: float = Field(1.0, ge=-MAX_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY)
     early_stopping: bool | Literal["never"] = False
 
 

@@ -27,8 +27,9 @@ from v1.pooling_params import PoolingParamsError
 
 T = TypeVar("T")
 
-DEFAULT_MAX_TOKENS_PER_REQUEST = 1 << 18
-"""262,144 input tokens per request (e.g. 1,024 inputs of 256 tokens)."""
+DEFAULT_MAX_TOKENS_PER_REQUEST = 1 << 16
+"""65,536 input tokens per request (e.g. 256 inputs of 256 tokens): a request's work stays in
+the order of a minute on a CPU (262,144 embedding tokens took 258 s)."""
 MIN_PROMPT_CHARS = 200_000
 
 
@@ -64,7 +65,21 @@ class ServerSettings:
     """(name, PEFT adapter folder) pairs served from the start (`--lora-modules name=path`);
     a request's `model` naming one runs with that adapter."""
 
+    body_timeout: float = 60.0
+    """Seconds from a request's headers until its whole body has arrived; then 408."""
+    max_request_seconds: float | None = 1800.0
+    """Wall-clock budget of one inference request; past it the request is stopped (its engine
+    work aborted) with a 408 error. None: no budget."""
+    health_timeout: float = 10.0
+    """/health answers 503 when the engine core does not answer a probe within this many
+    seconds (a frozen or stuck core)."""
+
     def __post_init__(self) -> None:
+        for name in ("body_timeout", "health_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_request_seconds is not None and not self.max_request_seconds > 0:
+            raise ValueError(f"max_request_seconds must be > 0, got {self.max_request_seconds}")
         if not self.served_model_names or not all(self.served_model_names):
             raise ValueError("served model names must be non-empty strings")
         for name in (

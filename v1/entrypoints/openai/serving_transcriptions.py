@@ -36,6 +36,7 @@ from v1.engine.transcription import (
 )
 from v1.entrypoints.openai import transcript_formats as formats
 from v1.entrypoints.openai.errors import APIError, bad_request, engine_dead_error
+from v1.entrypoints.openai.http_limits import read_upload_bounded
 from v1.entrypoints.openai.metrics import ServerMetrics
 from v1.entrypoints.openai.protocol import TRANSCRIPTION_FORMATS, random_id
 from v1.entrypoints.openai.serving_engine import (
@@ -121,7 +122,7 @@ class ServingTranscriptions(ServingBase):
             raise APIError(500, f"transcription failed: {e}", code="engine_error") from e
         finally:
             await chunks.aclose()
-        self.metrics.audio_seconds.inc(result.duration)
+        self.metrics.observe_transcription(result)
         self.metrics.observe_finish(endpoint, "stop")
         return self._format(result, req)
 
@@ -209,23 +210,7 @@ class ServingTranscriptions(ServingBase):
             )
 
     async def _read_upload(self, upload: UploadFile) -> bytes:
-        limit = self.settings.max_audio_bytes
-        if upload.size is not None and upload.size > limit:
-            raise APIError(
-                413,
-                f"the audio file is {upload.size} bytes, more than the limit of {limit} bytes",
-                param="file",
-                code="payload_too_large",
-            )
-        data = await upload.read(limit + 1)
-        if len(data) > limit:
-            raise APIError(
-                413,
-                f"the audio file is larger than {limit} bytes",
-                param="file",
-                code="payload_too_large",
-            )
-        return data
+        return await read_upload_bounded(upload, self.settings.max_audio_bytes)
 
     async def _decode_chunks(self, data: bytes) -> AsyncIterator[np.ndarray]:
         """The 16 kHz waveform in --audio-chunk-seconds chunks, decoded on the audio threads while the
@@ -287,7 +272,7 @@ class ServingTranscriptions(ServingBase):
                     if isinstance(event, WindowText):
                         yield sse_event({"type": "transcript.text.delta", "delta": event.text})
             result = merged.result()
-            self.metrics.audio_seconds.inc(result.duration)
+            self.metrics.observe_transcription(result)
             kind = "translations" if planner.task == "translate" else "transcriptions"
             self.metrics.observe_finish(f"/v1/audio/{kind}", "stop")
             yield sse_event(
