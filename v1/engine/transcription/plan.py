@@ -234,6 +234,7 @@ class TranscriptionOptions:
             if self.prompt is not None:
                 raise ValueError("give prompt or initial_prompt, not both")
             object.__setattr__(self, "prompt", self.initial_prompt)
+            object.__setattr__(self, "initial_prompt", None)  # one name from here on
         for name in ("vad_filter", "multilingual", "without_timestamps", "suppress_blank"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
@@ -485,6 +486,30 @@ class TranscriptionPlanner:
         following.prompt_ids = []
         following.prefix = request_prefix
         return following
+
+    def for_chunks(self, language: str | None) -> TranscriptionPlanner:
+        """This planner for the chunks of a batched file (batch_size): each chunk is decoded
+        on its own with timestamps, in `language` (None: each chunk detects its own), with
+        the prompt and hotwords; no VAD or clip spans inside a chunk (the chunks come from
+        them)."""
+        chunked = copy.copy(self)
+        chunked.options = dataclasses.replace(
+            self.options,
+            vad_filter=False,
+            clip_timestamps=(),
+            batch_size=None,
+            timestamps=not self.options.without_timestamps,
+        )
+        if language is not None:
+            chunked.language = language
+        return chunked
+
+    def detect_plan(self, index: int, samples: np.ndarray) -> Plan:
+        """Language detection alone on the first 30 s of `samples`: returns (code, probability)
+        as the plan's result (a batched file detects once, before its chunks)."""
+        clip = AudioClip(samples[:WINDOW_SAMPLES])
+        detected = yield self._detect_request(index, clip, "batch")
+        return self._language_of(detected)  # type: ignore[return-value]
 
     # ---- the plan of one file ----
     def plan(self, index: int, samples: np.ndarray, progress: FileProgress | None = None) -> Plan:
