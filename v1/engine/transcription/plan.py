@@ -484,6 +484,7 @@ class TranscriptionPlanner:
         following = copy.copy(self)
         following.language = language
         following.prompt_ids = []
+        following.prefix_ids = []  # the prefix starts the file, not each chunk
         following.prefix = request_prefix
         return following
 
