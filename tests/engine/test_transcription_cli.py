@@ -91,3 +91,42 @@ def test_output_dir_gets_every_format_with_word_cues(
     assert data["language"] == "english" and data["language_probability"] == 1.0
     assert all(0 < w["probability"] <= 1 for w in data["words"])
     assert "universe" in capsys.readouterr().out
+
+
+@needs_assets(WHISPER_BASE, AUDIO)
+def test_batch_transcribe_rows_carry_segments_language_and_words() -> None:
+    from v1.batch.cli import job_from_args
+    from v1.batch.processor import BatchProcessor
+    from v1.__main__ import COMMANDS
+    from v1.entrypoints.cli import make_parser
+
+    args = make_parser(COMMANDS).parse_args(
+        [
+            "batch",
+            "--task",
+            "transcribe",
+            "--model",
+            str(WHISPER_BASE),
+            "--input",
+            "x",
+            "--output",
+            "y",
+            "--language",
+            "en",
+            "--word-timestamps",
+        ]
+    )
+    job = job_from_args(args, {})
+    processor = BatchProcessor(
+        "transcribe", str(WHISPER_BASE), {"device": "cpu"}, job.options, multiprocess=False
+    )
+    try:
+        rows = processor({"id": [7], "path": [str(SHORT)]})
+    finally:
+        processor.shutdown()
+    assert rows["language"] == ["en"] and rows["language_probability"] == [1.0]
+    (segments,) = rows["segments"]
+    assert segments and "universe" in segments[0]["text"]
+    (words,) = rows["words"]
+    assert "".join(w["word"] for w in words) == rows["text"][0]
+    assert all(0 < w["probability"] <= 1 for w in words)

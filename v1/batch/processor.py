@@ -45,12 +45,34 @@ class BatchProcessor:
                 use_tqdm=False,
                 **self.options,
             )
-            return {
+            columns: dict[str, list[Any]] = {
                 "id": ids,
                 "text": [r.text for r in results],
                 "language": [r.language for r in results],
                 "duration": [float(r.duration) for r in results],
             }
+            if self.options.get("timestamps") or self.options.get("word_timestamps"):
+                # Asked for (--timestamps / --word-timestamps): timed segments, the language's
+                # probability and, with word timestamps, every word.
+                columns["language_probability"] = [r.language_probability for r in results]
+                columns["segments"] = [
+                    [{"start": s.start, "end": s.end, "text": s.text} for s in r.segments]
+                    for r in results
+                ]
+            if self.options.get("word_timestamps"):
+                columns["words"] = [
+                    [
+                        {
+                            "word": w.word,
+                            "start": w.start,
+                            "end": w.end,
+                            "probability": w.probability,
+                        }
+                        for w in r.words or []
+                    ]
+                    for r in results
+                ]
+            return columns
         texts = [str(t) for t in batch["text"]]
         if self.task == "embed":
             outputs = self.llm.embed(texts, use_tqdm=False)
