@@ -95,9 +95,9 @@ def test_output_dir_gets_every_format_with_word_cues(
 
 @needs_assets(WHISPER_BASE, AUDIO)
 def test_batch_transcribe_rows_carry_segments_language_and_words() -> None:
+    from v1.__main__ import COMMANDS
     from v1.batch.cli import job_from_args
     from v1.batch.processor import BatchProcessor
-    from v1.__main__ import COMMANDS
     from v1.entrypoints.cli import make_parser
 
     args = make_parser(COMMANDS).parse_args(
