@@ -489,17 +489,18 @@ class TranscriptionPlanner:
         return following
 
     def for_chunks(self, language: str | None) -> TranscriptionPlanner:
-        """This planner for the chunks of a batched file (batch_size): each chunk is decoded
-        on its own with timestamps, in `language` (None: each chunk detects its own), with
-        the prompt and hotwords; no VAD or clip spans inside a chunk (the chunks come from
-        them)."""
+        """This planner for the chunks of a batched file (batch_size): each chunk (<= 30 s) is
+        decoded on its own, in `language` (None: each chunk detects its own), with the prompt
+        and hotwords; no VAD or clip spans inside a chunk (the chunks come from them). As
+        faster-whisper's batched pipeline, a chunk is one `<|notimestamps|>` segment unless
+        timestamps=True (timed segments inside it)."""
         chunked = copy.copy(self)
         chunked.options = dataclasses.replace(
             self.options,
             vad_filter=False,
             clip_timestamps=(),
             batch_size=None,
-            timestamps=not self.options.without_timestamps,
+            timestamps=self.options.timestamps and not self.options.without_timestamps,
         )
         if language is not None:
             chunked.language = language
