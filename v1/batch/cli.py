@@ -68,6 +68,16 @@ def add_batch_parser(sub: Any, add_engine_args: Any) -> None:
         help="generate: sampling temperature (default 0, greedy); transcribe: one temperature "
         "instead of the fallback schedule",
     )
+    p.add_argument(
+        "--timestamps",
+        action="store_true",
+        help="transcribe: rows carry timed segments and the language probability",
+    )
+    p.add_argument(
+        "--word-timestamps",
+        action="store_true",
+        help="transcribe: rows carry segments and every word with its times and probability",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_engine_args(p)
 
@@ -95,6 +105,10 @@ def job_from_args(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> Ba
             options["temperature"] = args.temperature
         if args.max_tokens is not None:
             options["max_tokens"] = args.max_tokens
+        if getattr(args, "timestamps", False):
+            options["timestamps"] = True
+        if getattr(args, "word_timestamps", False):
+            options["word_timestamps"] = True
     elif task == "generate":
         options["temperature"] = args.temperature if args.temperature is not None else 0.0
         if args.max_tokens is not None:

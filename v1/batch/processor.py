@@ -83,10 +83,7 @@ class BatchProcessor:
             return []
         if self.task == "transcribe":
             results = self.llm.transcribe(inputs, use_tqdm=False, **self.options)
-            return [
-                {"text": r.text, "language": r.language, "duration": float(r.duration)}
-                for r in results
-            ]
+            return [self._transcript_row(r) for r in results]
         if self.task == "embed":
             outputs = self.llm.embed(inputs, use_tqdm=False)
             return [{"embedding": list(o.outputs.embedding)} for o in outputs]
@@ -94,6 +91,24 @@ class BatchProcessor:
         return [
             {"text": o.outputs[0].text, "token_ids": list(o.outputs[0].token_ids)} for o in outputs
         ]
+
+    def _transcript_row(self, r: Any) -> dict[str, Any]:
+        """text, language and duration; with --timestamps / --word-timestamps also the timed
+        segments, the language's probability and (word timestamps) every word."""
+        row: dict[str, Any] = {
+            "text": r.text,
+            "language": r.language,
+            "duration": float(r.duration),
+        }
+        if self.options.get("timestamps") or self.options.get("word_timestamps"):
+            row["language_probability"] = r.language_probability
+            row["segments"] = [{"start": s.start, "end": s.end, "text": s.text} for s in r.segments]
+        if self.options.get("word_timestamps"):
+            row["words"] = [
+                {"word": w.word, "start": w.start, "end": w.end, "probability": w.probability}
+                for w in r.words or []
+            ]
+        return row
 
     def shutdown(self) -> None:
         self.llm.shutdown()

@@ -305,7 +305,108 @@ def _add_transcribe(sub: Any) -> None:
     for flag, default, text in _FALLBACK_FLAGS:
         p.add_argument(flag, type=float, default=default, metavar="X", help=text)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_faster_whisper_flags(p)
     add_engine_args(p, IGNORED_ENGINE_ARGS["transcribe"])
+
+
+OUTPUT_FORMATS = ("txt", "srt", "vtt", "tsv", "json")
+
+
+def _add_faster_whisper_flags(p: argparse.ArgumentParser) -> None:
+    """faster-whisper's decoding options and openai-whisper's output files."""
+    p.add_argument(
+        "--output-dir",
+        default=None,
+        help="write each file's transcript there as <name>.<format> (see --output-format)",
+    )
+    p.add_argument(
+        "--output-format",
+        default="all",
+        choices=["all", *OUTPUT_FORMATS],
+        help="files written into --output-dir (default: %(default)s); srt and vtt have one "
+        "cue per word with --word-timestamps",
+    )
+    p.add_argument("--beam-size", type=int, default=None, help="beam search width at T=0")
+    p.add_argument("--best-of", type=int, default=None, help="samples per window at T>0")
+    p.add_argument("--vad-filter", action="store_true", help="skip non-speech (Silero VAD)")
+    p.add_argument(
+        "--vad-parameters", default=None, metavar="JSON", help="e.g. '{\"threshold\": 0.4}'"
+    )
+    p.add_argument(
+        "--batch-size", type=int, default=None, help="decode VAD chunks this many at a time"
+    )
+    p.add_argument("--clip-timestamps", default=None, help='"start,end,..." seconds to decode')
+    p.add_argument("--hotwords", default=None, help="hint phrase for every window")
+    p.add_argument("--prefix", default=None, help="text forced at the start of the first window")
+    p.add_argument("--initial-prompt", default=None, help="faster-whisper's name for --prompt")
+    p.add_argument("--hallucination-silence-threshold", type=float, default=None, metavar="S")
+    p.add_argument("--multilingual", action="store_true", help="detect the language per window")
+    p.add_argument("--without-timestamps", action="store_true", help="no timestamp tokens")
+    p.add_argument("--max-initial-timestamp", type=float, default=1.0, metavar="S")
+    p.add_argument(
+        "--suppress-tokens", default="-1", help="comma-separated ids (-1: the default set)"
+    )
+    p.add_argument(
+        "--suppress-blank",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="no blank first token (default: on)",
+    )
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--no-repeat-ngram-size", type=int, default=0)
+
+
+def _faster_whisper_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The options of the flags above; ValueError (shown before the model loads) when bad."""
+    options: dict[str, Any] = {}
+    if args.beam_size is not None:
+        options["beam_size"] = args.beam_size
+    if args.best_of is not None:
+        options["best_of"] = args.best_of
+    if args.vad_filter:
+        options["vad_filter"] = True
+    if args.vad_parameters:
+        try:
+            options["vad_parameters"] = json.loads(args.vad_parameters)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--vad-parameters must be a JSON object: {e}") from e
+    try:
+        suppress = [int(t) for t in args.suppress_tokens.split(",") if t.strip()]
+    except ValueError as e:
+        raise ValueError("--suppress-tokens must be comma-separated token ids") from e
+    names = (
+        "batch_size",
+        "clip_timestamps",
+        "hotwords",
+        "prefix",
+        "initial_prompt",
+        "hallucination_silence_threshold",
+    )
+    options.update({n: getattr(args, n) for n in names if getattr(args, n) is not None})
+    options.update(
+        multilingual=args.multilingual,
+        without_timestamps=args.without_timestamps,
+        max_initial_timestamp=args.max_initial_timestamp,
+        suppress_tokens=suppress,
+        suppress_blank=args.suppress_blank,
+        repetition_penalty=args.repetition_penalty,
+        no_repeat_ngram_size=args.no_repeat_ngram_size,
+    )
+    return options
+
+
+def _check_transcribe_args(args: argparse.Namespace, options: dict[str, Any]) -> None:
+    """The checks that need no model (language, temperature, every option's type and range):
+    ValueError before anything loads."""
+    from v1.engine.inputs.whisper import normalize_language
+    from v1.engine.transcription import TranscriptionOptions
+
+    if args.language is not None and normalize_language(args.language) is None:
+        raise ValueError(f"--language: unknown language {args.language!r}")
+    for t in args.temperature or ():
+        if not 0.0 <= t <= 2.0:
+            raise ValueError(f"--temperature must be in [0, 2], got {t}")
+    TranscriptionOptions(**options)
 
 
 FORMATS = ("text", "srt", "vtt", "json", "verbose_json")
@@ -466,6 +567,15 @@ def _transcribe(args: argparse.Namespace) -> int:
     from v1.model_source import check_model_source
 
     failed: list[str] = []
+    try:
+        fw_options = _faster_whisper_options(args)
+        checked = dict(fw_options)
+        if args.temperature is not None:
+            checked["temperature"] = tuple(args.temperature)
+        _check_transcribe_args(args, checked)
+    except ValueError as e:
+        _error("transcribe", str(e))
+        return 2
     for path in args.files:
         if not os.path.isfile(path):
             problem = "no such file" if not os.path.exists(path) else "not a regular file"
@@ -492,7 +602,14 @@ def _transcribe(args: argparse.Namespace) -> int:
             "logprob_threshold": args.logprob_threshold,
             "no_speech_threshold": args.no_speech_threshold,
             "word_timestamps": args.word_timestamps,
+            **fw_options,
         }
+        if args.output_dir is not None:
+            options["timestamps"] = True  # srt, vtt, tsv and json files are timed
+        if args.without_timestamps:
+            options["timestamps"] = False
+        if args.initial_prompt is not None:
+            options.pop("prompt")
         if args.temperature is not None:
             options["temperature"] = tuple(args.temperature)
         with LLM(args.model, **engine_kwargs(args)) as llm:
@@ -500,6 +617,8 @@ def _transcribe(args: argparse.Namespace) -> int:
             results = llm.transcribe(audio, use_tqdm=not args.quiet, **options)
         for path, result in zip(waveforms, results, strict=True):
             _print_transcript(args, path, result, many=len(args.files) > 1)
+            if args.output_dir is not None:
+                _write_outputs(args, path, result)
     if failed:
         _error(
             "transcribe", f"{len(failed)} of {len(args.files)} file(s) failed: {', '.join(failed)}"
@@ -531,6 +650,36 @@ def _print_transcript(args: argparse.Namespace, path: str, result: Any, many: bo
     else:
         print(result.text.strip())
     sys.stdout.flush()
+
+
+def _write_outputs(args: argparse.Namespace, path: str, result: Any) -> None:
+    """<output-dir>/<file name without extension>.<format> for each format asked."""
+    from v1.entrypoints.openai import transcript_formats as formats
+
+    os.makedirs(args.output_dir, exist_ok=True)
+    stem = os.path.splitext(os.path.basename(path))[0]
+    cues = result.segments
+    if args.word_timestamps and result.words is not None:
+        cues = formats.word_cues(result.segments)
+    wanted = OUTPUT_FORMATS if args.output_format == "all" else (args.output_format,)
+    for fmt in wanted:
+        if fmt == "txt":
+            body = "".join(s.text.strip() + "\n" for s in result.segments)
+        elif fmt == "srt":
+            body = formats.to_srt(cues)
+        elif fmt == "vtt":
+            body = formats.to_vtt(cues)
+        elif fmt == "tsv":
+            body = formats.to_tsv(result.segments)
+        else:
+            verbose = formats.to_verbose_json(
+                result, args.task, with_segments=True, with_words=args.word_timestamps
+            )
+            data = verbose.model_dump(exclude_none=True)
+            data["language_probability"] = result.language_probability
+            body = json.dumps(data, ensure_ascii=False)
+        with open(os.path.join(args.output_dir, f"{stem}.{fmt}"), "w", encoding="utf-8") as f:
+            f.write(body)
 
 
 def _error(command: str, message: str) -> None:

@@ -326,8 +326,14 @@ class LLM:
         no_speech_threshold (0.6), word_timestamps (False: True times every word from the
         cross-attention alignment heads, in `result.words` and each segment's `words`),
         beam_size (beam search at temperature 0, as transformers' num_beams), best_of (samples
-        per window above temperature 0, the most likely kept), patience, length_penalty. A
-        progress bar (audio seconds, real-time factor) shows for
+        per window above temperature 0, the most likely kept), patience, length_penalty;
+        and faster-whisper's: vad_filter and vad_parameters (Silero VAD; times stay on the
+        recording's clock), batch_size (a file's VAD chunks decoded in parallel), clip_timestamps,
+        hotwords, prefix, initial_prompt, hallucination_silence_threshold, multilingual,
+        without_timestamps, max_initial_timestamp, suppress_tokens, suppress_blank,
+        repetition_penalty, no_repeat_ngram_size. An unknown option is a ValueError. Results
+        carry `language_probability`; words (word_timestamps, also with beam_size or best_of)
+        carry `probability`. A progress bar (audio seconds, real-time factor) shows for
         batches and long audio unless `use_tqdm=False`. `lora_request`: the LoRA adapter every
         window runs with."""
         if self.transcriber is None:

@@ -6,6 +6,8 @@ one step's encoder budget at a time (plus one, so a pipelined step always has wo
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import time
 import uuid
 from collections import deque
@@ -15,6 +17,7 @@ from typing import Any
 import msgspec
 
 from v1.audio import SAMPLE_RATE
+from v1.audio.vad import VadOptions, get_speech_timestamps
 from v1.engine.beam_search import (
     BeamSearch,
     advance_beam_searches,
@@ -29,6 +32,7 @@ from v1.engine.transcription.plan import (
     TranscriptionOptions,
     TranscriptionPlanner,
     TranscriptionResult,
+    TranscriptionSegment,
     WindowOutput,
 )
 from v1.engine.transcription.windows import (
@@ -37,6 +41,7 @@ from v1.engine.transcription.windows import (
     beam_window_output,
     window_beam_search,
 )
+from v1.engine.transcription.words import TranscriptionWord
 from v1.gc_policy import deferred_full_collections
 
 
@@ -121,6 +126,8 @@ class Transcriber:
             f"transcribe-{uuid.uuid4().hex}",
         )
         waveforms = load_audio_inputs(audio)
+        if planner.options.batch_size is not None:
+            return self._batched(planner, waveforms, use_tqdm)
         progress = [FileProgress(w.shape[0] / SAMPLE_RATE) for w in waveforms]
         plans = [
             planner.plan(i, w, p) for i, (w, p) in enumerate(zip(waveforms, progress, strict=True))
@@ -134,6 +141,133 @@ class Transcriber:
             return run.run(bar.refresh)
         finally:
             bar.close()
+
+    def _batched(
+        self, planner: TranscriptionPlanner, waveforms: list[Any], use_tqdm: bool
+    ) -> list[TranscriptionResult]:
+        """batch_size: every file cut into chunks of at most 30 s (VAD speech with vad_filter,
+        else plain 30 s pieces); the language detected once per file; then all chunks of all
+        files decoded as independent plans, batch_size at a time in the engine's steps, and
+        each file's chunk results merged on its clock."""
+        options = planner.options
+        batch_size = options.batch_size
+        assert batch_size is not None
+        chunks = [
+            speech_chunks(w, options.vad_parameters if options.vad_filter else None)
+            for w in waveforms
+        ]
+        languages: list[tuple[str | None, float | None]] = [
+            (planner.language, 1.0 if planner.language else None)
+        ] * len(waveforms)
+        detect = planner.tokens.multilingual and planner.language is None
+        if detect and not options.multilingual:
+            todo = [i for i, c in enumerate(chunks) if c]
+            plans = [
+                planner.detect_plan(i, waveforms[i][chunks[i][0][0] : chunks[i][0][1]])
+                for i in todo
+            ]
+            found = _SyncRun(self.engine, plans, batch_size, self.files_per_step, self.num_cores)
+            for i, lang in zip(todo, found.run(lambda: None), strict=True):
+                languages[i] = lang  # type: ignore[assignment]
+        plans, owners, progress = [], [], []
+        for i, (w, file_chunks) in enumerate(zip(waveforms, chunks, strict=True)):
+            chunk_planner = planner.for_chunks(languages[i][0])
+            for k, (start, end) in enumerate(file_chunks):
+                p = FileProgress((end - start) / SAMPLE_RATE)
+                chunk_planner_k = chunk_planner
+                if k:
+                    chunk_planner_k = copy.copy(chunk_planner)
+                    chunk_planner_k.prefix_ids = []  # the prefix starts the file only
+                plans.append(chunk_planner_k.plan(len(plans), w[start:end], p))
+                owners.append((i, start))
+                progress.append(p)
+        bar = ProgressBar(progress, show_progress(use_tqdm, progress))
+        try:
+            run = _SyncRun(self.engine, plans, batch_size, self.files_per_step, self.num_cores)
+            chunk_results = run.run(bar.refresh)
+        finally:
+            bar.close()
+        merged = []
+        for i, w in enumerate(waveforms):
+            parts = [
+                (start, r)
+                for (owner, start), r in zip(owners, chunk_results, strict=True)
+                if owner == i
+            ]
+            merged.append(
+                merge_chunk_results(
+                    parts,
+                    w.shape[0] / SAMPLE_RATE,
+                    languages[i],
+                    planner.language or "en",
+                    options.word_timestamps,
+                )
+            )
+        return merged
+
+
+def speech_chunks(
+    samples: Any, vad: VadOptions | None, max_seconds: float = WINDOW_SECONDS
+) -> list[tuple[int, int]]:
+    """(start, end) samples of the chunks of a batched file, each at most `max_seconds`: VAD
+    speech spans (split at `max_seconds`) joined while they fit one chunk, from the first
+    span's start to the last one's end (the silence between stays in); without VAD, plain
+    consecutive pieces."""
+    limit = int(max_seconds * SAMPLE_RATE)
+    n = samples.shape[0]
+    if vad is None:
+        return [(s, min(s + limit, n)) for s in range(0, n, limit)]
+    vad = dataclasses.replace(
+        vad, max_speech_duration_s=min(vad.max_speech_duration_s, max_seconds)
+    )
+    chunks: list[tuple[int, int]] = []
+    for start, end in get_speech_timestamps(samples, vad):
+        end = min(end, start + limit)
+        if chunks and end - chunks[-1][0] <= limit:
+            chunks[-1] = (chunks[-1][0], end)
+        else:
+            chunks.append((start, end))
+    return chunks
+
+
+def merge_chunk_results(
+    parts: list[tuple[int, TranscriptionResult]],
+    duration: float,
+    language: tuple[str | None, float | None],
+    default_language: str,
+    with_words: bool,
+) -> TranscriptionResult:
+    """The chunks of one file (start sample, result) as one result on the file's clock."""
+    segments: list[TranscriptionSegment] = []
+    words: list[TranscriptionWord] = []
+    texts: list[str] = []
+    last_end = 0.0
+    for start, result in sorted(parts, key=lambda p: p[0]):
+        offset = start / SAMPLE_RATE
+        for seg in result.segments:
+            seg.id = len(segments)
+            seg.start = round(max(seg.start + offset, last_end), 3)
+            seg.end = round(max(seg.end + offset, seg.start), 3)
+            seg.seek += round(offset * 100)
+            last_end = seg.end
+            for word in seg.words or []:
+                word.start = round(word.start + offset, 3)
+                word.end = round(word.end + offset, 3)
+                words.append(word)
+            segments.append(seg)
+        texts.append(result.text)
+    code, probability = language
+    if code is None and parts:
+        code = sorted(parts, key=lambda p: p[0])[0][1].language
+        probability = sorted(parts, key=lambda p: p[0])[0][1].language_probability
+    return TranscriptionResult(
+        text="".join(texts),
+        language=code or default_language,
+        duration=duration,
+        segments=segments,
+        words=words if with_words else None,
+        language_probability=probability,
+    )
 
 
 class _SyncRun:

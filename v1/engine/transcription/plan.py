@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from v1.audio import SAMPLE_RATE, AudioClip
+from v1.audio.vad import SpeechMap, VadOptions, collect_speech, get_speech_timestamps
 from v1.core.protocol import EngineCoreRequest, now
 from v1.engine.beam_search import BeamSearchParams
 from v1.engine.inputs.whisper import WhisperInputBuilder, WhisperInputError
@@ -33,10 +34,38 @@ from v1.engine.transcription.seek import (
     compression_ratio,
     seek_window,
 )
-from v1.engine.transcription.words import TranscriptionWord, WordClock
+from v1.engine.transcription.words import TranscriptionWord, WordClock, timed_words
 from v1.sampling_params import SamplingParams
 
 WINDOW_SAMPLES = WINDOW_FRAMES * SAMPLES_PER_FRAME
+
+
+def parse_clip_timestamps(value: str | Sequence[float] | None) -> tuple[float, ...]:
+    """faster-whisper's clip_timestamps ("0,10.5,20" or [0, 10.5, 20]) as checked numbers:
+    start, end pairs in increasing order (a last start alone runs to the end); () for none."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        text = value.strip()
+        if not text:
+            return ()
+        try:
+            numbers = [float(x) for x in text.split(",")]
+        except ValueError as e:
+            raise ValueError(f"clip_timestamps must be numbers separated by commas: {e}") from e
+    elif isinstance(value, Sequence):
+        numbers = []
+        for x in value:
+            if isinstance(x, bool) or not isinstance(x, (int, float)):
+                raise ValueError(f"clip_timestamps must be numbers, got {x!r}")
+            numbers.append(float(x))
+    else:
+        raise ValueError(f"clip_timestamps must be a string or a list, got {value!r}")
+    if any(not math.isfinite(x) or x < 0 for x in numbers):
+        raise ValueError(f"clip_timestamps must be finite seconds >= 0, got {numbers}")
+    if any(b <= a for a, b in zip(numbers, numbers[1:], strict=False)):
+        raise ValueError(f"clip_timestamps must increase, got {numbers}")
+    return tuple(numbers)
 
 
 class TranscriptionError(RuntimeError):
@@ -67,6 +96,8 @@ class TranscriptionSegment:
     """Start of the window, in 10 ms frames (openai-whisper's `seek`)."""
     words: list[TranscriptionWord] | None = None
     """The segment's words with their times (word_timestamps only)."""
+    language: str | None = None
+    """Language the segment was decoded in (detected per window with multilingual=True)."""
 
 
 @dataclass
@@ -79,6 +110,9 @@ class TranscriptionResult:
     segments: list[TranscriptionSegment] = field(default_factory=list)
     words: list[TranscriptionWord] | None = None
     """Every word with its times, in order (word_timestamps only)."""
+    language_probability: float | None = None
+    """Probability of the detected language token at <|startoftranscript|> (raw softmax over
+    the vocabulary); 1.0 when the language was given."""
 
 
 @dataclass(frozen=True)
@@ -158,8 +192,107 @@ class TranscriptionOptions:
     length_penalty: float | None = None
     """Beam search: scores are sum(logprobs) / length ** length_penalty (None: 1.0).
     best_of: openai-whisper's ranking, sum / length (None) or sum / ((5 + length) / 6) ** it."""
+    # ---- faster-whisper's options ----
+    initial_prompt: str | None = None
+    """faster-whisper's name for `prompt` (give one of them)."""
+    vad_filter: bool = False
+    """Drop the non-speech parts (Silero VAD, `v1.audio.vad`) before decoding; times stay on
+    the original recording's clock."""
+    vad_parameters: VadOptions | dict[str, Any] | None = None
+    """`VadOptions` or a dict of its fields (faster-whisper's defaults when None)."""
+    batch_size: int | None = None
+    """Decode the chunks of a file (VAD speech chunks of at most 30 s with vad_filter, plain
+    30 s chunks without) in parallel, this many at once, each chunk on its own (no previous
+    text across chunks): faster-whisper's BatchedInferencePipeline. None: sequential seek."""
+    clip_timestamps: str | Sequence[float] | None = None
+    """Only these spans are decoded: "start,end,start,end,..." seconds (a last start without
+    end runs to the end of the audio) or a list of numbers; times stay the recording's."""
+    hotwords: str | None = None
+    """Hint phrase put in every window's previous-text prompt (ignored when prefix is given)."""
+    prefix: str | None = None
+    """Text forced at the start of the first window (it is part of the output)."""
+    hallucination_silence_threshold: float | None = None
+    """With word_timestamps: skip silences longer than this (s) around segments whose words
+    look hallucinated (openai-whisper's / faster-whisper's rule)."""
+    multilingual: bool = False
+    """Detect the language of every window (segments carry theirs)."""
+    without_timestamps: bool = False
+    """Decode every window with <|notimestamps|>: one segment per 30 s window."""
+    max_initial_timestamp: float = 1.0
+    """The first timestamp of a window is at most this (s); at most the model's own limit."""
+    suppress_tokens: Sequence[int] | None = (-1,)
+    """Token ids never sampled; -1 stands for the model's default set (non-speech symbols)."""
+    suppress_blank: bool = True
+    """No blank (" ") or <|endoftext|> as a window's first sampled token."""
+    repetition_penalty: float = 1.0
+    """Penalty on the logits of tokens already generated (> 1 discourages repeats)."""
+    no_repeat_ngram_size: int = 0
+    """No n-gram of this size is generated twice (0: off)."""
 
     def __post_init__(self) -> None:
+        if self.initial_prompt is not None:
+            if self.prompt is not None:
+                raise ValueError("give prompt or initial_prompt, not both")
+            object.__setattr__(self, "prompt", self.initial_prompt)
+            object.__setattr__(self, "initial_prompt", None)  # one name from here on
+        for name in ("vad_filter", "multilingual", "without_timestamps", "suppress_blank"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        object.__setattr__(self, "vad_parameters", VadOptions.from_value(self.vad_parameters))
+        if self.batch_size is not None and (
+            isinstance(self.batch_size, bool)
+            or not isinstance(self.batch_size, int)
+            or self.batch_size < 1
+        ):
+            raise ValueError(f"batch_size must be an integer >= 1, got {self.batch_size!r}")
+        object.__setattr__(self, "clip_timestamps", parse_clip_timestamps(self.clip_timestamps))
+        if self.clip_timestamps and (self.vad_filter or self.batch_size is not None):
+            raise ValueError("clip_timestamps cannot be combined with vad_filter or batch_size")
+        for name in ("hotwords", "prefix"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"{name} must be a string, got {type(value).__name__}")
+        threshold = self.hallucination_silence_threshold
+        if threshold is not None:
+            if (
+                isinstance(threshold, bool)
+                or not isinstance(threshold, (int, float))
+                or not (math.isfinite(threshold) and threshold > 0)
+            ):
+                raise ValueError(
+                    f"hallucination_silence_threshold must be a number > 0, got {threshold!r}"
+                )
+            if not self.word_timestamps:
+                raise ValueError("hallucination_silence_threshold needs word_timestamps=True")
+        if self.without_timestamps and self.timestamps:
+            raise ValueError("timestamps and without_timestamps contradict each other")
+        mit = self.max_initial_timestamp
+        if (
+            isinstance(mit, bool)
+            or not isinstance(mit, (int, float))
+            or not (math.isfinite(mit) and mit >= 0)
+        ):
+            raise ValueError(f"max_initial_timestamp must be a number >= 0, got {mit!r}")
+        if self.suppress_tokens is not None:
+            if isinstance(self.suppress_tokens, (str, bytes)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= -1
+                for t in self.suppress_tokens
+            ):
+                raise ValueError(
+                    f"suppress_tokens must be a list of token ids (-1: the model's default "
+                    f"set), got {self.suppress_tokens!r}"
+                )
+            object.__setattr__(self, "suppress_tokens", tuple(self.suppress_tokens))
+        rp = self.repetition_penalty
+        if (
+            isinstance(rp, bool)
+            or not isinstance(rp, (int, float))
+            or not (math.isfinite(rp) and rp > 0)
+        ):
+            raise ValueError(f"repetition_penalty must be a number > 0, got {rp!r}")
+        ngram = self.no_repeat_ngram_size
+        if isinstance(ngram, bool) or not isinstance(ngram, int) or ngram < 0:
+            raise ValueError(f"no_repeat_ngram_size must be an integer >= 0, got {ngram!r}")
         for name in ("beam_size", "best_of"):
             value = getattr(self, name)
             if value is not None and (
@@ -178,11 +311,6 @@ class TranscriptionOptions:
                 raise ValueError(f"{name} must be a number, got {value!r}")
         if self.patience is not None and not 0 < self.patience <= 100:
             raise ValueError(f"patience must be in (0, 100], got {self.patience!r}")
-        if self.word_timestamps and (self.beam_size or (self.best_of or 1) > 1):
-            raise ValueError(
-                "word_timestamps cannot be combined with beam_size or best_of > 1 yet (the "
-                "alignment pass runs on a request's own tokens, not on a chosen beam or sample)"
-            )
 
     @classmethod
     def from_kwargs(cls, options: dict[str, Any]) -> TranscriptionOptions:
@@ -233,6 +361,8 @@ class _Attempt:
     """ACCEPT or SKIP."""
     token_times: list[float] | None = None
     """WindowOutput.token_times of this decoding."""
+    text_probs: list[float] | None = None
+    """Probability of each text token of `content` (timestamps left out), in order."""
 
 
 @dataclass(frozen=True)
@@ -242,6 +372,7 @@ class _DecodedWindow:
     segments: list[tuple[float, float, list[int]]]
     """(start s, end s, text token ids) of each segment."""
     attempt: _Attempt
+    language: str | None = None
 
 
 class TranscriptionPlanner:
@@ -277,7 +408,56 @@ class TranscriptionPlanner:
         if options.word_timestamps:
             builder.check_alignment_heads()
             self.params = self.params.clone(word_timestamps=True)
+        self.params = self._option_rules(self.params)
         self.fallback = options.fallback(self.params)
+        keep = builder.max_prompt_text_tokens
+        self.prefix_ids = builder.text_prompt_ids(options.prefix)[:keep] if options.prefix else []
+        self.hotword_ids = (
+            builder.text_prompt_ids(options.hotwords)[:keep]
+            if options.hotwords and not options.prefix
+            else []
+        )
+
+    def _option_rules(self, params: SamplingParams) -> SamplingParams:
+        """faster-whisper's suppress_tokens, suppress_blank, max_initial_timestamp,
+        repetition_penalty and no_repeat_ngram_size as the window requests' sampling rules."""
+        options, tokens, builder = self.options, self.tokens, self.builder
+        changes: dict[str, Any] = {}
+        vocab = self.builder.model_config.vocab_size
+        if options.suppress_tokens != (-1,):
+            ids = set()
+            for t in options.suppress_tokens or ():
+                if t == -1:
+                    ids.update(builder.suppress_tokens)
+                elif t >= vocab:
+                    raise ValueError(f"suppress_tokens: {t} is outside the vocabulary ({vocab})")
+                else:
+                    ids.add(t)
+            # As faster-whisper: the task and special prompt tokens are never sampled.
+            ids.update(tokens.task_ids.values())
+            ids.update(t for t in (tokens.sot, tokens.prev, tokens.no_speech) if t < vocab)
+            changes["suppress_tokens"] = sorted(ids)
+        begin: list[int] | None = None
+        if not options.suppress_blank:
+            begin = []
+        index = round(options.max_initial_timestamp / 0.02)
+        limit = tokens.max_initial_timestamp_index
+        if limit is not None and index > limit:
+            raise ValueError(
+                f"max_initial_timestamp must be at most the model's {limit * 0.02:.2f} s, "
+                f"got {options.max_initial_timestamp}"
+            )
+        if limit is None or index < limit:
+            if begin is None:
+                begin = list(builder.begin_suppress_tokens)
+            begin += range(tokens.timestamp_begin + index + 1, vocab)
+        if begin is not None:
+            changes["begin_suppress_tokens"] = begin
+        if options.repetition_penalty != 1.0:
+            changes["repetition_penalty"] = float(options.repetition_penalty)
+        if options.no_repeat_ngram_size:
+            changes["no_repeat_ngram_size"] = options.no_repeat_ngram_size
+        return params.clone(**changes) if changes else params
 
     def _window_params(self, params: SamplingParams | None, stream_text: bool) -> SamplingParams:
         if params is None:
@@ -304,8 +484,34 @@ class TranscriptionPlanner:
         following = copy.copy(self)
         following.language = language
         following.prompt_ids = []
+        following.prefix_ids = []  # the prefix starts the file, not each chunk
         following.prefix = request_prefix
         return following
+
+    def for_chunks(self, language: str | None) -> TranscriptionPlanner:
+        """This planner for the chunks of a batched file (batch_size): each chunk (<= 30 s) is
+        decoded on its own, in `language` (None: each chunk detects its own), with the prompt
+        and hotwords; no VAD or clip spans inside a chunk (the chunks come from them). As
+        faster-whisper's batched pipeline, a chunk is one `<|notimestamps|>` segment unless
+        timestamps=True (timed segments inside it)."""
+        chunked = copy.copy(self)
+        chunked.options = dataclasses.replace(
+            self.options,
+            vad_filter=False,
+            clip_timestamps=(),
+            batch_size=None,
+            timestamps=self.options.timestamps and not self.options.without_timestamps,
+        )
+        if language is not None:
+            chunked.language = language
+        return chunked
+
+    def detect_plan(self, index: int, samples: np.ndarray) -> Plan:
+        """Language detection alone on the first 30 s of `samples`: returns (code, probability)
+        as the plan's result (a batched file detects once, before its chunks)."""
+        clip = AudioClip(samples[:WINDOW_SAMPLES])
+        detected = yield self._detect_request(index, clip, "batch")
+        return self._language_of(detected)  # type: ignore[return-value]
 
     # ---- the plan of one file ----
     def plan(self, index: int, samples: np.ndarray, progress: FileProgress | None = None) -> Plan:
@@ -314,26 +520,73 @@ class TranscriptionPlanner:
         is one `<|notimestamps|>` request (transformers' short-form); anything else seeks on
         timestamps (openai-whisper's long-form)."""
         progress = progress or FileProgress(samples.shape[0] / SAMPLE_RATE)
-        short_form = not self.options.timestamps and samples.shape[0] <= WINDOW_SAMPLES
+        options = self.options
+        original_duration = samples.shape[0] / SAMPLE_RATE
+        speech_map = None
+        if options.vad_filter:
+            spans = get_speech_timestamps(samples, options.vad_parameters)
+            samples = collect_speech(samples, spans)
+            speech_map = SpeechMap(spans)
+            if samples.shape[0] == 0:
+                progress.done = progress.duration
+                return TranscriptionResult(
+                    text="",
+                    language=self.language or "en",
+                    duration=original_duration,
+                    segments=[],
+                    words=[] if options.word_timestamps else None,
+                    language_probability=1.0 if self.language else None,
+                )
+        short_form = (
+            not options.timestamps
+            and samples.shape[0] <= WINDOW_SAMPLES
+            and not options.clip_timestamps
+            and not options.vad_filter  # speech spans joined: segments find the gaps
+        )
         num_frames = samples.shape[0] // SAMPLES_PER_FRAME
         first = AudioClip(
             samples if short_form else samples[: min(num_frames, WINDOW_FRAMES) * SAMPLES_PER_FRAME]
         )
-        language = self.language
-        if language is None and self.tokens.multilingual:
+        language, probability = self.language, 1.0
+        detect = self.tokens.multilingual and (language is None or options.multilingual)
+        if detect and not options.clip_timestamps:
             detected = yield self._detect_request(index, first)
-            language = self._language_of(detected)
+            language, probability = self._language_of(detected)
         language = language or "en"
         if short_form:
-            attempt = yield from self._decode(index, "0", first, language, self.prompt_ids, False)
+            attempt = yield from self._decode(
+                index, "0", first, language, self.prompt_ids, False, self.prefix_ids
+            )
             text_ids = [t for t in attempt.content if t < self.tokens.eos]
             duration = samples.shape[0] / SAMPLE_RATE
             spans = [] if attempt.verdict is Verdict.SKIP else [(0.0, duration, text_ids)]
-            windows = [_DecodedWindow(0, spans, attempt)]
+            windows = [_DecodedWindow(0, spans, attempt, language)]
         else:
-            windows = yield from self._seek_windows(index, samples, first, language, progress)
+            windows, language, probability = yield from self._seek_windows(
+                index, samples, first, language, probability, progress, detect
+            )
         progress.done = progress.duration
-        return self._assemble(samples, windows, language)
+        result = self._assemble(samples, windows, language)
+        result.language_probability = probability if detect else 1.0
+        if speech_map is not None:
+            _restore_times(result, speech_map)
+            result.duration = original_duration
+        return result
+
+    def _seek_clips(self, num_frames: int) -> list[tuple[int, int]]:
+        """(start, end) frames to decode: the whole audio, or clip_timestamps' spans."""
+        stamps = self.options.clip_timestamps
+        if not stamps:
+            return [(0, num_frames)]
+        points = [round(t * FRAMES_PER_SECOND) for t in stamps]
+        if len(points) % 2:
+            points.append(num_frames)
+        clips = []
+        for start, end in zip(points[::2], points[1::2], strict=True):
+            start, end = min(start, num_frames), min(end, num_frames)
+            if end > start:
+                clips.append((start, end))
+        return clips
 
     def _seek_windows(
         self,
@@ -341,29 +594,53 @@ class TranscriptionPlanner:
         samples: np.ndarray,
         first: AudioClip,
         language: str,
+        probability: float,
         progress: FileProgress,
-    ) -> Generator[WindowRequest, WindowOutput, list[_DecodedWindow]]:
+        detect: bool,
+    ) -> Generator[WindowRequest, WindowOutput, tuple[list[_DecodedWindow], str, float]]:
         """Windows from `seek` (frames): each starts where the previous one's last complete
-        segment ended, or at its end when it ended on a complete segment or was silence."""
+        segment ended, or at its end when it ended on a complete segment or was silence.
+        Returns the windows and the (first detected) language with its probability."""
         num_frames = samples.shape[0] // SAMPLES_PER_FRAME
+        first_frames = min(num_frames, WINDOW_FRAMES)
         history = list(self.prompt_ids)
         windows: list[_DecodedWindow] = []
+        timestamps = not self.options.without_timestamps
         seek = 0
-        while seek < num_frames:
-            size = min(num_frames - seek, WINDOW_FRAMES)
-            audio = (
-                first
-                if seek == 0
-                else AudioClip(
-                    samples[seek * SAMPLES_PER_FRAME : (seek + size) * SAMPLES_PER_FRAME]
+        file_language: str | None = None
+        for clip_start, clip_end in self._seek_clips(num_frames):
+            seek = max(seek, clip_start)
+            while seek < clip_end:
+                size = min(clip_end - seek, WINDOW_FRAMES)
+                audio = (
+                    first
+                    if seek == 0 and size == first_frames
+                    else AudioClip(
+                        samples[seek * SAMPLES_PER_FRAME : (seek + size) * SAMPLES_PER_FRAME]
+                    )
                 )
-            )
-            label = str(len(windows))
-            attempt = yield from self._decode(index, label, audio, language, history, True)
-            if attempt.verdict is Verdict.SKIP:
-                windows.append(_DecodedWindow(seek, [], attempt))
-                seek += size
-            else:
+                label = str(len(windows))
+                if (
+                    detect
+                    and (windows or self.options.clip_timestamps)
+                    and (self.options.multilingual or file_language is None)
+                ):
+                    detected = yield self._detect_request(index, audio, label)
+                    language, window_probability = self._language_of(detected)
+                    if file_language is None:
+                        probability = window_probability
+                file_language = file_language or language
+                prefix = self.prefix_ids if not windows else []
+                # The sampler's timestamp rules start at the first sampled token, which a
+                # prefix pushes past <|0.00|>: a prefixed window is decoded without them.
+                attempt = yield from self._decode(
+                    index, label, audio, language, history, timestamps and not prefix, prefix
+                )
+                if attempt.verdict is Verdict.SKIP:
+                    windows.append(_DecodedWindow(seek, [], attempt, language))
+                    seek += size
+                    progress.done = min(seek, num_frames) * SAMPLES_PER_FRAME / SAMPLE_RATE
+                    continue
                 segments, next_seek = seek_window(
                     attempt.content,
                     seek=seek,
@@ -374,7 +651,11 @@ class TranscriptionPlanner:
                     (s.start, s.end, [t for t in s.token_ids if t < self.tokens.eos])
                     for s in segments
                 ]
-                windows.append(_DecodedWindow(seek, spans, attempt))
+                if self.options.hallucination_silence_threshold is not None:
+                    spans, next_seek = self._skip_hallucinations(
+                        spans, attempt, seek, size, next_seek, language, windows, num_frames
+                    )
+                windows.append(_DecodedWindow(seek, spans, attempt, language))
                 seek = next_seek
                 conditioned = attempt.temperature <= MAX_CONDITIONING_TEMPERATURE
                 if self.options.condition_on_previous_text and conditioned:
@@ -382,8 +663,8 @@ class TranscriptionPlanner:
                     del history[: -self.builder.max_prompt_text_tokens]  # all a prompt keeps
                 else:
                     history = []
-            progress.done = min(seek, num_frames) * SAMPLES_PER_FRAME / SAMPLE_RATE
-        return windows
+                progress.done = min(seek, num_frames) * SAMPLES_PER_FRAME / SAMPLE_RATE
+        return windows, file_language or language, probability
 
     def _decode(
         self,
@@ -393,10 +674,41 @@ class TranscriptionPlanner:
         language: str,
         previous: list[int],
         timestamps: bool,
+        prefix: list[int] | None = None,
     ) -> Generator[WindowRequest, WindowOutput, _Attempt]:
-        """One window at each fallback temperature until the verdict is not RETRY."""
+        """One window at each fallback temperature until the verdict is not RETRY; then, for
+        word timestamps of a beam or a best-of sample, the alignment pass of the kept tokens."""
+        attempt = yield from self._decode_fallback(
+            index, label, audio, language, previous, timestamps, prefix or []
+        )
+        text = [t for t in attempt.content if t < self.tokens.eos]
+        if self.options.word_timestamps and attempt.token_times is None and text:
+            ids = [*self._decoder_prompt(language, False, []), *text]
+            params = SamplingParams(
+                temperature=0.0,
+                max_tokens=1,
+                allowed_token_ids=[self.tokens.eos],
+                suppress_tokens=[],
+                begin_suppress_tokens=[],
+                word_timestamps=True,
+                detokenize=False,
+            )
+            out = yield self._window(f"{self.prefix}-{index}-{label}-align", ids, audio, params)
+            attempt = dataclasses.replace(attempt, token_times=out.token_times)
+        return attempt
+
+    def _decode_fallback(
+        self,
+        index: int,
+        label: str,
+        audio: AudioClip,
+        language: str,
+        previous: list[int],
+        timestamps: bool,
+        prefix: list[int],
+    ) -> Generator[WindowRequest, WindowOutput, _Attempt]:
         fallback = self.fallback
-        ids = self._decoder_prompt(language, timestamps, previous)
+        ids = self._decoder_prompt(language, timestamps, previous, prefix)
         options = self.options
         for k, temperature in enumerate(fallback.temperatures):
             params = self.params.clone(temperature=temperature, whisper_timestamps=timestamps)
@@ -419,15 +731,22 @@ class TranscriptionPlanner:
             elif temperature > 0.0 and options.best_of is not None and options.best_of > 1:
                 params = params.clone(n=options.best_of)
             out = yield self._window(request_id, ids, audio, params, beam)
-            attempt = self._judge(out, temperature)
+            attempt = self._judge(out, temperature, prefix, timestamps)
             if attempt.verdict is not Verdict.RETRY or fallback.is_last(k):
                 if attempt.verdict is Verdict.RETRY:
                     attempt = dataclasses.replace(attempt, verdict=Verdict.ACCEPT)
                 return attempt
         raise AssertionError("a fallback has at least one temperature")
 
-    def _judge(self, out: WindowOutput, temperature: float) -> _Attempt:
-        content = _until_eos(out.token_ids, self.tokens.eos)
+    def _judge(
+        self,
+        out: WindowOutput,
+        temperature: float,
+        prefix: list[int] | None = None,
+        timestamps: bool = False,
+    ) -> _Attempt:
+        eos = self.tokens.eos
+        content = _until_eos(out.token_ids, eos)
         decoded = out.token_ids[: len(content) + 1]  # EOS counts, when there is one
         logprobs = out.logprobs[: len(decoded)] if out.logprobs else None
         quality = DecodeQuality(
@@ -436,38 +755,140 @@ class TranscriptionPlanner:
             out.no_speech_prob,
         )
         verdict = self.fallback.verdict(quality)
-        return _Attempt(content, quality, temperature, verdict, out.token_times)
+        if logprobs and len(logprobs) >= len(content):
+            probs = [math.exp(lp) for t, lp in zip(content, logprobs, strict=False) if t < eos]
+        else:
+            probs = [float("nan")] * sum(t < eos for t in content)
+        if prefix:
+            # The prefix is part of the prompt, forced: the window's text starts with it.
+            forced = ([self.tokens.timestamp_begin] if timestamps else []) + list(prefix)
+            content = forced + content
+            probs = [1.0] * len(prefix) + probs
+        return _Attempt(content, quality, temperature, verdict, out.token_times, probs)
 
-    def _detect_request(self, index: int, audio: AudioClip) -> WindowRequest:
-        """One decoder step over the language tokens; it shares the first window's encoder
-        output (same samples, same content hash) with the transcription request after it."""
+    def _detect_request(self, index: int, audio: AudioClip, label: str = "") -> WindowRequest:
+        """One decoder step over the language tokens; it shares the window's encoder output
+        (same samples, same content hash) with the transcription request after it."""
         params = SamplingParams(
             temperature=0.0,
             max_tokens=1,
+            logprobs=0,
             allowed_token_ids=sorted(self.tokens.language_ids.values()),
         )
-        return self._window(f"{self.prefix}-{index}-language", [self.tokens.sot], audio, params)
+        suffix = f"-{label}" if label else ""
+        return self._window(
+            f"{self.prefix}-{index}-language{suffix}", [self.tokens.sot], audio, params
+        )
 
-    def _language_of(self, output: WindowOutput) -> str:
+    def _language_of(self, output: WindowOutput) -> tuple[str, float]:
+        """(ISO code, probability) of a detection request's token."""
         token_id = output.token_ids[0] if output.token_ids else None
         code = self.tokens.language_of_id.get(token_id) if token_id is not None else None
         if code is None:
             raise TranscriptionError(f"language detection returned token {token_id}, no language")
-        return code
+        probability = math.exp(output.logprobs[0]) if output.logprobs else float("nan")
+        return code, round(probability, 6)
+
+    def _skip_hallucinations(
+        self,
+        spans: list[tuple[float, float, list[int]]],
+        attempt: _Attempt,
+        seek: int,
+        size: int,
+        next_seek: int,
+        language: str,
+        windows: list[_DecodedWindow],
+        num_frames: int,
+    ) -> tuple[list[tuple[float, float, list[int]]], int]:
+        """hallucination_silence_threshold (openai-whisper's rule, as faster-whisper applies
+        it): a window whose first worded segment looks hallucinated after a long silence is
+        decoded again from after that silence; a hallucination-like segment with silence on
+        both sides ends the window there (it and what follows are dropped)."""
+        threshold = self.options.hallucination_silence_threshold
+        times = attempt.token_times
+        assert threshold is not None
+        if not times:
+            return spans, next_seek
+        offset = seek / FRAMES_PER_SECOND
+        eos = self.tokens.eos
+        decode = self.builder.tokenizer.decode
+        probs = attempt.text_probs
+        seg_words: list[list[TranscriptionWord]] = []
+        cursor = 0
+        for _, _, text_ids in spans:
+            n = len(text_ids)
+            if n and cursor + n < len(times):
+                seg_words.append(
+                    timed_words(
+                        text_ids,
+                        times[cursor : cursor + n + 1],
+                        offset,
+                        decode,
+                        language,
+                        eos,
+                        probs[cursor : cursor + n] if probs else None,
+                    )
+                )
+            else:
+                seg_words.append([])
+            cursor += n
+        last_speech = next((w.segments[-1][1] for w in reversed(windows) if w.segments), 0.0)
+        window_end = (seek + WINDOW_FRAMES) / FRAMES_PER_SECOND
+        first = next((words for words in seg_words if words), None)
+        if first is not None and _is_anomaly(first):
+            gap = first[0].start - offset
+            if gap > threshold:
+                return [], seek + round(gap * FRAMES_PER_SECOND)
+        last_end = last_speech
+        for si, words in enumerate(seg_words):
+            if not words:
+                continue
+            if _is_anomaly(words):
+                following = next((w for w in seg_words[si + 1 :] if w), None)
+                next_start = following[0].start if following else offset + size / FRAMES_PER_SECOND
+                start, end = words[0].start, words[-1].end
+                silence_before = (
+                    start - last_end > threshold or start < threshold or start - offset < 2.0
+                )
+                silence_after = (
+                    next_start - end > threshold
+                    or (following is not None and _is_anomaly(following))
+                    or window_end - end < 2.0
+                )
+                if silence_before and silence_after:
+                    new_seek = round(max(offset + 1, start) * FRAMES_PER_SECOND)
+                    if num_frames / FRAMES_PER_SECOND - end < threshold:
+                        new_seek = num_frames
+                    return spans[:si], max(new_seek, seek + 1)
+            last_end = words[-1].end
+        return spans, next_seek
 
     # ---- engine requests ----
-    def _decoder_prompt(self, language: str, timestamps: bool, previous: list[int]) -> list[int]:
-        """`<|startofprev|> previous` `<|startoftranscript|><|lang|><|task|>[<|notimestamps|>]`
-        (`WhisperInputBuilder.decoder_prompt`'s layout) from the checked language and task."""
+    def _decoder_prompt(
+        self,
+        language: str,
+        timestamps: bool,
+        previous: list[int],
+        prefix: list[int] | None = None,
+    ) -> list[int]:
+        """`<|startofprev|> hotwords previous` `<|startoftranscript|><|lang|><|task|>`
+        `[<|notimestamps|>]` then, at the first window, `[<|0.00|>] prefix` (faster-whisper's
+        `get_prompt`), from the checked language and task."""
         tokens = self.tokens
         ids: list[int] = []
-        if previous:
-            ids = [tokens.prev, *previous[-self.builder.max_prompt_text_tokens :]]
+        hotwords = self.hotword_ids
+        if previous or hotwords:
+            keep = max(0, self.builder.max_prompt_text_tokens - len(hotwords))
+            ids = [tokens.prev, *hotwords, *(previous[-keep:] if keep else [])]
         ids.append(tokens.sot)
         if tokens.multilingual:
             ids += [tokens.language_ids[language], tokens.task_ids[self.task]]
         if not timestamps:
             ids.append(tokens.no_timestamps)
+        if prefix:
+            if timestamps:
+                ids.append(tokens.timestamp_begin)
+            ids += prefix
         return ids
 
     def _window(
@@ -536,7 +957,10 @@ class TranscriptionPlanner:
                         f"the window at {window.seek / FRAMES_PER_SECOND:.2f} s came back "
                         "without word timings"
                     )
-                clock.start_window(times or [], window.seek / FRAMES_PER_SECOND)
+                clock.language = window.language or language
+                clock.start_window(
+                    times or [], window.seek / FRAMES_PER_SECOND, window.attempt.text_probs
+                )
             for start, end, text_ids in window.segments:
                 words = clock.segment_words(text_ids) if clock is not None else None
                 if not text_ids:
@@ -557,6 +981,7 @@ class TranscriptionPlanner:
                         temperature=window.attempt.temperature,
                         seek=window.seek,
                         words=words,
+                        language=window.language or language,
                     )
                 )
                 last_end = end
@@ -571,6 +996,34 @@ class TranscriptionPlanner:
         )
 
 
+def _is_anomaly(words: list[TranscriptionWord]) -> bool:
+    """openai-whisper's hallucination score of a segment's first 8 words (very short, very
+    long or improbable words)."""
+    import string
+
+    scored = [w for w in words if w.word.strip() not in string.punctuation][:8]
+    score = 0.0
+    for w in scored:
+        if (w.probability if w.probability is not None else 1.0) < 0.15:
+            score += 1.0
+        duration = w.end - w.start
+        if duration < 0.133:
+            score += (0.133 - duration) * 15
+        if duration > 2.0:
+            score += duration - 2.0
+    return score >= 3 or score + 0.01 >= len(scored)
+
+
 def _until_eos(token_ids: Sequence[int], eos: int) -> list[int]:
     ids = list(token_ids)
     return ids[: ids.index(eos)] if eos in ids else ids
+
+
+def _restore_times(result: TranscriptionResult, speech_map: SpeechMap) -> None:
+    """Times on the speech-only audio (vad_filter) -> the recording's clock, in place."""
+    for seg in result.segments:
+        seg.start = speech_map.original_time(seg.start)
+        seg.end = max(seg.start, speech_map.original_time(seg.end, is_end=True))
+        for word in seg.words or []:
+            word.start = speech_map.original_time(word.start)
+            word.end = max(word.start, speech_map.original_time(word.end, is_end=True))

@@ -25,6 +25,9 @@ class TranscriptionWord:
     start: float
     """Seconds from the start of the audio."""
     end: float
+    probability: float | None = None
+    """Mean probability of the word's tokens as they were decoded (faster-whisper's word
+    probability: the mean of its tokens' probabilities); None when not known."""
 
 
 @dataclass
@@ -51,16 +54,28 @@ def timed_words(
     decode: Callable[[list[int]], str],
     language: str,
     eos: int,
+    probs: Sequence[float] | None = None,
 ) -> list[TranscriptionWord]:
     """Words of `token_ids` whose token k spans [boundaries[k], boundaries[k + 1]] seconds
-    after `offset`."""
+    after `offset`; `probs` (one per token) give each word the mean of its tokens'."""
     if len(boundaries) != len(token_ids) + 1:
         raise ValueError(f"{len(token_ids)} tokens need {len(token_ids) + 1} boundary times")
+    if probs is not None and len(probs) != len(token_ids):
+        probs = None
+
+    def probability(indices: list[int]) -> float | None:
+        if probs is None:
+            return None
+        values = [probs[i] for i in indices]
+        mean = sum(values) / len(values)
+        return None if mean != mean else round(mean, 4)  # NaN: not known
+
     return [
         TranscriptionWord(
             text,
             round(offset + boundaries[indices[0]], 3),
             round(offset + boundaries[indices[-1] + 1], 3),
+            probability(indices),
         )
         for text, indices in split_words(token_ids, decode, language, eos)
     ]
@@ -80,12 +95,17 @@ class WordClock:
         self.duration = duration
         self.last_end = 0.0
         self.times: list[float] = []
+        self.probs: list[float] | None = None
         self.offset = 0.0
         self.cursor = 0
 
-    def start_window(self, token_times: list[float], offset: float) -> None:
-        """The next window: its text tokens' boundary times, and its start in seconds."""
+    def start_window(
+        self, token_times: list[float], offset: float, probs: list[float] | None = None
+    ) -> None:
+        """The next window: its text tokens' boundary times (and probabilities), and its
+        start in seconds."""
         self.times = token_times
+        self.probs = probs
         self.offset = offset
         self.cursor = 0
 
@@ -103,6 +123,7 @@ class WordClock:
             self.decode,
             self.language,
             self.eos,
+            self.probs[first : self.cursor] if self.probs is not None else None,
         )
         for word in words:
             word.start = min(max(word.start, self.last_end), self.duration)

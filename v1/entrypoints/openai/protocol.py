@@ -488,6 +488,8 @@ class TranscriptionWordOut(BaseModel):
     word: str
     start: float
     end: float
+    probability: float | None = None
+    """Mean probability of the word's tokens (faster-whisper's word probability)."""
 
 
 class TranscriptionVerboseResponse(BaseModel):

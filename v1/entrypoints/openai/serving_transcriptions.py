@@ -75,19 +75,63 @@ class AudioRequest:
     """Extra form fields beam_size, best_of, patience, length_penalty (those sent)."""
 
 
+FASTER_WHISPER_FORM_FIELDS = (
+    "vad_filter",
+    "vad_parameters",
+    "hotwords",
+    "prefix",
+    "hallucination_silence_threshold",
+    "multilingual",
+    "without_timestamps",
+    "max_initial_timestamp",
+    "suppress_tokens",
+    "suppress_blank",
+    "repetition_penalty",
+    "no_repeat_ngram_size",
+)
+"""faster-whisper's transcribe options the transcription form takes (same names and meaning;
+vad_parameters a JSON object, suppress_tokens comma-separated ids). clip_timestamps is not one:
+the server decodes an upload in chunks, on which absolute spans have no meaning."""
+
+
 def decoding_options(
     beam_size: int | None,
     best_of: int | None,
     patience: float | None,
     length_penalty: float | None,
+    **faster_whisper: Any,
 ) -> dict[str, Any]:
-    """The decoding form fields a client sent (openai-whisper's names), as transcribe options."""
+    """The decoding form fields a client sent (openai-whisper's and faster-whisper's names), as
+    transcribe options; a malformed vad_parameters or suppress_tokens is a 400."""
     values = {
         "beam_size": beam_size,
         "best_of": best_of,
         "patience": patience,
         "length_penalty": length_penalty,
     }
+    unknown = sorted(set(faster_whisper) - set(FASTER_WHISPER_FORM_FIELDS))
+    assert not unknown, unknown  # the routes pass only these
+    values.update(faster_whisper)
+    if isinstance(values.get("vad_parameters"), str):
+        import json
+
+        try:
+            values["vad_parameters"] = json.loads(values["vad_parameters"])
+        except json.JSONDecodeError as e:
+            raise bad_request(
+                f"vad_parameters must be a JSON object: {e}", param="vad_parameters"
+            ) from e
+        if not isinstance(values["vad_parameters"], dict):
+            raise bad_request("vad_parameters must be a JSON object", param="vad_parameters")
+    if isinstance(values.get("suppress_tokens"), str):
+        try:
+            values["suppress_tokens"] = [
+                int(t) for t in values["suppress_tokens"].split(",") if t.strip()
+            ]
+        except ValueError as e:
+            raise bad_request(
+                "suppress_tokens must be comma-separated token ids", param="suppress_tokens"
+            ) from e
     return {name: value for name, value in values.items() if value is not None}
 
 

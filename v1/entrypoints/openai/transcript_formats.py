@@ -43,6 +43,26 @@ def to_vtt(segments: Sequence[Any]) -> str:
     return "WEBVTT\n\n" + "\n".join(blocks)
 
 
+def word_cues(segments: Sequence[Any]) -> list[Any]:
+    """One cue per word (srt/vtt with word timestamps): objects with start, end and text."""
+    from types import SimpleNamespace
+
+    return [
+        SimpleNamespace(start=w.start, end=w.end, text=w.word)
+        for s in segments
+        for w in (s.words or [])
+    ]
+
+
+def to_tsv(segments: Sequence[Any]) -> str:
+    """openai-whisper's tsv: start and end in integer milliseconds, then the text."""
+    lines = ["start\tend\ttext"]
+    for s in segments:
+        text = s.text.strip().replace("\t", " ")
+        lines.append(f"{round(1000 * s.start)}\t{round(1000 * s.end)}\t{text}")
+    return "\n".join(lines) + "\n"
+
+
 def language_name(code: str) -> str:
     """Whisper's English name of an ISO code ("en" -> "english"); the code when unknown."""
     from transformers.models.whisper.tokenization_whisper import LANGUAGES
@@ -96,5 +116,11 @@ def _words(result: Any) -> list[TranscriptionWordOut]:
     if result.words is None:
         raise ValueError("the transcription was made without word_timestamps")
     return [
-        TranscriptionWordOut(word=w.word.strip(), start=w.start, end=w.end) for w in result.words
+        TranscriptionWordOut(
+            word=w.word.strip(),
+            start=w.start,
+            end=w.end,
+            probability=getattr(w, "probability", None),
+        )
+        for w in result.words
     ]

@@ -227,10 +227,17 @@ class WhisperState(EncoderDecoderState):
         tokens = self.tokens
         prompt = token_ids[: timing.num_prompt_tokens].tolist()
         prompt = prompt[prompt.index(self.sot_token_id) :] if self.sot_token_id in prompt else []
-        if not prompt or prompt[-1] != tokens.no_timestamps:
-            prompt.append(tokens.no_timestamps)
+        # Text forced in the prompt after the <|startoftranscript|> sequence (a prefix, or the
+        # kept tokens of a beam or best-of sample given back for timing) is timed as well.
+        forced = [t for t in prompt[1:] if t < tokens.eos]
+        prompt = prompt[:1] + [
+            t
+            for t in prompt[1:]
+            if tokens.eos < t < tokens.timestamp_begin and t != tokens.no_timestamps
+        ]
+        prompt.append(tokens.no_timestamps)
         outputs = token_ids[timing.num_prompt_tokens :]
-        text = outputs[outputs < tokens.eos].tolist()
+        text = forced + outputs[outputs < tokens.eos].tolist()
         if not text:
             return None
         ids = self.to_device(np.array([*prompt, *text, tokens.eos]))

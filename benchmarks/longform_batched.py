@@ -1,0 +1,127 @@
+"""Long-form Whisper: sequential seek vs batched VAD chunks (`batch_size`) on one engine.
+
+Builds a long file from the real speech in ../shared/assets/audio (the three clips with 1-3 s
+silences between them, repeated to `--minutes`), transcribes it with openai-whisper's sequential
+seek (timestamps, previous-text conditioning) and with `batch_size=N` (Silero VAD chunks of at
+most 30 s decoded in parallel in the engine's steps) on the same `LLM`, and reports wall time,
+RTFx (audio seconds / wall seconds) and WER against the clips' references (Whisper's English
+normalizer).
+
+    python benchmarks/longform_batched.py --minutes 60 --batch-size 32 --device cuda
+    python benchmarks/longform_batched.py --minutes 1 --batch-size 4 --device cpu   # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SR = 16_000
+ASSETS = Path(__file__).resolve().parents[2] / "shared" / "assets"
+CLIPS = ["jfk.flac", "librispeech/test_audio_0.flac", "librispeech/test_audio_1.flac"]
+
+
+def build_long_audio(minutes: float, seed: int = 0) -> tuple[np.ndarray, str]:
+    """(16 kHz samples, reference text) of the clips back to back with 1-3 s gaps, `minutes` long."""
+    from v1.audio import load_audio
+
+    audio_dir = ASSETS / "audio"
+    clips = [load_audio(audio_dir / name) for name in CLIPS]
+    refs = [(audio_dir / name).with_suffix(".txt").read_text().strip() for name in CLIPS]
+    rng = np.random.default_rng(seed)
+    pieces, texts, total = [], [], 0
+    target = int(minutes * 60 * SR)
+    k = 0
+    while total < target:
+        clip = clips[k % len(clips)]
+        gap = np.zeros(int(rng.uniform(1.0, 3.0) * SR), dtype=np.float32)
+        pieces += [clip, gap]
+        texts.append(refs[k % len(clips)])
+        total += clip.size + gap.size
+        k += 1
+    return np.concatenate(pieces).astype(np.float32), " ".join(texts)
+
+
+@functools.cache
+def _normalizer(model: str) -> Any:
+    from transformers.models.whisper.english_normalizer import EnglishTextNormalizer
+
+    return EnglishTextNormalizer(json.loads((Path(model) / "normalizer.json").read_text()))
+
+
+def wer(reference: str, hypothesis: str, model: str) -> float:
+    """Word error rate after Whisper's English normalizer (edit distance over words)."""
+    norm = _normalizer(model)
+    ref, hyp = norm(reference).split(), norm(hypothesis).split()
+    previous = list(range(len(hyp) + 1))
+    for i, r in enumerate(ref, start=1):
+        current = [i]
+        for j, h in enumerate(hyp, start=1):
+            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (r != h)))
+        previous = current
+    return previous[-1] / max(1, len(ref))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default=str(ASSETS / "whisper-base"))
+    ap.add_argument("--minutes", type=float, default=60.0)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--skip-sequential", action="store_true")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (CPU)")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from v1 import LLM
+
+    audio, reference = build_long_audio(args.minutes)
+    seconds = audio.size / SR
+    kwargs: dict[str, Any] = {"device": args.device}
+    if args.dtype:
+        kwargs["dtype"] = args.dtype
+    rows = []
+    with LLM(args.model, **kwargs) as llm:
+        llm.transcribe((build_long_audio(0.2)[0], SR), language="en", use_tqdm=False)  # warm up
+        runs = [] if args.skip_sequential else [("sequential seek", {"timestamps": True})]
+        runs.append(
+            (
+                f"batched (batch_size={args.batch_size}, VAD)",
+                {"batch_size": args.batch_size, "vad_filter": True},
+            )
+        )
+        for name, options in runs:
+            start = time.perf_counter()
+            (result,) = llm.transcribe((audio, SR), language="en", use_tqdm=False, **options)
+            wall = time.perf_counter() - start
+            starts = [s.start for s in result.segments]
+            assert starts == sorted(starts), "segments out of order"
+            rows.append(
+                (
+                    name,
+                    wall,
+                    seconds / wall,
+                    wer(reference, result.text, args.model),
+                    len(result.segments),
+                )
+            )
+    print(f"audio: {seconds / 60:.1f} min, model {Path(args.model).name}, device {args.device}")
+    print("| mode | wall s | RTFx | WER | segments |")
+    print("|---|---:|---:|---:|---:|")
+    for name, wall, rtfx, w, n in rows:
+        print(f"| {name} | {wall:.1f} | {rtfx:.1f} | {100 * w:.2f}% | {n} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
