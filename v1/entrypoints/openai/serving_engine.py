@@ -59,6 +59,10 @@ class ServerSettings:
     audio_chunk_seconds: int = 300
     """Audio a transcription decodes and hands the engine at a time (a multiple of Whisper's
     30 s window): memory and engine share per request are bounded by it, not by the file."""
+    max_realtime_sessions: int = 64
+    """/v1/realtime sessions open at once; more are refused (503 on the handshake)."""
+    realtime_idle_timeout: float = 300.0
+    """Seconds a /v1/realtime session may send no event before it is closed."""
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):
@@ -68,6 +72,7 @@ class ServerSettings:
             "max_audio_bytes",
             "max_request_bytes",
             "max_tokens_per_request",
+            "max_realtime_sessions",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -80,6 +85,8 @@ class ServerSettings:
                 f"audio_chunk_seconds must be a positive multiple of 30, got "
                 f"{self.audio_chunk_seconds}"
             )
+        if not self.realtime_idle_timeout > 0:
+            raise ValueError(f"realtime_idle_timeout must be > 0, got {self.realtime_idle_timeout}")
         if not self.shutdown_timeout >= 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
 

@@ -1,0 +1,364 @@
+"""Voice activity detection: the Silero VAD model that the `silero-vad` package ships.
+
+One component for the whole engine: offline (`get_speech_timestamps` for `vad_filter=True` and
+batched long-form transcription) and streaming (`VadIterator`, fed chunks of any size by a
+realtime session, reports where speech starts and ends). Both run the package's "sequence"
+ONNX export through onnxruntime (one call per block of 32 ms frames, no per-frame Python loop);
+the streaming path carries the LSTM state and the 64-sample context between calls, so it sees
+exactly the probabilities the offline path sees. The probabilities become speech spans through
+the package's own state machine (`get_speech_timestamps_from_probs`).
+
+Options and defaults are faster-whisper's (`VadOptions`): a 2 s silence ends a span, spans are
+padded by 400 ms. Audio is float32 mono 16 kHz (what `load_audio` returns); positions are
+sample indices at 16 kHz.
+
+API (stable; the realtime session imports it): `VadOptions`, `get_speech_timestamps`,
+`speech_probabilities`, `VadIterator`, `VadEvent`, `SpeechMap`, `collect_speech`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import functools
+import math
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+SAMPLE_RATE = 16000
+FRAME_SAMPLES = 512  # one Silero frame: 32 ms at 16 kHz
+CONTEXT_SAMPLES = 64  # each frame sees the previous frame's last 64 samples
+_BLOCK_FRAMES = 512  # frames per ONNX call (~16 s)
+_STATE_SHAPE = (1, 1, 128)
+
+
+@dataclasses.dataclass(frozen=True)
+class VadOptions:
+    """Silero VAD options (faster-whisper's names and defaults)."""
+
+    threshold: float = 0.5
+    """A frame whose speech probability is at or above this is speech."""
+    neg_threshold: float | None = None
+    """Inside speech, a frame below this is silence (None: `max(threshold - 0.15, 0.01)`)."""
+    min_speech_duration_ms: int = 0
+    """Speech spans shorter than this are dropped."""
+    max_speech_duration_s: float = float("inf")
+    """Longer spans are split at the last silence over 98 ms, else cut just before this length."""
+    min_silence_duration_ms: int = 2000
+    """A span ends only after this much silence."""
+    speech_pad_ms: int = 400
+    """Each span is widened by this much on both sides (clipped to the audio)."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.threshold < 1.0:
+            raise ValueError(f"VAD threshold must be in (0, 1), got {self.threshold}")
+        if self.neg_threshold is not None and not 0.0 < self.neg_threshold <= self.threshold:
+            raise ValueError(
+                f"VAD neg_threshold must be in (0, threshold={self.threshold}], "
+                f"got {self.neg_threshold}"
+            )
+        for name in ("min_speech_duration_ms", "min_silence_duration_ms", "speech_pad_ms"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"VAD {name} must be a number >= 0, got {value!r}")
+        if not self.max_speech_duration_s > 0:
+            raise ValueError(
+                f"VAD max_speech_duration_s must be > 0, got {self.max_speech_duration_s}"
+            )
+
+    @property
+    def effective_neg_threshold(self) -> float:
+        """The silence threshold used inside speech."""
+        if self.neg_threshold is not None:
+            return self.neg_threshold
+        return max(self.threshold - 0.15, 0.01)
+
+    @classmethod
+    def from_value(cls, value: VadOptions | Mapping[str, Any] | None) -> VadOptions:
+        """`VadOptions` from a `VadOptions`, a dict of its fields, or None (the defaults).
+
+        An unknown key is a ValueError naming the known ones.
+        """
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, Mapping):
+            known = {f.name for f in dataclasses.fields(cls)}
+            unknown = sorted(set(value) - known)
+            if unknown:
+                raise ValueError(
+                    f"unknown vad_parameters {unknown}; known: {sorted(known)}"
+                )
+            return cls(**dict(value))
+        raise ValueError(
+            f"vad_parameters must be a dict or VadOptions, got {type(value).__name__}"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# The model
+
+
+def _silero_data_dir() -> str:
+    """The folder of the models the silero-vad package ships, found without importing it.
+
+    Importing `silero_vad` imports torch and calls `torch.set_num_threads(1)` for the whole
+    process; the engine must not lose its threads because a VAD was asked for.
+    """
+    import importlib.util
+    import os
+
+    spec = importlib.util.find_spec("silero_vad")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the silero-vad package is not installed (pip install silero-vad)")
+    return os.path.join(list(spec.submodule_search_locations)[0], "data")
+
+
+@functools.lru_cache(maxsize=1)
+def _session() -> Any:
+    """The onnxruntime session of silero_vad_16k_sequence.onnx (one per process, thread-safe)."""
+    import os
+
+    import onnxruntime
+
+    path = os.path.join(_silero_data_dir(), "silero_vad_16k_sequence.onnx")
+    opts = onnxruntime.SessionOptions()
+    opts.inter_op_num_threads = 1
+    opts.intra_op_num_threads = 1
+    opts.log_severity_level = 3
+    return onnxruntime.InferenceSession(path, sess_options=opts, providers=["CPUExecutionProvider"])
+
+
+@functools.lru_cache(maxsize=1)
+def _from_probs() -> Any:
+    """silero-vad's probabilities -> spans state machine (imported keeping torch's threads)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        from silero_vad.utils_vad import get_speech_timestamps_from_probs
+    finally:
+        torch.set_num_threads(threads)
+    return get_speech_timestamps_from_probs
+
+
+class _FrameModel:
+    """The recurrent state of one stream: LSTM (h, c) and the previous frame's tail."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.h = np.zeros(_STATE_SHAPE, dtype=np.float32)
+        self.c = np.zeros(_STATE_SHAPE, dtype=np.float32)
+        self.context = np.zeros(CONTEXT_SAMPLES, dtype=np.float32)
+
+    def forward(self, frames: np.ndarray) -> np.ndarray:
+        """Probabilities of whole frames (n_frames, 512), continuing the stream's state."""
+        session = _session()
+        out: list[np.ndarray] = []
+        for first in range(0, frames.shape[0], _BLOCK_FRAMES):
+            block = frames[first : first + _BLOCK_FRAMES]
+            ctx = np.empty((block.shape[0], CONTEXT_SAMPLES), dtype=np.float32)
+            ctx[0] = self.context
+            if block.shape[0] > 1:
+                ctx[1:] = block[:-1, -CONTEXT_SAMPLES:]
+            self.context = block[-1, -CONTEXT_SAMPLES:].copy()
+            probs, self.h, self.c = session.run(
+                ["speech_probs", "hn", "cn"],
+                {"input": np.concatenate((ctx, block), axis=1), "h": self.h, "c": self.c},
+            )
+            out.append(np.asarray(probs, dtype=np.float32).reshape(-1))
+        if not out:
+            return np.zeros(0, dtype=np.float32)
+        return np.concatenate(out)
+
+
+def _as_audio(audio: Any) -> np.ndarray:
+    if hasattr(audio, "detach"):
+        audio = audio.detach().cpu().numpy()
+    arr = np.ascontiguousarray(np.asarray(audio, dtype=np.float32))
+    if arr.ndim != 1:
+        raise ValueError(f"VAD audio must be 1-D mono 16 kHz samples, got shape {arr.shape}")
+    return arr
+
+
+def speech_probabilities(audio_16k: Any) -> np.ndarray:
+    """Silero's speech probability of each 32 ms frame (the last one zero-padded)."""
+    audio = _as_audio(audio_16k)
+    n_frames = math.ceil(audio.size / FRAME_SAMPLES)
+    frames = np.zeros((n_frames, FRAME_SAMPLES), dtype=np.float32)
+    frames.reshape(-1)[: audio.size] = audio
+    return _FrameModel().forward(frames)
+
+
+def get_speech_timestamps(
+    audio_16k: Any, options: VadOptions | Mapping[str, Any] | None = None
+) -> list[tuple[int, int]]:
+    """Speech spans of 16 kHz mono audio as `(start_sample, end_sample)`, in order, disjoint."""
+    opts = VadOptions.from_value(options)
+    audio = _as_audio(audio_16k)
+    if audio.size == 0:
+        return []
+    probs = speech_probabilities(audio)
+    spans = _from_probs()(
+        probs.tolist(),
+        sampling_rate=SAMPLE_RATE,
+        threshold=opts.threshold,
+        neg_threshold=opts.effective_neg_threshold,
+        min_speech_duration_ms=opts.min_speech_duration_ms,
+        max_speech_duration_s=opts.max_speech_duration_s,
+        min_silence_duration_ms=opts.min_silence_duration_ms,
+        speech_pad_ms=opts.speech_pad_ms,
+        audio_length_samples=int(audio.size),
+    )
+    return [(int(s["start"]), int(s["end"])) for s in spans if s["end"] > s["start"]]
+
+
+# --------------------------------------------------------------------------------------------
+# Streaming
+
+
+@dataclasses.dataclass(frozen=True)
+class VadEvent:
+    """Speech started or ended in a stream, at a sample index counted from the stream's start."""
+
+    kind: str
+    """"start" or "end"."""
+    sample: int
+    """Position at 16 kHz from the first sample fed (pad included, clipped at 0)."""
+
+    @property
+    def seconds(self) -> float:
+        return self.sample / SAMPLE_RATE
+
+
+class VadIterator:
+    """Streaming VAD: `feed(chunk)` with chunks of any length returns the events they complete.
+
+    Speech starts at the first frame at or above `threshold` (reported `speech_pad_ms` earlier);
+    it ends once frames stay below the negative threshold for `min_silence_duration_ms`
+    (reported `speech_pad_ms` after the last speech frame). `flush()` ends open speech at the
+    stream's end. Frame probabilities equal the offline path's for the same samples. One
+    object per stream; the onnxruntime session behind it is shared and thread-safe.
+    """
+
+    def __init__(self, options: VadOptions | Mapping[str, Any] | None = None) -> None:
+        self.options = VadOptions.from_value(options)
+        self._model = _FrameModel()
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the stream: state, buffered samples and position go back to zero."""
+        self._model.reset()
+        self._pending = np.zeros(0, dtype=np.float32)
+        self.samples_seen = 0  # samples turned into frames so far
+        self.triggered = False
+        self._temp_end = 0
+        self._last_prob = 0.0
+
+    @property
+    def in_speech(self) -> bool:
+        """Whether the stream is inside a speech span now."""
+        return self.triggered
+
+    @property
+    def last_probability(self) -> float:
+        """Speech probability of the most recent frame."""
+        return self._last_prob
+
+    def feed(self, chunk: Any) -> list[VadEvent]:
+        """Feed 16 kHz float32 samples; return the start/end events they complete, in order."""
+        with self._lock:
+            audio = _as_audio(chunk)
+            buf = np.concatenate((self._pending, audio)) if self._pending.size else audio
+            n_frames = buf.size // FRAME_SAMPLES
+            self._pending = buf[n_frames * FRAME_SAMPLES :].copy()
+            if n_frames == 0:
+                return []
+            frames = buf[: n_frames * FRAME_SAMPLES].reshape(n_frames, FRAME_SAMPLES)
+            return self._step(self._model.forward(frames))
+
+    def flush(self) -> list[VadEvent]:
+        """End of stream: an open span ends at the last sample fed (plus nothing)."""
+        with self._lock:
+            total = self.samples_seen + self._pending.size
+            self._pending = np.zeros(0, dtype=np.float32)
+            if not self.triggered:
+                return []
+            self.triggered = False
+            self._temp_end = 0
+            return [VadEvent("end", int(total))]
+
+    def _step(self, probs: np.ndarray) -> list[VadEvent]:
+        opts = self.options
+        pad = int(SAMPLE_RATE * opts.speech_pad_ms / 1000)
+        min_silence = SAMPLE_RATE * opts.min_silence_duration_ms / 1000
+        neg = opts.effective_neg_threshold
+        events: list[VadEvent] = []
+        for p in probs.tolist():
+            frame_start = self.samples_seen
+            self.samples_seen += FRAME_SAMPLES
+            self._last_prob = p
+            if p >= opts.threshold and self._temp_end:
+                self._temp_end = 0
+            if p >= opts.threshold and not self.triggered:
+                self.triggered = True
+                events.append(VadEvent("start", max(0, frame_start - pad)))
+                continue
+            if self.triggered and p < neg:
+                if not self._temp_end:
+                    self._temp_end = frame_start
+                if self.samples_seen - self._temp_end >= min_silence:
+                    events.append(VadEvent("end", self._temp_end + pad))
+                    self._temp_end = 0
+                    self.triggered = False
+        return events
+
+
+# --------------------------------------------------------------------------------------------
+# Speech-only audio and the way back to the original timeline
+
+
+class SpeechMap:
+    """Maps times in the concatenation of speech spans back to the original recording."""
+
+    def __init__(self, spans: Sequence[tuple[int, int]], sample_rate: int = SAMPLE_RATE) -> None:
+        self.spans = [(int(s), int(e)) for s, e in spans]
+        self.sample_rate = sample_rate
+        self._chunk_end: list[int] = []  # end of each span in the concatenation (samples)
+        self._offset: list[int] = []  # original start - concatenated start, per span
+        pos = 0
+        for s, e in self.spans:
+            self._offset.append(s - pos)
+            pos += e - s
+            self._chunk_end.append(pos)
+
+    def original_time(self, t: float, is_end: bool = False) -> float:
+        """Seconds in the concatenation -> seconds in the recording.
+
+        A time that falls exactly on a span boundary belongs to the earlier span when it is an
+        end time, to the later span when it is a start time.
+        """
+        if not self.spans:
+            return t
+        sample = int(round(t * self.sample_rate))
+        if is_end:
+            idx = bisect.bisect_left(self._chunk_end, sample)
+        else:
+            idx = bisect.bisect_right(self._chunk_end, sample)
+        idx = min(idx, len(self.spans) - 1)
+        return round((sample + self._offset[idx]) / self.sample_rate, 3)
+
+
+def collect_speech(audio_16k: Any, spans: Sequence[tuple[int, int]]) -> np.ndarray:
+    """The samples of the spans, concatenated (empty float32 array when there are none)."""
+    audio = _as_audio(audio_16k)
+    if not spans:
+        return np.zeros(0, dtype=np.float32)
+    return np.concatenate([audio[s:e] for s, e in spans]).astype(np.float32, copy=False)
