@@ -90,13 +90,9 @@ class VadOptions:
             known = {f.name for f in dataclasses.fields(cls)}
             unknown = sorted(set(value) - known)
             if unknown:
-                raise ValueError(
-                    f"unknown vad_parameters {unknown}; known: {sorted(known)}"
-                )
+                raise ValueError(f"unknown vad_parameters {unknown}; known: {sorted(known)}")
             return cls(**dict(value))
-        raise ValueError(
-            f"vad_parameters must be a dict or VadOptions, got {type(value).__name__}"
-        )
+        raise ValueError(f"vad_parameters must be a dict or VadOptions, got {type(value).__name__}")
 
 
 # --------------------------------------------------------------------------------------------

@@ -418,6 +418,11 @@ class RealtimeSession:
         self._reset_turn()
         self.emit(Cleared())
 
+    @property
+    def busy(self) -> bool:
+        """Whether a hypothesis or a turn's transcription is in flight."""
+        return bool(self.tasks)
+
     async def close(self) -> None:
         """Cancels every engine request of the session and waits for them to end."""
         for task in list(self.tasks):

@@ -187,6 +187,8 @@ class _Connection:
             try:
                 message = await asyncio.wait_for(self.websocket.receive(), timeout)
             except TimeoutError:
+                if self.session.busy:  # idle means: nothing sent and nothing to send back
+                    continue
                 self._error(
                     f"no client event for {timeout:g} s; closing the session", "idle_timeout"
                 )
