@@ -11,6 +11,8 @@ import base64
 import io
 import json
 import re
+import shutil
+import subprocess
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -75,7 +77,7 @@ def _wav(samples: np.ndarray, rate: int = 16_000, subtype: str = "FLOAT") -> byt
 
 
 def _words(text: str) -> str:
-    return " ".join(re.sub(r"[^a-z ]", " ", text.lower()).split())
+    return " ".join(re.sub(r"[^a-z ]", " ", text.lower().replace("'", "")).split())
 
 
 def _ws_url(server: RemoteServer) -> str:
@@ -489,3 +491,125 @@ def test_demo_page_is_served_without_a_key(server: RemoteServer) -> None:
         ):
             assert needle in page, needle
     assert httpx.get(server.url + "/v1/models", timeout=30).status_code == 401
+
+
+# ---- the demo page in a real browser ----
+def _chromium() -> str | None:
+    for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+class _DevTools:
+    """The DevTools protocol of one page, over its WebSocket."""
+
+    def __init__(self, ws: Any) -> None:
+        self.ws = ws
+        self.next_id = 0
+
+    async def call(self, method: str, **params: Any) -> dict[str, Any]:
+        self.next_id += 1
+        await self.ws.send(json.dumps({"id": self.next_id, "method": method, "params": params}))
+        while True:
+            message = json.loads(await asyncio.wait_for(self.ws.recv(), 60))
+            if message.get("id") == self.next_id:
+                assert "error" not in message, message
+                return message["result"]
+
+    async def text(self, expression: str) -> Any:
+        result = await self.call("Runtime.evaluate", expression=expression, returnByValue=True)
+        return result["result"].get("value")
+
+
+async def _page_websocket(user_data: Any, deadline: float) -> str:
+    port_file = user_data / "DevToolsActivePort"
+    while not port_file.exists():
+        assert time.monotonic() < deadline, "chromium did not start"
+        await asyncio.sleep(0.2)
+    port = port_file.read_text().split()[0]
+    while True:
+        targets = httpx.get(f"http://127.0.0.1:{port}/json", timeout=10).json()
+        pages = [t for t in targets if t["type"] == "page" and "127.0.0.1" in t["url"]]
+        if pages:
+            return pages[0]["webSocketDebuggerUrl"]
+        assert time.monotonic() < deadline, targets
+        await asyncio.sleep(0.2)
+
+
+def test_demo_page_in_headless_chromium(server: RemoteServer, tmp_path: Any) -> None:
+    """Chromium plays a speech file as its microphone into the demo page, which streams it to
+    /v1/realtime; the page shows the transcript. Then the page uploads the same file to
+    /v1/audio/transcriptions. A screenshot of the page is kept (path printed)."""
+    browser = _chromium()
+    if browser is None:
+        pytest.skip("chromium is not installed (apt-get install chromium)")
+    speech = _clip(CLIP_0, 16_000)
+    silence = np.zeros(16_000 * 2, np.float32)
+    microphone = tmp_path / "microphone.wav"  # Chromium loops it: speech, then silence
+    microphone.write_bytes(
+        _wav(np.concatenate([silence[:8000], speech, silence]), subtype="PCM_16")
+    )
+    user_data = tmp_path / "chromium-profile"
+    url = f"{server.url}/?autostart=1&language=en&key={API_KEY}"
+    proc = subprocess.Popen(
+        [
+            browser,
+            "--headless=new",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--no-first-run",
+            "--use-fake-ui-for-media-stream",
+            "--use-fake-device-for-media-stream",
+            f"--use-file-for-fake-audio-capture={microphone}",
+            "--autoplay-policy=no-user-gesture-required",
+            "--remote-debugging-port=0",
+            f"--user-data-dir={user_data}",
+            "--window-size=1100,800",
+            url,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+    async def run() -> tuple[list[str], str, bytes]:
+        deadline = time.monotonic() + 240
+        async with websockets.connect(
+            await _page_websocket(user_data, deadline), max_size=None
+        ) as ws:
+            page = _DevTools(ws)
+            finals: list[str] = []
+            while not finals:
+                assert time.monotonic() < deadline, await page.text("document.body.innerText")
+                await asyncio.sleep(0.5)
+                finals = await page.text(
+                    "[...document.querySelectorAll('.turn.final')].map(e => e.textContent)"
+                )
+            document = await page.call("DOM.getDocument")
+            node = await page.call(
+                "DOM.querySelector", nodeId=document["root"]["nodeId"], selector="#file"
+            )
+            await page.call("DOM.setFileInputFiles", files=[str(CLIP_0)], nodeId=node["nodeId"])
+            await page.text("document.getElementById('upload').click()")
+            uploaded = ""
+            while not uploaded:
+                assert time.monotonic() < deadline, await page.text("document.body.innerText")
+                await asyncio.sleep(0.5)
+                uploaded = await page.text("document.getElementById('file-result').textContent")
+            shot = await page.call("Page.captureScreenshot", format="png")
+            return finals, uploaded, base64.b64decode(shot["data"])
+
+    try:
+        finals, uploaded, png = asyncio.run(run())
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    screenshot = tmp_path / "demo_page.png"
+    screenshot.write_bytes(png)
+    print(f"demo page screenshot: {screenshot}")
+    assert _words(finals[0]) == _words(TEXT_0)
+    assert uploaded == TEXT_0
