@@ -492,6 +492,8 @@ class RealtimeSession:
         interval = int(self.limits.partial_interval_s * SAMPLE_RATE)
         if interval <= 0 or self.partial_task is not None:
             return
+        if self.last_completion is not None and not self.last_completion.done():
+            return  # a finished turn's transcript comes first; hypotheses never queue up
         if self.buffer.end - self.partial_at < interval:
             return
         self.partial_at = self.buffer.end

@@ -546,8 +546,8 @@ def test_demo_page_in_headless_chromium(server: RemoteServer, tmp_path: Any) -> 
     if browser is None:
         pytest.skip("chromium is not installed (apt-get install chromium)")
     speech = _clip(CLIP_0, 16_000)
-    silence = np.zeros(16_000 * 2, np.float32)
-    microphone = tmp_path / "microphone.wav"  # Chromium loops it: speech, then silence
+    silence = np.zeros(16_000 * 30, np.float32)
+    microphone = tmp_path / "microphone.wav"  # Chromium loops it: speech, then 30 s silence
     microphone.write_bytes(
         _wav(np.concatenate([silence[:8000], speech, silence]), subtype="PCM_16")
     )
@@ -574,7 +574,7 @@ def test_demo_page_in_headless_chromium(server: RemoteServer, tmp_path: Any) -> 
     )
 
     async def run() -> tuple[list[str], str, bytes]:
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + 280
         async with websockets.connect(
             await _page_websocket(user_data, deadline), max_size=None
         ) as ws:
