@@ -538,6 +538,7 @@ async def _page_websocket(user_data: Any, deadline: float) -> str:
         await asyncio.sleep(0.2)
 
 
+@pytest.mark.timeout(600)
 def test_demo_page_in_headless_chromium(server: RemoteServer, tmp_path: Any) -> None:
     """Chromium plays a speech file as its microphone into the demo page, which streams it to
     /v1/realtime; the page shows the transcript. Then the page uploads the same file to
@@ -574,13 +575,14 @@ def test_demo_page_in_headless_chromium(server: RemoteServer, tmp_path: Any) -> 
     )
 
     async def run() -> tuple[list[str], str, bytes]:
-        deadline = time.monotonic() + 280
+        deadline = time.monotonic() + 540
         async with websockets.connect(
             await _page_websocket(user_data, deadline), max_size=None
         ) as ws:
             page = _DevTools(ws)
             finals: list[str] = []
-            while not finals:
+            # Server VAD may cut the utterance at its pause: the turns, in order, hold it.
+            while not _words(" ".join(finals)).startswith(_words(TEXT_0)):
                 assert time.monotonic() < deadline, await page.text("document.body.innerText")
                 await asyncio.sleep(0.5)
                 finals = await page.text(
@@ -611,5 +613,5 @@ def test_demo_page_in_headless_chromium(server: RemoteServer, tmp_path: Any) -> 
     screenshot = tmp_path / "demo_page.png"
     screenshot.write_bytes(png)
     print(f"demo page screenshot: {screenshot}")
-    assert _words(finals[0]) == _words(TEXT_0)
+    assert _words(" ".join(finals)).startswith(_words(TEXT_0))
     assert uploaded == TEXT_0
