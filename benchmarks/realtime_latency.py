@@ -99,27 +99,40 @@ async def run_session(
                 }
             )
         )
-        items: dict[str, int] = {}
+        # A phrase may be cut into several turns at its pauses: a turn belongs to the phrase
+        # its audio ends in; a phrase is complete with its last turn, its first delta is the
+        # first of any of its turns.
+        starts_ms = [first * 1000 // RATE for first, _ in spans]
+        phrase_of: dict[str, int] = {}
+        pending: dict[str, list[float]] = {}
+        done_items: set[str] = set()
+
+        def phrase_index(end_ms: int) -> int:
+            return max(0, sum(s <= end_ms for s in starts_ms) - 1)
 
         async def read() -> None:
             async for message in ws:
                 event = json.loads(message)
                 now = time.perf_counter()
                 kind = event["type"]
+                item = event.get("item_id", "")
                 if kind == "error":
                     result.errors.append(event["error"]["message"])
-                elif kind == "input_audio_buffer.speech_started":
-                    items.setdefault(event["item_id"], len(items))
+                elif kind == "input_audio_buffer.speech_stopped":
+                    phrase_of[item] = phrase_index(event["audio_end_ms"])
                 elif kind.endswith("transcription.delta"):
-                    phrase = result.phrases[items.setdefault(event["item_id"], len(items))]
-                    if phrase.first_delta is None:
-                        phrase.first_delta = now
+                    pending.setdefault(item, []).append(now)
                 elif kind.endswith("transcription.completed"):
-                    index = items.setdefault(event["item_id"], len(items))
-                    if index < len(result.phrases):
-                        result.phrases[index].completed = now
-                        result.phrases[index].transcript = event["transcript"]
-                    if sum(p.completed is not None for p in result.phrases) == len(spans):
+                    phrase = result.phrases[phrase_of.get(item, 0)]
+                    phrase.completed = now  # turns complete in order: the last one wins
+                    phrase.transcript += event["transcript"]
+                    first = min(pending.get(item, [now]))
+                    phrase.first_delta = min(phrase.first_delta or first, first)
+                    done_items.add(item)
+                    last_audio = len(pcm) // 2 * 1000 // RATE
+                    if time.perf_counter() > t0 + last_audio / 1000 / args.speed and all(
+                        i in done_items for i in phrase_of
+                    ):
                         return
 
         reader = asyncio.ensure_future(read())
