@@ -546,6 +546,20 @@ def _add_server_limits(serve: argparse.ArgumentParser) -> None:
         "(bounds its memory and its share of the engine; default: %(default)s)",
     )
     group.add_argument(
+        "--max-realtime-sessions",
+        type=int,
+        default=64,
+        help="/v1/realtime transcription sessions open at once; more are refused with 503 "
+        "(default: %(default)s)",
+    )
+    group.add_argument(
+        "--realtime-idle-timeout",
+        type=float,
+        default=300.0,
+        help="seconds a /v1/realtime session may send no event before it is closed "
+        "(default: %(default)s)",
+    )
+    group.add_argument(
         "--keep-alive-on-engine-death",
         action="store_true",
         help="keep answering 503 when the engine dies instead of exiting with code 1",

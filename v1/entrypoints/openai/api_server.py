@@ -58,6 +58,7 @@ from v1.entrypoints.openai.protocol import (
     ScoreRequest,
     TokenizeRequest,
 )
+from v1.entrypoints.openai.realtime import add_realtime_routes
 from v1.entrypoints.openai.serving_completions import ServingCompletions
 from v1.entrypoints.openai.serving_embeddings import ServingEmbeddings
 from v1.entrypoints.openai.serving_engine import LoRAModules, ServerSettings, json_response
@@ -92,6 +93,8 @@ _OTHER_PATHS = frozenset(
     {"/health", "/metrics", "/version", "/v1/models", "/tokenize", "/detokenize"}
 )
 _PUBLIC_PATHS = frozenset({"/health"})
+_PAGE_PATHS = frozenset({"/", "/demo"})
+"""The demo page (it asks for the key itself and sends it with each call)."""
 _AUDIO_PATHS = frozenset({"/v1/audio/transcriptions", "/v1/audio/translations"})
 _FORM_OVERHEAD_BYTES = 1 << 20
 """Room for the multipart framing and text fields around the audio file."""
@@ -220,7 +223,7 @@ class ServerMiddleware:
                 code="shutting_down",
                 headers={"Retry-After": str(_RETRY_AFTER_S)},
             )
-        if self.api_key is not None and path not in _PUBLIC_PATHS:
+        if self.api_key is not None and path not in _PUBLIC_PATHS and path not in _PAGE_PATHS:
             given = _bearer_token(scope)
             if given is None or not hmac.compare_digest(given, self.api_key):
                 return APIError(
@@ -323,6 +326,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         "body_timeout",
         "max_request_seconds",
         "health_timeout",
+        "max_realtime_sessions",
+        "realtime_idle_timeout",
     ):
         value = getattr(args, name, None)
         if value is not None:
@@ -382,6 +387,7 @@ def build_app(engine: Any, args: argparse.Namespace | ServerSettings) -> FastAPI
         raise ValueError("--lora-modules needs --enable-lora")
     _add_info_routes(app, engine, settings, metrics)
     _add_inference_routes(app, engine, settings, metrics)
+    add_realtime_routes(app, engine, settings)
     app.state.engine = engine
     app.state.settings = settings
     app.state.metrics = metrics

@@ -73,6 +73,10 @@ class ServerSettings:
     health_timeout: float = 10.0
     """/health answers 503 when the engine core does not answer a probe within this many
     seconds (a frozen or stuck core)."""
+    max_realtime_sessions: int = 64
+    """/v1/realtime sessions open at once; more are refused (503 on the handshake)."""
+    realtime_idle_timeout: float = 300.0
+    """Seconds a /v1/realtime session may send no event before it is closed."""
 
     def __post_init__(self) -> None:
         for name in ("body_timeout", "health_timeout"):
@@ -87,6 +91,7 @@ class ServerSettings:
             "max_audio_bytes",
             "max_request_bytes",
             "max_tokens_per_request",
+            "max_realtime_sessions",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -99,6 +104,8 @@ class ServerSettings:
                 f"audio_chunk_seconds must be a positive multiple of 30, got "
                 f"{self.audio_chunk_seconds}"
             )
+        if not self.realtime_idle_timeout > 0:
+            raise ValueError(f"realtime_idle_timeout must be > 0, got {self.realtime_idle_timeout}")
         if not self.shutdown_timeout >= 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
 
