@@ -126,3 +126,34 @@ def test_bad_constraints_and_beam_search_refused(llm: LLM) -> None:
     # The engine survives the refusals.
     (out,) = llm.generate(["x"], SamplingParams(max_tokens=2, temperature=0))
     assert len(out.outputs[0].token_ids) >= 1
+
+
+def test_whisper_forced_prefix_yields_to_the_grammar(tmp_path_factory) -> None:
+    """Whisper (tiny, random): the decoder prompt's forced start tokens and the Whisper sampling
+    rules run with a grammar, which still decides every generated token: choice and regex
+    outputs meet their constraint, greedy and sampled."""
+    import numpy as np
+
+    from tests.utils import make_tiny_whisper_dir
+
+    path = make_tiny_whisper_dir(tmp_path_factory.mktemp("whisper"))
+    rng = np.random.default_rng(0)
+    prompts = [
+        {
+            "prompt": "<|startoftranscript|><|en|><|transcribe|><|notimestamps|>",
+            "multi_modal_data": {"audio": (rng.standard_normal(16000).astype(np.float32), 16000)},
+        }
+        for _ in range(3)
+    ]
+    with LLM(path, device="cpu", multiprocess=False, num_kv_blocks=512, block_size=4) as llm:
+        for structured, check in (
+            (StructuredOutputsParams(choice=CHOICES), lambda t: t in CHOICES),
+            (StructuredOutputsParams(regex=REGEX), lambda t: re.fullmatch(REGEX, t)),
+        ):
+            params = [
+                SamplingParams(temperature=t, seed=i, max_tokens=24, structured_outputs=structured)
+                for i, t in enumerate((0.0, 1.0, 1.0))
+            ]
+            for out in llm.generate(prompts, params, use_tqdm=False):
+                c = out.outputs[0]
+                assert check(c.text) and c.finish_reason == "stop", c.text

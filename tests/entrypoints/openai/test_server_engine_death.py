@@ -112,12 +112,15 @@ def test_killing_the_core_fails_in_flight_requests(doomed_server: RemoteServer) 
         assert not t.is_alive()
     error = assert_error_body(outcome["plain"], 503)
     assert error["code"] == "engine_dead"
+    assert outcome["plain"].headers.get("retry-after"), "an engine-death 503 names Retry-After"
+    assert "Traceback" not in error["message"] and "Error:" not in error["message"]
     events = [line for line in outcome["stream"] if line]
     last = events[-1] if events else ""
     assert '"error"' in last and "engine_dead" in last, events[-3:]
     with doomed_server.http(timeout=30) as http:
         after = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert_error_body(after, 503)
+        assert after.headers.get("retry-after")
         assert assert_error_body(http.get("/health"), 503)["code"] == "engine_dead"
         assert http.get("/metrics").status_code == 200
     assert doomed_server.metric("v1_engine_healthy") == 0
