@@ -158,9 +158,7 @@ class ServingCompletions(ServingBase):
                 "echo with logprobs needs a decoder-only model (the prompt here is the encoder's)",
                 "echo",
             )
-        prompts = await self.offload(
-            self._completion_prompts, body.prompt, body.truncate_prompt_tokens
-        )
+        prompts = await self._completion_prompts(body.prompt, body.truncate_prompt_tokens)
         if len(prompts) * body.n > MAX_BATCH_INPUTS:
             raise bad_request(
                 f"{len(prompts)} prompts x n={body.n} is more than {MAX_BATCH_INPUTS} completions "
@@ -319,22 +317,22 @@ class ServingCompletions(ServingBase):
         if not self.is_generator:
             raise self.wrong_endpoint(endpoint, "a text generation model")
 
-    def _completion_prompts(self, prompt: Any, truncate: int | None) -> list[_Prompt]:
-        if isinstance(prompt, str):
-            items: list[Any] = [prompt]
-        elif prompt and isinstance(prompt[0], int):
-            items = [prompt]
-        else:
-            items = list(prompt)
-        if not items:
-            raise bad_request("prompt must not be empty", param="prompt")
-        if len(items) > MAX_BATCH_INPUTS:
-            raise bad_request(
-                f"at most {MAX_BATCH_INPUTS} prompts per request, got {len(items)}", "prompt"
-            )
+    async def _completion_prompts(self, prompt: Any, truncate: int | None) -> list[_Prompt]:
+        """The prompts tokenized on the input thread, TOKENIZE_SLICE at a time: another
+        request's tokenization queues between two slices of a huge batch, not behind all of it."""
+        items = _completion_items(prompt)
+        out: list[_Prompt] = []
+        for start in range(0, len(items), TOKENIZE_SLICE):
+            piece = items[start : start + TOKENIZE_SLICE]
+            out += await self.offload(self._tokenize_items, piece, start, len(items), truncate)
+        return out
+
+    def _tokenize_items(
+        self, items: list[Any], start: int, total: int, truncate: int | None
+    ) -> list[_Prompt]:
         out = []
-        for i, item in enumerate(items):
-            where = "prompt" if len(items) == 1 else f"prompt[{i}]"
+        for i, item in enumerate(items, start):
+            where = "prompt" if total == 1 else f"prompt[{i}]"
             if isinstance(item, str):
                 out.append(self._text_prompt(item, True, truncate, where))
             else:
@@ -850,6 +848,27 @@ def _constraint(body: SamplingFields, name: str) -> StructuredOutputsParams:
     raise ValueError(
         f"response_format type {kind!r} is not one of 'text', 'json_object', 'json_schema'"
     )
+
+
+TOKENIZE_SLICE = 64
+"""Prompts of one request tokenized per input-thread task (see `_completion_prompts`)."""
+
+
+def _completion_items(prompt: Any) -> list[Any]:
+    """The request's prompt as a list of prompts (text or token ids), checked for count."""
+    if isinstance(prompt, str):
+        items: list[Any] = [prompt]
+    elif prompt and isinstance(prompt[0], int):
+        items = [prompt]
+    else:
+        items = list(prompt)
+    if not items:
+        raise bad_request("prompt must not be empty", param="prompt")
+    if len(items) > MAX_BATCH_INPUTS:
+        raise bad_request(
+            f"at most {MAX_BATCH_INPUTS} prompts per request, got {len(items)}", "prompt"
+        )
+    return items
 
 
 def _check_stream_options(body: SamplingFields) -> None:
