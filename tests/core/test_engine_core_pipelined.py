@@ -110,6 +110,9 @@ def generation_outputs(kind: str, async_scheduling: bool, n: int = 24, **overrid
         return 2 if num_tokens >= 8 + lengths[i] else 10 + (num_tokens * 7 + i) % 80  # 2 = EOS
 
     overrides.setdefault("max_num_batched_tokens", 32)
+    # Explicit, so the engine does not lower it to what the small cache holds: with 16 blocks
+    # the requests must outgrow the cache (preemption by recompute).
+    overrides.setdefault("max_num_seqs", 128)
     # One maximal request (24 decoder tokens + 24 encoder positions) fits the smallest cache.
     overrides.setdefault("max_model_len", 24)
     overrides.setdefault("max_positions", 24)

@@ -20,7 +20,12 @@ def test_tp2_ranks_write_their_step_profiles(tmp_path: Path, monkeypatch: pytest
     path = make_tiny_llama_dir(tmp_path / "llama")
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     with LLM(
-        path, multiprocess=False, tensor_parallel_size=2, num_kv_blocks=96, block_size=4, max_num_seqs=4
+        path,
+        multiprocess=False,
+        tensor_parallel_size=2,
+        num_kv_blocks=96,
+        block_size=4,
+        max_num_seqs=4,
     ) as llm:
         llm.generate([{"prompt_token_ids": [1, 5, 9, 13]}], params, use_tqdm=False)
     for rank in (0, 1):

@@ -110,7 +110,10 @@ def test_n_children_share_one_decode_and_one_hash(tiny_llm: LLM, sha_calls: list
             child.request_id, prompt, params.clone(n=1, seed=7 + i), arrival_time=child.arrival_time
         )
         assert alone.encoder_input.content_hash == child.encoder_input.content_hash
-        assert replace(alone, encoder_input=None) == replace(child, encoder_input=None)
+        assert child.group_id == "p"  # the children share their parent's fair share
+        assert replace(alone, encoder_input=None, group_id="p") == replace(
+            child, encoder_input=None
+        )
 
 
 def test_generate_sends_16k_audio_without_copies_one_hash_per_clip(

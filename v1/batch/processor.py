@@ -64,7 +64,12 @@ class BatchProcessor:
                     (results[i],) = self._run([inputs[i]])
                 except (ValueError, RequestFailedError) as e:
                     errors[i] = _reason(e)
-        columns = RESULT_COLUMNS[self.task]
+        columns = list(RESULT_COLUMNS[self.task])
+        if self.task == "transcribe":  # the columns asked for (_transcript_row)
+            if self.options.get("timestamps") or self.options.get("word_timestamps"):
+                columns += ["language_probability", "segments"]
+            if self.options.get("word_timestamps"):
+                columns.append("words")
         out: dict[str, list[Any]] = {"id": ids}
         for key in columns:
             out[key] = [r[key] if r is not None else None for r in results]

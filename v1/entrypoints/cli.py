@@ -339,10 +339,22 @@ def _add_faster_whisper_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hotwords", default=None, help="hint phrase for every window")
     p.add_argument("--prefix", default=None, help="text forced at the start of the first window")
     p.add_argument("--initial-prompt", default=None, help="faster-whisper's name for --prompt")
-    p.add_argument("--hallucination-silence-threshold", type=float, default=None, metavar="S")
+    p.add_argument(
+        "--hallucination-silence-threshold",
+        type=float,
+        default=None,
+        metavar="S",
+        help="with --word-timestamps: skip silences longer than S seconds around hallucinations",
+    )
     p.add_argument("--multilingual", action="store_true", help="detect the language per window")
     p.add_argument("--without-timestamps", action="store_true", help="no timestamp tokens")
-    p.add_argument("--max-initial-timestamp", type=float, default=1.0, metavar="S")
+    p.add_argument(
+        "--max-initial-timestamp",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="latest first timestamp of a window, in seconds (default 1.0)",
+    )
     p.add_argument(
         "--suppress-tokens", default="-1", help="comma-separated ids (-1: the default set)"
     )
@@ -352,8 +364,18 @@ def _add_faster_whisper_flags(p: argparse.ArgumentParser) -> None:
         default=True,
         help="no blank first token (default: on)",
     )
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--no-repeat-ngram-size", type=int, default=0)
+    p.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="penalty on tokens already generated (> 1 discourages them; default 1.0: off)",
+    )
+    p.add_argument(
+        "--no-repeat-ngram-size",
+        type=int,
+        default=0,
+        help="forbid repeating any n-gram of this size (default 0: off)",
+    )
 
 
 def _faster_whisper_options(args: argparse.Namespace) -> dict[str, Any]:
