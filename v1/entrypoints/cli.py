@@ -103,6 +103,8 @@ IGNORED_ENGINE_ARGS: dict[str, frozenset[str]] = {
 
 _FLAG_ALIASES: dict[str, tuple[str, ...]] = {"policy": ("--scheduling-policy",)}
 """vLLM's names of engine flags, accepted beside ours."""
+_FLAG_CHOICES: dict[str, tuple[str, ...]] = {"policy": ("fcfs", "priority")}
+"""Engine flags whose values argparse checks (an error before anything loads)."""
 
 
 def add_engine_args(parser: argparse.ArgumentParser, ignored: frozenset[str] = frozenset()) -> None:
@@ -145,6 +147,7 @@ def add_engine_args(parser: argparse.ArgumentParser, ignored: frozenset[str] = f
                 *aliases,
                 dest=f.name,
                 type=kind,
+                choices=_FLAG_CHOICES.get(f.name),
                 default=argparse.SUPPRESS,
                 metavar=f.name.upper(),
                 help=help_text,
