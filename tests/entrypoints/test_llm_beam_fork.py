@@ -35,8 +35,9 @@ def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 TINY_CACHE = {
     # (engine overrides, long generations beside the search): a cache that fits one request
     # of max_model_len (cross blocks included) but not the search and the generations.
-    "llama": ({"num_kv_blocks": 24}, 2),
-    "bart": ({"num_kv_blocks": 28, "max_model_len": 32}, 3),
+    # max_num_seqs explicit: an auto value is lowered to what the tiny cache holds.
+    "llama": ({"num_kv_blocks": 24, "max_num_seqs": 16}, 2),
+    "bart": ({"num_kv_blocks": 28, "max_model_len": 32, "max_num_seqs": 16}, 3),
 }
 
 
