@@ -130,6 +130,7 @@ def test_preempted_and_aborted_readers_keep_counts_exact(whisper_dir: str) -> No
         block_size=BLOCK_SIZE,
         num_kv_blocks=one_entry + 8,
         max_model_len=64,
+        max_num_seqs=16,  # explicit: an auto value is lowered to what the cache holds
     ) as llm:
         probe = CrossCacheProbe(llm)
         engine = llm.llm_engine

@@ -114,7 +114,7 @@ def bart_requests() -> list[EngineCoreRequest]:
 def test_bart_absorbed_matches_per_layer_under_preemption(bart_dir: str) -> None:
     # Blocks of 4 tokens, room for a few requests at once: growing decodes preempt others.
     absorbed, cores = compare_modes(
-        bart_dir, bart_requests, block_size=4, num_kv_blocks=24, **SMALL_BART
+        bart_dir, bart_requests, block_size=4, num_kv_blocks=24, max_num_seqs=16, **SMALL_BART
     )
     assert all(core.get_stats()["num_preemptions"] > 0 for core in cores.values())
     assert len({tuple(r["tokens"]) for r in absorbed.values()}) > 1, "outputs ignore the input"

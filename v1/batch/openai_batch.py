@@ -222,8 +222,8 @@ def run_openai_shards(
     job: BatchJob, shards: dict[int, list[dict[str, Any]]], progress: tqdm
 ) -> list[str]:
     """Answers and writes each pending shard (one engine, one event loop for all)."""
-    runner = OpenAIBatchRunner(job)
+    answerer = OpenAIBatchRunner(job)
     try:
-        return asyncio.run(runner.run_shards(job, shards, progress))
+        return asyncio.run(answerer.run_shards(job, shards, progress))
     finally:
-        runner.shutdown()
+        answerer.shutdown()

@@ -22,6 +22,16 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar")
 """The constraint fields of StructuredOutputsParams (exactly one is set)."""
 
 
+_KIND_NAMES = {
+    "json": "JSON schema",
+    "json_object": "JSON schema",
+    "regex": "regular expression",
+    "choice": "choice list",
+    "grammar": "grammar (Lark or GBNF)",
+}
+"""What each kind of constraint is, for error messages."""
+
+
 class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """Constrains generation; exactly one field is set (vLLM's names).
 
@@ -96,7 +106,9 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             assert self.grammar is not None
             return grammar_from("grammar", self.grammar)
         except ValueError as e:
-            raise ValueError(f"structured_outputs.{kind} is not usable: {e}") from e
+            raise ValueError(
+                f"structured_outputs.{kind} is not a usable {_KIND_NAMES.get(kind, kind)}: {e}"
+            ) from e
 
     def validate(self) -> str:
         """Compiles the grammar without a tokenizer (cheap); returns it, or raises ValueError
@@ -106,7 +118,8 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         grammar = self.grammar_spec()
         error = LLMatcher.validate_grammar(grammar)
         if error:
-            raise ValueError(f"structured_outputs.{self.kind} is not usable: {error}")
+            name = _KIND_NAMES.get(self.kind, self.kind)
+            raise ValueError(f"structured_outputs.{self.kind} is not a usable {name}: {error}")
         return grammar
 
 
