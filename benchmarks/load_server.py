@@ -28,6 +28,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 import httpx
+from _serve import wait_until_healthy
 
 PROMPTS = ["The weather today is", "Once upon a time", "In a distant galaxy", "My favorite food"]
 
@@ -221,18 +222,8 @@ def start_server(model: str) -> tuple[subprocess.Popen, str]:
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with code {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit("the server did not become ready in 300 s")
+    wait_until_healthy(proc, url, 300)
+    return proc, url
 
 
 def main() -> int:

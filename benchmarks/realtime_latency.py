@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import soundfile as sf
 import soxr
 import websockets
+from _serve import wait_until_healthy
 
 ASSETS = Path(__file__).resolve().parents[2] / "shared" / "assets"
 CLIPS = [ASSETS / "audio" / "librispeech" / f"test_audio_{i}.flac" for i in (0, 1)]
@@ -204,18 +204,8 @@ def _start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], st
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit("the server did not start in 600 s")
+    wait_until_healthy(proc, url, 600)
+    return proc, url
 
 
 def main() -> None:

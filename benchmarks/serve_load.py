@@ -32,6 +32,7 @@ import time
 import httpx
 import numpy as np
 from _real_speech import SAMPLE_RATE, InputSet, load_clips, make_inputs, wer
+from _serve import wait_until_healthy
 
 
 def wav_bytes(audio: np.ndarray) -> bytes:
@@ -58,18 +59,8 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     log = open(os.path.join(args.log_dir, "serve_load_server.log"), "w")  # noqa: SIM115
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + args.start_timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with code {proc.returncode} (see {log.name})")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit(f"the server did not become ready in {args.start_timeout:.0f} s")
+    wait_until_healthy(proc, url, args.start_timeout, log.name)
+    return proc, url
 
 
 async def send_all(
