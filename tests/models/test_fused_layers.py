@@ -313,11 +313,38 @@ def _assert_close_16bit(
     assert float((out == ref).float().mean()) >= min_equal
 
 
-ROPE_MIN_EQUAL = 0.75
+ROPE_MIN_EQUAL = 0.6
 """RoPE's kernel agrees with the torch path within two rounding steps everywhere, but on an
-H200 (session 15) only 88-92% of the elements were bit-equal (80% after a whole layer in the
-CUDA-graph test), against 100% under Triton's CPU interpreter: the compiled kernel's float32
-cos / sin or contraction of its products differ in the last bit. Not located yet."""
+H200 only 74-92% of the elements were bit-equal (sessions 15-16), against 100% under Triton's
+CPU interpreter: the torch path rounds cos·x and sin·x to 16 bits before adding them, the
+compiled kernel contracts them (an fma) in float32. Bit-equality with the torch path is
+therefore not the measure; `_assert_rope_as_accurate` checks both against float32 math and
+requires the kernel to be at least as close to it as the torch path is."""
+
+
+def _assert_rope_as_accurate(fused: torch.Tensor, torch_path: torch.Tensor, exact: torch.Tensor):
+    """`exact`: float32 RoPE of the same 16-bit inputs. The kernel's worst and mean error
+    against it are no larger than the torch path's (plus a tenth of a rounding step)."""
+    step = _ULP[fused.dtype]
+    f_err = (fused.float() - exact).abs()
+    t_err = (torch_path.float() - exact).abs()
+    scale = exact.abs().clamp(min=1.0)
+    assert float((f_err / scale).max()) <= float((t_err / scale).max()) + 0.1 * step
+    assert float(f_err.mean()) <= float(t_err.mean()) * 1.05 + 1e-7
+
+
+def _rope_float32(positions, x, head_size, rotary_dim, inv_freq, scaling):
+    """Neox-style RoPE in float32 on a [T, H*D] 16-bit input (the short-context frequencies)."""
+    t, width = x.shape
+    xs = x.float().view(t, width // head_size, head_size)
+    freqs = positions.float()[:, None] * inv_freq.float()[None, :]  # [T, rotary/2]
+    cos, sin = (freqs.cos() * scaling)[:, None, :], (freqs.sin() * scaling)[:, None, :]
+    half = rotary_dim // 2
+    x1, x2 = xs[..., :half], xs[..., half:rotary_dim]
+    out = xs.clone()
+    out[..., :half] = x1 * cos - x2 * sin
+    out[..., half:rotary_dim] = x2 * cos + x1 * sin
+    return out.view(t, width)
 
 
 @requires_cuda
@@ -395,6 +422,10 @@ def test_fused_rope_matches_torch(
     # A cos / sin one bit apart moves a rounded product of |x| <= ~5 by one step at 5.
     _assert_close_16bit(fq, rq, scale=5.0, min_equal=ROPE_MIN_EQUAL)
     _assert_close_16bit(fk, rk, scale=5.0, min_equal=ROPE_MIN_EQUAL)
+    if not long:  # the long-context frequencies switch per position: the torch path is the oracle
+        for f, r, x in ((fq, rq, q), (fk, rk, k)):
+            exact = _rope_float32(positions, x, head_size, rotary_dim, rope.inv_freq, scaling)
+            _assert_rope_as_accurate(f, r, exact)
 
 
 @requires_cuda

@@ -49,6 +49,7 @@ def syncs_per_step(
         block_size=16,
         max_num_seqs=4,
         max_num_batched_tokens=32,
+        num_scheduler_steps=1,  # one decode step per execute_model (auto bursts 8 on CUDA)
     )
     counts: list[int] = []
     try:
