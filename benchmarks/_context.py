@@ -168,7 +168,7 @@ def run_ours(
     from v1 import LLM
 
     result = OursRun(variant)
-    llm = None
+    llm = probe = None
     try:
         llm = LLM(
             path,
@@ -197,7 +197,7 @@ def run_ours(
     finally:
         if llm is not None:
             llm.shutdown()
-        llm = None
+        llm = probe = None  # the probe holds the engine too: both must go before it is freed
         # LLM freezes the cyclic GC at start-up (gc.freeze), so a shut-down engine's cycles
         # (model weights, KV cache) are never collected: unfreeze to get its memory back
         # before the next variant or workload runs in this process, then freeze what is
