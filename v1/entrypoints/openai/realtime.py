@@ -42,7 +42,12 @@ from v1.engine.realtime import (
     TranscriptFailed,
     check_session_options,
 )
-from v1.entrypoints.openai.errors import APIError, bounded, error_response
+from v1.entrypoints.openai.errors import (
+    APIError,
+    bounded,
+    error_response,
+    internal_error_message,
+)
 from v1.entrypoints.openai.serving_engine import ServerSettings
 from v1.logger import init_logger
 
@@ -204,6 +209,10 @@ class _Connection:
                 await self._dispatch(text)
             except EngineDeadError as e:
                 self._error(f"the engine is not running: {e}", "engine_dead", "server_error")
+                return
+            except Exception as e:  # noqa: BLE001 - the client is told before the session ends
+                detail = f"realtime session {self.session.session_id}: {type(e).__name__}: {e}"
+                self._error(internal_error_message(detail), "internal_error", "server_error")
                 return
 
     # ---- client events ----
