@@ -172,10 +172,8 @@ if HAS_TRITON:
         rows64 = rows.to(tl.int64)
         r = tl.arange(0, BLOCK_R)
         kk = tl.arange(0, BLOCK_K)
-        total = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         # The block's distinct slots in increasing order (num_slots: none left).
         cur = tl.min(tl.where(slots >= 0, slots, num_slots), axis=0)
-        first = cur
         while cur < num_slots:
             sel = slots == cur
             acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -193,14 +191,12 @@ if HAS_TRITON:
                     other=0.0,
                 )  # [BLOCK_K, BLOCK_R]: A[slot]^T
                 acc = tl.dot(xt, at, acc, input_precision=PRECISION)
-            total = tl.where(sel[:, None], acc, total)
-            cur = tl.min(tl.where(slots > cur, slots, num_slots), axis=0)
-        if first < num_slots:
             tl.store(
                 y_ptr + rows64[:, None] * stride_yt + r[None, :],
-                total,
-                mask=(slots[:, None] >= 0) & (r[None, :] < R),
+                acc,
+                mask=sel[:, None] & (r[None, :] < R),
             )
+            cur = tl.min(tl.where(slots > cur, slots, num_slots), axis=0)
 
     @triton.jit
     def _sgmv_expand_kernel(
