@@ -87,7 +87,8 @@ def add_lora(
     if x2.is_cuda:
         from v1.lora.triton_ops import HAS_TRITON, bgmv_add_lora, sgmv_add_lora
 
-        if HAS_TRITON and use_sgmv(rows_per_run):
+        same_dtype = x2.dtype == lora_a.dtype == lora_b.dtype  # tl.dot's operands
+        if HAS_TRITON and same_dtype and use_sgmv(rows_per_run):
             return sgmv_add_lora(
                 out2, x2, lora_a, lora_b, indices, sub_sizes, rows_per_run
             ).reshape(shape)

@@ -146,6 +146,51 @@ def bgmv_add_lora(
 if HAS_TRITON:
 
     @triton.jit
+    def _shrink_slot_rows(
+        x_ptr,
+        a_ptr,
+        y_ptr,
+        rows64,
+        sel,
+        slot,
+        K,
+        R,
+        stride_xt,
+        stride_xk,
+        stride_as,
+        stride_ar,
+        stride_ak,
+        stride_yt,
+        BLOCK_M: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        """y[rows where sel] = x[those rows] A[slot]^T (fp32)."""
+        r = tl.arange(0, BLOCK_R)
+        kk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        a_base = a_ptr + slot.to(tl.int64) * stride_as + r[None, :] * stride_ar
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + kk
+            xt = tl.load(
+                x_ptr + rows64[:, None] * stride_xt + k[None, :] * stride_xk,
+                mask=sel[:, None] & (k[None, :] < K),
+                other=0.0,
+            )
+            at = tl.load(
+                a_base + k[:, None] * stride_ak,
+                mask=(k[:, None] < K) & (r[None, :] < R),
+                other=0.0,
+            )  # [BLOCK_K, BLOCK_R]: A[slot]^T
+            acc = tl.dot(xt, at, acc, input_precision=PRECISION)
+        tl.store(
+            y_ptr + rows64[:, None] * stride_yt + r[None, :],
+            acc,
+            mask=sel[:, None] & (r[None, :] < R),
+        )
+
+    @triton.jit
     def _sgmv_shrink_kernel(
         x_ptr,
         a_ptr,
@@ -166,37 +211,30 @@ if HAS_TRITON:
         BLOCK_K: tl.constexpr,
         PRECISION: tl.constexpr,
     ):
-        """y[rows] = x[rows] A[slot]^T for one block of rows, fp32 (rows of slot -1: unwritten)."""
+        """y[rows] = x[rows] A[slot]^T for one block of rows, fp32 (rows of slot -1: unwritten).
+        A block of one slot (besides -1 rows) takes the straight path, whose K loop Triton
+        pipelines; a mixed block loops over its distinct slots."""
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         slots = tl.load(idx_ptr + rows, mask=rows < T, other=-1)
         rows64 = rows.to(tl.int64)
-        r = tl.arange(0, BLOCK_R)
-        kk = tl.arange(0, BLOCK_K)
-        # The block's distinct slots in increasing order (num_slots: none left).
-        cur = tl.min(tl.where(slots >= 0, slots, num_slots), axis=0)
-        while cur < num_slots:
-            sel = slots == cur
-            acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            a_base = a_ptr + cur.to(tl.int64) * stride_as + r[None, :] * stride_ar
-            for k0 in range(0, K, BLOCK_K):
-                k = k0 + kk
-                xt = tl.load(
-                    x_ptr + rows64[:, None] * stride_xt + k[None, :] * stride_xk,
-                    mask=sel[:, None] & (k[None, :] < K),
-                    other=0.0,
-                )
-                at = tl.load(
-                    a_base + k[:, None] * stride_ak,
-                    mask=(k[:, None] < K) & (r[None, :] < R),
-                    other=0.0,
-                )  # [BLOCK_K, BLOCK_R]: A[slot]^T
-                acc = tl.dot(xt, at, acc, input_precision=PRECISION)
-            tl.store(
-                y_ptr + rows64[:, None] * stride_yt + r[None, :],
-                acc,
-                mask=sel[:, None] & (r[None, :] < R),
-            )
-            cur = tl.min(tl.where(slots > cur, slots, num_slots), axis=0)
+        lo = tl.min(tl.where(slots >= 0, slots, num_slots), axis=0)
+        hi = tl.max(slots, axis=0)
+        if lo == hi:
+            _shrink_slot_rows(
+                x_ptr, a_ptr, y_ptr, rows64, slots == lo, lo, K, R,
+                stride_xt, stride_xk, stride_as, stride_ar, stride_ak, stride_yt,
+                BLOCK_M, BLOCK_R, BLOCK_K, PRECISION,
+            )  # fmt: skip
+        elif lo < num_slots:
+            # The block's distinct slots in increasing order (num_slots: none left).
+            cur = lo
+            while cur < num_slots:
+                _shrink_slot_rows(
+                    x_ptr, a_ptr, y_ptr, rows64, slots == cur, cur, K, R,
+                    stride_xt, stride_xk, stride_as, stride_ar, stride_ak, stride_yt,
+                    BLOCK_M, BLOCK_R, BLOCK_K, PRECISION,
+                )  # fmt: skip
+                cur = tl.min(tl.where(slots > cur, slots, num_slots), axis=0)
 
     @triton.jit
     def _sgmv_expand_kernel(
