@@ -272,3 +272,36 @@ def _interpreter_checks() -> None:
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     none = torch.full_like(idx, -1)
     assert torch.equal(triton_ops.sgmv_add_lora(base.clone(), x, a, b, none, subs), base)
+    _check_lora_linear_layout(triton_ops.sgmv_add_lora)
+
+
+def _check_lora_linear_layout(sgmv) -> None:
+    """`LoRALinear`'s slots (GQA-like uneven q/k/v, ranks 3 and 5 under max rank 8, k not
+    targeted in one slot) through SGMV with the layer's sub-projection sizes equal the CPU
+    grouped path: the layout SGMV's expand relies on (sub j owns ranks [j*8, j*8 + 8))."""
+    import numpy as np
+
+    from v1.lora.layers import LoRAIndices, LoRALinear
+    from v1.lora.ops import add_lora_grouped
+    from v1.lora.targets import LoRATarget
+
+    target = LoRATarget("qkv", 32, (48, 16, 16), encoder_side=True)
+    indices = LoRAIndices(4, 64, torch.device("cpu"))
+    layer = LoRALinear(target, 3, 8, indices, torch.float32, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(1)
+    for slot, rank, subs in ((0, 3, (0, 1, 2)), (2, 5, (0, 2))):
+        layer.set_slot(
+            slot,
+            {
+                j: (torch.randn(rank, 32, generator=gen), torch.randn(size, rank, generator=gen))
+                for j, size in enumerate(target.output_sizes)
+                if j in subs
+            },
+        )
+    slots = np.repeat(np.array([2, -1, 0, 2, 1]), [20, 5, 17, 1, 7])  # slot 1: empty (zeros)
+    indices.set(True, slots)
+    idx = indices.rows(True, len(slots))
+    x, base = torch.randn(len(slots), 32, generator=gen), torch.randn(len(slots), 80, generator=gen)
+    want = add_lora_grouped(base.clone(), x, layer.lora_a, layer.lora_b, idx)
+    got = sgmv(base.clone(), x, layer.lora_a, layer.lora_b, idx, target.output_sizes, 50.0)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
