@@ -20,10 +20,17 @@ class LoRAIndices:
         self.decoder = torch.full((max_decoder_rows,), -1, dtype=torch.int64, device=device)
         """Fixed size and address: CUDA graphs of decode steps read it."""
         self.encoder = torch.full((max_encoder_rows,), -1, dtype=torch.int64, device=device)
+        self.rows_per_run = {False: 1.0, True: 1.0}
+        """Per side (encoder_side), the mean length of the runs of one slot in the rows last
+        set (host side, from `set`): long runs (the encoder's rows per request, prefill) take
+        the tiled SGMV kernels, short ones (decode) BGMV (`ops.use_sgmv`). The decoder side
+        starts at 1, so CUDA-graph warm-up and capture, before any step, both run BGMV."""
 
     def set(self, encoder_side: bool, slots: np.ndarray) -> None:
         """Rows 0..len(slots) get `slots`; the rest (padding) -1."""
         n = len(slots)
+        runs = 1 + int(np.count_nonzero(slots[1:] != slots[:-1])) if n else 1
+        self.rows_per_run[encoder_side] = max(n, 1) / runs
         buf = self.encoder if encoder_side else self.decoder
         if n > buf.shape[0]:
             assert encoder_side, f"{n} decoder rows exceed the LoRA index buffer"
@@ -65,8 +72,17 @@ class LoRALinear:
 
     def apply(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]).shape[0]
-        indices = self.indices.rows(self.target.encoder_side, rows)
-        return add_lora(out, x, self.lora_a, self.lora_b, indices)
+        side = self.target.encoder_side
+        indices = self.indices.rows(side, rows)
+        return add_lora(
+            out,
+            x,
+            self.lora_a,
+            self.lora_b,
+            indices,
+            rows_per_run=self.indices.rows_per_run[side],
+            sub_sizes=tuple(self.target.output_sizes),
+        )
 
     def set_slot(self, slot: int, subs: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Writes one adapter's (A, B) per sub-projection into `slot` (zeros elsewhere)."""

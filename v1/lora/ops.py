@@ -1,7 +1,9 @@
 """The batched LoRA product of one Linear: out[t] += B[s] (A[s] x[t]) for each token t with
 adapter slot s = indices[t] (-1: the base model, nothing added). `lora_delta_reference` is the
-plain-torch oracle; `add_lora` picks grouped matmuls per adapter on CPU, the Triton BGMV
-kernels on CUDA, or (no Triton) a per-slot masked form that never syncs (CUDA graphs).
+plain-torch oracle; `add_lora` picks grouped matmuls per adapter on CPU, on CUDA the Triton
+SGMV kernels (tiled matmuls; rows in long runs of one adapter: the encoder, prefill) or BGMV
+(one program per row: decode rows, and every CUDA-graph capture), or (no Triton) a per-slot
+masked form that never syncs (CUDA graphs).
 """
 
 from __future__ import annotations
@@ -52,19 +54,44 @@ def add_lora_masked(
     return out
 
 
+SGMV_MIN_ROWS_PER_RUN = 8.0
+"""Rows of one adapter in a row (on average) from which the tiled SGMV kernels beat per-row
+BGMV: below it most row blocks mix adapters and loop over them."""
+
+
+def use_sgmv(rows_per_run: float) -> bool:
+    """SGMV for rows in long runs of one adapter, BGMV otherwise and always while a CUDA graph
+    is being captured (decode graphs: one row per request; the graph replays whatever kernel it
+    captured, reading the indices in place, so the choice is only about speed)."""
+    if rows_per_run < SGMV_MIN_ROWS_PER_RUN:
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
 def add_lora(
     out: torch.Tensor,
     x: torch.Tensor,
     lora_a: torch.Tensor,
     lora_b: torch.Tensor,
     indices: torch.Tensor,
+    *,
+    rows_per_run: float = 1.0,
+    sub_sizes: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
-    """out [T, out] += each token's adapter product (in place where possible; returns out)."""
+    """out [T, out] += each token's adapter product (in place where possible; returns out).
+    `rows_per_run`: the mean length of the runs of one slot in `indices` (1: every row its own,
+    picks BGMV on CUDA); `sub_sizes`: a fused layer's sub-projection output sizes, whose B is
+    block diagonal (`layers.LoRALinear`), so SGMV's expand skips the zero blocks."""
     shape = out.shape
     x2, out2 = x.reshape(-1, x.shape[-1]), out.reshape(-1, shape[-1])
     if x2.is_cuda:
-        from v1.lora.triton_ops import HAS_TRITON, bgmv_add_lora
+        from v1.lora.triton_ops import HAS_TRITON, bgmv_add_lora, sgmv_add_lora
 
+        same_dtype = x2.dtype == lora_a.dtype == lora_b.dtype  # tl.dot's operands
+        if HAS_TRITON and same_dtype and use_sgmv(rows_per_run):
+            return sgmv_add_lora(
+                out2, x2, lora_a, lora_b, indices, sub_sizes, rows_per_run
+            ).reshape(shape)
         if HAS_TRITON:
             return bgmv_add_lora(out2, x2, lora_a, lora_b, indices).reshape(shape)
         return add_lora_masked(out2, x2, lora_a, lora_b, indices).reshape(shape)
