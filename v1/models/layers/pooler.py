@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from v1.host_copy import to_device
+from v1.models.layers.norm import use_fused_encoder
 from v1.pooling_config import ModelPoolingConfig
 from v1.pooling_params import PoolingParams
 
@@ -73,12 +74,13 @@ def segment_sum(values: torch.Tensor, seg: PoolingSegments) -> torch.Tensor:
 
 def pool_tokens(hidden: torch.Tensor, seg: PoolingSegments, mode: str) -> torch.Tensor:
     """hidden [T, H] -> [R, H] float32 by one sentence-transformers pooling mode."""
+    # The selecting modes convert only the rows they keep (not a float32 copy of [T, H]).
+    if mode == "cls":
+        return hidden[seg.first_token_indices].float()
+    if mode == "last":
+        return hidden[seg.last_token_indices].float()
     h = hidden.float()
     lengths = seg.lengths.to(h.dtype)[:, None]  # [R, 1]
-    if mode == "cls":
-        return h[seg.first_token_indices]
-    if mode == "last":
-        return h[seg.last_token_indices]
     if mode == "mean":
         return segment_sum(h, seg) / lengths
     if mode == "mean_sqrt_len":
@@ -165,13 +167,26 @@ class Pooler:
         reqs: list[int],
         blocks: list[PooledBlock],
     ) -> None:
-        pooled = pool(hidden, seg, self.config.pooling_modes)  # [R, E]
         default = self.config.normalize
         groups = _group(
             params,
             reqs,
             lambda p: (p.dimensions, default if p.normalize is None else p.normalize),
         )
+        fused = _fused_mean_mode(hidden, self.config.pooling_modes)
+        if fused is not None and len(groups) == 1:
+            ((dims, normalize),) = groups
+            if dims is None:
+                # One kernel: the mean and the L2 normalization of every request.
+                x = _segment_mean(hidden, seg, fused, normalize)
+                if len(reqs) < len(x):
+                    x = x[_device_index(reqs, x.device)]
+                blocks.append(PooledBlock(x, groups[(dims, normalize)]))
+                return
+        if fused is not None:
+            pooled = _segment_mean(hidden, seg, fused, False)  # [R, E]
+        else:
+            pooled = pool(hidden, seg, self.config.pooling_modes)  # [R, E]
         for (dims, normalize), idx in groups.items():
             # Row selection by a device index (a Python list index would copy it synchronously).
             x = pooled if len(idx) == len(pooled) else pooled[_device_index(idx, pooled.device)]
@@ -227,6 +242,24 @@ class Pooler:
             blocks.append(
                 PooledBlock(l2_normalize(tokens) if normalize else tokens, idx, counts.tolist())
             )
+
+
+def _fused_mean_mode(hidden: torch.Tensor, modes: tuple[str, ...]) -> str | None:
+    """The one mean-like pooling mode that `segment_mean_triton` computes on hidden
+    (`use_fused_encoder`), or None: the torch path (`pool`), its reference."""
+    if len(modes) == 1 and modes[0] in ("mean", "mean_sqrt_len") and use_fused_encoder(hidden):
+        return modes[0]
+    return None
+
+
+def _segment_mean(
+    hidden: torch.Tensor, seg: PoolingSegments, mode: str, normalize: bool
+) -> torch.Tensor:
+    from v1.models.layers.triton_encoder import segment_mean_triton
+
+    return segment_mean_triton(
+        hidden, seg.query_start_loc, sqrt_len=mode == "mean_sqrt_len", normalize=normalize
+    )
 
 
 def _group(
