@@ -152,10 +152,117 @@ def _median_rate(seconds: list[float], tokens: int) -> float:
     return statistics.median(tokens / s for s in seconds)
 
 
+VARIANTS: dict[str, tuple[dict[str, bool], dict[str, Any]]] = {
+    "before": ({"V1_FUSED_ENCODER": False, "V1_CUDNN_VARLEN": False}, {"max_steps_in_flight": 2}),
+    "after": ({"V1_FUSED_ENCODER": True, "V1_CUDNN_VARLEN": False}, {}),
+    "cudnn": ({"V1_FUSED_ENCODER": True, "V1_CUDNN_VARLEN": True}, {}),
+}
+"""Our engine's variants: the v1.envs flags set while the engine is built and run (read at
+forward / capture time), and extra LLM arguments. `before` is the code before issue 35's
+BERT changes (torch embeddings and pooling, 2 steps in flight); `after` the defaults; `cudnn`
+the defaults plus the experimental cuDNN ragged attention."""
+
+
+def _run_variant(
+    args: argparse.Namespace,
+    device: Device,
+    path: str,
+    dtype: torch.dtype,
+    label: str,
+    inputs: Any,
+    tokens: int,
+    hf_best: tuple[float, int],
+    hf_vectors: torch.Tensor | None,
+) -> dict[str, Any] | None:
+    from v1 import LLM, envs
+
+    try:
+        from v1.attention.backends import triton as triton_backend
+    except ImportError:  # no triton (CPU): the flags change nothing there
+        triton_backend = None
+    flags, extra = VARIANTS[label]
+    saved = {name: getattr(envs, name) for name in flags}
+    for name, value in flags.items():
+        setattr(envs, name, value)
+    if triton_backend is not None:
+        triton_backend._CUDNN_VARLEN_OK[0] = True  # a refusal is per engine: try again
+    llm = None
+    try:
+        llm = LLM(
+            path,
+            dtype=str(dtype).removeprefix("torch."),
+            device=device.name,
+            multiprocess=args.multiprocess,
+            max_num_seqs=512,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            **extra,
+        )
+        depth = llm.config.scheduler_config.max_steps_in_flight
+
+        def embed(input_set: int) -> Any:
+            batch = [{"prompt_token_ids": s.tolist()} for s in inputs(input_set)]
+            return timed(device, lambda: llm.embed(batch, use_tqdm=False))
+
+        _, out = embed(0)  # warm-up, full size
+        assert len(out) == args.inputs and all(len(o.outputs.embedding) for o in out)
+        seconds = []
+        ours_vectors = None
+        for i in range(1, args.repeats + 1):
+            s, out = embed(i)
+            seconds.append(s)
+            if i == 1:
+                ours_vectors = np.array([o.outputs.embedding for o in out], dtype=np.float32)
+        rate = _median_rate(seconds, tokens)
+        entry: dict[str, Any] = {
+            "tok_s": rate,
+            "ratio": rate / hf_best[0],
+            "flags": flags,
+            "steps_in_flight": depth,
+        }
+        if flags.get("V1_CUDNN_VARLEN") and triton_backend is not None and device.is_cuda:
+            entry["cudnn_used"] = triton_backend._CUDNN_VARLEN_OK[0]
+        on = ", ".join(f"{k.removeprefix('V1_')}={int(v)}" for k, v in flags.items())
+        line = (
+            f"ours {label} ({on}, {depth} steps in flight): {_summary(seconds, tokens)} = "
+            f"{rate / hf_best[0]:.2f}x transformers"
+        )
+        if "cudnn_used" in entry:
+            line += f"; cuDNN ragged attention {'used' if entry['cudnn_used'] else 'REFUSED'}"
+        if hf_vectors is not None and ours_vectors is not None:
+            cos = (ours_vectors * hf_vectors.numpy()).sum(-1)
+            entry["min_cosine_to_hf"] = float(cos.min())
+            line += f"; cosine to transformers min {cos.min():.5f}"
+        print(line, flush=True)
+        if not args.no_profile and device.is_cuda:
+            batch = [{"prompt_token_ids": s.tolist()} for s in inputs(args.repeats + 1)]
+            dev = _device_seconds(device, lambda: llm.embed(batch, use_tqdm=False))
+            entry["device_s"] = dev
+            print(
+                f"   device kernel time of a run: {dev:.3f} s (host-free ceiling "
+                f"{tokens / dev:,.0f} tok/s = {tokens / dev / hf_best[0]:.2f}x); median wall "
+                f"{statistics.median(seconds):.3f} s",
+                flush=True,
+            )
+        return entry
+    except Exception as e:  # noqa: BLE001 - one variant failing must not hide the others
+        import traceback
+
+        traceback.print_exc()
+        print(f"ours {label}: FAILED: {type(e).__name__}: {e}", flush=True)
+        return None
+    finally:
+        for name, value in saved.items():
+            setattr(envs, name, value)
+        if llm is not None:
+            llm.shutdown()
+        llm = None
+        gc.unfreeze()  # LLM froze the collector: let the engine's cycles go
+        device.free()
+        gc.freeze()
+
+
 def bench(args: argparse.Namespace, device: Device, name: str, path: str, max_len: int) -> dict:
     from transformers import AutoModel
-
-    from v1 import LLM, envs
 
     dtype = torch.float16 if device.is_cuda else torch.float32
     lengths = _lengths(args.inputs, 16, max_len)
@@ -196,73 +303,11 @@ def bench(args: argparse.Namespace, device: Device, name: str, path: str, max_le
     model = None
     device.free()
 
-    # ---- ours, before and after
-    variants = {
-        "before": (False, {"max_steps_in_flight": 2}),
-        "after": (True, {}),
-    }
-    saved_flag = envs.V1_FUSED_ENCODER
-    for label, (fused, extra) in variants.items():
-        envs.V1_FUSED_ENCODER = fused
-        llm = None
-        try:
-            llm = LLM(
-                path,
-                dtype=str(dtype).removeprefix("torch."),
-                device=device.name,
-                multiprocess=args.multiprocess,
-                max_num_seqs=512,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                **extra,
-            )
-            depth = llm.config.scheduler_config.max_steps_in_flight
-            prompts = lambda i: [{"prompt_token_ids": s.tolist()} for s in inputs(i)]  # noqa: E731
-            warm = prompts(0)
-            _, out = timed(device, lambda: llm.embed(warm, use_tqdm=False))
-            assert len(out) == args.inputs and all(len(o.outputs.embedding) for o in out)
-            seconds = []
-            ours_vectors = None
-            for i in range(1, args.repeats + 1):
-                batch = prompts(i)
-                s, out = timed(device, lambda b=batch: llm.embed(b, use_tqdm=False))
-                seconds.append(s)
-                if i == 1:
-                    ours_vectors = np.array([o.outputs.embedding for o in out], dtype=np.float32)
-            rate = _median_rate(seconds, tokens)
-            entry: dict[str, Any] = {
-                "tok_s": rate,
-                "ratio": rate / hf_best[0],
-                "fused": fused,
-                "steps_in_flight": depth,
-            }
-            line = (
-                f"ours {label} (fused kernels {'on' if fused else 'off'}, {depth} steps in "
-                f"flight): {_summary(seconds, tokens)} = {rate / hf_best[0]:.2f}x transformers"
-            )
-            if hf_vectors is not None and ours_vectors is not None:
-                cos = (ours_vectors * hf_vectors.numpy()).sum(-1)
-                entry["min_cosine_to_hf"] = float(cos.min())
-                line += f"; cosine to transformers min {cos.min():.5f}"
-            print(line, flush=True)
-            if not args.no_profile and device.is_cuda:
-                batch = prompts(args.repeats + 1)
-                dev = _device_seconds(device, lambda b=batch: llm.embed(b, use_tqdm=False))
-                entry["device_s"] = dev
-                print(
-                    f"   device kernel time of a run: {dev:.3f} s (host-free ceiling "
-                    f"{tokens / dev:,.0f} tok/s = {tokens / dev / hf_best[0]:.2f}x); median wall "
-                    f"{statistics.median(seconds):.3f} s",
-                    flush=True,
-                )
+    # ---- ours, one engine per variant
+    for label in args.variants.split(","):
+        entry = _run_variant(args, device, path, dtype, label, inputs, tokens, hf_best, hf_vectors)
+        if entry is not None:
             result[label] = entry
-        finally:
-            envs.V1_FUSED_ENCODER = saved_flag
-            if llm is not None:
-                llm.shutdown()
-            llm = None
-            gc.unfreeze()  # LLM froze the collector: let the engine's cycles go
-            device.free()
-            gc.freeze()
     hf_rate = hf_best[0]
     before, after = result.get("before"), result.get("after")
     if before and after:
@@ -288,10 +333,14 @@ def main() -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=32768)
     p.add_argument("--multiprocess", action="store_true", help="EngineCore in its own process")
     p.add_argument("--no-profile", action="store_true", help="skip the device-time runs")
+    p.add_argument("--variants", default="before,after", help=f"comma list of {list(VARIANTS)}")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args()
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
+    unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
+    if unknown:
+        p.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
     device = Device(args.device)
     if device.is_cuda and not torch.cuda.is_available():
         print("no CUDA device: use --device cpu --tiny", file=sys.stderr)
@@ -334,7 +383,7 @@ def main() -> int:
     for r in results:
         hf = r["hf"]
         row = [f"{r['workload']}: transformers {hf['tok_s']:,.0f} (batch {hf['batch']})"]
-        for label in ("before", "after"):
+        for label in VARIANTS:
             if label in r:
                 e = r[label]
                 dev = f", device {e['device_s']:.3f} s" if "device_s" in e else ""

@@ -243,3 +243,99 @@ def test_llm_embed_fused_matches_unfused_gpu(monkeypatch) -> None:
         llm.shutdown()
     cos = (results[True] * results[False]).sum(-1)
     assert cos.min() >= 0.9999, cos.min()
+
+
+# ---------------------------------------------------------------- cuDNN ragged attention
+def _packed_attention_reference(q, k, v, lengths, scale) -> torch.Tensor:
+    """Per-sequence float32 softmax attention of packed [T, H, D] rows."""
+    out, start = [], 0
+    for n in lengths:
+        qs, ks, vs = (x[start : start + n].float().transpose(0, 1) for x in (q, k, v))
+        probs = torch.softmax(qs @ ks.transpose(1, 2) * scale, dim=-1)
+        out.append((probs @ vs).transpose(0, 1))
+        start += n
+    return torch.cat(out).to(q.dtype)
+
+
+def _common(lengths: list[int], max_len: int):
+    from v1.attention.backend import CommonAttentionMetadata
+
+    offsets = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
+    return CommonAttentionMetadata(
+        query_start_loc=offsets.cuda(),
+        query_start_loc_cpu=offsets,
+        seq_lens=torch.tensor(lengths, dtype=torch.int32).cuda(),
+        seq_lens_cpu=torch.tensor(lengths, dtype=torch.int32),
+        num_reqs=len(lengths),
+        num_actual_tokens=int(sum(lengths)),
+        max_query_len=max_len,
+        max_seq_len=max_len,
+        causal=False,
+    )
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    "lengths", [[1], [16, 512, 3, 200], list(range(16, 513, 16)), [512] * 8 + [0, 0]]
+)
+@pytest.mark.parametrize("heads,head_size", [(12, 32), (12, 64), (16, 64)])
+def test_cudnn_varlen_matches_reference_gpu(monkeypatch, dtype, lengths, heads, head_size) -> None:
+    """`V1_CUDNN_VARLEN`: cuDNN's ragged attention of strided q/k/v views of one fused
+    projection (as BERT's qkv chunks) equals per-sequence attention, like flash varlen; empty
+    trailing sequences (the encoder graphs' unused slots) are allowed. Skips where cuDNN
+    refuses (the backend then keeps flash varlen)."""
+    from v1.attention.backend import AttentionType
+    from v1.attention.backends import triton as triton_backend
+
+    monkeypatch.setattr(envs, "V1_CUDNN_VARLEN", True)
+    monkeypatch.setattr(triton_backend, "_CUDNN_VARLEN_OK", [True])
+    scale = head_size**-0.5
+    impl = triton_backend.TritonImpl(heads, head_size, scale, heads, AttentionType.ENCODER_ONLY)
+    num = sum(lengths)
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(num, 3 * heads * head_size, generator=g).to("cuda", dtype)
+    q, k, v = (x.view(num, heads, head_size) for x in qkv.chunk(3, dim=-1))
+    common = _common(lengths, 512)
+    out = impl._cudnn_varlen_forward(q, k, v, common)
+    if out is None:
+        pytest.skip("cuDNN ragged attention refused on this build/GPU")
+    ref = _packed_attention_reference(q, k, v, lengths, scale)
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+    monkeypatch.setattr(envs, "V1_CUDNN_VARLEN", False)
+    flash_out = impl._varlen_forward(q, k, v, common)
+    err_cudnn = (out.float() - ref.float()).abs().max()
+    err_flash = (flash_out.float() - ref.float()).abs().max()
+    assert err_cudnn <= 2 * err_flash + 1e-3, (err_cudnn, err_flash)
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_llm_embed_cudnn_varlen_matches_flash_gpu(monkeypatch) -> None:
+    """MiniLM through `LLM.embed` with CUDA graphs: cuDNN ragged attention (where available)
+    against flash varlen, cosine >= 0.9999 for every input."""
+    from tests.models.test_bert import MINILM
+    from v1 import LLM
+    from v1.attention.backends import triton as triton_backend
+
+    if not MINILM.is_dir():
+        pytest.skip("MiniLM assets not found")
+    rng = np.random.default_rng(1)
+    prompts = [
+        {"prompt_token_ids": [101, *rng.integers(1000, 29000, size=n - 2).tolist(), 102]}
+        for n in rng.integers(3, 257, size=64)
+    ]
+    results = {}
+    for flag in (True, False):
+        monkeypatch.setattr(envs, "V1_CUDNN_VARLEN", flag)
+        monkeypatch.setattr(triton_backend, "_CUDNN_VARLEN_OK", [True])
+        llm = LLM(str(MINILM), dtype="float16", multiprocess=False, max_num_batched_tokens=4096)
+        out = llm.embed(prompts, use_tqdm=False)
+        results[flag] = np.array([o.outputs.embedding for o in out])
+        if flag and not triton_backend._CUDNN_VARLEN_OK[0]:
+            llm.shutdown()
+            pytest.skip("cuDNN ragged attention refused on this build/GPU")
+        llm.shutdown()
+    cos = (results[True] * results[False]).sum(-1)
+    assert cos.min() >= 0.9999, cos.min()
