@@ -7,7 +7,7 @@ float32 result for its task (embed, classify, score, encode).
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -30,15 +30,15 @@ class PoolingSegments:
     """[R + 1] int64 token offsets."""
     lengths: torch.Tensor
     """[R] int64 tokens per request."""
-    token_req: torch.Tensor
-    """[T] int64 request index of each token."""
     lengths_cpu: list[int]
+    _token_req: torch.Tensor | None = field(default=None, repr=False)
 
     @classmethod
     def from_lengths(cls, lengths: np.ndarray, device: torch.device) -> PoolingSegments:
         """Segments of `lengths` tokens each. The host ships R + 1 offsets and R lengths in one
-        copy; the device expands them to the [T] request index of each token (a BERT step's
-        ~31K indices are neither built on the host nor copied)."""
+        copy; the device expands them to the [T] request index of each token when a pooling
+        mode asks for it (`token_req`: a BERT step's ~31K indices are neither built on the host
+        nor copied, and the fused mean pooling never needs them)."""
         lengths_np = np.asarray(lengths, dtype=np.int64)
         num_reqs = len(lengths_np)
         host = np.empty(2 * num_reqs + 1, dtype=np.int64)  # [offsets | lengths]
@@ -47,11 +47,19 @@ class PoolingSegments:
         host[num_reqs + 1 :] = lengths_np
         # non_blocking: no stream sync, so a pipelined step can be prepared while one runs.
         qsl, lengths_t = to_device(host, device).split([num_reqs + 1, num_reqs])
-        # output_size: the device needs no sync to learn the result's length.
-        token_req = torch.repeat_interleave(
-            torch.arange(num_reqs, device=device), lengths_t, output_size=int(host[num_reqs])
-        )
-        return cls(qsl, lengths_t, token_req, lengths_np.tolist())
+        return cls(qsl, lengths_t, lengths_np.tolist())
+
+    @property
+    def token_req(self) -> torch.Tensor:
+        """[T] int64 request index of each token (built on the device at first use)."""
+        if self._token_req is None:
+            # output_size: the device needs no sync to learn the result's length.
+            self._token_req = torch.repeat_interleave(
+                torch.arange(self.num_reqs, device=self.lengths.device),
+                self.lengths,
+                output_size=sum(self.lengths_cpu),
+            )
+        return self._token_req
 
     @property
     def num_reqs(self) -> int:
