@@ -76,3 +76,48 @@ def test_three_steps_in_flight_embed_the_whole_batch_queued(
     for i, out in enumerate(outputs):
         assert out.prompt_token_ids == prompts[i]["prompt_token_ids"]
         np.testing.assert_array_equal(np.asarray(out.outputs.embedding), reference[i])
+
+
+def test_embeddings_are_converted_as_their_steps_finish(
+    scorer_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`embed` turns each output into its EmbeddingRequestOutput (float lists) when it
+    arrives, between engine steps (so on a GPU while later steps run), not all after the
+    last step; the results are those of the unconverted outputs, in input order."""
+    from v1.entrypoints import llm as llm_mod
+    from v1.outputs import EmbeddingRequestOutput
+
+    events: list[str] = []
+    original = EmbeddingRequestOutput.from_base
+
+    def recording_convert(output):
+        events.append("convert")
+        return original(output)
+
+    prompts = _token_prompts(40, seed=5)
+    with LLM(scorer_dir, multiprocess=False, max_num_batched_tokens=64, max_num_seqs=8) as llm:
+        engine = llm.llm_engine
+        step = engine.step
+
+        def recording_step():
+            events.append("step")
+            return step()
+
+        monkeypatch.setattr(engine, "step", recording_step)
+        monkeypatch.setattr(
+            llm_mod.EmbeddingRequestOutput, "from_base", staticmethod(recording_convert)
+        )
+        outputs = llm.embed(prompts, use_tqdm=False)
+        monkeypatch.undo()
+        for i, prompt in enumerate(prompts):  # the reference: raw pooling outputs
+            engine.add_request(f"ref-{i}", prompt, PoolingParams(task="embed"))
+        reference: dict[int, np.ndarray] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                reference[int(out.request_id.removeprefix("ref-"))] = out.outputs.data
+    assert events.count("convert") == len(prompts)
+    assert "step" in events[events.index("convert") :]  # converting began before the last step
+    assert all(isinstance(o, EmbeddingRequestOutput) for o in outputs)
+    for i, out in enumerate(outputs):
+        assert isinstance(out.outputs.embedding, list)
+        np.testing.assert_array_equal(np.asarray(out.outputs.embedding), reference[i])
