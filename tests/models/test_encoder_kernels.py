@@ -339,3 +339,56 @@ def test_llm_embed_cudnn_varlen_matches_flash_gpu(monkeypatch) -> None:
         llm.shutdown()
     cos = (results[True] * results[False]).sum(-1)
     assert cos.min() >= 0.9999, cos.min()
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "cuda_graphs"])
+def test_pipelined_pooling_launch_never_syncs_gpu(enforce_eager: bool) -> None:
+    """The launch of an encoder-only step (input copies, the graphed or eager pass, the fused
+    pooling and the pinned copy of its results) makes no synchronizing CUDA call: the host
+    prepares the next steps while the device runs (torch's sync debug mode, after a warm-up)."""
+    import warnings
+
+    from tests.models.test_bert import MINILM
+    from v1 import LLM
+
+    if not MINILM.is_dir():
+        pytest.skip("MiniLM assets not found")
+    llm = LLM(
+        str(MINILM),
+        dtype="float16",
+        multiprocess=False,
+        enforce_eager=enforce_eager,
+        max_num_batched_tokens=2048,
+    )
+    rng = np.random.default_rng(2)
+    prompts = [
+        {"prompt_token_ids": [101, *rng.integers(1000, 29000, size=n - 2).tolist(), 102]}
+        for n in rng.integers(3, 200, size=64)
+    ]
+    counts: list[int] = []
+    try:
+        assert llm.config.scheduler_config.max_steps_in_flight == 3
+        runner = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
+        launch = runner.execute_model_async
+        llm.embed(prompts, use_tqdm=False)  # warm-up: kernels compile outside the count
+
+        def counted(so):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    out = launch(so)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            if so.total_num_scheduled_tokens:
+                counts.append(sum("synchronizing CUDA operation" in str(w.message) for w in caught))
+            return out
+
+        runner.execute_model_async = counted
+        outs = llm.embed(prompts, use_tqdm=False)
+        assert len(outs) == len(prompts)
+    finally:
+        llm.shutdown()
+    assert len(counts) >= 3 and counts == [0] * len(counts), counts
