@@ -26,6 +26,19 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def _minilm():
+    """The real all-MiniLM-L6-v2 folder: the shared assets, or the copy a device run carries
+    in .bench_assets/minilm (as benchmarks/bert_embed.py takes it); None when neither exists."""
+    from pathlib import Path
+
+    from tests.utils import ASSETS
+
+    for path in (ASSETS / "all-MiniLM-L6-v2", Path(REPO) / ".bench_assets" / "minilm"):
+        if path.is_dir():
+            return path
+    return None
+
+
 def _cfg(hidden: int, vocab: int = 50, max_pos: int = 64, types: int = 2) -> SimpleNamespace:
     return SimpleNamespace(
         vocab_size=vocab,
@@ -225,10 +238,10 @@ def test_fused_pooler_groups_gpu(monkeypatch) -> None:
 def test_llm_embed_fused_matches_unfused_gpu(monkeypatch) -> None:
     """Real MiniLM weights, fp16, CUDA graphs: `LLM.embed` with the kernels against the torch
     paths (flag off), cosine >= 0.9999 for every input (same steps, same GEMMs)."""
-    from tests.models.test_bert import MINILM
     from v1 import LLM
 
-    if not MINILM.is_dir():
+    minilm = _minilm()
+    if minilm is None:
         pytest.skip("MiniLM assets not found")
     rng = np.random.default_rng(0)
     prompts = [
@@ -238,7 +251,7 @@ def test_llm_embed_fused_matches_unfused_gpu(monkeypatch) -> None:
     results = {}
     for flag in (True, False):
         monkeypatch.setattr(envs, "V1_FUSED_ENCODER", flag)
-        llm = LLM(str(MINILM), dtype="float16", multiprocess=False, max_num_batched_tokens=4096)
+        llm = LLM(str(minilm), dtype="float16", multiprocess=False, max_num_batched_tokens=4096)
         out = llm.embed(prompts, use_tqdm=False)
         results[flag] = np.array([o.outputs.embedding for o in out])
         llm.shutdown()
@@ -316,11 +329,11 @@ def test_cudnn_varlen_matches_reference_gpu(monkeypatch, dtype, lengths, heads, 
 def test_llm_embed_cudnn_varlen_matches_flash_gpu(monkeypatch) -> None:
     """MiniLM through `LLM.embed` with CUDA graphs: cuDNN ragged attention (where available)
     against flash varlen, cosine >= 0.9999 for every input."""
-    from tests.models.test_bert import MINILM
     from v1 import LLM
     from v1.attention.backends import triton as triton_backend
 
-    if not MINILM.is_dir():
+    minilm = _minilm()
+    if minilm is None:
         pytest.skip("MiniLM assets not found")
     rng = np.random.default_rng(1)
     prompts = [
@@ -331,7 +344,7 @@ def test_llm_embed_cudnn_varlen_matches_flash_gpu(monkeypatch) -> None:
     for flag in (True, False):
         monkeypatch.setattr(envs, "V1_CUDNN_VARLEN", flag)
         monkeypatch.setattr(triton_backend, "_CUDNN_VARLEN_OK", [True])
-        llm = LLM(str(MINILM), dtype="float16", multiprocess=False, max_num_batched_tokens=4096)
+        llm = LLM(str(minilm), dtype="float16", multiprocess=False, max_num_batched_tokens=4096)
         out = llm.embed(prompts, use_tqdm=False)
         results[flag] = np.array([o.outputs.embedding for o in out])
         if flag and not triton_backend._CUDNN_VARLEN_OK[0]:
@@ -351,13 +364,13 @@ def test_pipelined_pooling_launch_never_syncs_gpu(enforce_eager: bool) -> None:
     prepares the next steps while the device runs (torch's sync debug mode, after a warm-up)."""
     import warnings
 
-    from tests.models.test_bert import MINILM
     from v1 import LLM
 
-    if not MINILM.is_dir():
+    minilm = _minilm()
+    if minilm is None:
         pytest.skip("MiniLM assets not found")
     llm = LLM(
-        str(MINILM),
+        str(minilm),
         dtype="float16",
         multiprocess=False,
         enforce_eager=enforce_eager,
