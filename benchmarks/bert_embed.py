@@ -11,15 +11,19 @@ to the host; fp16, sdpa attention):
   mean + normalize head written beside it, so both sides pool alike; `--no-bert-base` skips it.
 
 For each workload: transformers at each `--hf-batches` size (warm-up on the full input set,
-then `--repeats` timed runs; the best median is the baseline), then our engine twice, each
-warmed on a full run then timed `--repeats` times:
-- `before`: `V1_FUSED_ENCODER` off (the torch embeddings and pooling) and max_steps_in_flight=2;
-- `after`: the defaults (fused kernels on, max_steps_in_flight auto: 3 for pooling on a GPU).
-Then, unless `--no-profile`, one run of each under torch.profiler: the device kernel time of a
-run, i.e. the host-free ceiling of our kernels. MiniLM also prints the cosine of our `after`
-embeddings to transformers' (float16 both; >= 0.999 expected).
+then `--repeats` timed runs; the best median is the baseline), then our engine once per
+`--variants` entry (VARIANTS below), each warmed on a full run then timed `--repeats` times:
+- `before`: `V1_FUSED_ENCODER` off (the torch embeddings and pooling), max_steps_in_flight=2,
+  outputs converted to float lists after the last step (as `LLM.embed` did);
+- `after`: the defaults (fused kernels on, max_steps_in_flight auto: 3 for pooling on a GPU,
+  outputs converted as they arrive);
+- `cudnn` (opt-in): `after` plus `V1_CUDNN_VARLEN` (cuDNN ragged attention; the line says
+  whether cuDNN took it or refused).
+Then, unless `--no-profile`, one more run of each under torch.profiler: the device kernel time
+of a run, i.e. the host-free ceiling of our kernels. Every variant prints the lowest cosine of
+its embeddings to transformers' on the same inputs (fp16 both; ~0.999+ expected).
 
-    python3 benchmarks/bert_embed.py --model .bench_assets/minilm             # GPU, ~3 min
+    python3 benchmarks/bert_embed.py --model .bench_assets/minilm --variants before,after,cudnn
     python3 benchmarks/bert_embed.py --device cpu --tiny --model ../shared/assets/all-MiniLM-L6-v2
 """
 
@@ -159,8 +163,24 @@ VARIANTS: dict[str, tuple[dict[str, bool], dict[str, Any]]] = {
 }
 """Our engine's variants: the v1.envs flags set while the engine is built and run (read at
 forward / capture time), and extra LLM arguments. `before` is the code before issue 35's
-BERT changes (torch embeddings and pooling, 2 steps in flight); `after` the defaults; `cudnn`
-the defaults plus the experimental cuDNN ragged attention."""
+BERT changes (torch embeddings and pooling, 2 steps in flight, outputs converted after the
+last step: `_embed_converting_at_end`); `after` the defaults; `cudnn` the defaults plus the
+experimental cuDNN ragged attention. Not switchable, so in all three: steps of texts ship no
+segment ids, and the pooling builds no per-token request index unless a mode needs it."""
+
+
+def _embed(llm: Any, batch: list[dict[str, Any]]) -> Any:
+    return llm.embed(batch, use_tqdm=False)
+
+
+def _embed_converting_at_end(llm: Any, batch: list[dict[str, Any]]) -> Any:
+    """`LLM.embed` as it was before issue 35's change: every output converted to its
+    EmbeddingRequestOutput (float lists) after the last step, none while steps run."""
+    from v1.outputs import EmbeddingRequestOutput
+
+    params = llm._pooling_params(None, batch, "embed", None)
+    outputs = llm._run(batch, params, False, None)
+    return [EmbeddingRequestOutput.from_base(o) for o in outputs]
 
 
 def _run_variant(
@@ -198,10 +218,11 @@ def _run_variant(
             **extra,
         )
         depth = llm.config.scheduler_config.max_steps_in_flight
+        run = _embed_converting_at_end if label == "before" else _embed
 
         def embed(input_set: int) -> Any:
             batch = [{"prompt_token_ids": s.tolist()} for s in inputs(input_set)]
-            return timed(device, lambda: llm.embed(batch, use_tqdm=False))
+            return timed(device, lambda: run(llm, batch))
 
         _, out = embed(0)  # warm-up, full size
         assert len(out) == args.inputs and all(len(o.outputs.embedding) for o in out)
@@ -235,7 +256,7 @@ def _run_variant(
         print(line, flush=True)
         if not args.no_profile and device.is_cuda:
             batch = [{"prompt_token_ids": s.tolist()} for s in inputs(args.repeats + 1)]
-            dev = _device_seconds(device, lambda: llm.embed(batch, use_tqdm=False))
+            dev = _device_seconds(device, lambda: run(llm, batch))
             entry["device_s"] = dev
             print(
                 f"   device kernel time of a run: {dev:.3f} s (host-free ceiling "
