@@ -375,11 +375,13 @@ class SchedulerConfig:
     """Schedule and launch step N+1 before waiting for step N's results, so host work overlaps
     the device; tokens sampled by step N feed step N+1 on the device and the host reads them one
     step behind. None: on for every model kind on CUDA, off on CPU."""
-    max_steps_in_flight: int = 2
+    max_steps_in_flight: int | None = None
     """Pipelined scheduling depth: launched steps not yet read back (the step the device runs
     and those queued behind it). 2 overlaps one step's host work with the device; 3 also
     absorbs a slow host step (a GC pause, a batch of finishing requests) with a second queued
-    step, at the cost of one more wasted row per request that ends on EOS."""
+    step, at the cost of one more wasted row per request that ends on EOS. None (auto): 3 for
+    encoder-only (pooling) models on a GPU, whose requests end in their one step (no row is
+    wasted), else 2; EngineConfig resolves it (`resolve_max_steps_in_flight`)."""
 
     num_scheduler_steps: int | None = None
     """Decode steps one engine step runs on the device when every request it schedules is
@@ -396,7 +398,7 @@ class SchedulerConfig:
             raise ValueError(
                 f"num_scheduler_steps must be in [1, 64], got {self.num_scheduler_steps}"
             )
-        if not 2 <= self.max_steps_in_flight <= 4:
+        if self.max_steps_in_flight is not None and not 2 <= self.max_steps_in_flight <= 4:
             raise ValueError(
                 f"max_steps_in_flight must be in [2, 4], got {self.max_steps_in_flight} "
                 "(async_scheduling=False runs steps one at a time)"
@@ -584,6 +586,8 @@ class EngineConfig:
             object.__setattr__(self, "auto_max_num_seqs", True)
         if sc.num_scheduler_steps is None:
             resolved["num_scheduler_steps"] = resolve_num_scheduler_steps(self)
+        if sc.max_steps_in_flight is None:
+            resolved["max_steps_in_flight"] = resolve_max_steps_in_flight(self)
         if resolved:
             object.__setattr__(self, "scheduler_config", dataclasses.replace(sc, **resolved))
 
@@ -683,6 +687,23 @@ def resolve_num_scheduler_steps(config: EngineConfig) -> int:
     if config.offline and config.device_config.device_type == "cuda":
         return OFFLINE_NUM_SCHEDULER_STEPS
     return 1
+
+
+POOLING_STEPS_IN_FLIGHT = 3
+"""max_steps_in_flight for encoder-only models on a GPU: a second queued step keeps the device
+busy through a slow host step (a young GC collection, a step finishing ~120 requests), and no
+pooling row is ever wasted (each request ends in its one step)."""
+
+
+def resolve_max_steps_in_flight(config: EngineConfig) -> int:
+    """The rule behind max_steps_in_flight=None: 3 for encoder-only models on a GPU, else 2
+    (docs/decisions.md: depth 3 gained nothing for Whisper, whose host was the slower side)."""
+    if (
+        config.model_config.kind == ModelKind.ENCODER_ONLY
+        and config.device_config.device_type == "cuda"
+    ):
+        return POOLING_STEPS_IN_FLIGHT
+    return 2
 
 
 def kv_bounded_max_num_seqs(config: EngineConfig, requests_that_fit: int) -> int:

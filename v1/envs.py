@@ -54,6 +54,16 @@ def cuda_visible_devices() -> list[str] | None:
     return [d.strip() for d in value.split(",") if d.strip()]
 
 
+V1_FUSED_ENCODER: bool = _bool("V1_FUSED_ENCODER", True)
+"""On CUDA in 16 bits, an encoder-only step's embeddings (BERT family: gathers + adds +
+LayerNorm) and its mean pooling (+ L2 normalize) run as one Triton kernel each
+(v1/models/layers/triton_encoder.py); 0 keeps the torch paths, their references."""
+
+V1_CUDNN_VARLEN: bool = _bool("V1_CUDNN_VARLEN", False)
+"""Experimental: packed (varlen) bidirectional attention without a KV cache (BERT family)
+through cuDNN's ragged fused attention instead of flash varlen, on CUDA in 16 bits; falls back
+to flash varlen (logged) where cuDNN refuses. Off by default until measured on a GPU."""
+
 V1_GELU_EPILOGUE: bool = _bool("V1_GELU_EPILOGUE", True)
 """On CUDA in 16 bits, run a Linear's GELU as its GEMM's epilogue (tanh form; see
 v1/models/layers/activation.py); 0 keeps the separate exact activation."""

@@ -19,7 +19,7 @@ from v1.attention.layer import Attention
 from v1.models.layers.activation import get_act_fn, linear_act
 from v1.models.layers.embedding import VocabEmbedding
 from v1.models.layers.linear import ColumnLinear, Linear, QKVLinear, RowLinear
-from v1.models.layers.norm import LayerNorm, add_layer_norm
+from v1.models.layers.norm import LayerNorm, add_layer_norm, use_fused_encoder
 from v1.models.utils import load_weights_into
 from v1.quantization.fp8 import linear_layers
 from v1.quantization.fp8_recipes import covers
@@ -55,7 +55,26 @@ class BertEmbeddings(nn.Module):
         positions: torch.Tensor,
         token_type_ids: torch.Tensor | None,
     ) -> torch.Tensor:
-        embeddings = self.word_embeddings(input_ids) + self.position_embeddings(positions)
+        word = self.word_embeddings
+        if word.tp is None and word.weight.is_contiguous() and use_fused_encoder(word.weight):
+            # One kernel for the gathers, adds and LayerNorm (the torch path below is its
+            # reference).
+            from v1.models.layers.triton_encoder import embed_layer_norm_triton
+
+            norm = self.LayerNorm
+            assert norm.bias is not None
+            return embed_layer_norm_triton(
+                input_ids,
+                positions,
+                token_type_ids,
+                word.weight,
+                self.position_embeddings.weight,
+                self.token_type_embeddings.weight,
+                norm.weight,
+                norm.bias,
+                norm.eps,
+            )
+        embeddings = word(input_ids) + self.position_embeddings(positions)
         if token_type_ids is None:
             embeddings = embeddings + self.token_type_embeddings.weight[0]
         else:

@@ -137,16 +137,20 @@ class EncoderGraphs:
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        token_type_ids: torch.Tensor,
+        token_type_ids: torch.Tensor | None,
         query_start_loc: np.ndarray,
     ) -> torch.Tensor:
-        """The step's real tokens (device tensors of at least T rows, T = query_start_loc[-1])
-        -> hidden states [T, H] (a view of the graph's output, valid until the next replay)."""
+        """The step's real tokens (device tensors of at least T rows, T = query_start_loc[-1];
+        token_type_ids None: segment 0 for all) -> hidden states [T, H] (a view of the graph's
+        output, valid until the next replay)."""
         num_tokens = int(query_start_loc[-1])
         size = next(s for s in self.sizes if s >= num_tokens)
         self.input_ids[:num_tokens].copy_(input_ids[:num_tokens], non_blocking=True)
         self.positions[:num_tokens].copy_(positions[:num_tokens], non_blocking=True)
-        self.token_type_ids[:num_tokens].copy_(token_type_ids[:num_tokens], non_blocking=True)
+        if token_type_ids is None:
+            self.token_type_ids[:num_tokens].zero_()
+        else:
+            self.token_type_ids[:num_tokens].copy_(token_type_ids[:num_tokens], non_blocking=True)
         # Padding rows: position 0 (RoBERTa's positions index back from it), any valid id.
         self.positions[num_tokens:size].zero_()
         self._copy_offsets(query_start_loc, size)

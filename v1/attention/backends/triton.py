@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from v1 import envs
 from v1.attention.backend import (
     AttentionBackend,
     AttentionBias,
@@ -31,6 +32,9 @@ BLOCK_M = 64
 DECODE_BLOCK_M = 16
 _CUDNN_OK = [True]
 """Cleared when cuDNN attention refuses a shape: equal-length batches fall back to varlen."""
+_CUDNN_VARLEN_OK = [True]
+"""Cleared when cuDNN's ragged attention refuses (or returns an unexpected shape): packed
+batches go to flash varlen from then on (`V1_CUDNN_VARLEN`)."""
 
 
 def _load_varlen_attn() -> tuple[object | None, bool]:
@@ -206,6 +210,13 @@ class TritonImpl(AttentionImpl):
         num_tokens = common.num_actual_tokens
         cu_seq = common.query_start_loc[: common.num_reqs + 1]
         q = query[:num_tokens]
+        if not common.causal and envs.V1_CUDNN_VARLEN and _CUDNN_VARLEN_OK[0]:
+            out = self._cudnn_varlen_forward(q, key[:num_tokens], value[:num_tokens], common)
+            if out is not None:
+                if query.shape[0] > num_tokens:  # padded batch: pad rows are zeros
+                    pad = out.new_zeros(query.shape[0] - num_tokens, *out.shape[1:])
+                    out = torch.cat([out, pad])
+                return out
         kwargs = {}
         if _FLASH_FORWARD is not None:
             # The aten op varlen_attn wraps, called directly: 20 us of host time per call
@@ -242,6 +253,47 @@ class TritonImpl(AttentionImpl):
         )
         if query.shape[0] > num_tokens:  # padded batch: pad rows are zeros
             out = torch.cat([out, out.new_zeros(query.shape[0] - num_tokens, *out.shape[1:])])
+        return out
+
+    def _cudnn_varlen_forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        common: CommonAttentionMetadata,
+    ) -> torch.Tensor | None:
+        """Packed sequences [T, H, D] (rows may be strided) through cuDNN's ragged fused
+        attention (aten's `_cudnn_attention_forward` with cumulative offsets, what nested-tensor
+        SDPA calls). None, and flash varlen from then on, where cuDNN refuses."""
+        cu_seq = common.query_start_loc[: common.num_reqs + 1]
+        try:
+            out = torch.ops.aten._cudnn_attention_forward(
+                q,
+                k,
+                v,
+                None,
+                cu_seq,
+                cu_seq,
+                common.max_query_len,
+                common.max_query_len,
+                False,
+                0.0,
+                False,
+                False,
+                scale=self.scale,
+            )[0]
+        except Exception as e:  # noqa: BLE001 - any refusal (or another torch's schema): flash
+            logger.info("cuDNN ragged attention unavailable (%s); using flash varlen", e)
+            _CUDNN_VARLEN_OK[0] = False
+            return None
+        if out.shape != q.shape:
+            logger.info(
+                "cuDNN ragged attention returned %s for %s; using flash varlen",
+                tuple(out.shape),
+                tuple(q.shape),
+            )
+            _CUDNN_VARLEN_OK[0] = False
+            return None
         return out
 
 

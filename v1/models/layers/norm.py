@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from v1 import envs
 from v1.quantization.fp8_rows import FP8_DTYPE, FP8_MAX, MIN_SCALE, Fp8Product, Fp8Rows, fp8_rows
 
 
@@ -107,6 +108,12 @@ def use_fused_elementwise(x: torch.Tensor) -> bool:
     Triton kernel before the capture (loading a module, cuModuleLoadData, is not permitted
     while a stream is capturing). Everywhere else the torch path, each kernel's reference."""
     return _fusable(x)
+
+
+def use_fused_encoder(x: torch.Tensor) -> bool:
+    """Whether an encoder-only step's embedding and pooling kernels
+    (`triton_encoder.py`) take x: `use_fused_elementwise` and `V1_FUSED_ENCODER`."""
+    return envs.V1_FUSED_ENCODER and _fusable(x)
 
 
 def linear_input(norm: LayerNorm, y: torch.Tensor) -> Any:

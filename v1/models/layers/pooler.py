@@ -7,13 +7,14 @@ float32 result for its task (embed, classify, score, encode).
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from v1.host_copy import to_device
+from v1.models.layers.norm import use_fused_encoder
 from v1.pooling_config import ModelPoolingConfig
 from v1.pooling_params import PoolingParams
 
@@ -29,15 +30,15 @@ class PoolingSegments:
     """[R + 1] int64 token offsets."""
     lengths: torch.Tensor
     """[R] int64 tokens per request."""
-    token_req: torch.Tensor
-    """[T] int64 request index of each token."""
     lengths_cpu: list[int]
+    _token_req: torch.Tensor | None = field(default=None, repr=False)
 
     @classmethod
     def from_lengths(cls, lengths: np.ndarray, device: torch.device) -> PoolingSegments:
         """Segments of `lengths` tokens each. The host ships R + 1 offsets and R lengths in one
-        copy; the device expands them to the [T] request index of each token (a BERT step's
-        ~31K indices are neither built on the host nor copied)."""
+        copy; the device expands them to the [T] request index of each token when a pooling
+        mode asks for it (`token_req`: a BERT step's ~31K indices are neither built on the host
+        nor copied, and the fused mean pooling never needs them)."""
         lengths_np = np.asarray(lengths, dtype=np.int64)
         num_reqs = len(lengths_np)
         host = np.empty(2 * num_reqs + 1, dtype=np.int64)  # [offsets | lengths]
@@ -46,11 +47,19 @@ class PoolingSegments:
         host[num_reqs + 1 :] = lengths_np
         # non_blocking: no stream sync, so a pipelined step can be prepared while one runs.
         qsl, lengths_t = to_device(host, device).split([num_reqs + 1, num_reqs])
-        # output_size: the device needs no sync to learn the result's length.
-        token_req = torch.repeat_interleave(
-            torch.arange(num_reqs, device=device), lengths_t, output_size=int(host[num_reqs])
-        )
-        return cls(qsl, lengths_t, token_req, lengths_np.tolist())
+        return cls(qsl, lengths_t, lengths_np.tolist())
+
+    @property
+    def token_req(self) -> torch.Tensor:
+        """[T] int64 request index of each token (built on the device at first use)."""
+        if self._token_req is None:
+            # output_size: the device needs no sync to learn the result's length.
+            self._token_req = torch.repeat_interleave(
+                torch.arange(self.num_reqs, device=self.lengths.device),
+                self.lengths,
+                output_size=sum(self.lengths_cpu),
+            )
+        return self._token_req
 
     @property
     def num_reqs(self) -> int:
@@ -73,12 +82,13 @@ def segment_sum(values: torch.Tensor, seg: PoolingSegments) -> torch.Tensor:
 
 def pool_tokens(hidden: torch.Tensor, seg: PoolingSegments, mode: str) -> torch.Tensor:
     """hidden [T, H] -> [R, H] float32 by one sentence-transformers pooling mode."""
+    # The selecting modes convert only the rows they keep (not a float32 copy of [T, H]).
+    if mode == "cls":
+        return hidden[seg.first_token_indices].float()
+    if mode == "last":
+        return hidden[seg.last_token_indices].float()
     h = hidden.float()
     lengths = seg.lengths.to(h.dtype)[:, None]  # [R, 1]
-    if mode == "cls":
-        return h[seg.first_token_indices]
-    if mode == "last":
-        return h[seg.last_token_indices]
     if mode == "mean":
         return segment_sum(h, seg) / lengths
     if mode == "mean_sqrt_len":
@@ -165,13 +175,26 @@ class Pooler:
         reqs: list[int],
         blocks: list[PooledBlock],
     ) -> None:
-        pooled = pool(hidden, seg, self.config.pooling_modes)  # [R, E]
         default = self.config.normalize
         groups = _group(
             params,
             reqs,
             lambda p: (p.dimensions, default if p.normalize is None else p.normalize),
         )
+        fused = _fused_mean_mode(hidden, self.config.pooling_modes)
+        if fused is not None and len(groups) == 1:
+            ((dims, normalize),) = groups
+            if dims is None:
+                # One kernel: the mean and the L2 normalization of every request.
+                x = _segment_mean(hidden, seg, fused, normalize)
+                if len(reqs) < len(x):
+                    x = x[_device_index(reqs, x.device)]
+                blocks.append(PooledBlock(x, groups[(dims, normalize)]))
+                return
+        if fused is not None:
+            pooled = _segment_mean(hidden, seg, fused, False)  # [R, E]
+        else:
+            pooled = pool(hidden, seg, self.config.pooling_modes)  # [R, E]
         for (dims, normalize), idx in groups.items():
             # Row selection by a device index (a Python list index would copy it synchronously).
             x = pooled if len(idx) == len(pooled) else pooled[_device_index(idx, pooled.device)]
@@ -227,6 +250,24 @@ class Pooler:
             blocks.append(
                 PooledBlock(l2_normalize(tokens) if normalize else tokens, idx, counts.tolist())
             )
+
+
+def _fused_mean_mode(hidden: torch.Tensor, modes: tuple[str, ...]) -> str | None:
+    """The one mean-like pooling mode that `segment_mean_triton` computes on hidden
+    (`use_fused_encoder`), or None: the torch path (`pool`), its reference."""
+    if len(modes) == 1 and modes[0] in ("mean", "mean_sqrt_len") and use_fused_encoder(hidden):
+        return modes[0]
+    return None
+
+
+def _segment_mean(
+    hidden: torch.Tensor, seg: PoolingSegments, mode: str, normalize: bool
+) -> torch.Tensor:
+    from v1.models.layers.triton_encoder import segment_mean_triton
+
+    return segment_mean_triton(
+        hidden, seg.query_start_loc, sqrt_len=mode == "mean_sqrt_len", normalize=normalize
+    )
 
 
 def _group(

@@ -59,6 +59,9 @@ class EncoderOnlyState(ModelState):
     def on_kv_cache_ready(self, kv_caches: dict[str, LayerCache]) -> None:
         # Segment ids per slot, gathered per step like the token ids (0 where a request has none).
         self.token_type_ids = np.zeros((self.max_num_reqs, self.max_model_len), dtype=np.int64)
+        self.has_token_types = np.zeros(self.max_num_reqs, dtype=bool)
+        """Per slot: whether its request has a non-zero segment id (a text pair); a step of
+        none ships no segment ids (the model adds segment 0's row)."""
         self.graphs: EncoderGraphs | None = None
         if not self.config.enforce_eager:
             self.graphs = make_encoder_graphs(
@@ -83,6 +86,7 @@ class EncoderOnlyState(ModelState):
                 )
         slots = np.fromiter((state.slot for state in states), np.int64, len(states))
         self.token_type_ids[slots] = 0
+        self.has_token_types[slots] = False
         for state, data in zip(states, new_reqs, strict=True):
             types = data.token_type_ids
             if types is None:
@@ -94,6 +98,7 @@ class EncoderOnlyState(ModelState):
                 )
             if any(types):  # all zeros (a text's, usually): the row already is
                 self.token_type_ids[state.slot, : len(types)] = types
+                self.has_token_types[state.slot] = True
 
     @property
     def max_profile_position(self) -> int:
@@ -109,18 +114,24 @@ class EncoderOnlyState(ModelState):
         self._check_inputs(step)
 
     def forward(self, step: StepInputs, so: SchedulerOutput) -> torch.Tensor:
-        """One bidirectional pass over the packed inputs -> hidden states [T, hidden]."""
-        token_types = self.token_type_ids.reshape(-1).take(step.token_index)
+        """One bidirectional pass over the packed inputs -> hidden states [T, hidden]. A step
+        whose requests all have segment 0 (texts, not pairs) gathers and ships no segment ids:
+        the model adds segment 0's row (saves a host gather and copy of T ids a step)."""
+        token_types = None
+        if self.has_token_types[step.slots].any():
+            token_types = self.token_type_ids.reshape(-1).take(step.token_index)
         if self.graphs is not None and self.graphs.fits(step.num_tokens):
-            types = self.to_device(token_types)
+            types = None if token_types is None else self.to_device(token_types)
             return self.graphs.run(step.input_ids, step.positions, types, step.query_start_loc)
         metadata = self.attn_metadata.uncached(
             step.num_scheduled, AttentionType.ENCODER_ONLY, self.layer_names
         )
-        pad = len(step.input_ids) - len(token_types)  # padded eager CUDA step
-        if pad:
-            token_types = np.concatenate([token_types, np.zeros(pad, token_types.dtype)])
-        token_type_ids = self.to_device(token_types)
+        token_type_ids = None
+        if token_types is not None:
+            pad = len(step.input_ids) - len(token_types)  # padded eager CUDA step
+            if pad:
+                token_types = np.concatenate([token_types, np.zeros(pad, token_types.dtype)])
+            token_type_ids = self.to_device(token_types)
         with set_forward_context(ForwardContext(metadata)):
             return self.model(step.input_ids, step.positions, token_type_ids=token_type_ids)
 
