@@ -197,10 +197,11 @@ def _start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], st
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "v1.entrypoints.cli", "serve", args.model, "--port", str(port)]
     cmd += ["--max-realtime-sessions", str(max(args.sessions)), *args.server_args.split()]
+    log = open(args.server_log, "wb") if args.server_log else subprocess.DEVNULL  # noqa: SIM115
     proc = subprocess.Popen(
         cmd,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT if args.server_log else subprocess.DEVNULL,
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
     url = f"http://127.0.0.1:{port}"
@@ -216,6 +217,7 @@ def main() -> None:
     parser.add_argument(
         "--server-args", default="--device cpu", help="extra `v1 serve` flags with --model"
     )
+    parser.add_argument("--server-log", default=None, help="with --model: the server's output")
     parser.add_argument("--sessions", default="1,16,64", help="concurrency levels, comma-separated")
     parser.add_argument("--phrases", type=int, default=2, help="utterances per session")
     parser.add_argument("--gap", type=float, default=1.5, help="seconds of silence after each")
