@@ -6,6 +6,7 @@ attention backend's capabilities, never its name.
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import numpy as np
@@ -352,6 +353,9 @@ class ModelRunner:
     def profile_available_kv_bytes(self, utilization: float) -> int:
         """Run a max-size dummy step (attention skipped: no cache yet), then give the KV cache
         `utilization` of the device memory minus the measured peak."""
+        # An engine shut down earlier in this process (tests, notebooks, benchmarks) may
+        # still hold its KV cache in unreachable cycles: collect them before measuring.
+        gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         self.state.dummy_run(self.config.scheduler_config.max_num_batched_tokens)
