@@ -26,6 +26,18 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def engine_in_process() -> Iterator[None]:
+    """The CLI's engine in this process (V1_MULTIPROCESSING=0): a core process would import
+    torch and load whisper-base a second time, half of each run's CPU. The CLI over a core
+    process is test_readme.py's `v1 transcribe` run."""
+    from v1 import envs
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(envs, "V1_MULTIPROCESSING", False)
+        yield
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [

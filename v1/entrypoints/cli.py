@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import functools
 import inspect
 import json
 import os
@@ -31,8 +32,9 @@ _SCALARS: dict[str, type] = {
 
 
 # ---- engine flags ----
+@functools.cache  # parsing a class's source is slow; make_parser asks once per engine flag
 def attribute_docs(cls: type) -> dict[str, str]:
-    """Field name -> the docstring written under it in the class body (one line)."""
+    """Field name -> the docstring written under it in the class body (one line; read-only)."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     except (OSError, TypeError):
