@@ -11,6 +11,7 @@ import asyncio
 import os
 import queue
 import threading
+import weakref
 from abc import abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -91,15 +92,20 @@ class CoreLoadBalancer:
         """Finished hold_kv requests -> the core holding their KV (until released)."""
         self._affinity: OrderedDict[str, int] = OrderedDict()
         self._affinity_capacity = affinity_capacity
+        self._audio_affinity: OrderedDict[int, tuple[weakref.ref, int]] = OrderedDict()
+        """Audio sent unhashed (the cores hash it): id(samples) -> (a weak reference to the
+        samples, their core). Requests made from one clip share its samples array (a window's
+        language detection and its transcription, retries), so they meet its encoder output
+        in one core; the reference tells a live array from a new one at a reused id."""
 
     def load(self, core: int) -> int:
         return self._reported[core] + self._sent_since_report[core]
 
     def assign(self, request: EngineCoreRequest) -> int:
         """The core `request` goes to (recorded as its owner)."""
-        content_hash = (
-            request.encoder_input.content_hash if request.encoder_input is not None else None
-        )
+        enc = request.encoder_input
+        content_hash = (enc.content_hash or None) if enc is not None else None
+        audio = enc.audio if enc is not None and content_hash is None else None
         core = None
         if request.fork_from is not None:
             # The parent's KV is on one core: fork there (its last fork releases it).
@@ -107,6 +113,8 @@ class CoreLoadBalancer:
             core = get(request.fork_from, None)
         if core is None and content_hash is not None:
             core = self._affinity.get(content_hash)
+        if core is None and audio is not None:
+            core = self._audio_core(audio)
         if core is None:
             core = min(
                 range(self.num_cores), key=lambda i: (self.load(i), self.num_in_flight[i], i)
@@ -116,12 +124,30 @@ class CoreLoadBalancer:
             self._affinity.move_to_end(content_hash)
             if len(self._affinity) > self._affinity_capacity:
                 self._affinity.popitem(last=False)
+        elif audio is not None:
+            self._remember_audio(audio, core)
         self.owner[request.request_id] = core
         if request.hold_kv:
             self._holds_kv.add(request.request_id)
         self._sent_since_report[core] += 1
         self.num_in_flight[core] += 1
         return core
+
+    def _audio_core(self, audio: Any) -> int | None:
+        entry = self._audio_affinity.get(id(audio))
+        if entry is None or entry[0]() is not audio:
+            return None
+        return entry[1]
+
+    def _remember_audio(self, audio: Any, core: int) -> None:
+        try:
+            ref = weakref.ref(audio)
+        except TypeError:  # not weakly referable (not a numpy array): no affinity
+            return
+        self._audio_affinity[id(audio)] = (ref, core)
+        self._audio_affinity.move_to_end(id(audio))
+        if len(self._audio_affinity) > self._affinity_capacity:
+            self._audio_affinity.popitem(last=False)
 
     def on_stats(self, core: int, stats: SchedulerStats) -> None:
         self._reported[core] = stats.num_waiting_reqs + stats.num_running_reqs
