@@ -51,8 +51,7 @@ class InputProcessor:
         self.builder = make_input_builder(
             self.info, tokenizer, max_num_batched_tokens=max_num_batched_tokens
         )
-        if audio_hash_in_core and self.info.is_whisper:
-            self.builder.audio_hash_in_core = True  # type: ignore[attr-defined]
+        self.builder.audio_hash_in_core = audio_hash_in_core
 
     # ---- public ----
     def check_lora(self, lora_request: Any) -> None:

@@ -62,10 +62,6 @@ class WhisperInputBuilder(InputBuilder):
         self.begin_suppress_tokens = in_vocab(gc.begin_suppress_tokens, self.vocab_size)
         self.max_prompt_text_tokens = model_config.hf_config.max_target_positions // 2 - 1
         """Previous-text tokens kept (the last ones), as openai-whisper and transformers."""
-        self.audio_hash_in_core = False
-        """Requests carry the audio of a clip not hashed yet without its hash (""): the engine
-        core that takes it computes the same digest (data parallelism: N cores hash on their
-        own CPUs instead of one frontend thread hashing every clip)."""
 
     def check_params(self, params: Any) -> None:
         self.check_sampling_params(params, word_timestamps=True)
