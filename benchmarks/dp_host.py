@@ -160,6 +160,7 @@ class SimulatedGpu(Executor):
 class Row:
     dp: int
     clips: int
+    hash: str
     seconds: list[float] = field(default_factory=list)
     process_cpu: list[float] = field(default_factory=list)
     thread_cpu: list[float] = field(default_factory=list)
@@ -274,40 +275,25 @@ def thread_cpu_seconds() -> dict[str, float]:
     return totals
 
 
-def run_dp(path: str, dp: int, args: argparse.Namespace, base: np.ndarray) -> Row:
+def run_dp(path: str, dp: int, args: argparse.Namespace, base: np.ndarray) -> list[Row]:
+    """One engine of `dp` cores, timed under each --hash setting: "engine" (as built: with
+    N > 1 the cores hash the audio) and "frontend" (the frontend hashes every clip, as before)."""
     clips = args.clips_per_core * dp
-    row = Row(dp, clips, ideal_s=ideal_seconds(clips, dp, args.tokens, args))
+    rows = []
     llm = make_llm(path, dp, args)
+    builder = llm.llm_engine.input_processor.builder
+    built = builder.audio_hash_in_core
     try:
         outs = transcribe(llm, base[:clips] * np.float32(0.5), args.tokens)  # warm-up
         assert len(outs) == clips and all(o.text for o in outs)
-        for r in range(args.repeats):
-            batch = base[:clips] * np.float32(1.0 + 0.001 * (r + 1))  # fresh hashes
-            threads0 = thread_cpu_seconds()
-            t0, p0, c0 = time.perf_counter(), time.process_time(), time.thread_time()
-            outs = transcribe(llm, batch, args.tokens)
-            wall = time.perf_counter() - t0
-            threads1 = thread_cpu_seconds()
-            row.seconds.append(wall)
-            row.process_cpu.append(time.process_time() - p0)
-            row.thread_cpu.append(time.thread_time() - c0)
-            assert len(outs) == clips
-            print(
-                f"  N={dp} run {r + 1}: {wall:.3f} s, {CLIP_SECONDS * clips / wall:,.0f} RTFx, "
-                f"frontend CPU {row.process_cpu[-1] / clips * 1e6:,.0f} µs/clip "
-                f"(calling thread {row.thread_cpu[-1] / clips * 1e6:,.0f})",
-                flush=True,
-            )
-            by_thread = {k: v - threads0.get(k, 0.0) for k, v in threads1.items()}
-            print(
-                "    µs/clip by thread: "
-                + ", ".join(
-                    f"{k} {v / clips * 1e6:,.0f}"
-                    for k, v in sorted(by_thread.items(), key=lambda kv: -kv[1])
-                    if v > 0
-                ),
-                flush=True,
-            )
+        for k, mode in enumerate(args.hash.split(",")):
+            builder.audio_hash_in_core = built and mode == "engine"
+            row = Row(dp, clips, mode, ideal_s=ideal_seconds(clips, dp, args.tokens, args))
+            rows.append(row)
+            for r in range(args.repeats):
+                scale = 1.0 + 0.001 * (k * args.repeats + r + 1)  # fresh hashes every run
+                time_run(llm, base[:clips] * np.float32(scale), row, args, f"{mode} run {r + 1}")
+        builder.audio_hash_in_core = built
         if args.profile and dp == max(int(n) for n in args.dp.split(",")):
             import cProfile
             import pstats
@@ -319,7 +305,33 @@ def run_dp(path: str, dp: int, args: argparse.Namespace, base: np.ndarray) -> Ro
             pstats.Stats(prof).sort_stats("tottime").print_stats(30)
     finally:
         llm.shutdown()
-    return row
+    return rows
+
+
+def time_run(llm: Any, batch: np.ndarray, row: Row, args: argparse.Namespace, label: str) -> None:
+    clips = row.clips
+    threads0 = thread_cpu_seconds()
+    t0, p0, c0 = time.perf_counter(), time.process_time(), time.thread_time()
+    outs = transcribe(llm, batch, args.tokens)
+    wall = time.perf_counter() - t0
+    threads1 = thread_cpu_seconds()
+    row.seconds.append(wall)
+    row.process_cpu.append(time.process_time() - p0)
+    row.thread_cpu.append(time.thread_time() - c0)
+    assert len(outs) == clips
+    by_thread = {k: v - threads0.get(k, 0.0) for k, v in threads1.items()}
+    print(
+        f"  N={row.dp} {label}: {wall:.3f} s, {CLIP_SECONDS * clips / wall:,.0f} RTFx, "
+        f"frontend CPU {row.process_cpu[-1] / clips * 1e6:,.0f} µs/clip (calling thread "
+        f"{row.thread_cpu[-1] / clips * 1e6:,.0f}; by thread: "
+        + ", ".join(
+            f"{k} {v / clips * 1e6:,.0f}"
+            for k, v in sorted(by_thread.items(), key=lambda kv: -kv[1])
+            if v > 0
+        )
+        + ")",
+        flush=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -333,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-ms", type=float, default=11.0, help="device ms per decode step")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--tokenizer", default=asset("whisper-base"))
+    p.add_argument("--hash", default="engine", help="engine,frontend (list): who hashes audio")
     p.add_argument("--profile", default=None, help="cProfile the largest N's extra run to here")
     args = p.parse_args(argv)
     os.environ[SIM_ENV] = json.dumps({"encoder_ms": args.encoder_ms, "decode_ms": args.decode_ms})
@@ -351,21 +364,22 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="v1dphost-") as root:
         path = build_model_dir(root, args.tokenizer)
         for dp in dps:
-            rows.append(run_dp(path, dp, args, base))
+            rows += run_dp(path, dp, args, base)
     print(
-        "\n| N | clips | RTFx median [min-max] | vs N=1 | device-only RTFx | of device-only "
-        "| frontend CPU µs/clip (process / calling thread) |"
+        "\n| N | hash | clips | RTFx median [min-max] | vs N=1 | device-only RTFx | of "
+        "device-only | frontend CPU µs/clip (process / calling thread) |"
     )
-    print("| ---: | ---: | --- | ---: | ---: | ---: | ---: |")
-    base_rtfx = rows[0].rtfx() if rows and rows[0].dp == 1 else None
+    print("| ---: | --- | ---: | --- | ---: | ---: | ---: | ---: |")
+    ones = {r.hash: r.rtfx() for r in rows if r.dp == 1}
     for r in rows:
+        base_rtfx = ones.get(r.hash)
         work = CLIP_SECONDS * r.clips
         ideal = work / r.ideal_s
         ratio = f"{r.rtfx() / base_rtfx:.2f}x" if base_rtfx else "-"
         cpu = statistics.median(r.process_cpu) / r.clips * 1e6
         thread = statistics.median(r.thread_cpu) / r.clips * 1e6
         print(
-            f"| {r.dp} | {r.clips} | {r.rtfx():,.0f} [{work / max(r.seconds):,.0f}-"
+            f"| {r.dp} | {r.hash} | {r.clips} | {r.rtfx():,.0f} [{work / max(r.seconds):,.0f}-"
             f"{work / min(r.seconds):,.0f}] | {ratio} | {ideal:,.0f} | "
             f"{r.rtfx() / ideal:.0%} | {cpu:,.0f} / {thread:,.0f} |"
         )

@@ -26,7 +26,7 @@ def with_content_hash(enc: EncoderInput) -> EncoderInput:
     if not isinstance(enc.audio, np.ndarray):
         raise ValueError("an encoder input needs a content_hash (only audio may leave it empty)")
     try:
-        enc.content_hash = audio_content_hash(np.ascontiguousarray(enc.audio))
+        enc.content_hash = audio_content_hash(np.ascontiguousarray(enc.audio), one_thread=True)
     except (TypeError, BufferError) as e:
         raise ValueError(f"cannot hash the encoder input's audio: {e}") from e
     return enc
