@@ -8,6 +8,8 @@ process's CPU time over the wall time. Variants of N > 1 (same call, same clips'
 what limits DP. DP starts core processes: keep the `__main__` guard.
 
     python benchmarks/dp_scaling.py --dp 1,2 --quantization default,fp8
+    python benchmarks/dp_scaling.py --dp 1,2 --quantization default,fp8 --hash engine,frontend \
+        --variants-for fp8      # + fp8 rows with the frontend hashing every clip (as before)
     python benchmarks/dp_scaling.py --device cpu --tiny --dp 1,2      # smoke run on CPU
 """
 

@@ -1,6 +1,7 @@
 """Data parallelism: N EngineCore processes behind one client (`data_parallel_size=N`), each
 the ordinary core program on its own device set. `CoreLoadBalancer` routes a request to the
-least-loaded core, the one that last took its encoder content, or (`fork_from`) its parent's;
+least-loaded core, the one that last took its encoder content (by hash, or by a sampled
+fingerprint of audio the frontend leaves the cores to hash), or (`fork_from`) its parent's;
 aborts go to the owning core. One core's death is the engine's: every pending request fails
 with EngineDeadError and the other cores are stopped.
 """
