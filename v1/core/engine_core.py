@@ -134,7 +134,8 @@ class EngineCore:
             return
         try:
             if request.encoder_input is not None:
-                enc = with_content_hash(request.encoder_input)  # a core process hashed it already
+                # Audio sent unhashed: a core process's input thread hashed it already.
+                enc = with_content_hash(request.encoder_input)
                 request.encoder_input = self.encoder_inputs.resolve(enc)
             self._check_request(request)
             matcher = self._compile_grammar(request)

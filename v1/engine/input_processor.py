@@ -39,7 +39,7 @@ class InputProcessor:
     ) -> None:
         """`model_info`: the process's ModelInfo (default: `model_config.info`).
         `audio_hash_in_core`: Whisper audio goes to the cores unhashed (they hash it; see
-        `WhisperInputBuilder.audio_hash_in_core`): for data-parallel engines."""
+        `InputBuilder.audio_hash_in_core`): for data-parallel engines."""
         self.model_config = model_config
         self.lora_config = lora_config if lora_config is not None else LoRAConfig()
         self._lora_targets: Any = None
