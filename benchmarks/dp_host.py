@@ -13,8 +13,10 @@ alone), and the frontend's CPU per clip (whole process, and its calling thread).
     python benchmarks/dp_host.py --dp 1,2 --clips-per-core 128 --profile /tmp/dp2.prof
 
 Runs on any host (no GPU needed): run it on the GPU machine's CPUs to see the host share there.
-Defaults model turbo fp8 on an H200: ~1.9 ms of encoder per clip, ~11 ms per decode step of a
-512-row batch (512 clips x 100 tokens in ~2.1 s of device time: ~7,300 RTFx per device).
+The default costs are assumed (not measured), near turbo fp8 on an H200: 1.9 ms of encoder per
+clip and 11 ms per decode step whatever the batch (512 clips x 100 tokens in ~2.1 s of device
+time: ~7,400 RTFx per device). `--hash engine,frontend` times each engine twice: as built (N > 1:
+the cores hash the audio) and with the frontend hashing every clip (the code before issue 34).
 """
 
 from __future__ import annotations
