@@ -133,3 +133,39 @@ def test_a_window_beam_search_names_the_audio_the_core_hashed(
     (got,) = dp_llm.transcribe((wave, SR), sp, **kwargs)
     assert got.text == want.text
     assert len(hashes) == 1
+
+
+def test_the_asyncio_engine_of_the_server_leaves_hashing_to_its_cores(
+    model_dir: str, one_core: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`v1 serve --data-parallel-size 2` runs this AsyncLLM: concurrent audio requests, the
+    frontend hashing nothing, the tokens of one core."""
+    import asyncio
+
+    from v1.config import make_engine_config
+    from v1.engine.async_llm import AsyncLLM
+
+    waves = clips([2.0, 5.0, 3.5], seed=4)
+    prompts = [{"prompt": "", "multi_modal_data": {"audio": (w, SR)}} for w in waves]
+    params = SamplingParams(temperature=0.0, max_tokens=5)
+    expected = tokens(one_core.generate(prompts, params, use_tqdm=False))
+    hashes = count_clip_hashes(monkeypatch)
+    llm = AsyncLLM.from_engine_config(
+        make_engine_config(model_dir, device="cpu", data_parallel_size=2)
+    )
+
+    async def one(i: int) -> list[int]:
+        last = None
+        async for out in llm.generate(prompts[i], params, f"a{i}"):
+            last = out
+        assert last is not None and last.finished
+        return list(last.outputs[0].token_ids)
+
+    async def main() -> list[list[int]]:
+        return list(await asyncio.gather(*(one(i) for i in range(len(prompts)))))
+
+    try:
+        assert asyncio.run(main()) == expected
+    finally:
+        llm.shutdown()
+    assert hashes == []
