@@ -8,6 +8,8 @@ process's CPU time over the wall time. Variants of N > 1 (same call, same clips'
 what limits DP. DP starts core processes: keep the `__main__` guard.
 
     python benchmarks/dp_scaling.py --dp 1,2 --quantization default,fp8
+    python benchmarks/dp_scaling.py --dp 1,2 --quantization default,fp8 --hash engine,frontend \
+        --variants-for fp8      # + fp8 rows with the frontend hashing every clip (as before)
     python benchmarks/dp_scaling.py --device cpu --tiny --dp 1,2      # smoke run on CPU
 """
 
@@ -49,8 +51,10 @@ class Variant:
     """A setting of one row. `core_threads`: "default" (the engine's), "share" (each core
     process's OMP_NUM_THREADS = the host's CPUs / N) or "all" (= the host's CPUs). `admission`:
     "engine" (the Transcriber as built) or "one-core" (its files per step and max active files
-    divided by N: before issue 34). `hash`: "engine" (v1.audio.clip: blake3 on all threads for
-    a 30 s clip) or "one-thread"."""
+    divided by N: before issue 34). `hash`: "engine" (as built: with N > 1 each core hashes
+    the audio it takes, the frontend none; with N = 1 the frontend hashes on all threads),
+    "frontend" (the frontend hashes every clip on all threads: the code before the cores did)
+    or "one-thread" (the frontend hashes every clip on one thread)."""
 
     core_threads: str = "default"
     admission: str = "engine"
@@ -100,7 +104,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tokenizer", default=asset("whisper-base"), help="whisper-base folder")
     p.add_argument("--core-threads", default="default", help="N > 1: default,share (list)")
     p.add_argument("--admission", default="engine", help="N > 1: engine,one-core (list)")
-    p.add_argument("--hash", default="engine", help="engine,one-thread (list; every N)")
+    p.add_argument("--hash", default="engine", help="engine,frontend,one-thread (list; every N)")
     p.add_argument("--variants-for", default="default", help="weights whose N > 1 get variants")
     p.add_argument("--profile", default=None, help="cProfile one extra N > 1 fp16 run to here")
     p.add_argument("--stats", default=None, help="write each engine's core stats (json) here")
@@ -230,8 +234,12 @@ def run_engine(
             transcriber.files_per_step, transcriber.max_active_files = admission
             print(f"  {result.label}: files per step, max active files = {admission}")
             parallel_bytes = clip_module._PARALLEL_HASH_BYTES
+            builder = llm.llm_engine.input_processor.builder
+            in_core = builder.audio_hash_in_core
             if variant.hash == "one-thread":
                 clip_module._PARALLEL_HASH_BYTES = 1 << 62
+            if variant.hash in ("one-thread", "frontend"):
+                builder.audio_hash_in_core = False
             try:
                 time_runs(args, llm, result, clips, tokens)
             except Exception as e:  # noqa: BLE001 - report, go on with the next variant
@@ -239,6 +247,7 @@ def run_engine(
                 result.error = f"{type(e).__name__}: {e}"
             finally:
                 clip_module._PARALLEL_HASH_BYTES = parallel_bytes
+                builder.audio_hash_in_core = in_core
         transcriber.files_per_step, transcriber.max_active_files = built
         all_stats[f"{results[0].label} N={dp}"] = llm.llm_engine.get_stats()
         if profile:

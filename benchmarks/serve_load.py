@@ -14,7 +14,14 @@ defaults otherwise) on the same clips, warm, and prints server RTFx / offline RT
     python benchmarks/serve_load.py --model ../shared/assets/whisper-base \
         --num-requests 2048 --concurrency 512 --data-parallel-size 1 --offline-baseline
     python benchmarks/serve_load.py --model MODEL --data-parallel-size 2 -- --max-num-seqs 512
-Arguments after `--` go to `v1 serve` as they are.
+    python benchmarks/serve_load.py --random turbo --data-parallel-size 1,2 \
+        --num-requests 1024 --concurrency 512 --rounds 2 -- --max-num-seqs 512 --max-model-len 104
+    python benchmarks/serve_load.py --random tiny --device cpu --data-parallel-size 1,2 \
+        --num-requests 8 --concurrency 4 --rounds 1 -- --max-model-len 12   # CPU smoke run
+Arguments after `--` go to `v1 serve` as they are. `--random turbo|tiny` serves random weights of
+whisper-large-v3-turbo's shapes (or a tiny Whisper) with whisper-base's tokenizer (their WER means
+nothing; `--max-model-len` bounds their decoding). A comma list of data-parallel sizes runs one
+server per size, one after the other, and ends with a table.
 """
 
 from __future__ import annotations
@@ -23,10 +30,12 @@ import argparse
 import asyncio
 import io
 import os
+import shlex
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -48,15 +57,24 @@ def pcm16(audio: np.ndarray) -> np.ndarray:
     return (np.clip(audio, -1.0, 32767 / 32768) * 32768).astype(np.int16).astype(np.float32) / 32768
 
 
-def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+def build_random_model(kind: str, device: str, root: str) -> str:
+    """Random weights of turbo's shapes (or tiny) with whisper-base's tokenizer, in `root`."""
+    from _context import asset
+    from dp_scaling import build_turbo
+
+    ns = argparse.Namespace(tiny=kind == "tiny", device=device, tokenizer=asset("whisper-base"))
+    return build_turbo(ns, root)
+
+
+def start_server(args: argparse.Namespace, dp: int) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "v1.entrypoints.cli", "serve", args.model]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--device", args.device]
-    cmd += ["--data-parallel-size", str(args.data_parallel_size), *args.serve_args]
+    cmd += ["--data-parallel-size", str(dp), *args.serve_args]
     print("server:", " ".join(cmd), flush=True)
-    log = open(os.path.join(args.log_dir, "serve_load_server.log"), "w")  # noqa: SIM115
+    log = open(os.path.join(args.log_dir, f"serve_load_server_dp{dp}.log"), "w")  # noqa: SIM115
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     wait_until_healthy(proc, url, args.start_timeout, log.name)
@@ -99,7 +117,9 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def offline_rtfx(args: argparse.Namespace, sets: list[InputSet]) -> tuple[list[float], list[str]]:
+def offline_rtfx(
+    args: argparse.Namespace, sets: list[InputSet], dp: int
+) -> tuple[list[float], list[str]]:
     """LLM.transcribe on the same decoded samples: warm run on sets[0], timed on the rest."""
     from v1 import LLM
 
@@ -107,7 +127,7 @@ def offline_rtfx(args: argparse.Namespace, sets: list[InputSet]) -> tuple[list[f
     llm = LLM(
         args.model,
         device=args.device,
-        data_parallel_size=args.data_parallel_size,
+        data_parallel_size=dp,
         **kwargs,
     )
     try:
@@ -137,9 +157,10 @@ def serve_engine_kwargs(serve_args: list[str]) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="a Whisper model folder (e.g. whisper-base)")
+    p.add_argument("--model", default=None, help="a Whisper model folder (e.g. whisper-base)")
+    p.add_argument("--random", choices=("turbo", "tiny"), default=None, help="random weights")
     p.add_argument("--device", default="cuda", help="cuda or cpu (passed to v1 serve)")
-    p.add_argument("--data-parallel-size", type=int, default=1)
+    p.add_argument("--data-parallel-size", default="1", help="N, or a comma list (1,2,4)")
     p.add_argument("--concurrency", type=int, default=64, help="requests in flight at once")
     p.add_argument("--num-requests", type=int, default=512, help="requests per timed round")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds (median), after a warm one")
@@ -149,11 +170,39 @@ def main() -> int:
     p.add_argument("--log-dir", default=os.environ.get("OUT", "."), help="server log folder")
     p.add_argument("serve_args", nargs="*", help="after `--`: extra `v1 serve` arguments")
     args = p.parse_args()
+    if (args.model is None) == (args.random is None):
+        p.error("give --model or --random")
+    dps = [int(n) for n in args.data_parallel_size.split(",")]
     clips = load_clips(args.audio_dir)
     sets = [make_inputs(clips, args.num_requests, s) for s in range(args.rounds + 1)]
     files = [[wav_bytes(a) for a in s.audio] for s in sets]
+    summaries = []
+    with tempfile.TemporaryDirectory(prefix="v1serve-") as root:
+        if args.random is not None:
+            args.model = build_random_model(args.random, args.device, root)
+        for dp in dps:
+            summary = run_one(args, dp, sets, files)
+            if summary is None:
+                return 1
+            summaries.append(summary)
+    print(f"\nCommand: python3 benchmarks/serve_load.py {shlex.join(sys.argv[1:])}")
+    print("| N | req/s median | RTFx median [min-max] | vs N=1 | p50 s | p99 s |")
+    print("| ---: | ---: | --- | ---: | ---: | ---: |")
+    base = next((s for s in summaries if s["dp"] == 1), None)
+    for s in summaries:
+        ratio = f"{s['req_s'] / base['req_s']:.2f}x" if base else "-"
+        print(
+            f"| {s['dp']} | {s['req_s']:,.2f} | {s['rtfx']:,.1f} [{s['rtfx_min']:,.1f}-"
+            f"{s['rtfx_max']:,.1f}] | {ratio} | {s['p50']:.3f} | {s['p99']:.3f} |"
+        )
+    return 0
 
-    proc, url = start_server(args)
+
+def run_one(
+    args: argparse.Namespace, dp: int, sets: list[InputSet], files: list[list[bytes]]
+) -> dict | None:
+    """One server of `dp` cores under the load: its summary (None after request errors)."""
+    proc, url = start_server(args, dp)
     rounds = []
     try:
         for k, (batch, payload) in enumerate(zip(sets, files, strict=True)):
@@ -162,12 +211,12 @@ def main() -> int:
             )
             if errors:
                 print(f"round {k}: {len(errors)} errors, first: {errors[0]}", flush=True)
-                return 1
+                return None
             label = "warm-up" if k == 0 else f"round {k}"
             print(
-                f"{label}: {len(payload) / wall:,.2f} req/s, RTFx {batch.seconds / wall:,.1f}, "
-                f"p50 {pct(lat, 0.5):.3f} s, p99 {pct(lat, 0.99):.3f} s, "
-                f"WER {100 * wer(batch.references, texts):.2f}%",
+                f"dp {dp} {label}: {len(payload) / wall:,.2f} req/s, RTFx "
+                f"{batch.seconds / wall:,.1f}, p50 {pct(lat, 0.5):.3f} s, p99 "
+                f"{pct(lat, 0.99):.3f} s, WER {100 * wer(batch.references, texts):.2f}%",
                 flush=True,
             )
             if k:
@@ -182,15 +231,25 @@ def main() -> int:
     seconds = rounds[0][3].seconds
     all_lat = [x for r in rounds for x in r[1]]
     server_rtfx = statistics.median(seconds / w for w in walls)
+    summary = dict(
+        dp=dp,
+        req_s=args.num_requests / statistics.median(walls),
+        rtfx=server_rtfx,
+        rtfx_min=seconds / max(walls),
+        rtfx_max=seconds / min(walls),
+        p50=pct(all_lat, 0.5),
+        p99=pct(all_lat, 0.99),
+    )
     print(
-        f"\nserver (dp {args.data_parallel_size}, concurrency {args.concurrency}, "
+        f"\nserver (dp {dp}, concurrency {args.concurrency}, "
         f"{args.num_requests} requests of {seconds / args.num_requests:.1f} s average, "
-        f"medians of {len(rounds)} rounds): {args.num_requests / statistics.median(walls):,.2f} "
+        f"medians of {len(rounds)} rounds): {summary['req_s']:,.2f} "
         f"req/s, RTFx {server_rtfx:,.1f} [{seconds / max(walls):,.1f}-{seconds / min(walls):,.1f}]"
-        f", latency p50 {pct(all_lat, 0.5):.3f} s, p99 {pct(all_lat, 0.99):.3f} s"
+        f", latency p50 {summary['p50']:.3f} s, p99 {summary['p99']:.3f} s",
+        flush=True,
     )
     if args.offline_baseline:
-        rtfx, texts = offline_rtfx(args, sets)
+        rtfx, texts = offline_rtfx(args, sets, dp)
         offline = statistics.median(rtfx)
         last = rounds[-1]
         differ = sum(a.strip() != b.strip() for a, b in zip(texts, last[2], strict=True))
@@ -199,9 +258,10 @@ def main() -> int:
             f"[{min(rtfx):,.1f}-{max(rtfx):,.1f}], WER "
             f"{100 * wer(last[3].references, texts):.2f}%; server / offline = "
             f"{server_rtfx / offline:.2f}; transcripts that differ (last round): {differ} of "
-            f"{len(texts)}"
+            f"{len(texts)}",
+            flush=True,
         )
-    return 0
+    return summary
 
 
 if __name__ == "__main__":

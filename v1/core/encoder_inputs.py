@@ -8,10 +8,28 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+import numpy as np
+
+from v1.audio.clip import audio_content_hash
 from v1.core.protocol import EncoderInput
 
 MAX_HELD_BYTES = 1 << 30
 """Payload bytes kept (1 GiB: ~550 Whisper windows of float32 audio)."""
+
+
+def with_content_hash(enc: EncoderInput) -> EncoderInput:
+    """`enc`, hashed: audio sent without its content hash ("", a data-parallel frontend's) gets
+    the BLAKE3 digest of its samples, the one `AudioClip` computes, so equal audio still shares
+    one encoder run whichever side hashed it. ValueError for any other input without a hash."""
+    if enc.content_hash:
+        return enc
+    if not isinstance(enc.audio, np.ndarray):
+        raise ValueError("an encoder input needs a content_hash (only audio may leave it empty)")
+    try:
+        enc.content_hash = audio_content_hash(np.ascontiguousarray(enc.audio), one_thread=True)
+    except (TypeError, BufferError) as e:
+        raise ValueError(f"cannot hash the encoder input's audio: {e}") from e
+    return enc
 
 
 def _payload_bytes(enc: EncoderInput) -> int:

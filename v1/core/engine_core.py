@@ -13,7 +13,7 @@ from typing import Any
 
 from v1.config import TYPICAL_DECODER_TOKENS, EngineConfig, kv_bounded_max_num_seqs
 from v1.core.admission import check_engine_capacity, check_request
-from v1.core.encoder_inputs import EncoderInputStore
+from v1.core.encoder_inputs import EncoderInputStore, with_content_hash
 from v1.core.errors import WorkerDeadError
 from v1.core.executor import ExecutorFactory
 from v1.core.protocol import (
@@ -134,7 +134,9 @@ class EngineCore:
             return
         try:
             if request.encoder_input is not None:
-                request.encoder_input = self.encoder_inputs.resolve(request.encoder_input)
+                # Audio sent unhashed: a core process's input thread hashed it already.
+                enc = with_content_hash(request.encoder_input)
+                request.encoder_input = self.encoder_inputs.resolve(enc)
             self._check_request(request)
             matcher = self._compile_grammar(request)
             self.scheduler.add_request(

@@ -7,6 +7,7 @@ picks the executor and hands it in.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -23,9 +24,11 @@ import msgspec
 import zmq
 
 from v1.config import EngineConfig
+from v1.core.encoder_inputs import with_content_hash
 from v1.core.engine_core import EngineCore
 from v1.core.executor import ExecutorFactory
 from v1.core.protocol import (
+    EncoderInput,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -273,6 +276,8 @@ class EngineCoreProc:
                 if kind is EngineCoreRequestType.ABORT:
                     with self._abort_lock:
                         self._eager_aborts.append((seq, payload))
+                elif kind is EngineCoreRequestType.ADD and payload.encoder_input is not None:
+                    _hash_audio(payload.encoder_input)
                 self.input_queue.put((seq, kind, payload))
         except zmq.ContextTerminated:
             return
@@ -297,6 +302,13 @@ class EngineCoreProc:
         except Exception as e:  # noqa: BLE001 - outputs can no longer leave: stop the core
             logger.exception("EngineCore output thread failed")
             self.input_queue.put(_Fatal(f"output thread failed: {type(e).__name__}: {e}"))
+
+
+def _hash_audio(enc: EncoderInput) -> None:
+    """Hashes audio sent without its content hash here, on the input thread (blake3 releases
+    the GIL: the busy loop keeps stepping); anything else unhashed fails in `add_request`."""
+    with contextlib.suppress(ValueError):
+        with_content_hash(enc)
 
 
 def _answer_undecodable(

@@ -40,7 +40,9 @@ class EncoderInput(msgspec.Struct, omit_defaults=True, kw_only=True):
     num_encoder_tokens: int
     """Length in encoder positions (what the encoder cache and cross-attention blocks hold)."""
     content_hash: str
-    """Hash of the content: equal inputs share one encoder run."""
+    """Hash of the content: equal inputs share one encoder run. Audio may come with "": the
+    core computes it (the BLAKE3 hex digest of the samples' bytes, `AudioClip.content_hash`),
+    which is how a data-parallel frontend hands hashing to its cores."""
     token_ids: list[int] | None = None
     audio: Any = None
 

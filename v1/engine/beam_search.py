@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from v1.audio.clip import audio_content_hash
 from v1.core.protocol import EncoderInput, EngineCoreOutput, EngineCoreRequest, FinishReason
 from v1.sampling_params import SamplingParams
 
@@ -182,7 +183,11 @@ class BeamSearch:
         changes: dict[str, Any] = {}
         enc = self.base.encoder_input
         if enc is not None and self.num_steps > 0:
-            # The first step sent the data; later ones name it (the core keeps it by hash).
+            # The first step sent the data; later ones name it (the core keeps it by hash;
+            # audio the first step sent unhashed is hashed here, as the core did).
+            if not enc.content_hash:
+                enc = msgspec.structs.replace(enc, content_hash=audio_content_hash(enc.audio))
+                self.base = msgspec.structs.replace(self.base, encoder_input=enc)
             changes["encoder_input"] = EncoderInput(
                 num_encoder_tokens=enc.num_encoder_tokens, content_hash=enc.content_hash
             )

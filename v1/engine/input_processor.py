@@ -35,8 +35,11 @@ class InputProcessor:
         max_num_batched_tokens: int | None = None,
         model_info: ModelInfo | None = None,
         lora_config: LoRAConfig | None = None,
+        audio_hash_in_core: bool = False,
     ) -> None:
-        """`model_info`: the process's ModelInfo (default: `model_config.info`)."""
+        """`model_info`: the process's ModelInfo (default: `model_config.info`).
+        `audio_hash_in_core`: Whisper audio goes to the cores unhashed (they hash it; see
+        `InputBuilder.audio_hash_in_core`): for data-parallel engines."""
         self.model_config = model_config
         self.lora_config = lora_config if lora_config is not None else LoRAConfig()
         self._lora_targets: Any = None
@@ -48,6 +51,7 @@ class InputProcessor:
         self.builder = make_input_builder(
             self.info, tokenizer, max_num_batched_tokens=max_num_batched_tokens
         )
+        self.builder.audio_hash_in_core = audio_hash_in_core
 
     # ---- public ----
     def check_lora(self, lora_request: Any) -> None:

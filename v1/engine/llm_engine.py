@@ -40,6 +40,8 @@ class LLMEngine:
             max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
             model_info=self.model_info,
             lora_config=config.lora_config,
+            # N cores hash their own audio, in parallel, instead of the frontend's one thread.
+            audio_hash_in_core=config.parallel_config.data_parallel_size > 1,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         # The client last: it starts the core (and its process), which is the costly part.

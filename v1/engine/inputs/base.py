@@ -35,6 +35,10 @@ class InputBuilder(ABC):
     prompt_is_decoder_prompt: bool = False
     """A plain prompt (a string or token ids) is the decoder prompt (decoder-only models), not
     the encoder's input: its tokens are the decoder's, counted against max_model_len."""
+    audio_hash_in_core: bool = False
+    """Audio inputs (Whisper) of a clip not hashed yet go without their content hash (""): the
+    engine core that takes one computes the same digest. Data parallelism: N cores hash on
+    their own CPUs instead of the one frontend thread hashing every clip."""
 
     def __init__(self, model_config: ModelConfig, tokenizer: Any, info: ModelInfo | None = None):
         self.model_config = model_config

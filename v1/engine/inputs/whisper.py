@@ -117,10 +117,12 @@ class WhisperInputBuilder(InputBuilder):
 
     def encoder_input(self, clip: AudioClip) -> EncoderInput:
         """The encoder input of one window: its samples (not copied) and content hash; equal
-        samples share one encoder run."""
+        samples share one encoder run. With `audio_hash_in_core`, a clip nobody hashed yet goes
+        without its hash (the core computes it)."""
+        content_hash = clip.known_hash if self.audio_hash_in_core else clip.content_hash
         return EncoderInput(
             num_encoder_tokens=self.num_encoder_tokens,
-            content_hash=clip.content_hash,
+            content_hash=content_hash or "",
             audio=clip.samples,
         )
 
