@@ -6,7 +6,8 @@ Each session streams `--phrases` utterances (LibriSpeech clips from ../shared/as
 followed by `--gap` seconds of silence, as 24 kHz PCM16 in 100 ms appends under server VAD
 (silence_duration_ms = `--silence-ms`). "End of the phrase" is the moment the append holding
 the phrase's last sample was sent; a first delta that arrives while the phrase is still being
-spoken counts negative.
+spoken counts negative. A session ends when the server has answered every turn of its audio
+(see `run_session`), however early or late that is relative to the end of the stream.
 
     v1 serve MODEL --port 8000 --max-realtime-sessions 64 &
     python benchmarks/realtime_latency.py --url http://127.0.0.1:8000 --sessions 1,16,64
