@@ -6,7 +6,8 @@ Each session streams `--phrases` utterances (LibriSpeech clips from ../shared/as
 followed by `--gap` seconds of silence, as 24 kHz PCM16 in 100 ms appends under server VAD
 (silence_duration_ms = `--silence-ms`). "End of the phrase" is the moment the append holding
 the phrase's last sample was sent; a first delta that arrives while the phrase is still being
-spoken counts negative.
+spoken counts negative. A session ends when the server has answered every turn of its audio
+(see `run_session`), however early or late that is relative to the end of the stream.
 
     v1 serve MODEL --port 8000 --max-realtime-sessions 64 &
     python benchmarks/realtime_latency.py --url http://127.0.0.1:8000 --sessions 1,16,64
@@ -80,37 +81,54 @@ def _stream(num_phrases: int, gap_s: float) -> tuple[bytes, list[tuple[int, int]
 async def run_session(
     url: str, args: argparse.Namespace, pcm: bytes, spans: list[tuple[int, int]]
 ) -> SessionResult:
+    """One session: stream `pcm` at `args.speed`, then wait until every turn the server cut in
+    it has its completed (or failed) event.
+
+    The end is decided from the server's events, never from the clock: after the last append
+    the session.update is sent again unchanged, and its second `transcription_session.updated`
+    is a barrier (a session handles its client events in order), so every turn the audio
+    started has been announced by then. The session is done when the barrier has come back and
+    every announced turn is completed or failed; a turn still open at the barrier (the VAD has
+    not seen `--silence-ms` of silence after it) is committed by hand. A completion that comes
+    back while the trailing silence is still being streamed (a fast server, a long `--gap`)
+    ends the session as well as a late one.
+    """
     result = SessionResult(phrases=[Phrase() for _ in spans])
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    update = json.dumps(
+        {
+            "type": "transcription_session.update",
+            "session": {
+                "input_audio_format": "pcm16",
+                "input_audio_transcription": {"language": args.language},
+                "turn_detection": {
+                    "type": "server_vad",
+                    "silence_duration_ms": args.silence_ms,
+                    "prefix_padding_ms": 300,
+                },
+            },
+        }
+    )
     async with websockets.connect(url, additional_headers=headers, max_size=None) as ws:
-        await ws.send(
-            json.dumps(
-                {
-                    "type": "transcription_session.update",
-                    "session": {
-                        "input_audio_format": "pcm16",
-                        "input_audio_transcription": {"language": args.language},
-                        "turn_detection": {
-                            "type": "server_vad",
-                            "silence_duration_ms": args.silence_ms,
-                            "prefix_padding_ms": 300,
-                        },
-                    },
-                }
-            )
-        )
+        await ws.send(update)
         # A phrase may be cut into several turns at its pauses: a turn belongs to the phrase
         # its audio ends in; a phrase is complete with its last turn, its first delta is the
         # first of any of its turns.
         starts_ms = [first * 1000 // RATE for first, _ in spans]
         phrase_of: dict[str, int] = {}
-        pending: dict[str, list[float]] = {}
-        done_items: set[str] = set()
+        deltas: dict[str, list[float]] = {}
+        open_turns: set[str] = set()
+        """Speech started, not yet committed."""
+        unfinished: set[str] = set()
+        """Committed, no completed / failed event yet."""
+        updates_seen = 0
+        barrier_seen = False
 
         def phrase_index(end_ms: int) -> int:
             return max(0, sum(s <= end_ms for s in starts_ms) - 1)
 
         async def read() -> None:
+            nonlocal updates_seen, barrier_seen
             async for message in ws:
                 event = json.loads(message)
                 now = time.perf_counter()
@@ -118,46 +136,81 @@ async def run_session(
                 item = event.get("item_id", "")
                 if kind == "error":
                     result.errors.append(event["error"]["message"])
+                elif kind == "transcription_session.updated":
+                    updates_seen += 1
+                    if updates_seen == 2:
+                        barrier_seen = True
+                        if open_turns:  # no more audio will end these turns
+                            await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+                elif kind == "input_audio_buffer.speech_started":
+                    open_turns.add(item)
                 elif kind == "input_audio_buffer.speech_stopped":
                     phrase_of[item] = phrase_index(event["audio_end_ms"])
+                elif kind == "input_audio_buffer.committed":
+                    open_turns.discard(item)
+                    unfinished.add(item)
+                    # A turn committed by hand at the end belongs to the last phrase.
+                    phrase_of.setdefault(item, len(spans) - 1)
                 elif kind.endswith("transcription.delta"):
-                    pending.setdefault(item, []).append(now)
+                    deltas.setdefault(item, []).append(now)
                 elif kind.endswith("transcription.completed"):
+                    unfinished.discard(item)
                     phrase = result.phrases[phrase_of.get(item, 0)]
                     phrase.completed = now  # turns complete in order: the last one wins
                     phrase.transcript += event["transcript"]
-                    first = min(pending.get(item, [now]))
+                    first = min(deltas.get(item, [now]))
                     phrase.first_delta = min(phrase.first_delta or first, first)
-                    done_items.add(item)
-                    last_audio = len(pcm) // 2 * 1000 // RATE
-                    if time.perf_counter() > t0 + last_audio / 1000 / args.speed and all(
-                        i in done_items for i in phrase_of
-                    ):
-                        return
+                elif kind.endswith("transcription.failed"):
+                    unfinished.discard(item)
+                    result.errors.append(f"turn {item} failed: {event['error']['message']}")
+                if barrier_seen and not open_turns and not unfinished:
+                    return
+            result.errors.append("the server closed the session before every turn completed")
 
         reader = asyncio.ensure_future(read())
-        t0 = time.perf_counter()
-        for start in range(0, len(pcm) // 2, BLOCK):
-            # Paced by the clock, not by sleeps: a late loop catches up instead of drifting.
-            due = t0 + start / RATE / args.speed
-            await asyncio.sleep(max(0.0, due - time.perf_counter()))
-            block = pcm[2 * start : 2 * (start + BLOCK)]
-            await ws.send(
-                json.dumps(
-                    {"type": "input_audio_buffer.append", "audio": base64.b64encode(block).decode()}
-                )
-            )
-            sent = time.perf_counter()
-            for phrase, (first, last) in zip(result.phrases, spans, strict=True):
-                if start <= first < start + BLOCK:
-                    phrase.start_sent = sent
-                if start < last <= start + BLOCK:
-                    phrase.end_sent = sent
         try:
+            await _send_audio(ws, args, pcm, spans, result)
+            await ws.send(update)  # the barrier: answered after every append above is handled
             await asyncio.wait_for(reader, args.timeout)
         except TimeoutError:
-            result.errors.append("timed out waiting for completions")
+            result.errors.append(
+                f"timed out waiting for completions ({len(open_turns)} turns open, "
+                f"{len(unfinished)} committed without a completion)"
+            )
+        except websockets.ConnectionClosed as e:
+            result.errors.append(f"the connection closed: {e}")
+        finally:
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
     return result
+
+
+async def _send_audio(
+    ws: Any,
+    args: argparse.Namespace,
+    pcm: bytes,
+    spans: list[tuple[int, int]],
+    result: SessionResult,
+) -> None:
+    """`pcm` in 100 ms appends at `args.speed` times real time; notes when each phrase's first
+    and last sample went out."""
+    t0 = time.perf_counter()
+    for start in range(0, len(pcm) // 2, BLOCK):
+        # Paced by the clock, not by sleeps: a late loop catches up instead of drifting.
+        due = t0 + start / RATE / args.speed
+        await asyncio.sleep(max(0.0, due - time.perf_counter()))
+        block = pcm[2 * start : 2 * (start + BLOCK)]
+        await ws.send(
+            json.dumps(
+                {"type": "input_audio_buffer.append", "audio": base64.b64encode(block).decode()}
+            )
+        )
+        sent = time.perf_counter()
+        for phrase, (first, last) in zip(result.phrases, spans, strict=True):
+            if start <= first < start + BLOCK:
+                phrase.start_sent = sent
+            if start < last <= start + BLOCK:
+                phrase.end_sent = sent
 
 
 def _pct(values: list[float], q: float) -> float:
