@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -347,6 +347,9 @@ class FileProgress:
     """Seconds of audio."""
     done: float = 0.0
     """Seconds before the current window (all of them once the plan returns)."""
+    on_segment: Callable[[TranscriptionSegment], None] | None = None
+    """Called with each segment as soon as its window is decoded (final: the plan's result
+    has the same segment objects, in the same order)."""
 
 
 @dataclass(frozen=True)
@@ -553,6 +556,14 @@ class TranscriptionPlanner:
             detected = yield self._detect_request(index, first)
             language, probability = self._language_of(detected)
         language = language or "en"
+        assembler = _SegmentAssembler(
+            self.builder.tokenizer.decode,
+            self.tokens.eos,
+            samples.shape[0] / SAMPLE_RATE,
+            self.options.word_timestamps,
+            speech_map,
+            progress.on_segment,
+        )
         if short_form:
             attempt = yield from self._decode(
                 index, "0", first, language, self.prompt_ids, False, self.prefix_ids
@@ -560,16 +571,15 @@ class TranscriptionPlanner:
             text_ids = [t for t in attempt.content if t < self.tokens.eos]
             duration = samples.shape[0] / SAMPLE_RATE
             spans = [] if attempt.verdict is Verdict.SKIP else [(0.0, duration, text_ids)]
-            windows = [_DecodedWindow(0, spans, attempt, language)]
+            assembler.add(_DecodedWindow(0, spans, attempt, language))
         else:
-            windows, language, probability = yield from self._seek_windows(
-                index, samples, first, language, probability, progress, detect
+            language, probability = yield from self._seek_windows(
+                index, samples, first, language, probability, progress, detect, assembler
             )
         progress.done = progress.duration
-        result = self._assemble(samples, windows, language)
+        result = assembler.result(language)
         result.language_probability = probability if detect else 1.0
         if speech_map is not None:
-            _restore_times(result, speech_map)
             result.duration = original_duration
         return result
 
@@ -597,14 +607,16 @@ class TranscriptionPlanner:
         probability: float,
         progress: FileProgress,
         detect: bool,
-    ) -> Generator[WindowRequest, WindowOutput, tuple[list[_DecodedWindow], str, float]]:
+        assembler: _SegmentAssembler,
+    ) -> Generator[WindowRequest, WindowOutput, tuple[str, float]]:
         """Windows from `seek` (frames): each starts where the previous one's last complete
-        segment ended, or at its end when it ended on a complete segment or was silence.
-        Returns the windows and the (first detected) language with its probability."""
+        segment ended, or at its end when it ended on a complete segment or was silence. Each
+        decoded window goes to `assembler` at once. Returns the (first detected) language with
+        its probability."""
         num_frames = samples.shape[0] // SAMPLES_PER_FRAME
         first_frames = min(num_frames, WINDOW_FRAMES)
         history = list(self.prompt_ids)
-        windows: list[_DecodedWindow] = []
+        windows = assembler.windows
         timestamps = not self.options.without_timestamps
         seek = 0
         file_language: str | None = None
@@ -637,7 +649,7 @@ class TranscriptionPlanner:
                     index, label, audio, language, history, timestamps and not prefix, prefix
                 )
                 if attempt.verdict is Verdict.SKIP:
-                    windows.append(_DecodedWindow(seek, [], attempt, language))
+                    assembler.add(_DecodedWindow(seek, [], attempt, language))
                     seek += size
                     progress.done = min(seek, num_frames) * SAMPLES_PER_FRAME / SAMPLE_RATE
                     continue
@@ -655,7 +667,7 @@ class TranscriptionPlanner:
                     spans, next_seek = self._skip_hallucinations(
                         spans, attempt, seek, size, next_seek, language, windows, num_frames
                     )
-                windows.append(_DecodedWindow(seek, spans, attempt, language))
+                assembler.add(_DecodedWindow(seek, spans, attempt, language))
                 seek = next_seek
                 conditioned = attempt.temperature <= MAX_CONDITIONING_TEMPERATURE
                 if self.options.condition_on_previous_text and conditioned:
@@ -664,7 +676,7 @@ class TranscriptionPlanner:
                 else:
                     history = []
                 progress.done = min(seek, num_frames) * SAMPLES_PER_FRAME / SAMPLE_RATE
-        return windows, file_language or language, probability
+        return file_language or language, probability
 
     def _decode(
         self,
@@ -934,65 +946,89 @@ class TranscriptionPlanner:
             request_id, prompt, params, core_requests, beam, self.options.length_penalty
         )
 
-    # ---- results ----
-    def _assemble(
-        self, samples: np.ndarray, windows: list[_DecodedWindow], language: str
-    ) -> TranscriptionResult:
-        """Segments in time order, clamped into the audio and never overlapping; segments
-        without text are dropped."""
-        decode = self.builder.tokenizer.decode
-        duration = samples.shape[0] / SAMPLE_RATE
-        segments: list[TranscriptionSegment] = []
-        all_text_ids: list[int] = []
-        last_end = 0.0
-        clock = None
-        if self.options.word_timestamps:
-            clock = WordClock(decode, self.tokens.eos, language, duration)
-        for window in windows:
-            quality = window.attempt.quality
-            if clock is not None:
-                times = window.attempt.token_times
-                if times is None and window.segments:
-                    raise TranscriptionError(
-                        f"the window at {window.seek / FRAMES_PER_SECOND:.2f} s came back "
-                        "without word timings"
-                    )
-                clock.language = window.language or language
-                clock.start_window(
-                    times or [], window.seek / FRAMES_PER_SECOND, window.attempt.text_probs
+
+class _SegmentAssembler:
+    """One file's decoded windows -> its segments, window by window: each window's segments
+    are final as soon as it is added (in time order, clamped into the audio and never
+    overlapping; segments without text are dropped; vad_filter times back on the recording's
+    clock) and go to `on_segment` at once; `result` is the file's TranscriptionResult."""
+
+    def __init__(
+        self,
+        decode: Callable[[list[int]], str],
+        eos: int,
+        duration: float,
+        word_timestamps: bool,
+        speech_map: SpeechMap | None,
+        on_segment: Callable[[TranscriptionSegment], None] | None,
+    ) -> None:
+        self.decode = decode
+        self.eos = eos
+        self.duration = duration
+        """Seconds of the decoded audio (speech only with vad_filter)."""
+        self.speech_map = speech_map
+        self.on_segment = on_segment
+        self.windows: list[_DecodedWindow] = []
+        self.segments: list[TranscriptionSegment] = []
+        self.text_ids: list[int] = []
+        self.last_end = 0.0
+        self.clock = WordClock(decode, eos, "en", duration) if word_timestamps else None
+
+    def add(self, window: _DecodedWindow) -> None:
+        self.windows.append(window)
+        quality = window.attempt.quality
+        clock = self.clock
+        if clock is not None:
+            times = window.attempt.token_times
+            if times is None and window.segments:
+                raise TranscriptionError(
+                    f"the window at {window.seek / FRAMES_PER_SECOND:.2f} s came back "
+                    "without word timings"
                 )
-            for start, end, text_ids in window.segments:
-                words = clock.segment_words(text_ids) if clock is not None else None
-                if not text_ids:
-                    continue
-                all_text_ids += text_ids
-                start = min(max(start, last_end), duration)
-                end = min(max(end, start), duration)
-                segments.append(
-                    TranscriptionSegment(
-                        id=len(segments),
-                        start=round(start, 3),
-                        end=round(end, 3),
-                        text=decode(text_ids),
-                        tokens=text_ids,
-                        avg_logprob=quality.avg_logprob,
-                        compression_ratio=quality.compression_ratio,
-                        no_speech_prob=quality.no_speech_prob,
-                        temperature=window.attempt.temperature,
-                        seek=window.seek,
-                        words=words,
-                        language=window.language or language,
-                    )
-                )
-                last_end = end
+            clock.language = window.language or clock.language
+            clock.start_window(
+                times or [], window.seek / FRAMES_PER_SECOND, window.attempt.text_probs
+            )
+        for start, end, text_ids in window.segments:
+            words = clock.segment_words(text_ids) if clock is not None else None
+            if not text_ids:
+                continue
+            self.text_ids += text_ids
+            start = min(max(start, self.last_end), self.duration)
+            end = min(max(end, start), self.duration)
+            self.last_end = end
+            segment = TranscriptionSegment(
+                id=len(self.segments),
+                start=round(start, 3),
+                end=round(end, 3),
+                text=self.decode(text_ids),
+                tokens=text_ids,
+                avg_logprob=quality.avg_logprob,
+                compression_ratio=quality.compression_ratio,
+                no_speech_prob=quality.no_speech_prob,
+                temperature=window.attempt.temperature,
+                seek=window.seek,
+                words=words,
+                language=window.language,
+            )
+            if self.speech_map is not None:
+                _restore_times(segment, self.speech_map)
+            self.segments.append(segment)
+            if self.on_segment is not None:
+                self.on_segment(segment)
+
+    def result(self, language: str) -> TranscriptionResult:
+        segments = self.segments
+        for segment in segments:
+            segment.language = segment.language or language
         # One segment (every short-form clip): its text is the whole text, decoded once.
-        text = segments[0].text if len(segments) == 1 else decode(all_text_ids)
+        text = segments[0].text if len(segments) == 1 else self.decode(self.text_ids)
         return TranscriptionResult(
             text=text,
             language=language,
-            duration=duration,
+            duration=self.duration,
             segments=segments,
-            words=[w for s in segments for w in s.words or []] if clock is not None else None,
+            words=[w for s in segments for w in s.words or []] if self.clock else None,
         )
 
 
@@ -1019,11 +1055,10 @@ def _until_eos(token_ids: Sequence[int], eos: int) -> list[int]:
     return ids[: ids.index(eos)] if eos in ids else ids
 
 
-def _restore_times(result: TranscriptionResult, speech_map: SpeechMap) -> None:
+def _restore_times(seg: TranscriptionSegment, speech_map: SpeechMap) -> None:
     """Times on the speech-only audio (vad_filter) -> the recording's clock, in place."""
-    for seg in result.segments:
-        seg.start = speech_map.original_time(seg.start)
-        seg.end = max(seg.start, speech_map.original_time(seg.end, is_end=True))
-        for word in seg.words or []:
-            word.start = speech_map.original_time(word.start)
-            word.end = max(word.start, speech_map.original_time(word.end, is_end=True))
+    seg.start = speech_map.original_time(seg.start)
+    seg.end = max(seg.start, speech_map.original_time(seg.end, is_end=True))
+    for word in seg.words or []:
+        word.start = speech_map.original_time(word.start)
+        word.end = max(word.start, speech_map.original_time(word.end, is_end=True))
