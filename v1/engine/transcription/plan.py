@@ -491,6 +491,26 @@ class TranscriptionPlanner:
         following.prefix = request_prefix
         return following
 
+    def clipped(self, start: float, end: float) -> TranscriptionPlanner | None:
+        """This planner for the part of the recording from `start` to `end` seconds (the
+        server's chunk of a long upload): clip_timestamps' spans that reach into it, on its
+        own clock; None when none does (nothing of it is decoded). Itself without spans."""
+        stamps = list(self.options.clip_timestamps)
+        if not stamps:
+            return self
+        if len(stamps) % 2:
+            stamps.append(math.inf)  # a last start runs to the end of the recording
+        spans: list[float] = []
+        for a, b in zip(stamps[::2], stamps[1::2], strict=True):
+            a, b = max(a, start), min(b, end)
+            if b > a:
+                spans += [round(a - start, 3), round(b - start, 3)]
+        if not spans:
+            return None
+        part = copy.copy(self)
+        part.options = dataclasses.replace(self.options, clip_timestamps=tuple(spans))
+        return part
+
     def for_chunks(self, language: str | None) -> TranscriptionPlanner:
         """This planner for the chunks of a batched file (batch_size): each chunk (<= 30 s) is
         decoded on its own, in `language` (None: each chunk detects its own), with the prompt
