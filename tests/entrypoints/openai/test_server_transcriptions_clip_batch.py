@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -44,6 +45,11 @@ def _flac(*parts: np.ndarray | float) -> bytes:
     buf = io.BytesIO()
     sf.write(buf, audio, SR, format="FLAC")
     return buf.getvalue()
+
+
+def _words(text: str) -> list[str]:
+    """Words without case or punctuation (a comma may differ between two decodings)."""
+    return re.sub(r"[^\w\s]", "", text.lower()).split()
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +133,7 @@ def test_batch_size_decodes_vad_chunks_apart_with_the_sequential_text(
     assert abs(second.start - jfk_start) < 1.0 and "fellow" in second.text
     # Sequential: the speech joined is one window, one segment.
     assert len(sequential.segments) == 1
-    assert batched.text.split() == sequential.text.split()
+    assert _words(batched.text) == _words(sequential.text)
 
     # Streamed, the chunks' text comes in audio order.
     with (
@@ -147,7 +153,7 @@ def test_batch_size_decodes_vad_chunks_apart_with_the_sequential_text(
         ]
     deltas = "".join(e["delta"] for e in events if e["type"] == "transcript.text.delta")
     done = next(e for e in events if e["type"] == "transcript.text.done")
-    assert deltas == done["text"] and done["text"].split() == batched.text.split()
+    assert deltas == done["text"] and _words(done["text"]) == _words(batched.text)
     assert done["text"].index("universe") < done["text"].index("fellow")
 
 

@@ -207,7 +207,9 @@ class ServingTranscriptions(ServingBase):
             options = TranscriptionOptions(
                 language=req.language or None,
                 task=req.task,
-                timestamps=req.response_format in _TIMED_FORMATS,
+                # without_timestamps: timed formats get one segment per window (faster-whisper)
+                timestamps=req.response_format in _TIMED_FORMATS
+                and not req.decoding.get("without_timestamps"),
                 prompt=req.prompt or None,
                 sampling_params=SamplingParams(temperature=req.temperature, max_tokens=None),
                 word_timestamps="word" in req.timestamp_granularities,
