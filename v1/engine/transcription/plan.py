@@ -376,6 +376,8 @@ class _DecodedWindow:
     """(start s, end s, text token ids) of each segment."""
     attempt: _Attempt
     language: str | None = None
+    last_word_end: float | None = None
+    """End of the window's last kept word (hallucination_silence_threshold only)."""
 
 
 class TranscriptionPlanner:
@@ -683,15 +685,25 @@ class TranscriptionPlanner:
                     (s.start, s.end, [t for t in s.token_ids if t < self.tokens.eos])
                     for s in segments
                 ]
+                last_word_end = None
+                kept = segments
                 if self.options.hallucination_silence_threshold is not None:
-                    spans, next_seek = self._skip_hallucinations(
+                    spans, next_seek, last_word_end, again = self._skip_hallucinations(
                         spans, attempt, seek, size, next_seek, language, windows, num_frames
                     )
-                assembler.add(_DecodedWindow(seek, spans, attempt, language))
+                    if again:
+                        # A hallucination after a long silence: decoded again from after the
+                        # silence; the prompt stays as it was (faster-whisper's `continue`).
+                        assembler.add(_DecodedWindow(seek, [], attempt, language))
+                        seek = next_seek
+                        progress.done = min(seek, num_frames) * SAMPLES_PER_FRAME / SAMPLE_RATE
+                        continue
+                    kept = segments[: len(spans)]  # dropped segments do not prompt the next
+                assembler.add(_DecodedWindow(seek, spans, attempt, language, last_word_end))
                 seek = next_seek
                 conditioned = attempt.temperature <= MAX_CONDITIONING_TEMPERATURE
                 if self.options.condition_on_previous_text and conditioned:
-                    history += [t for s in segments for t in s.token_ids]
+                    history += [t for s in kept for t in s.token_ids]
                     del history[: -self.builder.max_prompt_text_tokens]  # all a prompt keeps
                 else:
                     history = []
@@ -831,16 +843,19 @@ class TranscriptionPlanner:
         language: str,
         windows: list[_DecodedWindow],
         num_frames: int,
-    ) -> tuple[list[tuple[float, float, list[int]]], int]:
-        """hallucination_silence_threshold (openai-whisper's rule, as faster-whisper applies
-        it): a window whose first worded segment looks hallucinated after a long silence is
-        decoded again from after that silence; a hallucination-like segment with silence on
-        both sides ends the window there (it and what follows are dropped)."""
+    ) -> tuple[list[tuple[float, float, list[int]]], int, float | None, bool]:
+        """hallucination_silence_threshold, as faster-whisper's `generate_segments` applies
+        it (openai-whisper's rule): (kept spans, next seek, end of the last kept word, whether
+        the window is decoded again). A window not ending on a single timestamp seeks to its
+        last word's end; one whose first worded segment looks hallucinated after a silence
+        longer than the threshold is decoded again from after that silence; a
+        hallucination-like segment with silence (or hallucinations) on both sides ends the
+        window there (it and what follows are dropped)."""
         threshold = self.options.hallucination_silence_threshold
         times = attempt.token_times
         assert threshold is not None
         if not times:
-            return spans, next_seek
+            return spans, next_seek, None, False
         offset = seek / FRAMES_PER_SECOND
         eos = self.tokens.eos
         decode = self.builder.tokenizer.decode
@@ -864,13 +879,22 @@ class TranscriptionPlanner:
             else:
                 seg_words.append([])
             cursor += n
-        last_speech = next((w.segments[-1][1] for w in reversed(windows) if w.segments), 0.0)
+        # The end of the last word decoded so far (faster-whisper's last_speech_timestamp).
+        last_speech = next(
+            (w.last_word_end for w in reversed(windows) if w.last_word_end is not None), 0.0
+        )
+        content = attempt.content
+        tb = self.tokens.timestamp_begin
+        single_ending = len(content) >= 2 and content[-2] < tb <= content[-1]
+        word_ends = [words[-1].end for words in seg_words if words]
+        if not single_ending and word_ends and word_ends[-1] > offset:
+            next_seek = round(word_ends[-1] * FRAMES_PER_SECOND)
         window_end = (seek + WINDOW_FRAMES) / FRAMES_PER_SECOND
         first = next((words for words in seg_words if words), None)
         if first is not None and _is_anomaly(first):
             gap = first[0].start - offset
             if gap > threshold:
-                return [], seek + round(gap * FRAMES_PER_SECOND)
+                return [], seek + round(gap * FRAMES_PER_SECOND), None, True
         last_end = last_speech
         for si, words in enumerate(seg_words):
             if not words:
@@ -891,9 +915,15 @@ class TranscriptionPlanner:
                     new_seek = round(max(offset + 1, start) * FRAMES_PER_SECOND)
                     if num_frames / FRAMES_PER_SECOND - end < threshold:
                         new_seek = num_frames
-                    return spans[:si], max(new_seek, seek + 1)
+                    kept_ends = [w[-1].end for w in seg_words[:si] if w]
+                    return (
+                        spans[:si],
+                        max(new_seek, seek + 1),
+                        kept_ends[-1] if kept_ends else None,
+                        False,
+                    )
             last_end = words[-1].end
-        return spans, next_seek
+        return spans, next_seek, word_ends[-1] if word_ends else None, False
 
     # ---- engine requests ----
     def _decoder_prompt(
