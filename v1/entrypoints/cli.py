@@ -279,7 +279,8 @@ def _add_transcribe(sub: Any) -> None:
     p.add_argument(
         "--timestamps",
         action="store_true",
-        help="segment times: '[start --> end] text' lines with --format text, segments in json",
+        help="segment times: '[start --> end] text' lines with --format text (each printed as "
+        "soon as its 30 s window is decoded), segments in json",
     )
     p.add_argument(
         "--word-timestamps",
@@ -653,11 +654,21 @@ def _transcribe(args: argparse.Namespace) -> int:
             options.pop("prompt")
         if args.temperature is not None:
             options["temperature"] = tuple(args.temperature)
+        many = len(args.files) > 1
+        # '[start --> end] text' lines come out as each segment is decoded (whisper --verbose).
+        streaming = args.format == "text" and args.timestamps
         with LLM(args.model, **engine_kwargs(args)) as llm:
             audio = [(w, SAMPLE_RATE) for w in waveforms.values()]
-            results = llm.transcribe(audio, use_tqdm=not args.quiet, **options)
+            if streaming:
+                stream = llm.transcribe(audio, use_tqdm=not args.quiet, stream=True, **options)
+                with stream:
+                    _print_segment_lines(stream, list(waveforms), many)
+                    results = stream.results
+            else:
+                results = llm.transcribe(audio, use_tqdm=not args.quiet, **options)
         for path, result in zip(waveforms, results, strict=True):
-            _print_transcript(args, path, result, many=len(args.files) > 1)
+            if not streaming:
+                _print_transcript(args, path, result, many=many)
             if args.output_dir is not None:
                 _write_outputs(args, path, result)
     if failed:
@@ -666,6 +677,36 @@ def _transcribe(args: argparse.Namespace) -> int:
         )
         return 1
     return 0
+
+
+def _print_segment_lines(stream: Any, paths: list[str], many: bool) -> None:
+    """Each segment of a TranscriptionStream as its '[start --> end] text' line, flushed as
+    soon as it is decoded; with many files, each file's lines under its '==> path <==' line."""
+    shown = -1  # the last file whose header is out
+
+    def headers_until(index: int) -> None:
+        nonlocal shown
+        while many and shown < index:
+            shown += 1
+            print(f"==> {paths[shown]} <==", flush=True)
+
+    for segment in stream:
+        headers_until(stream.input_index)
+        print(_segment_line(segment), flush=True)
+    headers_until(len(paths) - 1)
+
+
+def _segment_line(segment: Any) -> str:
+    """openai-whisper's verbose line: '[MM:SS.mmm --> MM:SS.mmm] text' (hours when there are)."""
+
+    def stamp(seconds: float) -> str:
+        millis = max(0, round(seconds * 1000))
+        hours, millis = divmod(millis, 3_600_000)
+        minutes, millis = divmod(millis, 60_000)
+        secs, millis = divmod(millis, 1000)
+        return (f"{hours:02d}:" if hours else "") + f"{minutes:02d}:{secs:02d}.{millis:03d}"
+
+    return f"[{stamp(segment.start)} --> {stamp(segment.end)}] {segment.text.strip()}"
 
 
 def _print_transcript(args: argparse.Namespace, path: str, result: Any, many: bool) -> None:
@@ -686,8 +727,7 @@ def _print_transcript(args: argparse.Namespace, path: str, result: Any, many: bo
         print(formats.to_vtt(result.segments))
     elif args.timestamps:
         for s in result.segments:
-            start, end = (formats.format_timestamp(t, ".") for t in (s.start, s.end))
-            print(f"[{start} --> {end}] {s.text.strip()}")
+            print(_segment_line(s))
     else:
         print(result.text.strip())
     sys.stdout.flush()

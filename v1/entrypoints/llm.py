@@ -40,7 +40,7 @@ from v1.pooling_params import PoolingParams
 from v1.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from v1.engine.transcription import Transcriber, TranscriptionResult
+    from v1.engine.transcription import Transcriber, TranscriptionResult, TranscriptionStream
 
 
 class RequestFailedError(RuntimeError):
@@ -313,10 +313,14 @@ class LLM:
         *,
         use_tqdm: bool = True,
         lora_request: LoRARequest | None = None,
+        stream: bool = False,
         **options: Any,
-    ) -> list[TranscriptionResult]:
+    ) -> list[TranscriptionResult] | TranscriptionStream:
         """Transcribes (or translates) audio with a Whisper model: one `TranscriptionResult`
-        per input, in order.
+        per input, in order. `stream=True` returns a `TranscriptionStream` instead: a lazy
+        iterator of the segments, each as soon as its window is decoded (faster-whisper's
+        `segments` generator; the engine runs only while it is iterated), whose `result` /
+        `results` are what this returns otherwise.
 
         `audio`: a path, bytes, `(samples, sample_rate)` or a list of them. Long audio is
         decoded in 30 s windows, each starting where the last complete segment of the one
@@ -342,7 +346,8 @@ class LLM:
         if self.transcriber is None:
             mc = self.config.model_config
             raise ValueError(f"transcribe() needs a Whisper model; {mc.model} is {mc.architecture}")
-        return self.transcriber.transcribe(
+        run = self.transcriber.stream if stream else self.transcriber.transcribe
+        return run(
             audio,
             use_tqdm=use_tqdm,
             sampling_params=sampling_params,

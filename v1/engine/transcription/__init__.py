@@ -7,7 +7,7 @@ server); `merging.py` runs long uploads chunk by chunk. The names below are the 
 
 from v1.engine.transcription.loading import load_audio_inputs
 from v1.engine.transcription.merging import ChunkMerger, chunk_events
-from v1.engine.transcription.offline import Transcriber
+from v1.engine.transcription.offline import Transcriber, TranscriptionStream
 from v1.engine.transcription.plan import (
     TranscriptionError,
     TranscriptionOptions,
@@ -32,6 +32,7 @@ __all__ = [
     "TranscriptionPlanner",
     "TranscriptionResult",
     "TranscriptionSegment",
+    "TranscriptionStream",
     "Transcriber",
     "WindowText",
     "chunk_events",

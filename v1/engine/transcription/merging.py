@@ -1,8 +1,9 @@
 """Long audio in consecutive chunks -> one transcription: the server's long-audio path.
 
 `chunk_events` runs each chunk through an `AsyncTranscriber` after the one before (the first
-chunk's language holds for the rest, the prompt for the first only); `ChunkMerger` joins the
-chunks' results on the file's clock. Chunks shorter than Whisper's minimum are skipped.
+chunk's language holds for the rest, the prompt for the first only; clip_timestamps' spans go
+to the chunks they reach into); `ChunkMerger` joins the chunks' results on the file's clock.
+Chunks shorter than Whisper's minimum, or outside every clip span, are skipped.
 """
 
 from __future__ import annotations
@@ -78,13 +79,15 @@ async def chunk_events(
     f"{request_id}-{k}" (the planner itself was prepared with f"{request_id}-0")."""
     chunk: np.ndarray | None = first
     while chunk is not None:
-        if chunk.shape[0] < MIN_AUDIO_SECONDS * SAMPLE_RATE:
-            merged.skip(chunk.shape[0])
+        offset = merged.num_samples / SAMPLE_RATE
+        clipped = planner.clipped(offset, offset + chunk.shape[0] / SAMPLE_RATE)
+        if chunk.shape[0] < MIN_AUDIO_SECONDS * SAMPLE_RATE or clipped is None:
+            merged.skip(chunk.shape[0])  # too short, or outside every clip_timestamps span
         else:
-            chunk_planner = planner
+            chunk_planner = clipped
             if merged.language is not None:
                 prefix = f"{request_id}-{merged.num_chunks}"
-                chunk_planner = planner.continued(merged.language, prefix)
+                chunk_planner = clipped.continued(merged.language, prefix)
             events = transcriber.events(chunk_planner, [chunk])
             async with contextlib.aclosing(events):
                 async for event in events:

@@ -6,18 +6,19 @@ one step's encoder budget at a time (plus one, so a pipelined step always has wo
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import dataclasses
+import functools
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
 from v1.audio import SAMPLE_RATE
-from v1.audio.vad import VadOptions, get_speech_timestamps
 from v1.engine.beam_search import (
     BeamSearch,
     advance_beam_searches,
@@ -25,6 +26,7 @@ from v1.engine.beam_search import (
     take_step_request_ids,
 )
 from v1.engine.inputs.whisper import WINDOW_SECONDS
+from v1.engine.transcription.batching import ChunkJoiner, speech_chunks
 from v1.engine.transcription.loading import load_audio_inputs
 from v1.engine.transcription.plan import (
     FileProgress,
@@ -41,7 +43,6 @@ from v1.engine.transcription.windows import (
     beam_window_output,
     window_beam_search,
 )
-from v1.engine.transcription.words import TranscriptionWord
 from v1.gc_policy import deferred_full_collections
 
 
@@ -118,6 +119,16 @@ class Transcriber:
         run in the same engine steps. Raises ValueError (AudioError for audio) on bad input
         before anything runs, and TranscriptionError if the engine fails a request.
         `lora_request`: the LoRA adapter every window runs with (None: the base model)."""
+        stream = self.stream(audio, use_tqdm=use_tqdm, lora_request=lora_request, **options)
+        return stream.results
+
+    def stream(
+        self, audio: Any, *, use_tqdm: bool = False, lora_request: Any = None, **options: Any
+    ) -> TranscriptionStream:
+        """As `transcribe`, but lazy: the returned `TranscriptionStream` yields each segment
+        as soon as its window is decoded and runs the engine only while it is iterated
+        (faster-whisper's `segments` generator). Options and audio are checked here, before
+        anything runs."""
         if lora_request is not None:
             self.engine.input_processor.check_lora(lora_request)
         planner = TranscriptionPlanner(
@@ -127,28 +138,60 @@ class Transcriber:
         )
         waveforms = load_audio_inputs(audio)
         if planner.options.batch_size is not None:
-            return self._batched(planner, waveforms, use_tqdm)
-        progress = [FileProgress(w.shape[0] / SAMPLE_RATE) for w in waveforms]
+            job = self._batched(planner, waveforms, use_tqdm, lora_request)
+        else:
+            job = self._sequential(planner, waveforms, use_tqdm, lora_request)
+        return TranscriptionStream(job)
+
+    def _run(self, plans: list[Plan], max_active: int, lora_request: Any) -> _SyncRun:
+        run = _SyncRun(self.engine, plans, max_active, self.files_per_step, self.num_cores)
+        run.lora_request = lora_request
+        return run
+
+    def _sequential(
+        self,
+        planner: TranscriptionPlanner,
+        waveforms: list[Any],
+        use_tqdm: bool,
+        lora_request: Any,
+    ) -> _Job:
+        """One plan per file, up to max_active_files at once."""
+        units = [_Unit(i) for i in range(len(waveforms))]
+        progress = [
+            FileProgress(w.shape[0] / SAMPLE_RATE, on_segment=u.queue.append)
+            for w, u in zip(waveforms, units, strict=True)
+        ]
         plans = [
             planner.plan(i, w, p) for i, (w, p) in enumerate(zip(waveforms, progress, strict=True))
         ]
+        run = self._run(plans, self.max_active_files, lora_request)
+        for i, unit in enumerate(units):
+            unit.is_done = functools.partial(_has_result, run.results, i)
         bar = ProgressBar(progress, show_progress(use_tqdm, progress))
-        try:
-            run = _SyncRun(
-                self.engine, plans, self.max_active_files, self.files_per_step, self.num_cores
-            )
-            run.lora_request = lora_request
-            return run.run(bar.refresh)
-        finally:
-            bar.close()
+
+        def steps() -> Iterator[None]:
+            with contextlib.closing(run.steps()) as engine_steps:
+                for _ in engine_steps:
+                    bar.refresh()
+                    yield
+
+        def finish() -> list[TranscriptionResult]:
+            assert all(r is not None for r in run.results)
+            return run.results  # type: ignore[return-value]
+
+        return _Job(units, steps(), finish, bar.close)
 
     def _batched(
-        self, planner: TranscriptionPlanner, waveforms: list[Any], use_tqdm: bool
-    ) -> list[TranscriptionResult]:
+        self,
+        planner: TranscriptionPlanner,
+        waveforms: list[Any],
+        use_tqdm: bool,
+        lora_request: Any,
+    ) -> _Job:
         """batch_size: every file cut into chunks of at most 30 s (VAD speech with vad_filter,
         else plain 30 s pieces); the language detected once per file; then all chunks of all
         files decoded as independent plans, batch_size at a time in the engine's steps, and
-        each file's chunk results merged on its clock."""
+        each file's chunk results joined on its clock, chunk after chunk."""
         options = planner.options
         batch_size = options.batch_size
         assert batch_size is not None
@@ -159,115 +202,173 @@ class Transcriber:
         languages: list[tuple[str | None, float | None]] = [
             (planner.language, 1.0 if planner.language else None)
         ] * len(waveforms)
-        detect = planner.tokens.multilingual and planner.language is None
-        if detect and not options.multilingual:
-            todo = [i for i, c in enumerate(chunks) if c]
-            plans = [
-                planner.detect_plan(i, waveforms[i][chunks[i][0][0] : chunks[i][0][1]])
-                for i in todo
-            ]
-            found = _SyncRun(self.engine, plans, batch_size, self.files_per_step, self.num_cores)
-            for i, lang in zip(todo, found.run(lambda: None), strict=True):
-                languages[i] = lang  # type: ignore[assignment]
-        plans, owners, progress = [], [], []
-        for i, (w, file_chunks) in enumerate(zip(waveforms, chunks, strict=True)):
-            chunk_planner = planner.for_chunks(languages[i][0])
-            for k, (start, end) in enumerate(file_chunks):
-                p = FileProgress((end - start) / SAMPLE_RATE)
-                chunk_planner_k = chunk_planner
-                if k:
-                    chunk_planner_k = copy.copy(chunk_planner)
-                    chunk_planner_k.prefix_ids = []  # the prefix starts the file only
-                plans.append(chunk_planner_k.plan(len(plans), w[start:end], p))
-                owners.append((i, start))
-                progress.append(p)
+        joiners = [
+            ChunkJoiner(w.shape[0] / SAMPLE_RATE, options.word_timestamps) for w in waveforms
+        ]
+        units: list[_Unit] = []
+        spans: list[tuple[int, int, int]] = []
+        """(file, start, end sample) of each chunk, in stream order."""
+        progress: list[FileProgress] = []
+        for i, file_chunks in enumerate(chunks):
+            for start, end in file_chunks:
+                unit = _Unit(i, functools.partial(joiners[i].place, start / SAMPLE_RATE))
+                units.append(unit)
+                spans.append((i, start, end))
+                progress.append(
+                    FileProgress((end - start) / SAMPLE_RATE, on_segment=unit.queue.append)
+                )
+        chunk_results: list[TranscriptionResult | None] = [None] * len(units)
+        for k, unit in enumerate(units):
+            unit.is_done = functools.partial(_has_result, chunk_results, k)
         bar = ProgressBar(progress, show_progress(use_tqdm, progress))
-        try:
-            run = _SyncRun(self.engine, plans, batch_size, self.files_per_step, self.num_cores)
-            chunk_results = run.run(bar.refresh)
-        finally:
-            bar.close()
-        merged = []
-        for i, w in enumerate(waveforms):
-            parts = [
-                (start, r)
-                for (owner, start), r in zip(owners, chunk_results, strict=True)
-                if owner == i
-            ]
-            merged.append(
-                merge_chunk_results(
-                    parts,
-                    w.shape[0] / SAMPLE_RATE,
+
+        def steps() -> Iterator[None]:
+            detect = planner.tokens.multilingual and planner.language is None
+            if detect and not options.multilingual:
+                todo = [i for i, c in enumerate(chunks) if c]
+                plans = [
+                    planner.detect_plan(i, waveforms[i][chunks[i][0][0] : chunks[i][0][1]])
+                    for i in todo
+                ]
+                found = self._run(plans, batch_size, lora_request)
+                yield from found.steps()  # closing this generator closes that one
+                for i, lang in zip(todo, found.results, strict=True):
+                    languages[i] = lang  # type: ignore[assignment]
+            plans = []
+            for k, (i, start, end) in enumerate(spans):
+                chunk_planner = planner.for_chunks(languages[i][0])  # a copy
+                if k and spans[k - 1][0] == i:
+                    chunk_planner.prefix_ids = []  # the prefix starts the file only
+                plans.append(chunk_planner.plan(k, waveforms[i][start:end], progress[k]))
+            run = self._run(plans, batch_size, lora_request)
+            with contextlib.closing(run.steps()) as engine_steps:
+                for _ in engine_steps:
+                    bar.refresh()
+                    yield
+            chunk_results[:] = run.results
+
+        def finish() -> list[TranscriptionResult]:
+            return [
+                joiners[i].result(
+                    [r for r, sp in zip(chunk_results, spans, strict=True) if sp[0] == i],  # type: ignore[misc]
                     languages[i],
                     planner.language or "en",
-                    options.word_timestamps,
                 )
-            )
-        return merged
+                for i in range(len(waveforms))
+            ]
+
+        return _Job(units, steps(), finish, bar.close)
 
 
-def speech_chunks(
-    samples: Any, vad: VadOptions | None, max_seconds: float = WINDOW_SECONDS
-) -> list[tuple[int, int]]:
-    """(start, end) samples of the chunks of a batched file, each at most `max_seconds`: VAD
-    speech spans (split at `max_seconds`) joined while they fit one chunk, from the first
-    span's start to the last one's end (the silence between stays in); without VAD, plain
-    consecutive pieces."""
-    limit = int(max_seconds * SAMPLE_RATE)
-    n = samples.shape[0]
-    if vad is None:
-        return [(s, min(s + limit, n)) for s in range(0, n, limit)]
-    vad = dataclasses.replace(
-        vad, max_speech_duration_s=min(vad.max_speech_duration_s, max_seconds)
-    )
-    chunks: list[tuple[int, int]] = []
-    for start, end in get_speech_timestamps(samples, vad):
-        end = min(end, start + limit)
-        if chunks and end - chunks[-1][0] <= limit:
-            chunks[-1] = (chunks[-1][0], end)
-        else:
-            chunks.append((start, end))
-    return chunks
+def _has_result(results: list[Any], index: int) -> bool:
+    return results[index] is not None
 
 
-def merge_chunk_results(
-    parts: list[tuple[int, TranscriptionResult]],
-    duration: float,
-    language: tuple[str | None, float | None],
-    default_language: str,
-    with_words: bool,
-) -> TranscriptionResult:
-    """The chunks of one file (start sample, result) as one result on the file's clock."""
-    segments: list[TranscriptionSegment] = []
-    words: list[TranscriptionWord] = []
-    texts: list[str] = []
-    last_end = 0.0
-    for start, result in sorted(parts, key=lambda p: p[0]):
-        offset = start / SAMPLE_RATE
-        for seg in result.segments:
-            seg.id = len(segments)
-            seg.start = round(max(seg.start + offset, last_end), 3)
-            seg.end = round(max(seg.end + offset, seg.start), 3)
-            seg.seek += round(offset * 100)
-            last_end = seg.end
-            for word in seg.words or []:
-                word.start = round(word.start + offset, 3)
-                word.end = round(word.end + offset, 3)
-                words.append(word)
-            segments.append(seg)
-        texts.append(result.text)
-    code, probability = language
-    if code is None and parts:
-        code = sorted(parts, key=lambda p: p[0])[0][1].language
-        probability = sorted(parts, key=lambda p: p[0])[0][1].language_probability
-    return TranscriptionResult(
-        text="".join(texts),
-        language=code or default_language,
-        duration=duration,
-        segments=segments,
-        words=words if with_words else None,
-        language_probability=probability,
-    )
+@dataclass
+class _Unit:
+    """One plan in stream order (a file, or a chunk of a batched file): the segments it has
+    decoded and not yet handed on, and how they go onto their file's clock."""
+
+    input_index: int
+    place: Callable[[TranscriptionSegment], None] | None = None
+    """Puts a segment on its file's clock, in place (chunks of a batched file)."""
+    queue: deque[TranscriptionSegment] = dataclasses.field(default_factory=deque)
+    is_done: Callable[[], bool] = lambda: False
+    """The plan has returned (every segment of it is in the queue)."""
+
+
+@dataclass
+class _Job:
+    """A started transcription: its plans in stream order, the engine steps that run them,
+    and the results once they ran."""
+
+    units: list[_Unit]
+    steps: Iterator[None]
+    finish: Callable[[], list[TranscriptionResult]]
+    close: Callable[[], None]
+
+
+class TranscriptionStream:
+    """Segments as they are decoded (`LLM.transcribe(..., stream=True)`): an iterator of
+    `TranscriptionSegment` that runs the engine only while it is iterated, as faster-whisper's
+    lazy `segments` generator. Each segment comes out as soon as its window is decoded, final
+    (the same object the result holds); several inputs' segments come input by input, in
+    order (`input_index` names the input of the last one). `results` (or `result`, for one
+    input) runs whatever is left and returns what `transcribe` returns. Closing the stream
+    early aborts the engine requests still running."""
+
+    def __init__(self, job: _Job) -> None:
+        self._job = job
+        self._cursor = 0
+        self._finished = False
+        self._results: list[TranscriptionResult] | None = None
+        self.input_index = 0
+        """The input of the segment returned last."""
+
+    def __iter__(self) -> TranscriptionStream:
+        return self
+
+    def __next__(self) -> TranscriptionSegment:
+        job = self._job
+        while True:
+            while self._cursor < len(job.units):
+                unit = job.units[self._cursor]
+                if unit.queue:
+                    segment = unit.queue.popleft()
+                    if unit.place is not None:
+                        unit.place(segment)
+                    self.input_index = unit.input_index
+                    return segment
+                if not (self._finished or unit.is_done()):
+                    break  # its next segment needs more engine steps
+                self._cursor += 1
+            if self._finished:
+                raise StopIteration
+            try:
+                next(job.steps)
+            except StopIteration:
+                self._finished = True
+                job.close()
+            except BaseException:
+                self._finished = True
+                self._cursor = len(job.units)
+                job.close()
+                raise
+
+    @property
+    def results(self) -> list[TranscriptionResult]:
+        """Every input's result, in order (runs the rest of the stream first)."""
+        if self._results is None:
+            for _ in self:
+                pass
+            self._results = self._job.finish()
+        return self._results
+
+    @property
+    def result(self) -> TranscriptionResult:
+        """The result of a stream of one input."""
+        results = self.results
+        if len(results) != 1:
+            raise ValueError(f"the stream has {len(results)} inputs; read `results`")
+        return results[0]
+
+    def close(self) -> None:
+        """Stops the stream: requests still running are aborted."""
+        if not self._finished:
+            self._finished = True
+            self._cursor = len(self._job.units)
+            close = getattr(self._job.steps, "close", None)
+            try:
+                if close is not None:
+                    close()
+            finally:
+                self._job.close()
+
+    def __enter__(self) -> TranscriptionStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class _SyncRun:
@@ -302,22 +403,30 @@ class _SyncRun:
         self.active: set[int] = set()
 
     def run(self, on_progress: Callable[[], None]) -> list[TranscriptionResult]:
+        for _ in self.steps():
+            on_progress()
+        assert all(r is not None for r in self.results)
+        return self.results  # type: ignore[return-value]
+
+    def steps(self) -> Iterator[None]:
+        """Runs the plans, yielding after each engine step (a lazy caller steps on demand);
+        an error, or closing the iterator early, aborts every request still running."""
         engine = self.engine
         try:
             with deferred_full_collections():
-                self._run(on_progress)
-        except BaseException:
+                yield from self._steps()
+        except BaseException:  # GeneratorExit included: a stream closed before its end
             if self.pending:
                 engine.abort_request(list(self.pending))
             # The last step of each search: in flight, or held for forks.
             in_flight = take_step_request_ids([search for search, *_ in self.beams.values()])
             if in_flight:
                 engine.abort_core_requests(in_flight)
+            self.pending.clear()
+            self.beams.clear()
             raise
-        assert all(r is not None for r in self.results)
-        return self.results  # type: ignore[return-value]
 
-    def _run(self, on_progress: Callable[[], None]) -> None:
+    def _steps(self) -> Iterator[None]:
         engine = self.engine
         self._start_waiting(extra=self.num_cores)  # one unscheduled file per core
         while self.pending or self.beams or self.waiting:
@@ -333,7 +442,7 @@ class _SyncRun:
             for req_id in list(self.beams):
                 self._step_beam(req_id)
             self._start_waiting()
-            on_progress()
+            yield
 
     def _advance(self, i: int, output: WindowOutput | None) -> None:
         request, result = advance_plan(self.plans[i], output)

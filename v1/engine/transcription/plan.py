@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -347,6 +347,9 @@ class FileProgress:
     """Seconds of audio."""
     done: float = 0.0
     """Seconds before the current window (all of them once the plan returns)."""
+    on_segment: Callable[[TranscriptionSegment], None] | None = None
+    """Called with each segment as soon as its window is decoded (final: the plan's result
+    has the same segment objects, in the same order)."""
 
 
 @dataclass(frozen=True)
@@ -373,6 +376,8 @@ class _DecodedWindow:
     """(start s, end s, text token ids) of each segment."""
     attempt: _Attempt
     language: str | None = None
+    last_word_end: float | None = None
+    """End of the window's last kept word (hallucination_silence_threshold only)."""
 
 
 class TranscriptionPlanner:
@@ -488,6 +493,26 @@ class TranscriptionPlanner:
         following.prefix = request_prefix
         return following
 
+    def clipped(self, start: float, end: float) -> TranscriptionPlanner | None:
+        """This planner for the part of the recording from `start` to `end` seconds (the
+        server's chunk of a long upload): clip_timestamps' spans that reach into it, on its
+        own clock; None when none does (nothing of it is decoded). Itself without spans."""
+        stamps = list(self.options.clip_timestamps)
+        if not stamps:
+            return self
+        if len(stamps) % 2:
+            stamps.append(math.inf)  # a last start runs to the end of the recording
+        spans: list[float] = []
+        for a, b in zip(stamps[::2], stamps[1::2], strict=True):
+            a, b = max(a, start), min(b, end)
+            if b > a:
+                spans += [round(a - start, 3), round(b - start, 3)]
+        if not spans:
+            return None
+        part = copy.copy(self)
+        part.options = dataclasses.replace(self.options, clip_timestamps=tuple(spans))
+        return part
+
     def for_chunks(self, language: str | None) -> TranscriptionPlanner:
         """This planner for the chunks of a batched file (batch_size): each chunk (<= 30 s) is
         decoded on its own, in `language` (None: each chunk detects its own), with the prompt
@@ -553,6 +578,14 @@ class TranscriptionPlanner:
             detected = yield self._detect_request(index, first)
             language, probability = self._language_of(detected)
         language = language or "en"
+        assembler = _SegmentAssembler(
+            self.builder.tokenizer.decode,
+            self.tokens.eos,
+            samples.shape[0] / SAMPLE_RATE,
+            self.options.word_timestamps,
+            speech_map,
+            progress.on_segment,
+        )
         if short_form:
             attempt = yield from self._decode(
                 index, "0", first, language, self.prompt_ids, False, self.prefix_ids
@@ -560,16 +593,15 @@ class TranscriptionPlanner:
             text_ids = [t for t in attempt.content if t < self.tokens.eos]
             duration = samples.shape[0] / SAMPLE_RATE
             spans = [] if attempt.verdict is Verdict.SKIP else [(0.0, duration, text_ids)]
-            windows = [_DecodedWindow(0, spans, attempt, language)]
+            assembler.add(_DecodedWindow(0, spans, attempt, language))
         else:
-            windows, language, probability = yield from self._seek_windows(
-                index, samples, first, language, probability, progress, detect
+            language, probability = yield from self._seek_windows(
+                index, samples, first, language, probability, progress, detect, assembler
             )
         progress.done = progress.duration
-        result = self._assemble(samples, windows, language)
+        result = assembler.result(language)
         result.language_probability = probability if detect else 1.0
         if speech_map is not None:
-            _restore_times(result, speech_map)
             result.duration = original_duration
         return result
 
@@ -597,14 +629,16 @@ class TranscriptionPlanner:
         probability: float,
         progress: FileProgress,
         detect: bool,
-    ) -> Generator[WindowRequest, WindowOutput, tuple[list[_DecodedWindow], str, float]]:
+        assembler: _SegmentAssembler,
+    ) -> Generator[WindowRequest, WindowOutput, tuple[str, float]]:
         """Windows from `seek` (frames): each starts where the previous one's last complete
-        segment ended, or at its end when it ended on a complete segment or was silence.
-        Returns the windows and the (first detected) language with its probability."""
+        segment ended, or at its end when it ended on a complete segment or was silence. Each
+        decoded window goes to `assembler` at once. Returns the (first detected) language with
+        its probability."""
         num_frames = samples.shape[0] // SAMPLES_PER_FRAME
         first_frames = min(num_frames, WINDOW_FRAMES)
         history = list(self.prompt_ids)
-        windows: list[_DecodedWindow] = []
+        windows = assembler.windows
         timestamps = not self.options.without_timestamps
         seek = 0
         file_language: str | None = None
@@ -637,7 +671,7 @@ class TranscriptionPlanner:
                     index, label, audio, language, history, timestamps and not prefix, prefix
                 )
                 if attempt.verdict is Verdict.SKIP:
-                    windows.append(_DecodedWindow(seek, [], attempt, language))
+                    assembler.add(_DecodedWindow(seek, [], attempt, language))
                     seek += size
                     progress.done = min(seek, num_frames) * SAMPLES_PER_FRAME / SAMPLE_RATE
                     continue
@@ -651,20 +685,30 @@ class TranscriptionPlanner:
                     (s.start, s.end, [t for t in s.token_ids if t < self.tokens.eos])
                     for s in segments
                 ]
+                last_word_end = None
+                kept = segments
                 if self.options.hallucination_silence_threshold is not None:
-                    spans, next_seek = self._skip_hallucinations(
+                    spans, next_seek, last_word_end, again = self._skip_hallucinations(
                         spans, attempt, seek, size, next_seek, language, windows, num_frames
                     )
-                windows.append(_DecodedWindow(seek, spans, attempt, language))
+                    if again:
+                        # A hallucination after a long silence: decoded again from after the
+                        # silence; the prompt stays as it was (faster-whisper's `continue`).
+                        assembler.add(_DecodedWindow(seek, [], attempt, language))
+                        seek = next_seek
+                        progress.done = min(seek, num_frames) * SAMPLES_PER_FRAME / SAMPLE_RATE
+                        continue
+                    kept = segments[: len(spans)]  # dropped segments do not prompt the next
+                assembler.add(_DecodedWindow(seek, spans, attempt, language, last_word_end))
                 seek = next_seek
                 conditioned = attempt.temperature <= MAX_CONDITIONING_TEMPERATURE
                 if self.options.condition_on_previous_text and conditioned:
-                    history += [t for s in segments for t in s.token_ids]
+                    history += [t for s in kept for t in s.token_ids]
                     del history[: -self.builder.max_prompt_text_tokens]  # all a prompt keeps
                 else:
                     history = []
                 progress.done = min(seek, num_frames) * SAMPLES_PER_FRAME / SAMPLE_RATE
-        return windows, file_language or language, probability
+        return file_language or language, probability
 
     def _decode(
         self,
@@ -799,16 +843,19 @@ class TranscriptionPlanner:
         language: str,
         windows: list[_DecodedWindow],
         num_frames: int,
-    ) -> tuple[list[tuple[float, float, list[int]]], int]:
-        """hallucination_silence_threshold (openai-whisper's rule, as faster-whisper applies
-        it): a window whose first worded segment looks hallucinated after a long silence is
-        decoded again from after that silence; a hallucination-like segment with silence on
-        both sides ends the window there (it and what follows are dropped)."""
+    ) -> tuple[list[tuple[float, float, list[int]]], int, float | None, bool]:
+        """hallucination_silence_threshold, as faster-whisper's `generate_segments` applies
+        it (openai-whisper's rule): (kept spans, next seek, end of the last kept word, whether
+        the window is decoded again). A window not ending on a single timestamp seeks to its
+        last word's end; one whose first worded segment looks hallucinated after a silence
+        longer than the threshold is decoded again from after that silence; a
+        hallucination-like segment with silence (or hallucinations) on both sides ends the
+        window there (it and what follows are dropped)."""
         threshold = self.options.hallucination_silence_threshold
         times = attempt.token_times
         assert threshold is not None
         if not times:
-            return spans, next_seek
+            return spans, next_seek, None, False
         offset = seek / FRAMES_PER_SECOND
         eos = self.tokens.eos
         decode = self.builder.tokenizer.decode
@@ -832,13 +879,22 @@ class TranscriptionPlanner:
             else:
                 seg_words.append([])
             cursor += n
-        last_speech = next((w.segments[-1][1] for w in reversed(windows) if w.segments), 0.0)
+        # The end of the last word decoded so far (faster-whisper's last_speech_timestamp).
+        last_speech = next(
+            (w.last_word_end for w in reversed(windows) if w.last_word_end is not None), 0.0
+        )
+        content = attempt.content
+        tb = self.tokens.timestamp_begin
+        single_ending = len(content) >= 2 and content[-2] < tb <= content[-1]
+        word_ends = [words[-1].end for words in seg_words if words]
+        if not single_ending and word_ends and word_ends[-1] > offset:
+            next_seek = round(word_ends[-1] * FRAMES_PER_SECOND)
         window_end = (seek + WINDOW_FRAMES) / FRAMES_PER_SECOND
         first = next((words for words in seg_words if words), None)
         if first is not None and _is_anomaly(first):
             gap = first[0].start - offset
             if gap > threshold:
-                return [], seek + round(gap * FRAMES_PER_SECOND)
+                return [], seek + round(gap * FRAMES_PER_SECOND), None, True
         last_end = last_speech
         for si, words in enumerate(seg_words):
             if not words:
@@ -859,9 +915,15 @@ class TranscriptionPlanner:
                     new_seek = round(max(offset + 1, start) * FRAMES_PER_SECOND)
                     if num_frames / FRAMES_PER_SECOND - end < threshold:
                         new_seek = num_frames
-                    return spans[:si], max(new_seek, seek + 1)
+                    kept_ends = [w[-1].end for w in seg_words[:si] if w]
+                    return (
+                        spans[:si],
+                        max(new_seek, seek + 1),
+                        kept_ends[-1] if kept_ends else None,
+                        False,
+                    )
             last_end = words[-1].end
-        return spans, next_seek
+        return spans, next_seek, word_ends[-1] if word_ends else None, False
 
     # ---- engine requests ----
     def _decoder_prompt(
@@ -934,65 +996,89 @@ class TranscriptionPlanner:
             request_id, prompt, params, core_requests, beam, self.options.length_penalty
         )
 
-    # ---- results ----
-    def _assemble(
-        self, samples: np.ndarray, windows: list[_DecodedWindow], language: str
-    ) -> TranscriptionResult:
-        """Segments in time order, clamped into the audio and never overlapping; segments
-        without text are dropped."""
-        decode = self.builder.tokenizer.decode
-        duration = samples.shape[0] / SAMPLE_RATE
-        segments: list[TranscriptionSegment] = []
-        all_text_ids: list[int] = []
-        last_end = 0.0
-        clock = None
-        if self.options.word_timestamps:
-            clock = WordClock(decode, self.tokens.eos, language, duration)
-        for window in windows:
-            quality = window.attempt.quality
-            if clock is not None:
-                times = window.attempt.token_times
-                if times is None and window.segments:
-                    raise TranscriptionError(
-                        f"the window at {window.seek / FRAMES_PER_SECOND:.2f} s came back "
-                        "without word timings"
-                    )
-                clock.language = window.language or language
-                clock.start_window(
-                    times or [], window.seek / FRAMES_PER_SECOND, window.attempt.text_probs
+
+class _SegmentAssembler:
+    """One file's decoded windows -> its segments, window by window: each window's segments
+    are final as soon as it is added (in time order, clamped into the audio and never
+    overlapping; segments without text are dropped; vad_filter times back on the recording's
+    clock) and go to `on_segment` at once; `result` is the file's TranscriptionResult."""
+
+    def __init__(
+        self,
+        decode: Callable[[list[int]], str],
+        eos: int,
+        duration: float,
+        word_timestamps: bool,
+        speech_map: SpeechMap | None,
+        on_segment: Callable[[TranscriptionSegment], None] | None,
+    ) -> None:
+        self.decode = decode
+        self.eos = eos
+        self.duration = duration
+        """Seconds of the decoded audio (speech only with vad_filter)."""
+        self.speech_map = speech_map
+        self.on_segment = on_segment
+        self.windows: list[_DecodedWindow] = []
+        self.segments: list[TranscriptionSegment] = []
+        self.text_ids: list[int] = []
+        self.last_end = 0.0
+        self.clock = WordClock(decode, eos, "en", duration) if word_timestamps else None
+
+    def add(self, window: _DecodedWindow) -> None:
+        self.windows.append(window)
+        quality = window.attempt.quality
+        clock = self.clock
+        if clock is not None:
+            times = window.attempt.token_times
+            if times is None and window.segments:
+                raise TranscriptionError(
+                    f"the window at {window.seek / FRAMES_PER_SECOND:.2f} s came back "
+                    "without word timings"
                 )
-            for start, end, text_ids in window.segments:
-                words = clock.segment_words(text_ids) if clock is not None else None
-                if not text_ids:
-                    continue
-                all_text_ids += text_ids
-                start = min(max(start, last_end), duration)
-                end = min(max(end, start), duration)
-                segments.append(
-                    TranscriptionSegment(
-                        id=len(segments),
-                        start=round(start, 3),
-                        end=round(end, 3),
-                        text=decode(text_ids),
-                        tokens=text_ids,
-                        avg_logprob=quality.avg_logprob,
-                        compression_ratio=quality.compression_ratio,
-                        no_speech_prob=quality.no_speech_prob,
-                        temperature=window.attempt.temperature,
-                        seek=window.seek,
-                        words=words,
-                        language=window.language or language,
-                    )
-                )
-                last_end = end
+            clock.language = window.language or clock.language
+            clock.start_window(
+                times or [], window.seek / FRAMES_PER_SECOND, window.attempt.text_probs
+            )
+        for start, end, text_ids in window.segments:
+            words = clock.segment_words(text_ids) if clock is not None else None
+            if not text_ids:
+                continue
+            self.text_ids += text_ids
+            start = min(max(start, self.last_end), self.duration)
+            end = min(max(end, start), self.duration)
+            self.last_end = end
+            segment = TranscriptionSegment(
+                id=len(self.segments),
+                start=round(start, 3),
+                end=round(end, 3),
+                text=self.decode(text_ids),
+                tokens=text_ids,
+                avg_logprob=quality.avg_logprob,
+                compression_ratio=quality.compression_ratio,
+                no_speech_prob=quality.no_speech_prob,
+                temperature=window.attempt.temperature,
+                seek=window.seek,
+                words=words,
+                language=window.language,
+            )
+            if self.speech_map is not None:
+                _restore_times(segment, self.speech_map)
+            self.segments.append(segment)
+            if self.on_segment is not None:
+                self.on_segment(segment)
+
+    def result(self, language: str) -> TranscriptionResult:
+        segments = self.segments
+        for segment in segments:
+            segment.language = segment.language or language
         # One segment (every short-form clip): its text is the whole text, decoded once.
-        text = segments[0].text if len(segments) == 1 else decode(all_text_ids)
+        text = segments[0].text if len(segments) == 1 else self.decode(self.text_ids)
         return TranscriptionResult(
             text=text,
             language=language,
-            duration=duration,
+            duration=self.duration,
             segments=segments,
-            words=[w for s in segments for w in s.words or []] if clock is not None else None,
+            words=[w for s in segments for w in s.words or []] if self.clock else None,
         )
 
 
@@ -1019,11 +1105,10 @@ def _until_eos(token_ids: Sequence[int], eos: int) -> list[int]:
     return ids[: ids.index(eos)] if eos in ids else ids
 
 
-def _restore_times(result: TranscriptionResult, speech_map: SpeechMap) -> None:
+def _restore_times(seg: TranscriptionSegment, speech_map: SpeechMap) -> None:
     """Times on the speech-only audio (vad_filter) -> the recording's clock, in place."""
-    for seg in result.segments:
-        seg.start = speech_map.original_time(seg.start)
-        seg.end = max(seg.start, speech_map.original_time(seg.end, is_end=True))
-        for word in seg.words or []:
-            word.start = speech_map.original_time(word.start)
-            word.end = max(word.start, speech_map.original_time(word.end, is_end=True))
+    seg.start = speech_map.original_time(seg.start)
+    seg.end = max(seg.start, speech_map.original_time(seg.end, is_end=True))
+    for word in seg.words or []:
+        word.start = speech_map.original_time(word.start)
+        word.end = max(word.start, speech_map.original_time(word.end, is_end=True))

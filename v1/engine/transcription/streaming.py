@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
+import functools
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -15,7 +17,9 @@ from typing import Any
 
 import numpy as np
 
+from v1.audio import SAMPLE_RATE
 from v1.engine.beam_search import run_beam_search_async
+from v1.engine.transcription.batching import ChunkJoiner, speech_chunks
 from v1.engine.transcription.loading import load_audio_inputs
 from v1.engine.transcription.plan import (
     Plan,
@@ -98,8 +102,9 @@ class AsyncTranscriber:
         result (InputDone). Closing the iterator, or an error, stops every plan and aborts its
         requests."""
         queue: asyncio.Queue[TranscriptionEvent | Exception] = asyncio.Queue()
+        drive = self._drive_batched if planner.options.batch_size is not None else self._drive
         tasks = [
-            asyncio.ensure_future(self._drive(i, planner.plan(i, w), queue.put_nowait))
+            asyncio.ensure_future(drive(i, planner, w, queue.put_nowait))
             for i, w in enumerate(waveforms)
         ]
         try:
@@ -117,27 +122,101 @@ class AsyncTranscriber:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _drive(
-        self, index: int, plan: Plan, emit: Callable[[TranscriptionEvent | Exception], None]
+        self,
+        index: int,
+        planner: TranscriptionPlanner,
+        samples: np.ndarray,
+        emit: Callable[[TranscriptionEvent | Exception], None],
     ) -> None:
-        """One plan, window after window; the plan itself advances on the input thread (it
-        hashes audio and decodes text with the tokenizer)."""
+        """One file's plan; its result (or error) goes to `emit`."""
         try:
-            output: WindowOutput | None = None
-            while True:
-                await self.llm.check_health()
-                request, result = await self.llm.run_input_work(advance_plan, plan, output)
-                if request is None:
-                    assert result is not None
-                    emit(InputDone(index, result))
-                    return
-                output = await self._run_window(index, request, emit)
+            result = await self._run_plan(
+                planner.plan(index, samples),
+                lambda text: emit(WindowText(index, text)),
+                f"audio input {index}",
+            )
+            emit(InputDone(index, result))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - handed to the consumer of events, which raises it
             emit(e)
 
+    async def _drive_batched(
+        self,
+        index: int,
+        planner: TranscriptionPlanner,
+        samples: np.ndarray,
+        emit: Callable[[TranscriptionEvent | Exception], None],
+    ) -> None:
+        """batch_size (faster-whisper's batched pipeline): the file's chunks (VAD speech or
+        plain 30 s pieces), its language detected once, then up to batch_size chunks decoded
+        at once, each on its own; their text goes out in chunk order and the result joins
+        them on the file's clock."""
+        options = planner.options
+        batch_size = options.batch_size
+        assert batch_size is not None
+        tasks: list[asyncio.Future[TranscriptionResult]] = []
+        try:
+            vad = options.vad_parameters if options.vad_filter else None
+            chunks = await self.llm.run_input_work(speech_chunks, samples, vad)
+            language: tuple[str | None, float | None] = (
+                planner.language,
+                1.0 if planner.language else None,
+            )
+            detect = planner.tokens.multilingual and planner.language is None
+            if detect and not options.multilingual and chunks:
+                first_start, first_end = chunks[0]
+                plan = planner.detect_plan(index, samples[first_start:first_end])
+                language = await self._run_plan(plan, lambda text: None, f"audio input {index}")
+            chunk_planner = planner.for_chunks(language[0])
+            chunk_planner.prefix = f"{planner.prefix}-{index}b"  # ids apart from other files'
+            texts = _InOrder(len(chunks), lambda text: emit(WindowText(index, text)))
+            gate = asyncio.Semaphore(batch_size)
+
+            async def chunk(k: int, start: int, end: int) -> TranscriptionResult:
+                chunk_k = chunk_planner
+                if k:
+                    chunk_k = copy.copy(chunk_planner)
+                    chunk_k.prefix_ids = []  # the prefix starts the file only
+                async with gate:
+                    result = await self._run_plan(
+                        chunk_k.plan(k, samples[start:end]),
+                        functools.partial(texts.put, k),
+                        f"audio input {index}",
+                    )
+                texts.done(k)
+                return result
+
+            tasks = [asyncio.ensure_future(chunk(k, *c)) for k, c in enumerate(chunks)]
+            results = await asyncio.gather(*tasks)
+            joiner = ChunkJoiner(samples.shape[0] / SAMPLE_RATE, options.word_timestamps)
+            for (start, _), result in zip(chunks, results, strict=True):
+                for segment in result.segments:
+                    joiner.place(start / SAMPLE_RATE, segment)
+            emit(InputDone(index, joiner.result(results, language, planner.language or "en")))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - handed to the consumer of events, which raises it
+            emit(e)
+        finally:
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _run_plan(self, plan: Plan, on_text: Callable[[str], None], what: str) -> Any:
+        """One plan, window after window, to its result; the plan itself advances on the
+        input thread (it hashes audio and decodes text with the tokenizer)."""
+        output: WindowOutput | None = None
+        while True:
+            await self.llm.check_health()
+            request, result = await self.llm.run_input_work(advance_plan, plan, output)
+            if request is None:
+                return result
+            output = await self._run_window(request, on_text, what)
+
     async def _run_window(
-        self, index: int, request: WindowRequest, emit: Callable[[TranscriptionEvent], None]
+        self, request: WindowRequest, on_text: Callable[[str], None], what: str
     ) -> WindowOutput:
         if request.beam is not None:
             search = window_beam_search(request)
@@ -145,7 +224,7 @@ class AsyncTranscriber:
                 [search], self.llm.run_core_requests_async, self.llm.release_core_requests
             )
             return beam_window_output(search)
-        collector = WindowCollector(f"audio input {index}", request.length_penalty)
+        collector = WindowCollector(what, request.length_penalty)
         async for output in self.llm.generate_processed(
             request.request_id,
             request.prompt,
@@ -155,5 +234,31 @@ class AsyncTranscriber:
         ):
             text = collector.add(output)
             if text:
-                emit(WindowText(index, text))
+                on_text(text)
         return collector.result()
+
+
+class _InOrder:
+    """Texts of parts that run at once, passed on in part order: part k's text waits until
+    every part before it is done."""
+
+    def __init__(self, num_parts: int, out: Callable[[str], None]) -> None:
+        self.out = out
+        self.buffers: list[list[str]] = [[] for _ in range(num_parts)]
+        self.finished = [False] * num_parts
+        self.current = 0
+
+    def put(self, part: int, text: str) -> None:
+        if part == self.current:
+            self.out(text)
+        else:
+            self.buffers[part].append(text)
+
+    def done(self, part: int) -> None:
+        self.finished[part] = True
+        while self.current < len(self.finished) and self.finished[self.current]:
+            self.current += 1
+            if self.current < len(self.buffers):
+                for text in self.buffers[self.current]:
+                    self.out(text)
+                self.buffers[self.current] = []

@@ -607,6 +607,8 @@ def _add_inference_routes(
         suppress_blank: Annotated[bool | None, Form()] = None,
         repetition_penalty: Annotated[float | None, Form()] = None,
         no_repeat_ngram_size: Annotated[int | None, Form()] = None,
+        clip_timestamps: Annotated[str | None, Form()] = None,
+        batch_size: Annotated[int | None, Form()] = None,
     ) -> Response:
         _reject_unsupported_audio(include, chunking_strategy)
         _check_length_penalty(length_penalty)
@@ -637,6 +639,8 @@ def _add_inference_routes(
                 suppress_blank=suppress_blank,
                 repetition_penalty=repetition_penalty,
                 no_repeat_ngram_size=no_repeat_ngram_size,
+                clip_timestamps=clip_timestamps,
+                batch_size=batch_size,
             ),
         )
         return await audio.create(req, request)
@@ -655,6 +659,18 @@ def _add_inference_routes(
         best_of: Annotated[int | None, Form()] = None,
         patience: Annotated[float | None, Form()] = None,
         length_penalty: Annotated[float | None, Form()] = None,
+        vad_filter: Annotated[bool | None, Form()] = None,
+        vad_parameters: Annotated[str | None, Form()] = None,
+        hotwords: Annotated[str | None, Form()] = None,
+        prefix: Annotated[str | None, Form()] = None,
+        without_timestamps: Annotated[bool | None, Form()] = None,
+        max_initial_timestamp: Annotated[float | None, Form()] = None,
+        suppress_tokens: Annotated[str | None, Form()] = None,
+        suppress_blank: Annotated[bool | None, Form()] = None,
+        repetition_penalty: Annotated[float | None, Form()] = None,
+        no_repeat_ngram_size: Annotated[int | None, Form()] = None,
+        clip_timestamps: Annotated[str | None, Form()] = None,
+        batch_size: Annotated[int | None, Form()] = None,
     ) -> Response:
         _check_length_penalty(length_penalty)
         req = AudioRequest(
@@ -667,7 +683,24 @@ def _add_inference_routes(
             response_format,
             [],
             stream,
-            decoding_options(beam_size, best_of, patience, length_penalty),
+            decoding_options(
+                beam_size,
+                best_of,
+                patience,
+                length_penalty,
+                vad_filter=vad_filter,
+                vad_parameters=vad_parameters,
+                hotwords=hotwords,
+                prefix=prefix,
+                without_timestamps=without_timestamps,
+                max_initial_timestamp=max_initial_timestamp,
+                suppress_tokens=suppress_tokens,
+                suppress_blank=suppress_blank,
+                repetition_penalty=repetition_penalty,
+                no_repeat_ngram_size=no_repeat_ngram_size,
+                clip_timestamps=clip_timestamps,
+                batch_size=batch_size,
+            ),
         )
         return await audio.create(req, request)
 

@@ -88,10 +88,13 @@ FASTER_WHISPER_FORM_FIELDS = (
     "suppress_blank",
     "repetition_penalty",
     "no_repeat_ngram_size",
+    "clip_timestamps",
+    "batch_size",
 )
-"""faster-whisper's transcribe options the transcription form takes (same names and meaning;
-vad_parameters a JSON object, suppress_tokens comma-separated ids). clip_timestamps is not one:
-the server decodes an upload in chunks, on which absolute spans have no meaning."""
+"""faster-whisper's transcribe options the transcription and translation forms take (same
+names and meaning; vad_parameters a JSON object, suppress_tokens comma-separated ids,
+clip_timestamps "start,end,..." seconds of the whole upload, which each chunk of a long upload
+takes its part of)."""
 
 
 def decoding_options(
@@ -204,7 +207,9 @@ class ServingTranscriptions(ServingBase):
             options = TranscriptionOptions(
                 language=req.language or None,
                 task=req.task,
-                timestamps=req.response_format in _TIMED_FORMATS,
+                # without_timestamps: timed formats get one segment per window (faster-whisper)
+                timestamps=req.response_format in _TIMED_FORMATS
+                and not req.decoding.get("without_timestamps"),
                 prompt=req.prompt or None,
                 sampling_params=SamplingParams(temperature=req.temperature, max_tokens=None),
                 word_timestamps="word" in req.timestamp_granularities,
