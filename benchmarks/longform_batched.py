@@ -12,8 +12,10 @@ normalizer).
 
 Each run also prints where its wall time went (`phases`): audio loading (`load_audio_inputs`),
 VAD (`speech_chunks`: Silero over the whole file), planning the chunks (`TranscriptionPlanner
-.plan`: log-mel features and prompts), the engine loop (`_SyncRun.run`: encoder/decoder steps,
-detokenization, per-window Python) and merging the chunk results; `other` is the remainder.
+.plan`), the plans' per-window Python (`advance_plan`: prompts, segments, text), submitting
+windows (`LLMEngine.add_processed_request`), engine steps (`LLMEngine.step`: encoder/decoder
+forward, log-mel on the device, output processing), the rest of the loop (`engine`: `_SyncRun`
+bookkeeping) and merging the chunk results; `other` is the remainder.
 The timers wrap the module functions of v1.engine.transcription.offline / .plan for the run
 (nested calls are not double counted: plan() inside the engine loop counts as plan).
 `--profile` additionally prints a cProfile of the batched run (top functions by total time).
@@ -115,6 +117,7 @@ class PhaseTimer:
 
 def install_phase_timers(vad_workers: int | None) -> PhaseTimer:
     from v1.audio import vad
+    from v1.engine.llm_engine import LLMEngine
     from v1.engine.transcription import offline, plan
 
     timer = PhaseTimer()
@@ -122,6 +125,9 @@ def install_phase_timers(vad_workers: int | None) -> PhaseTimer:
     timer.wrap(offline, "speech_chunks", "vad")
     timer.wrap(plan.TranscriptionPlanner, "plan", "plan")
     timer.wrap(offline._SyncRun, "run", "engine")
+    timer.wrap(offline, "advance_plan", "windows")
+    timer.wrap(LLMEngine, "add_processed_request", "submit")
+    timer.wrap(LLMEngine, "step", "step")
     timer.wrap(offline, "merge_chunk_results", "merge")
     if vad_workers is not None:
         offline_get = offline.get_speech_timestamps
@@ -211,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---:|---:|---:|---:|")
     for name, wall, rtfx, w, n, _ in rows:
         print(f"| {name} | {wall:.2f} | {rtfx:.1f} | {100 * w:.2f}% | {n} |")
-    names = ["audio", "vad", "plan", "engine", "merge", "other"]
+    names = ["audio", "vad", "plan", "windows", "submit", "step", "engine", "merge", "other"]
     print()
     print("phases (s) | " + " | ".join(names) + " |")
     print("|---|" + "---:|" * len(names))
