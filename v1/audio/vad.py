@@ -5,7 +5,8 @@ batched long-form transcription) and streaming (`VadIterator`, fed chunks of any
 realtime session, reports where speech starts and ends). Both run the package's "sequence"
 ONNX export through onnxruntime (one call per block of 32 ms frames, no per-frame Python loop);
 the streaming path carries the LSTM state and the 64-sample context between calls, so it sees
-exactly the probabilities the offline path sees. The probabilities become speech spans through
+exactly the probabilities the offline single pass sees. Offline, a file longer than ~4 min runs
+as pieces in parallel threads, each warmed up on the ~30 s before it (`speech_probabilities`). The probabilities become speech spans through
 the package's own state machine (`get_speech_timestamps_from_probs`).
 
 Options and defaults are faster-whisper's (`VadOptions`): a 2 s silence ends a span, spans are
