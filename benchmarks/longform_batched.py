@@ -88,7 +88,10 @@ class PhaseTimer:
         self._undo: list[tuple[Any, str, Any]] = []
 
     def wrap(self, owner: Any, attr: str, phase: str) -> None:
-        original = getattr(owner, attr)
+        """Time `owner.attr` as `phase` (skipped where the code base has no such function)."""
+        original = getattr(owner, attr, None)
+        if original is None:
+            return
         timer = self
 
         @functools.wraps(original)
@@ -129,14 +132,10 @@ def install_phase_timers(vad_workers: int | None) -> PhaseTimer:
     timer.wrap(LLMEngine, "add_processed_request", "submit")
     timer.wrap(LLMEngine, "step", "step")
     timer.wrap(offline, "merge_chunk_results", "merge")
-    if vad_workers is not None:
-        offline_get = offline.get_speech_timestamps
-
-        def fixed_workers(audio: Any, options: Any = None, *, workers: Any = None) -> Any:
-            return vad.get_speech_timestamps(audio, options, workers=vad_workers)
-
-        offline.get_speech_timestamps = fixed_workers
-        timer._undo.append((offline, "get_speech_timestamps", offline_get))
+    if vad_workers is not None:  # get_speech_timestamps(workers=None) asks this function
+        original = vad.default_vad_workers
+        vad.default_vad_workers = lambda: vad_workers
+        timer._undo.append((vad, "default_vad_workers", original))
     return timer
 
 
