@@ -9,6 +9,17 @@ normalizer).
 
     python benchmarks/longform_batched.py --minutes 60 --batch-size 32 --device cuda
     python benchmarks/longform_batched.py --minutes 1 --batch-size 4 --device cpu   # smoke
+
+Each run also prints where its wall time went (`phases`): audio loading (`load_audio_inputs`),
+VAD (`speech_chunks`: Silero over the whole file), planning the chunks (`TranscriptionPlanner
+.plan`), the plans' per-window Python (`advance_plan`: prompts, segments, text), submitting
+windows (`LLMEngine.add_processed_request`), engine steps (`LLMEngine.step`: encoder/decoder
+forward, log-mel on the device, output processing), the rest of the loop (`engine`: `_SyncRun`
+bookkeeping) and merging the chunk results; `other` is the remainder.
+The timers wrap the module functions of v1.engine.transcription.offline / .plan for the run
+(nested calls are not double counted: plan() inside the engine loop counts as plan).
+`--profile` additionally prints a cProfile of the batched run (top functions by total time).
+`--vad-workers N` sets the VAD threads (1: the single pass; default: the CPUs).
 """
 
 from __future__ import annotations
@@ -68,6 +79,66 @@ def wer(reference: str, hypothesis: str, model: str) -> float:
     return previous[-1] / max(1, len(ref))
 
 
+class PhaseTimer:
+    """Seconds spent inside wrapped functions, by phase name (innermost phase wins)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._stack: list[list[Any]] = []  # [phase, start, child seconds]
+        self._undo: list[tuple[Any, str, Any]] = []
+
+    def wrap(self, owner: Any, attr: str, phase: str) -> None:
+        """Time `owner.attr` as `phase` (skipped where the code base has no such function)."""
+        original = getattr(owner, attr, None)
+        if original is None:
+            return
+        timer = self
+
+        @functools.wraps(original)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            timer._stack.append([phase, time.perf_counter(), 0.0])
+            try:
+                return original(*args, **kwargs)
+            finally:
+                name, start, child = timer._stack.pop()
+                spent = time.perf_counter() - start
+                timer.seconds[name] = timer.seconds.get(name, 0.0) + spent - child
+                if timer._stack:
+                    timer._stack[-1][2] += spent
+
+        setattr(owner, attr, timed)
+        self._undo.append((owner, attr, original))
+
+    def reset(self) -> None:
+        self.seconds = {}
+
+    def restore(self) -> None:
+        for owner, attr, original in reversed(self._undo):
+            setattr(owner, attr, original)
+        self._undo = []
+
+
+def install_phase_timers(vad_workers: int | None) -> PhaseTimer:
+    from v1.audio import vad
+    from v1.engine.llm_engine import LLMEngine
+    from v1.engine.transcription import offline, plan
+
+    timer = PhaseTimer()
+    timer.wrap(offline, "load_audio_inputs", "audio")
+    timer.wrap(offline, "speech_chunks", "vad")
+    timer.wrap(plan.TranscriptionPlanner, "plan", "plan")
+    timer.wrap(offline._SyncRun, "run", "engine")
+    timer.wrap(offline, "advance_plan", "windows")
+    timer.wrap(LLMEngine, "add_processed_request", "submit")
+    timer.wrap(LLMEngine, "step", "step")
+    timer.wrap(offline, "merge_chunk_results", "merge")
+    if vad_workers is not None:  # get_speech_timestamps(workers=None) asks this function
+        original = vad.default_vad_workers
+        vad.default_vad_workers = lambda: vad_workers
+        timer._undo.append((vad, "default_vad_workers", original))
+    return timer
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default=str(ASSETS / "whisper-base"))
@@ -77,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--skip-sequential", action="store_true")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (CPU)")
+    ap.add_argument("--vad-workers", type=int, default=None, help="VAD threads (default: CPUs)")
+    ap.add_argument("--profile", action="store_true", help="cProfile the batched run")
     args = ap.parse_args(argv)
 
     import torch
@@ -91,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.dtype:
         kwargs["dtype"] = args.dtype
     rows = []
+    timer = install_phase_timers(args.vad_workers)
+    profile_text = ""
     with LLM(args.model, **kwargs) as llm:
         llm.transcribe((build_long_audio(0.2)[0], SR), language="en", use_tqdm=False)  # warm up
         runs = [] if args.skip_sequential else [("sequential seek", {"timestamps": True})]
@@ -101,9 +176,28 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
         for name, options in runs:
+            profiler = None
+            if args.profile and "batch_size" in options:
+                import cProfile
+
+                profiler = cProfile.Profile()
+            timer.reset()
             start = time.perf_counter()
+            if profiler is not None:
+                profiler.enable()
             (result,) = llm.transcribe((audio, SR), language="en", use_tqdm=False, **options)
+            if profiler is not None:
+                profiler.disable()
             wall = time.perf_counter() - start
+            phases = dict(timer.seconds)
+            phases["other"] = wall - sum(phases.values())
+            if profiler is not None:
+                import io
+                import pstats
+
+                buf = io.StringIO()
+                pstats.Stats(profiler, stream=buf).sort_stats("tottime").print_stats(25)
+                profile_text = buf.getvalue()
             starts = [s.start for s in result.segments]
             assert starts == sorted(starts), "segments out of order"
             rows.append(
@@ -113,13 +207,26 @@ def main(argv: list[str] | None = None) -> int:
                     seconds / wall,
                     wer(reference, result.text, args.model),
                     len(result.segments),
+                    phases,
                 )
             )
     print(f"audio: {seconds / 60:.1f} min, model {Path(args.model).name}, device {args.device}")
+    timer.restore()
     print("| mode | wall s | RTFx | WER | segments |")
     print("|---|---:|---:|---:|---:|")
-    for name, wall, rtfx, w, n in rows:
-        print(f"| {name} | {wall:.1f} | {rtfx:.1f} | {100 * w:.2f}% | {n} |")
+    for name, wall, rtfx, w, n, _ in rows:
+        print(f"| {name} | {wall:.2f} | {rtfx:.1f} | {100 * w:.2f}% | {n} |")
+    names = ["audio", "vad", "plan", "windows", "submit", "step", "engine", "merge", "other"]
+    print()
+    print("phases (s) | " + " | ".join(names) + " |")
+    print("|---|" + "---:|" * len(names))
+    for name, _, _, _, _, phases in rows:
+        print(f"| {name} | " + " | ".join(f"{phases.get(k, 0.0):.3f}" for k in names) + " |")
+    if len(rows) == 2 and rows[1][1] > 0:
+        print(f"\nspeed-up batched vs sequential: {rows[0][1] / rows[1][1]:.1f}x")
+    if profile_text:
+        print("\ncProfile of the batched run (top 25 by total time):")
+        print(profile_text)
     return 0
 
 

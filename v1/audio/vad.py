@@ -5,7 +5,8 @@ batched long-form transcription) and streaming (`VadIterator`, fed chunks of any
 realtime session, reports where speech starts and ends). Both run the package's "sequence"
 ONNX export through onnxruntime (one call per block of 32 ms frames, no per-frame Python loop);
 the streaming path carries the LSTM state and the 64-sample context between calls, so it sees
-exactly the probabilities the offline path sees. The probabilities become speech spans through
+exactly the probabilities the offline single pass sees. Offline, a file longer than ~4 min runs
+as pieces in parallel threads, each warmed up on the ~30 s before it (`speech_probabilities`). The probabilities become speech spans through
 the package's own state machine (`get_speech_timestamps_from_probs`).
 
 Options and defaults are faster-whisper's (`VadOptions`): a 2 s silence ends a span, spans are
@@ -24,6 +25,7 @@ import functools
 import math
 import threading
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -32,6 +34,8 @@ SAMPLE_RATE = 16000
 FRAME_SAMPLES = 512  # one Silero frame: 32 ms at 16 kHz
 CONTEXT_SAMPLES = 64  # each frame sees the previous frame's last 64 samples
 _BLOCK_FRAMES = 512  # frames per ONNX call (~16 s)
+_PIECE_FRAMES = 3750  # offline VAD in parallel: pieces of at least ~2 min ...
+_WARMUP_FRAMES = 940  # ... each warmed up on the ~30 s of audio before it
 _STATE_SHAPE = (1, 1, 128)
 
 
@@ -183,24 +187,79 @@ def _as_audio(audio: Any) -> np.ndarray:
     return arr
 
 
-def speech_probabilities(audio_16k: Any) -> np.ndarray:
-    """Silero's speech probability of each 32 ms frame (the last one zero-padded)."""
+def default_vad_workers() -> int:
+    """Threads the offline VAD splits a long file over: the CPUs this process may use (<= 16)."""
+    import os
+
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(16, cpus))
+
+
+def _piece_probabilities(frames: np.ndarray, lo: int, hi: int, warmup: int) -> np.ndarray:
+    """Probabilities of frames [lo, hi): the model starts from a zero LSTM state `warmup`
+    frames earlier (with the true 64-sample context) and those warm-up outputs are dropped."""
+    first = max(0, lo - warmup)
+    model = _FrameModel()
+    if first > 0:
+        model.context = frames[first - 1, -CONTEXT_SAMPLES:].copy()
+    return model.forward(frames[first:hi])[lo - first :]
+
+
+def speech_probabilities(
+    audio_16k: Any,
+    *,
+    workers: int | None = None,
+    piece_frames: int = _PIECE_FRAMES,
+    warmup_frames: int = _WARMUP_FRAMES,
+) -> np.ndarray:
+    """Silero's speech probability of each 32 ms frame (the last one zero-padded).
+
+    Audio longer than two pieces (`piece_frames`, ~2 min) runs as up to `workers` pieces in
+    parallel threads (None: `default_vad_workers()`; onnxruntime releases the GIL). Each piece
+    after the first starts its LSTM from zero `warmup_frames` (~30 s) before its first frame,
+    on the real audio there, and drops those outputs. The recurrent state forgets its start
+    slowly, so a stitched probability can differ from the single pass by a few hundredths;
+    tests/audio/test_vad_parallel.py checks the speech spans stay those of the single pass on
+    real speech. `workers=1` is the single pass (faster-whisper's way)."""
     audio = _as_audio(audio_16k)
     n_frames = math.ceil(audio.size / FRAME_SAMPLES)
     frames = np.zeros((n_frames, FRAME_SAMPLES), dtype=np.float32)
     frames.reshape(-1)[: audio.size] = audio
-    return _FrameModel().forward(frames)
+    workers = default_vad_workers() if workers is None else int(workers)
+    if piece_frames < 1 or warmup_frames < 0:
+        raise ValueError("VAD piece_frames must be >= 1 and warmup_frames >= 0")
+    n_pieces = min(workers, n_frames // piece_frames)
+    if n_pieces <= 1:
+        return _FrameModel().forward(frames)
+    bounds = [n_frames * k // n_pieces for k in range(n_pieces + 1)]
+
+    with ThreadPoolExecutor(max_workers=n_pieces, thread_name_prefix="vad") as pool:
+        parts = list(
+            pool.map(
+                lambda k: _piece_probabilities(frames, bounds[k], bounds[k + 1], warmup_frames),
+                range(n_pieces),
+            )
+        )
+    return np.concatenate(parts)
 
 
 def get_speech_timestamps(
-    audio_16k: Any, options: VadOptions | Mapping[str, Any] | None = None
+    audio_16k: Any,
+    options: VadOptions | Mapping[str, Any] | None = None,
+    *,
+    workers: int | None = None,
 ) -> list[tuple[int, int]]:
-    """Speech spans of 16 kHz mono audio as `(start_sample, end_sample)`, in order, disjoint."""
+    """Speech spans of 16 kHz mono audio as `(start_sample, end_sample)`, in order, disjoint.
+
+    `workers`: threads for a long file (`speech_probabilities`; None: the CPUs, 1: one pass)."""
     opts = VadOptions.from_value(options)
     audio = _as_audio(audio_16k)
     if audio.size == 0:
         return []
-    probs = speech_probabilities(audio)
+    probs = speech_probabilities(audio, workers=workers)
     spans = _from_probs()(
         probs.tolist(),
         sampling_rate=SAMPLE_RATE,
