@@ -12,12 +12,7 @@ engine arguments; this package re-exports their public names (`from v1.config im
 from __future__ import annotations
 
 from v1.config.args import engine_arg_fields, make_engine_config
-from v1.config.cache import (
-    ATTENTION_BACKENDS,
-    CROSS_ATTENTION_MODES,
-    KV_CACHE_DTYPES,
-    CacheConfig,
-)
+from v1.config.cache import ATTENTION_BACKENDS, CROSS_ATTENTION_MODES, KV_CACHE_DTYPES, CacheConfig
 from v1.config.engine import (
     AUTO_MAX_NUM_SEQS,
     AUTO_MAX_NUM_SEQS_ABSORBED,
