@@ -305,7 +305,7 @@ def test_auto_rule_picks_absorbed_on_a_gpu_and_per_layer_on_cpu(
     measurements in docs/decisions.md): absorbed on a GPU for a model with cross-attention
     unless the KV cache is fp8 and only the Triton kernel takes fp8 states, per_layer on CPU;
     an explicit mode is kept as given."""
-    import v1.config
+    import v1.config.engine
     from v1.config import make_engine_config
 
     def mode(path: str, device: str, **kwargs: Any) -> str:
@@ -315,7 +315,7 @@ def test_auto_rule_picks_absorbed_on_a_gpu_and_per_layer_on_cpu(
     assert mode(bart_dir, "cpu") == "per_layer"
     assert mode(tiny_llama_dir, "cuda") == "per_layer"
     fast_fp8 = [False]
-    monkeypatch.setattr(v1.config, "_cuda_kernel_takes_fp8_states", lambda _: fast_fp8[0])
+    monkeypatch.setattr(v1.config.engine, "_cuda_kernel_takes_fp8_states", lambda _: fast_fp8[0])
     assert mode(bart_dir, "cuda", kv_cache_dtype="fp8") == "per_layer"  # Triton's fp8 states
     fast_fp8[0] = True
     assert mode(bart_dir, "cuda", kv_cache_dtype="fp8") == "absorbed"

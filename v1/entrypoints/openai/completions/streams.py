@@ -1,0 +1,170 @@
+"""The streaming answers of `ServingCompletions`: server-sent completion and chat chunks."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from v1.core.errors import EngineDeadError
+from v1.entrypoints.openai.completions.job import _Ends, _engine_failed, _Job, _Usage
+from v1.entrypoints.openai.completions.responses import CompletionResponses
+from v1.entrypoints.openai.errors import bad_request, engine_dead_error
+from v1.entrypoints.openai.logprobs import join
+from v1.entrypoints.openai.metrics import RequestTimer
+from v1.entrypoints.openai.protocol import (
+    ChatCompletionStreamResponse,
+    ChatDelta,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionStreamResponse,
+)
+from v1.entrypoints.openai.serving_engine import SSE_DONE, merge_streams, sse_error, sse_model
+from v1.outputs import CompletionOutput, RequestOutput
+
+
+class CompletionStreams(CompletionResponses):
+    """Streaming responses (`data:` chunks ending with `data: [DONE]`)."""
+
+    async def _stream_completion(
+        self, job: _Job, streams: list[AsyncIterator[RequestOutput]], timer: RequestTimer
+    ) -> AsyncIterator[str]:
+        usage = _Usage()
+        offsets: dict[int, int] = {}
+        echoed: set[int] = set()
+        prompt_sent: set[int] = set()
+        ends = _Ends(self.metrics, job.endpoint, len(job.prompts) * job.n)
+        try:
+            async for i, out in merge_streams(streams):
+                if out.error is not None:
+                    ends.error()
+                    yield sse_error(_engine_failed(out.error))
+                    return
+                ends.add(out.outputs)
+                usage.add_prompt(i, out)
+                num_new = sum(len(c.token_ids) for c in out.outputs)
+                usage.completion_tokens += num_new
+                timer.tokens(num_new)
+                choices = []
+                for c in out.outputs:
+                    index = i * job.n + c.index
+                    text = c.text
+                    prompt_lp = None
+                    if job.echo and index not in echoed:
+                        echoed.add(index)
+                        text = (job.prompts[i].text or "") + text
+                        prompt_lp = self._echo_logprobs(job, out, offsets, index)
+                    if not text and c.finish_reason is None:
+                        continue
+                    logprobs = None
+                    if c.logprobs is not None:
+                        logprobs = self.logprobs.completion(c, offsets, index)
+                    if prompt_lp is not None:
+                        logprobs = join(prompt_lp, logprobs)
+                    prompt_entries = None
+                    if index not in prompt_sent and out.prompt_logprobs is not None:
+                        prompt_sent.add(index)  # with the choice's first chunk
+                        prompt_entries = self._prompt_entries(job, out)
+                    choices.append(
+                        CompletionChoice(
+                            index=index,
+                            text=text,
+                            logprobs=logprobs,
+                            finish_reason=c.finish_reason,
+                            stop_reason=c.stop_reason,
+                            prompt_logprobs=prompt_entries,
+                        )
+                    )
+                if choices:
+                    yield sse_model(
+                        CompletionStreamResponse(
+                            id=job.request_id, model=job.model, choices=choices
+                        )
+                    )
+            if job.include_usage:
+                yield sse_model(
+                    CompletionStreamResponse(
+                        id=job.request_id, model=job.model, choices=[], usage=usage.info()
+                    )
+                )
+            yield SSE_DONE
+        except EngineDeadError as e:
+            ends.error()
+            yield sse_error(engine_dead_error(e))
+        except ValueError as e:
+            ends.error()
+            yield sse_error(bad_request(str(e)))
+        finally:
+            ends.abort_rest()
+            timer.finish(sum(usage.prompt_tokens.values()))
+
+    async def _stream_chat(
+        self, job: _Job, streams: list[AsyncIterator[RequestOutput]], timer: RequestTimer
+    ) -> AsyncIterator[str]:
+        usage = _Usage()
+        started: set[int] = set()
+        prompt_sent = False
+        ends = _Ends(self.metrics, job.endpoint, job.n)
+        try:
+            async for _, out in merge_streams(streams):
+                if out.error is not None:
+                    ends.error()
+                    yield sse_error(_engine_failed(out.error))
+                    return
+                ends.add(out.outputs)
+                usage.add_prompt(0, out)
+                num_new = sum(len(c.token_ids) for c in out.outputs)
+                usage.completion_tokens += num_new
+                timer.tokens(num_new)
+                for choice in self._chat_chunks(job, out.outputs, started):
+                    prompt_entries = None
+                    if not prompt_sent and out.prompt_logprobs is not None:
+                        prompt_sent = True  # with the first chunk
+                        prompt_entries = self._prompt_entries(job, out)
+                    yield sse_model(
+                        ChatCompletionStreamResponse(
+                            id=job.request_id,
+                            model=job.model,
+                            choices=[choice],
+                            prompt_logprobs=prompt_entries,
+                        )
+                    )
+            if job.include_usage:
+                yield sse_model(
+                    ChatCompletionStreamResponse(
+                        id=job.request_id, model=job.model, choices=[], usage=usage.info()
+                    )
+                )
+            yield SSE_DONE
+        except EngineDeadError as e:
+            ends.error()
+            yield sse_error(engine_dead_error(e))
+        except ValueError as e:
+            ends.error()
+            yield sse_error(bad_request(str(e)))
+        finally:
+            ends.abort_rest()
+            timer.finish(sum(usage.prompt_tokens.values()))
+
+    def _chat_chunks(
+        self, job: _Job, outputs: list[CompletionOutput], started: set[int]
+    ) -> list[ChatStreamChoice]:
+        chunks = []
+        for c in outputs:
+            if c.index not in started:
+                started.add(c.index)
+                delta = ChatDelta(role="assistant", content="")
+                chunks.append(ChatStreamChoice(index=c.index, delta=delta))
+            if c.text or (c.token_ids and c.logprobs is not None):
+                chunks.append(
+                    ChatStreamChoice(
+                        index=c.index,
+                        delta=ChatDelta(content=c.text),
+                        logprobs=self.logprobs.chat(c, job.top_logprobs),
+                    )
+                )
+            if c.finish_reason is not None:
+                chunks.append(
+                    ChatStreamChoice(
+                        index=c.index, delta=ChatDelta(), finish_reason=c.finish_reason
+                    )
+                )
+        return chunks
