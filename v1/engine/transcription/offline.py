@@ -14,8 +14,6 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
-
 from v1.audio import SAMPLE_RATE
 from v1.audio.vad import VadOptions, get_speech_timestamps
 from v1.engine.beam_search import (
@@ -124,6 +122,7 @@ class Transcriber:
             self.builder,
             TranscriptionOptions.from_kwargs(options),
             f"transcribe-{uuid.uuid4().hex}",
+            lora_request=lora_request,
         )
         waveforms = load_audio_inputs(audio)
         if planner.options.batch_size is not None:
@@ -137,7 +136,6 @@ class Transcriber:
             run = _SyncRun(
                 self.engine, plans, self.max_active_files, self.files_per_step, self.num_cores
             )
-            run.lora_request = lora_request
             return run.run(bar.refresh)
         finally:
             bar.close()
@@ -277,9 +275,6 @@ class _SyncRun:
     the first, so every step() has a step to launch before it reads back the last one
     (docs/decisions.md)."""
 
-    lora_request: Any = None
-    """The LoRA adapter of every window's core requests (None: the base model)."""
-
     def __init__(
         self,
         engine: Any,
@@ -350,18 +345,13 @@ class _SyncRun:
             request.request_id,
             request.prompt,
             request.params,
-            self._with_lora(request.core_requests),
+            request.core_requests,
             lazy_logprobs=True,
         )
         self.pending[request.request_id] = (
             i,
             WindowCollector(f"audio input {i}", request.length_penalty),
         )
-
-    def _with_lora(self, core_requests: list[Any]) -> list[Any]:
-        if self.lora_request is None:
-            return core_requests
-        return [msgspec.structs.replace(r, lora_request=self.lora_request) for r in core_requests]
 
     def _step_beam(self, req_id: str) -> None:
         """Feeds a window's beam search its last step's outputs once all are in, then queues
@@ -380,7 +370,7 @@ class _SyncRun:
             step = beam_step_requests([search])
             if step.requests:
                 self.beams[req_id] = (search, i, step.keys)
-                engine.add_core_requests(self._with_lora(step.requests))
+                engine.add_core_requests(step.requests)
             if step.release_ids:
                 engine.abort_core_requests(step.release_ids)  # parents nothing forks from
             if step.requests:

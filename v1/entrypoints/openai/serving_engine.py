@@ -183,8 +183,9 @@ class ServingBase:
             if not self.serves_lora:
                 raise APIError(
                     400,
-                    f"{requested!r} is a LoRA adapter; adapters are served on /v1/completions "
-                    "and /v1/chat/completions (this endpoint runs the base model only)",
+                    f"{requested!r} is a LoRA adapter; adapters are served on /v1/completions, "
+                    "/v1/chat/completions and /v1/audio/* (this endpoint runs the base model "
+                    "only)",
                     param="model",
                 )
             return requested

@@ -136,6 +136,9 @@ def decoding_options(
 
 
 class ServingTranscriptions(ServingBase):
+    serves_lora = True
+    """`model=<adapter name>` transcribes and translates with that LoRA adapter."""
+
     def __init__(self, engine: Any, settings: ServerSettings, metrics: ServerMetrics) -> None:
         super().__init__(engine, settings, metrics)
         self.decode_pool = ThreadPoolExecutor(MAX_CONCURRENT_DECODES, thread_name_prefix="v1-audio")
@@ -214,7 +217,10 @@ class ServingTranscriptions(ServingBase):
             raise bad_request(str(e), param=str(e).split(" ", 1)[0]) from e
         try:
             return await self.transcriber.prepare(
-                options, f"{request_id}-0", stream_text=req.stream
+                options,
+                f"{request_id}-0",
+                stream_text=req.stream,
+                lora_request=self.lora_for(req.model or ""),
             )
         except ValueError as e:
             # Language and task: the form's language (the task is the endpoint's); the
