@@ -6,6 +6,7 @@ an adapter equals the transcription of the model PEFT merged the adapter into.""
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,15 @@ from v1 import LLM, BeamSearchParams, LoRARequest, SamplingParams
 MAX_TOKENS = 8
 ENGINE = dict(multiprocess=False, num_kv_blocks=256, block_size=4, max_model_len=64)
 LORA = dict(enable_lora=True, max_loras=2, max_lora_rank=8)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Tiny models: many small ops, faster on one thread (and the suite shares the cores)."""
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)
 
 
 @torch.inference_mode()
