@@ -48,6 +48,7 @@ from v1.entrypoints.openai.serving_engine import (
     SSEResponse,
     close_all,
     json_response,
+    lora_unreadable_error,
     map_input_errors,
     merge_streams,
     prime_all,
@@ -957,6 +958,9 @@ def _content_chars(content: Any) -> int:
 
 
 def _engine_failed(error: str) -> APIError:
+    lora_error = lora_unreadable_error(error)
+    if lora_error is not None:
+        return lora_error
     return APIError(500, f"the engine failed the request: {error}", code="engine_error")
 
 

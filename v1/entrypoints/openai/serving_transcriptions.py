@@ -44,6 +44,7 @@ from v1.entrypoints.openai.serving_engine import (
     ServingBase,
     SSEResponse,
     json_response,
+    lora_unreadable_error,
     map_input_errors,
     run_until_disconnected,
     sse_error,
@@ -166,6 +167,9 @@ class ServingTranscriptions(ServingBase):
         except (APIError, EngineDeadError):
             raise
         except RuntimeError as e:  # TranscriptionError: the engine failed a window
+            lora_error = lora_unreadable_error(str(e))
+            if lora_error is not None:
+                raise lora_error from e
             raise APIError(500, f"transcription failed: {e}", code="engine_error") from e
         finally:
             await chunks.aclose()
