@@ -103,6 +103,9 @@ class ModelRunnerOutput:
     )
     """req_id -> (index of the first prompt token covered, per token [token, top ids...], their
     logprobs): the prompt logprobs this step's chunk of the prompt yields."""
+    failed: dict[str, str] = field(default_factory=dict)
+    """req_id -> error: requests the runner failed alone (a LoRA adapter it could not read);
+    their rows ran and are dropped, the scheduler ends them with finish reason error."""
 
 
 class DeferredRunnerOutput(Protocol):

@@ -259,15 +259,16 @@ class AsyncLLM:
         params: BeamSearchParams,
         request_id: str,
         sampling_params: SamplingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> BeamSearchOutput:
         """Beam search for one prompt (see `LLM.beam_search`); `sampling_params` adds rules
-        (stop_token_ids, min_tokens, penalties...) to the greedy defaults. Cancelling it aborts
-        the step in flight."""
+        (stop_token_ids, min_tokens, penalties...) to the greedy defaults; every beam runs with
+        `lora_request`'s adapter if given. Cancelling it aborts the step in flight."""
         if "generate" not in self.model_info.supported_tasks:
             raise ValueError(f"{self.model_config.model} is an encoder-only model")
         self._check_running()
         search = await self.run_input_work(
-            make_beam_search, self, request_id, prompt, params, sampling_params
+            make_beam_search, self, request_id, prompt, params, sampling_params, lora_request
         )
         await run_beam_search_async(
             [search], self.run_core_requests_async, self.release_core_requests

@@ -429,10 +429,13 @@ def make_beam_search(
     prompt: Any,
     params: BeamSearchParams,
     sampling_params: SamplingParams | None = None,
+    lora_request: Any = None,
 ) -> BeamSearch:
     """Validates and processes `prompt` once (tokens, audio decoding and hashing) with greedy
     `sampling_params` (the generation-config rules filled in) and sets up its search; raises
-    ValueError on invalid input. `engine`: an LLMEngine or AsyncLLM (its input processor)."""
+    ValueError on invalid input. `engine`: an LLMEngine or AsyncLLM (its input processor).
+    `lora_request`: the LoRA adapter every beam runs with (each step's requests copy the
+    base request, adapter included)."""
     if sampling_params is not None and sampling_params.structured_outputs is not None:
         raise ValueError(
             "beam search does not support structured_outputs (a grammar constrains one "
@@ -442,6 +445,9 @@ def make_beam_search(
         n=1, temperature=0.0, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos
     )
     base = engine.input_processor.process(request_id, prompt, base_params)
+    if lora_request is not None:
+        engine.input_processor.check_lora(lora_request)
+        base = msgspec.structs.replace(base, lora_request=lora_request)
     max_model_len = engine.model_config.effective_max_model_len
     room = max_model_len - len(base.prompt_token_ids)
     if params.max_tokens > room:

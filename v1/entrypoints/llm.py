@@ -182,6 +182,7 @@ class LLM:
         params: BeamSearchParams,
         use_tqdm: bool = False,
         sampling_params: SamplingParams | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[BeamSearchOutput]:
         """Beam search for one prompt or a list (the prompt forms of `generate`), in input
         order: each output holds the best `params.num_return_sequences` finished beams, best
@@ -190,7 +191,9 @@ class LLM:
         decoder KV blocks in the engine (shared full blocks, the partial last block copied) and
         computes one token per step; for encoder-decoder models all beams read one
         cross-attention cache: the encoder runs once per distinct input. `sampling_params` adds rules to the greedy
-        defaults (min_tokens, stop_token_ids, penalties, ...); its sampling knobs are unused."""
+        defaults (min_tokens, stop_token_ids, penalties, ...); its sampling knobs are unused.
+        `lora_request`: the LoRA adapter of every prompt or one per prompt (every beam of a
+        prompt runs with its adapter)."""
         if "generate" not in self.model_info.supported_tasks:
             raise ValueError(
                 f"{self.config.model_config.architecture} is an encoder-only model: beam search "
@@ -199,13 +202,14 @@ class LLM:
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be BeamSearchParams, got {type(params).__name__}")
         prompts = _as_list(prompts)
+        loras = _per_prompt_loras(lora_request, len(prompts)) or [None] * len(prompts)
         engine = self.llm_engine
         searches = []
-        for i, prompt in enumerate(prompts):
+        for i, (prompt, lora) in enumerate(zip(prompts, loras, strict=True)):
             try:
                 searches.append(
                     make_beam_search(
-                        engine, str(next(self._counter)), prompt, params, sampling_params
+                        engine, str(next(self._counter)), prompt, params, sampling_params, lora
                     )
                 )
             except ValueError as e:

@@ -5,13 +5,14 @@ batched LoRA product (`ops.py`, Triton in `triton_ops.py`) and the worker's devi
 targets (`lora_target_modules`, `lora_target`, `lora_encoder_modules`).
 """
 
-from v1.lora.manager import LoRAModelManager
+from v1.lora.manager import LoRALoadError, LoRAModelManager
 from v1.lora.peft_adapter import LoRAAdapter, load_adapter
 from v1.lora.targets import LoRATargets, lora_targets_for_config
 from v1.lora_request import LoRARequest
 
 __all__ = [
     "LoRAAdapter",
+    "LoRALoadError",
     "LoRAModelManager",
     "LoRARequest",
     "LoRATargets",

@@ -1,6 +1,12 @@
 """`LoRAModelManager`: the worker's adapters. It attaches a `LoRALinear` to each of the
 model's Linears, keeps up to max_loras adapters in device slots (the least recently used one
 without running requests gives its slot up) and up to max_cpu_loras read on the host.
+
+An adapter the worker cannot read (its folder deleted or corrupted after the frontend checked
+it) raises `LoRALoadError` for the requests that use it, which the runner fails alone. Its id
+stays failed in this engine: rows of the failed requests already ran (with the base weights)
+into caches keyed by that id, so no later request may reuse them; the fixed folder is served
+again under a new lora_int_id (the server's /v1/load_lora_adapter gives every load a new id).
 """
 
 from __future__ import annotations
@@ -15,6 +21,10 @@ from v1.lora.layers import LoRAIndices, LoRALinear
 from v1.lora.peft_adapter import LoRAAdapter, load_adapter
 from v1.lora.targets import LoRATargets
 from v1.lora_request import LoRARequest
+
+
+class LoRALoadError(ValueError):
+    """The worker could not read a request's adapter; the message names the adapter."""
 
 
 class LoRAModelManager:
@@ -50,17 +60,20 @@ class LoRAModelManager:
         """Slots, least recently used first."""
         self.host: OrderedDict[int, LoRAAdapter] = OrderedDict()
         """Adapters read on the host, least recently used first (max_cpu_loras)."""
+        self.failed: dict[int, str] = {}
+        """Adapter id -> why the worker could not read it (stays failed, see above)."""
 
     def slot_of(self, lora_int_id: int) -> int | None:
         return self.slot_ids.index(lora_int_id) if lora_int_id in self.slot_ids else None
 
     def acquire(self, request: LoRARequest) -> int:
         """The device slot of a request's adapter (read and written there if it is not),
-        counted as used until `release`."""
+        counted as used until `release`. LoRALoadError (nothing changed) when the adapter
+        cannot be read."""
         lora_id = request.lora_int_id
         slot = self.slot_of(lora_id)
         if slot is None:
-            adapter = self._host_adapter(request)
+            adapter = self._host_adapter(request)  # the only step that can fail: first
             slot = self._free_slot()
             for name, layer in self.layers.items():
                 subs = adapter.weights.get(name)
@@ -89,9 +102,21 @@ class LoRAModelManager:
         )
 
     def _host_adapter(self, request: LoRARequest) -> LoRAAdapter:
-        adapter = self.host.pop(request.lora_int_id, None)
+        lora_id = request.lora_int_id
+        if lora_id in self.failed:
+            raise LoRALoadError(self.failed[lora_id])
+        adapter = self.host.pop(lora_id, None)
         if adapter is None:
-            adapter = load_adapter(request, self.targets, self.config.max_lora_rank)
+            try:
+                adapter = load_adapter(request, self.targets, self.config.max_lora_rank)
+            except Exception as e:  # noqa: BLE001 - any read failure fails its requests alone
+                message = (
+                    f"LoRA adapter {request.lora_name!r} (lora_int_id {lora_id}) could not be "
+                    f"read by the worker: {e}. Its requests fail; serve the fixed folder under "
+                    "a new lora_int_id"
+                )
+                self.failed[lora_id] = message
+                raise LoRALoadError(message) from e
         self.host[request.lora_int_id] = adapter
         while len(self.host) > self.config.num_cpu_loras:
             self.host.popitem(last=False)

@@ -83,6 +83,9 @@ class ModelRunner:
         """The LoRAModelManager (enable_lora), attached to the model at load."""
         self.lora_ids: dict[str, int] = {}
         """Requests in the batch that run an adapter -> its id (released when they leave)."""
+        self.failed_requests: dict[str, str] = {}
+        """Requests failed alone while entering the batch (adapter unreadable) -> the error,
+        reported with the step's output."""
 
     # ---- set-up ----
     @staticmethod
@@ -226,6 +229,12 @@ class ModelRunner:
         """Launches the step without waiting for it (pipelined scheduling): everything here
         is enqueued on the device stream, so the next step can be prepared meanwhile."""
         self._update_states(scheduler_output)
+        if self.failed_requests:
+            failed, self.failed_requests = self.failed_requests, {}
+            return _WithFailed(self._execute(scheduler_output), failed)
+        return self._execute(scheduler_output)
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> DeferredRunnerOutput:
         self.copy_blocks(scheduler_output.block_copies)  # forks: before any step reads them
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ReadyRunnerOutput(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
@@ -273,10 +282,7 @@ class ModelRunner:
         if new_reqs:
             added = batch.add_requests(new_reqs)
             if self.lora is not None:
-                for state, data in zip(added, new_reqs, strict=True):
-                    if data.lora_request is not None:
-                        batch.lora_slots[state.slot] = self.lora.acquire(data.lora_request)
-                        self.lora_ids[data.req_id] = data.lora_request.lora_int_id
+                self._acquire_loras(added, new_reqs)
             tables.set_rows([state.slot for state in added], [d.block_ids for d in new_reqs])
             self.state.on_requests_added(added, new_reqs)
         cached = so.scheduled_cached_reqs
@@ -289,6 +295,24 @@ class ModelRunner:
             for slot, blocks in zip(slots.tolist(), cached.new_block_ids, strict=True):
                 if blocks is not None:
                     tables.append_rows(slot, blocks)
+
+    def _acquire_loras(self, added: list[Any], new_reqs: list[Any]) -> None:
+        """Each new request's adapter into a device slot. One the worker cannot read fails its
+        requests alone: they stay in the batch on the base weights (slot -1) for this step,
+        their rows are dropped and the scheduler ends them (`ModelRunnerOutput.failed`)."""
+        from v1.lora import LoRALoadError
+
+        batch = self.input_batch
+        for state, data in zip(added, new_reqs, strict=True):
+            if data.lora_request is None:
+                continue
+            try:
+                batch.lora_slots[state.slot] = self.lora.acquire(data.lora_request)
+            except LoRALoadError as e:
+                logger.warning("request %s fails alone: %s", data.req_id, e)
+                self.failed_requests[data.req_id] = str(e)
+                continue
+            self.lora_ids[data.req_id] = data.lora_request.lora_int_id
 
     def _release_loras(self, finished_req_ids: Any) -> None:
         for req_id in finished_req_ids:
@@ -379,3 +403,16 @@ class ModelRunner:
         self.state = None
         self.cuda_graphs = None
         self.attn_layers = {}
+
+
+class _WithFailed:
+    """A step's deferred output that also reports the requests the runner failed alone."""
+
+    def __init__(self, inner: DeferredRunnerOutput, failed: dict[str, str]) -> None:
+        self.inner = inner
+        self.failed = failed
+
+    def get_output(self) -> ModelRunnerOutput:
+        output = self.inner.get_output()
+        output.failed = {**output.failed, **self.failed}
+        return output

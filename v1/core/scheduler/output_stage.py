@@ -38,6 +38,8 @@ class OutputStage:
         if req_ids != runner_output.req_ids:
             index = {req_id: i for i, req_id in enumerate(runner_output.req_ids)}
         step_id = scheduler_output.step_id
+        if runner_output.failed:
+            self._fail(runner_output.failed, outputs)
         for row, req_id in enumerate(req_ids):
             request = requests.get(req_id)
             if request is None or request.status != running or request.admitted_step > step_id:
@@ -92,6 +94,20 @@ class OutputStage:
         if pooled:
             self._finish_all(pooled)
         return EngineCoreOutputs(outputs=outputs, timestamp=now())
+
+    def _fail(self, failed: dict[str, str], outputs: list[EngineCoreOutput]) -> None:
+        """Requests the runner failed alone (their rows are dropped below): each ends with
+        finish reason error and its message; blocks and encoder entries are freed."""
+        for req_id, error in failed.items():
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted meanwhile (a new admission runs it again)
+            request.status = RequestStatus.FINISHED_ERROR
+            self.running.remove(request)
+            self.resources.free(request)
+            outputs.append(
+                EngineCoreOutput(req_id, [], finish_reason=FinishReason.ERROR, error=error)
+            )
 
     def _append_and_check_stop(self, request: Request, new_ids: list[int]) -> list[int]:
         """Appends the sampled tokens up to the first that ends the request (its status says

@@ -16,8 +16,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
-
 from v1.audio import SAMPLE_RATE
 from v1.engine.beam_search import (
     BeamSearch,
@@ -135,25 +133,23 @@ class Transcriber:
             self.builder,
             TranscriptionOptions.from_kwargs(options),
             f"transcribe-{uuid.uuid4().hex}",
+            lora_request=lora_request,
         )
         waveforms = load_audio_inputs(audio)
         if planner.options.batch_size is not None:
-            job = self._batched(planner, waveforms, use_tqdm, lora_request)
+            job = self._batched(planner, waveforms, use_tqdm)
         else:
-            job = self._sequential(planner, waveforms, use_tqdm, lora_request)
+            job = self._sequential(planner, waveforms, use_tqdm)
         return TranscriptionStream(job)
 
-    def _run(self, plans: list[Plan], max_active: int, lora_request: Any) -> _SyncRun:
-        run = _SyncRun(self.engine, plans, max_active, self.files_per_step, self.num_cores)
-        run.lora_request = lora_request
-        return run
+    def _run(self, plans: list[Plan], max_active: int) -> _SyncRun:
+        return _SyncRun(self.engine, plans, max_active, self.files_per_step, self.num_cores)
 
     def _sequential(
         self,
         planner: TranscriptionPlanner,
         waveforms: list[Any],
         use_tqdm: bool,
-        lora_request: Any,
     ) -> _Job:
         """One plan per file, up to max_active_files at once."""
         units = [_Unit(i) for i in range(len(waveforms))]
@@ -164,7 +160,7 @@ class Transcriber:
         plans = [
             planner.plan(i, w, p) for i, (w, p) in enumerate(zip(waveforms, progress, strict=True))
         ]
-        run = self._run(plans, self.max_active_files, lora_request)
+        run = self._run(plans, self.max_active_files)
         for i, unit in enumerate(units):
             unit.is_done = functools.partial(_has_result, run.results, i)
         bar = ProgressBar(progress, show_progress(use_tqdm, progress))
@@ -186,7 +182,6 @@ class Transcriber:
         planner: TranscriptionPlanner,
         waveforms: list[Any],
         use_tqdm: bool,
-        lora_request: Any,
     ) -> _Job:
         """batch_size: every file cut into chunks of at most 30 s (VAD speech with vad_filter,
         else plain 30 s pieces); the language detected once per file; then all chunks of all
@@ -230,7 +225,7 @@ class Transcriber:
                     planner.detect_plan(i, waveforms[i][chunks[i][0][0] : chunks[i][0][1]])
                     for i in todo
                 ]
-                found = self._run(plans, batch_size, lora_request)
+                found = self._run(plans, batch_size)
                 yield from found.steps()  # closing this generator closes that one
                 for i, lang in zip(todo, found.results, strict=True):
                     languages[i] = lang  # type: ignore[assignment]
@@ -240,7 +235,7 @@ class Transcriber:
                 if k and spans[k - 1][0] == i:
                     chunk_planner.prefix_ids = []  # the prefix starts the file only
                 plans.append(chunk_planner.plan(k, waveforms[i][start:end], progress[k]))
-            run = self._run(plans, batch_size, lora_request)
+            run = self._run(plans, batch_size)
             with contextlib.closing(run.steps()) as engine_steps:
                 for _ in engine_steps:
                     bar.refresh()
@@ -378,9 +373,6 @@ class _SyncRun:
     the first, so every step() has a step to launch before it reads back the last one
     (docs/decisions.md)."""
 
-    lora_request: Any = None
-    """The LoRA adapter of every window's core requests (None: the base model)."""
-
     def __init__(
         self,
         engine: Any,
@@ -459,18 +451,13 @@ class _SyncRun:
             request.request_id,
             request.prompt,
             request.params,
-            self._with_lora(request.core_requests),
+            request.core_requests,
             lazy_logprobs=True,
         )
         self.pending[request.request_id] = (
             i,
             WindowCollector(f"audio input {i}", request.length_penalty),
         )
-
-    def _with_lora(self, core_requests: list[Any]) -> list[Any]:
-        if self.lora_request is None:
-            return core_requests
-        return [msgspec.structs.replace(r, lora_request=self.lora_request) for r in core_requests]
 
     def _step_beam(self, req_id: str) -> None:
         """Feeds a window's beam search its last step's outputs once all are in, then queues
@@ -489,7 +476,7 @@ class _SyncRun:
             step = beam_step_requests([search])
             if step.requests:
                 self.beams[req_id] = (search, i, step.keys)
-                engine.add_core_requests(self._with_lora(step.requests))
+                engine.add_core_requests(step.requests)
             if step.release_ids:
                 engine.abort_core_requests(step.release_ids)  # parents nothing forks from
             if step.requests:

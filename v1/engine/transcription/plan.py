@@ -394,10 +394,14 @@ class TranscriptionPlanner:
         request_prefix: str,
         *,
         stream_text: bool = False,
+        lora_request: Any = None,
     ) -> None:
         """`stream_text`: windows run with the engine's detokenizer on, so that a driver can
-        pass their text on as it is decoded (otherwise only stop strings need it)."""
+        pass their text on as it is decoded (otherwise only stop strings need it).
+        `lora_request`: the LoRA adapter (checked by the caller) every request of every plan
+        runs with: windows, language detection, alignment, each beam (None: the base model)."""
         self.builder = builder
+        self.lora_request = lora_request
         self.tokens = builder.tokens
         self.options = options
         self.prefix = request_prefix
@@ -978,6 +982,7 @@ class TranscriptionPlanner:
                 encoder_input=builder.encoder_input(audio),
                 eos_token_id=self.tokens.eos,
                 arrival_time=now(),
+                lora_request=self.lora_request,
             )
 
         if params.n == 1:

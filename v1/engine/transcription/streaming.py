@@ -67,10 +67,18 @@ class AsyncTranscriber:
         self.builder = llm.input_processor.whisper_builder
 
     async def transcribe(
-        self, audio: Any, *, request_id: str | None = None, **options: Any
+        self,
+        audio: Any,
+        *,
+        request_id: str | None = None,
+        lora_request: Any = None,
+        **options: Any,
     ) -> list[TranscriptionResult]:
-        """As `Transcriber.transcribe`; `request_id` prefixes the ids of its requests."""
-        planner = await self.prepare(TranscriptionOptions.from_kwargs(options), request_id)
+        """As `Transcriber.transcribe`; `request_id` prefixes the ids of its requests,
+        `lora_request` is the LoRA adapter every request runs with."""
+        planner = await self.prepare(
+            TranscriptionOptions.from_kwargs(options), request_id, lora_request=lora_request
+        )
         waveforms = await asyncio.to_thread(load_audio_inputs, audio)
         results: list[TranscriptionResult | None] = [None] * len(waveforms)
         async with contextlib.aclosing(self.events(planner, waveforms)) as events:
@@ -85,13 +93,24 @@ class AsyncTranscriber:
         request_id: str | None = None,
         *,
         stream_text: bool = False,
+        lora_request: Any = None,
     ) -> TranscriptionPlanner:
         """The checked options (ValueError on anything that cannot run), on the engine's
-        input thread (the prompt is tokenized). `stream_text`: `events` yields WindowText."""
+        input thread (the prompt is tokenized). `stream_text`: `events` yields WindowText.
+        `lora_request`: the LoRA adapter every request of the plans runs with (checked)."""
         prefix = request_id or f"transcribe-{uuid.uuid4().hex}"
         await self.llm.check_health()  # EngineDeadError, not the input thread's shutdown error
         return await self.llm.run_input_work(
-            TranscriptionPlanner, self.builder, options, prefix, stream_text=stream_text
+            self._planner, options, prefix, stream_text, lora_request
+        )
+
+    def _planner(
+        self, options: TranscriptionOptions, prefix: str, stream_text: bool, lora_request: Any
+    ) -> TranscriptionPlanner:
+        if lora_request is not None:
+            self.llm.input_processor.check_lora(lora_request)
+        return TranscriptionPlanner(
+            self.builder, options, prefix, stream_text=stream_text, lora_request=lora_request
         )
 
     async def events(

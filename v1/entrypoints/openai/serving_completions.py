@@ -155,9 +155,10 @@ class ServingCompletions(CompletionStreams):
         except ValueError as e:
             raise bad_request(str(e), param="best_of") from e
         timer = RequestTimer(self.metrics, "/v1/completions")
+        lora = self.lora_for(model)
         searches = [
             self.engine.beam_search(
-                prompt.engine_prompt, bp, f"{request_id}-{i}", p.clone(n=1, stop=None)
+                prompt.engine_prompt, bp, f"{request_id}-{i}", p.clone(n=1, stop=None), lora
             )
             for i, (prompt, bp, p) in enumerate(zip(prompts, beam_params, params, strict=True))
         ]

@@ -183,8 +183,9 @@ class ServingBase:
             if not self.serves_lora:
                 raise APIError(
                     400,
-                    f"{requested!r} is a LoRA adapter; adapters are served on /v1/completions "
-                    "and /v1/chat/completions (this endpoint runs the base model only)",
+                    f"{requested!r} is a LoRA adapter; adapters are served on /v1/completions, "
+                    "/v1/chat/completions and /v1/audio/* (this endpoint runs the base model "
+                    "only)",
                     param="model",
                 )
             return requested
@@ -424,3 +425,16 @@ class SSEResponse(StreamingResponse):
                 await aclose()
             if self.on_close is not None:
                 await self.on_close()
+
+
+LORA_UNREADABLE = "could not be read by the worker"
+"""The words of the engine's error for a request whose LoRA adapter the worker cannot read
+(v1/lora/manager.py): the request's model is unusable, which the client is told (400 naming
+the adapter), not a hidden internal error."""
+
+
+def lora_unreadable_error(error: str) -> APIError | None:
+    """A 400 on `model` for an engine error that is an unreadable LoRA adapter; else None."""
+    if "LoRA adapter '" in error and LORA_UNREADABLE in error:
+        return APIError(400, error, param="model", code="lora_adapter_unreadable")
+    return None

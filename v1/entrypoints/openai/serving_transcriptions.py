@@ -44,6 +44,7 @@ from v1.entrypoints.openai.serving_engine import (
     ServingBase,
     SSEResponse,
     json_response,
+    lora_unreadable_error,
     map_input_errors,
     run_until_disconnected,
     sse_error,
@@ -139,6 +140,9 @@ def decoding_options(
 
 
 class ServingTranscriptions(ServingBase):
+    serves_lora = True
+    """`model=<adapter name>` transcribes and translates with that LoRA adapter."""
+
     def __init__(self, engine: Any, settings: ServerSettings, metrics: ServerMetrics) -> None:
         super().__init__(engine, settings, metrics)
         self.decode_pool = ThreadPoolExecutor(MAX_CONCURRENT_DECODES, thread_name_prefix="v1-audio")
@@ -166,6 +170,9 @@ class ServingTranscriptions(ServingBase):
         except (APIError, EngineDeadError):
             raise
         except RuntimeError as e:  # TranscriptionError: the engine failed a window
+            lora_error = lora_unreadable_error(str(e))
+            if lora_error is not None:
+                raise lora_error from e
             raise APIError(500, f"transcription failed: {e}", code="engine_error") from e
         finally:
             await chunks.aclose()
@@ -219,7 +226,10 @@ class ServingTranscriptions(ServingBase):
             raise bad_request(str(e), param=str(e).split(" ", 1)[0]) from e
         try:
             return await self.transcriber.prepare(
-                options, f"{request_id}-0", stream_text=req.stream
+                options,
+                f"{request_id}-0",
+                stream_text=req.stream,
+                lora_request=self.lora_for(req.model or ""),
             )
         except ValueError as e:
             # Language and task: the form's language (the task is the endpoint's); the

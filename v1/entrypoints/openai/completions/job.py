@@ -9,6 +9,7 @@ from typing import Any
 from v1.entrypoints.openai.errors import APIError
 from v1.entrypoints.openai.metrics import ServerMetrics
 from v1.entrypoints.openai.protocol import UsageInfo
+from v1.entrypoints.openai.serving_engine import lora_unreadable_error
 from v1.outputs import CompletionOutput, RequestOutput
 from v1.sampling_params import SamplingParams
 
@@ -90,4 +91,7 @@ class _Ends:
 
 
 def _engine_failed(error: str) -> APIError:
+    lora_error = lora_unreadable_error(error)
+    if lora_error is not None:
+        return lora_error
     return APIError(500, f"the engine failed the request: {error}", code="engine_error")
