@@ -13,8 +13,8 @@ from v1.audio.vad import (
     FRAME_SAMPLES,
     SAMPLE_RATE,
     VadOptions,
-    _from_probs,
     get_speech_timestamps,
+    spans_from_probabilities,
     speech_probabilities,
 )
 
@@ -42,18 +42,7 @@ def single_pass(long_speech: np.ndarray) -> np.ndarray:
 
 
 def _spans(probs: np.ndarray, n_samples: int, opts: VadOptions) -> list[tuple[int, int]]:
-    spans = _from_probs()(
-        probs.tolist(),
-        sampling_rate=SR,
-        threshold=opts.threshold,
-        neg_threshold=opts.effective_neg_threshold,
-        min_speech_duration_ms=opts.min_speech_duration_ms,
-        max_speech_duration_s=opts.max_speech_duration_s,
-        min_silence_duration_ms=opts.min_silence_duration_ms,
-        speech_pad_ms=opts.speech_pad_ms,
-        audio_length_samples=n_samples,
-    )
-    return [(int(s["start"]), int(s["end"])) for s in spans]
+    return spans_from_probabilities(probs, n_samples, opts)
 
 
 def test_two_pieces_give_the_single_pass_spans(long_speech, single_pass) -> None:

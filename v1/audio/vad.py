@@ -259,17 +259,24 @@ def get_speech_timestamps(
     audio = _as_audio(audio_16k)
     if audio.size == 0:
         return []
-    probs = speech_probabilities(audio, workers=workers)
+    return spans_from_probabilities(speech_probabilities(audio, workers=workers), audio.size, opts)
+
+
+def spans_from_probabilities(
+    probs: np.ndarray, num_samples: int, options: VadOptions
+) -> list[tuple[int, int]]:
+    """silero-vad's spans (start, end samples; empty ones dropped) of frame probabilities
+    `probs` over `num_samples` samples of 16 kHz audio."""
     spans = _from_probs()(
         probs.tolist(),
         sampling_rate=SAMPLE_RATE,
-        threshold=opts.threshold,
-        neg_threshold=opts.effective_neg_threshold,
-        min_speech_duration_ms=opts.min_speech_duration_ms,
-        max_speech_duration_s=opts.max_speech_duration_s,
-        min_silence_duration_ms=opts.min_silence_duration_ms,
-        speech_pad_ms=opts.speech_pad_ms,
-        audio_length_samples=int(audio.size),
+        threshold=options.threshold,
+        neg_threshold=options.effective_neg_threshold,
+        min_speech_duration_ms=options.min_speech_duration_ms,
+        max_speech_duration_s=options.max_speech_duration_s,
+        min_silence_duration_ms=options.min_silence_duration_ms,
+        speech_pad_ms=options.speech_pad_ms,
+        audio_length_samples=int(num_samples),
     )
     return [(int(s["start"]), int(s["end"])) for s in spans if s["end"] > s["start"]]
 
