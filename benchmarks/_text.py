@@ -253,9 +253,16 @@ def bench_bert(ctx: Context) -> list[Row]:
 
 
 def _hf_embed(ctx: Context, model: Any, seqs: list[np.ndarray], batch: int) -> list[int]:
+    """`hf_mean_embeddings` on the run's device; returns 1 per input that got a vector."""
+    vectors = hf_mean_embeddings(model, seqs, batch, ctx.device.name)
+    return [int(v is not None and v.ndim == 1) for v in vectors]
+
+
+def hf_mean_embeddings(
+    model: Any, seqs: list[np.ndarray], batch: int, device: str
+) -> list[torch.Tensor | None]:
     """sentence-transformers' `encode` loop on token ids: longest first, one padded batch at a
-    time, mean pooling, normalize, to host; results back in input order. Returns 1 per input
-    that got a vector."""
+    time, mean pooling, normalize, to host; one [H] float32 vector per input, in input order."""
     order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))
     vectors: list[torch.Tensor | None] = [None] * len(seqs)
     with torch.inference_mode():
@@ -267,15 +274,15 @@ def _hf_embed(ctx: Context, model: Any, seqs: list[np.ndarray], batch: int) -> l
             for row, i in enumerate(chunk):
                 ids[row, : len(seqs[i])] = seqs[i]
                 mask[row, : len(seqs[i])] = 1
-            ids_t = torch.from_numpy(ids).to(ctx.device.name)
-            mask_t = torch.from_numpy(mask).to(ctx.device.name)
+            ids_t = torch.from_numpy(ids).to(device)
+            mask_t = torch.from_numpy(mask).to(device)
             hidden = model(input_ids=ids_t, attention_mask=mask_t).last_hidden_state
             m = mask_t.unsqueeze(-1).to(hidden.dtype)
             pooled = (hidden * m).sum(1) / m.sum(1)
             out = torch.nn.functional.normalize(pooled.float(), dim=-1).cpu()
             for row, i in enumerate(chunk):
                 vectors[i] = out[row]
-    return [int(v is not None and v.ndim == 1) for v in vectors]
+    return vectors
 
 
 # ---------------------------------------------------------------- Llama

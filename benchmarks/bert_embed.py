@@ -48,6 +48,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from _context import TOKENIZER_FILES, asset  # noqa: E402
 from _harness import Device, timed  # noqa: E402
+from _text import hf_mean_embeddings  # noqa: E402
 
 
 def _lengths(num: int, low: int, high: int) -> np.ndarray:
@@ -111,28 +112,8 @@ def _build_bert_base(root: str, tokenizer: str, tiny: bool, dtype: torch.dtype) 
 
 
 def _hf_embed(model: Any, seqs: list[np.ndarray], batch: int, device: str) -> torch.Tensor:
-    """sentence-transformers' `encode` loop on token ids: longest first, one padded batch at
-    a time, mean pooling, normalize, to host; [N, H] float32 in input order."""
-    order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))
-    vectors: list[torch.Tensor | None] = [None] * len(seqs)
-    with torch.inference_mode():
-        for start in range(0, len(order), batch):
-            chunk = order[start : start + batch]
-            width = max(len(seqs[i]) for i in chunk)
-            ids = np.zeros((len(chunk), width), dtype=np.int64)
-            mask = np.zeros_like(ids)
-            for row, i in enumerate(chunk):
-                ids[row, : len(seqs[i])] = seqs[i]
-                mask[row, : len(seqs[i])] = 1
-            ids_t = torch.from_numpy(ids).to(device)
-            mask_t = torch.from_numpy(mask).to(device)
-            hidden = model(input_ids=ids_t, attention_mask=mask_t).last_hidden_state
-            m = mask_t.unsqueeze(-1).to(hidden.dtype)
-            pooled = (hidden * m).sum(1) / m.sum(1)
-            out = torch.nn.functional.normalize(pooled.float(), dim=-1).cpu()
-            for row, i in enumerate(chunk):
-                vectors[i] = out[row]
-    return torch.stack(vectors)  # type: ignore[arg-type]
+    """[N, H] float32: `hf_mean_embeddings` (sentence-transformers' encode loop), stacked."""
+    return torch.stack(hf_mean_embeddings(model, seqs, batch, device))  # type: ignore[arg-type]
 
 
 def _device_seconds(device: Device, fn: Any) -> float:
