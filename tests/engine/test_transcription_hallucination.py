@@ -6,31 +6,14 @@ next window's prompt. Each test fails if the rule were left out."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.engine.test_transcription_plan import SOT, SR, Call, Reply, noise, scripted, ts, words
-from tests.utils import make_tiny_whisper_dir
-from v1.config import ModelConfig
 from v1.engine.transcription import Transcriber
-from v1.tokenizer import get_tokenizer
 
 pytestmark = pytest.mark.filterwarnings("ignore")
-
-
-@pytest.fixture(scope="module")
-def aligned_config(tmp_path_factory: pytest.TempPathFactory) -> tuple[ModelConfig, Any]:
-    """The tiny model with alignment heads inside its 2-layer decoder (word timestamps)."""
-    path = make_tiny_whisper_dir(Path(tmp_path_factory.mktemp("tiny_aligned")))
-    config_file = Path(path) / "generation_config.json"
-    generation = json.loads(config_file.read_text())
-    generation["alignment_heads"] = [[1, 0], [1, 2]]
-    config_file.write_text(json.dumps(generation))
-    config = ModelConfig(path)
-    return config, get_tokenizer(config)
 
 
 def _run(config: Any, answer: Any, seconds: float, **options: Any) -> tuple[Any, Any]:

@@ -6,7 +6,6 @@ multilingual, hallucination_silence_threshold). Each test fails if its option we
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -41,18 +40,6 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 @pytest.fixture(scope="module")
 def whisper_config(tmp_path_factory: pytest.TempPathFactory) -> tuple[ModelConfig, Any]:
     config = ModelConfig(make_tiny_whisper_dir(Path(tmp_path_factory.mktemp("tiny"))))
-    return config, get_tokenizer(config)
-
-
-@pytest.fixture(scope="module")
-def aligned_config(tmp_path_factory: pytest.TempPathFactory) -> tuple[ModelConfig, Any]:
-    """The tiny model with alignment heads inside its 2-layer decoder (word timestamps)."""
-    path = make_tiny_whisper_dir(Path(tmp_path_factory.mktemp("tiny_aligned")))
-    config_file = Path(path) / "generation_config.json"
-    generation = json.loads(config_file.read_text())
-    generation["alignment_heads"] = [[1, 0], [1, 2]]
-    config_file.write_text(json.dumps(generation))
-    config = ModelConfig(path)
     return config, get_tokenizer(config)
 
 

@@ -5,7 +5,6 @@ the text before them, fall back to hotter temperatures, skip silence, and files 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -289,18 +288,6 @@ def test_bad_options_fail_before_any_request(whisper_config, options, message) -
     with pytest.raises(ValueError, match=message):
         Transcriber(engine).transcribe((noise(2), SR), language="en", **options)
     assert engine.calls == []
-
-
-@pytest.fixture(scope="module")
-def aligned_config(tmp_path_factory: pytest.TempPathFactory) -> tuple[ModelConfig, Any]:
-    """The tiny model with alignment heads inside its 2-layer decoder (word timestamps)."""
-    path = make_tiny_whisper_dir(Path(tmp_path_factory.mktemp("tiny_aligned")))
-    config_file = Path(path) / "generation_config.json"
-    generation = json.loads(config_file.read_text())
-    generation["alignment_heads"] = [[1, 0], [1, 2]]
-    config_file.write_text(json.dumps(generation))
-    config = ModelConfig(path)
-    return config, get_tokenizer(config)
 
 
 def test_words_of_each_window_are_offset_by_its_seek(aligned_config) -> None:
