@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import tempfile
 import time
 from typing import Any
@@ -111,9 +112,9 @@ def run(
     adapters: list[str],
     clips: np.ndarray,
     cross_attention: str = "auto",
-) -> float:
-    """Seconds for one timed transcription pass (after a warm-up pass) with `adapters`
-    (empty: LoRA off)."""
+) -> list[float]:
+    """Seconds of each of `args.repeats` timed transcription passes (after a warm-up pass on
+    the full-size clips) with `adapters` (empty: LoRA off); each pass gets fresh audio."""
     from v1 import LLM, LoRARequest, SamplingParams
 
     engine_kwargs: dict[str, Any] = dict(
@@ -132,18 +133,32 @@ def run(
     prompts = [{"prompt": "", "multi_modal_data": {"audio": (clip, SAMPLE_RATE)}} for clip in clips]
     with LLM(model_dir, multiprocess=False, **engine_kwargs) as llm:
         llm.generate(prompts, params, use_tqdm=False, lora_request=per_clip)  # warm-up
-        # Fresh audio for the timed pass: the encoder cache must not serve it.
-        prompts = [
-            {"prompt": "", "multi_modal_data": {"audio": (clip * 0.5, SAMPLE_RATE)}}
-            for clip in clips
-        ]
-        if args.device != "cpu":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False, lora_request=per_clip)
-        seconds = time.perf_counter() - start
-    assert all(len(o.outputs[0].token_ids) == args.num_tokens for o in outs)
+        seconds = []
+        for k in range(args.repeats):
+            # Fresh audio for each timed pass: the encoder cache must not serve it.
+            scale = np.float32(0.5 - 0.05 * k)
+            prompts = [
+                {"prompt": "", "multi_modal_data": {"audio": (clip * scale, SAMPLE_RATE)}}
+                for clip in clips
+            ]
+            if args.device != "cpu":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False, lora_request=per_clip)
+            seconds.append(time.perf_counter() - start)
+            assert all(len(o.outputs[0].token_ids) == args.num_tokens for o in outs)
     return seconds
+
+
+def _row(adapters: Any, seconds: list[float], audio_seconds: float, base: float | None) -> dict:
+    median = statistics.median(seconds)
+    return dict(
+        adapters=adapters,
+        seconds=median,
+        spread=[min(seconds), max(seconds)],
+        rtfx=audio_seconds / median,
+        lora_cost=None if base is None else median / base - 1.0,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--tokenizer", default=asset("whisper-base"))
+    parser.add_argument("--repeats", type=int, default=3, help="timed passes per row (median)")
     parser.add_argument("--json", default=None, help="write the rows here")
     args = parser.parse_args(argv)
     args.num_clips = args.num_clips or (4 if args.tiny else 256)
@@ -177,30 +193,26 @@ def main(argv: list[str] | None = None) -> int:
             save_adapter(cfg, adapters[-1], args.rank, seed=i)
         # LoRA runs per-layer cross-attention (adapters change the cross K/V projections);
         # the cost is measured against the same mode, the default (auto) shown beside it.
-        auto = run(args, model_dir, [], clips)
-        rows.append(
-            dict(adapters="0 (auto)", seconds=auto, rtfx=audio_seconds / auto, lora_cost=None)
-        )
-        base = run(args, model_dir, [], clips, cross_attention="per_layer")
-        rows.append(dict(adapters=0, seconds=base, rtfx=audio_seconds / base, lora_cost=0.0))
+        rows.append(_row("0 (auto)", run(args, model_dir, [], clips), audio_seconds, None))
+        rows.append(_row(0, run(args, model_dir, [], clips, "per_layer"), audio_seconds, None))
+        base = rows[-1]["seconds"]
+        rows[-1]["lora_cost"] = 0.0
         for count in counts:
             seconds = run(args, model_dir, adapters[:count], clips)
-            rows.append(
-                dict(
-                    adapters=count,
-                    seconds=seconds,
-                    rtfx=audio_seconds / seconds,
-                    lora_cost=seconds / base - 1.0,
-                )
-            )
+            rows.append(_row(count, seconds, audio_seconds, base))
     print(
         f"whisper-large-v3-turbo{' (tiny)' if args.tiny else ''}: {args.num_clips} clips, "
         f"{args.num_tokens} tokens each, rank {args.rank}, device {args.device}"
     )
-    print(f"{'adapters':>9} {'seconds':>9} {'RTFx':>9} {'LoRA cost':>10}")
+    print(f"medians of {args.repeats} timed passes [min-max seconds]")
+    print(f"{'adapters':>9} {'seconds':>9} {'spread':>15} {'RTFx':>9} {'LoRA cost':>10}")
     for row in rows:
         cost = "" if row["lora_cost"] is None else f"{row['lora_cost']:>+10.1%}"
-        print(f"{row['adapters']!s:>9} {row['seconds']:>9.2f} {row['rtfx']:>9.1f} {cost:>10}")
+        spread = f"[{row['spread'][0]:.2f}-{row['spread'][1]:.2f}]"
+        print(
+            f"{row['adapters']!s:>9} {row['seconds']:>9.2f} {spread:>15} {row['rtfx']:>9.1f} "
+            f"{cost:>10}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
