@@ -181,6 +181,12 @@ class ModelRunner:
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         self.kv_cache_config = kv_cache_config
+        if self.device.type == "cuda":
+            # The profile sized the cache against memory the allocator may still hold in
+            # blocks of an engine shut down meanwhile (its cycles collected after the
+            # profile): hand those back so the one large allocation finds room.
+            gc.collect()
+            torch.cuda.empty_cache()
         kv_caches = allocate_kv_cache(kv_cache_config, self.device)
         self.copy_blocks = KVBlockCopier(kv_cache_config, kv_caches)
         for name, cache in kv_caches.items():
