@@ -24,6 +24,8 @@ from v1.entrypoints.openai.completions.checks import (
     _reject_with_beam_search,
 )
 from v1.entrypoints.openai.completions.job import _Job, _Prompt
+from v1.entrypoints.openai.completions.prompts import CompletionPrompts
+from v1.entrypoints.openai.completions.responses import CompletionResponses
 from v1.entrypoints.openai.completions.streams import CompletionStreams
 from v1.entrypoints.openai.errors import bad_request
 from v1.entrypoints.openai.logprobs import LogprobFormatter
@@ -52,8 +54,10 @@ from v1.sampling_params import SamplingParams
 __all__ = ["TOKENIZE_SLICE", "ServingCompletions"]
 
 
-class ServingCompletions(CompletionStreams):
-    """Text generation endpoints of a decoder-only or text encoder-decoder model."""
+class ServingCompletions(CompletionPrompts):
+    """Text generation endpoints of a decoder-only or text encoder-decoder model: the request
+    checks and prompts here and in `CompletionPrompts`; the answers in `responses` (one JSON
+    body) and `streams` (server-sent chunks)."""
 
     serves_lora = True
 
@@ -61,6 +65,8 @@ class ServingCompletions(CompletionStreams):
         super().__init__(engine, settings, metrics)
         self.vocab_size: int = self.model_config.vocab_size
         self.logprobs = LogprobFormatter(self.tokenizer)
+        self.responses = CompletionResponses(self.metrics, self.logprobs)
+        self.streams = CompletionStreams(self.responses)
         self.chat_template = (
             ChatTemplate(self.tokenizer, settings.chat_template) if self.is_generator else None
         )
@@ -237,16 +243,16 @@ class ServingCompletions(CompletionStreams):
         timer = RequestTimer(self.metrics, job.endpoint)
         if stream:
             streams = await map_input_errors(prime_all(request, gens))
-            make = self._stream_chat if job.chat else self._stream_completion
+            make = self.streams.chat if job.chat else self.streams.completion
             return SSEResponse(
                 make(job, streams, timer), on_close=partial(close_all, [*streams, *gens])
             )
         finals, usage = await map_input_errors(
-            run_until_disconnected(request, self._collect(gens, timer))
+            run_until_disconnected(request, self.responses.collect(gens, timer))
         )
         if job.chat:
-            return json_response(self._chat_response(job, finals, usage))
-        return json_response(self._completion_response(job, finals, usage))
+            return json_response(self.responses.chat(job, finals, usage))
+        return json_response(self.responses.completion(job, finals, usage))
 
 
 async def _gather(coros: list[Any]) -> list[Any]:

@@ -7,10 +7,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from v1.entrypoints.openai.completions.job import _engine_failed, _Job, _Usage
-from v1.entrypoints.openai.completions.prompts import CompletionPrompts
 from v1.entrypoints.openai.errors import APIError
 from v1.entrypoints.openai.logprobs import LogprobFormatter, join
-from v1.entrypoints.openai.metrics import RequestTimer
+from v1.entrypoints.openai.metrics import RequestTimer, ServerMetrics
 from v1.entrypoints.openai.protocol import (
     ChatChoice,
     ChatCompletionResponse,
@@ -23,13 +22,14 @@ from v1.entrypoints.openai.serving_engine import merge_streams
 from v1.outputs import RequestOutput
 
 
-class CompletionResponses(CompletionPrompts):
-    """Non-streaming responses, and the echo and prompt logprobs streams share (ServingCompletions
-    sets `logprobs`)."""
+class CompletionResponses:
+    """Non-streaming responses, and the echo and prompt logprobs that streams share."""
 
-    logprobs: LogprobFormatter
+    def __init__(self, metrics: ServerMetrics, logprobs: LogprobFormatter) -> None:
+        self.metrics = metrics
+        self.logprobs = logprobs
 
-    async def _collect(
+    async def collect(
         self, gens: list[AsyncIterator[RequestOutput]], timer: RequestTimer
     ) -> tuple[list[RequestOutput], _Usage]:
         finals: list[RequestOutput | None] = [None] * len(gens)
@@ -56,8 +56,7 @@ class CompletionResponses(CompletionPrompts):
                 self.metrics.observe_finish(timer.endpoint, c.finish_reason)
         return finals, usage  # type: ignore[return-value]
 
-    # ---- responses ----
-    def _completion_response(
+    def completion(
         self, job: _Job, finals: list[RequestOutput], usage: _Usage
     ) -> CompletionResponse:
         choices = []
@@ -68,7 +67,7 @@ class CompletionResponses(CompletionPrompts):
             for k, c in enumerate(outputs):
                 text = (job.prompts[i].text or "") + c.text if job.echo else c.text
                 offsets: dict[int, int] = {}
-                prompt_lp = self._echo_logprobs(job, out, offsets, 0)
+                prompt_lp = self.echo_logprobs(job, out, offsets, 0)
                 logprobs = None
                 if c.logprobs is not None and job.keep_logprobs:
                     logprobs = self.logprobs.completion(c, offsets, 0)
@@ -81,14 +80,14 @@ class CompletionResponses(CompletionPrompts):
                         logprobs=logprobs,
                         finish_reason=c.finish_reason,
                         stop_reason=c.stop_reason,
-                        prompt_logprobs=self._prompt_entries(job, out),
+                        prompt_logprobs=self.prompt_entries(job, out),
                     )
                 )
         return CompletionResponse(
             id=job.request_id, model=job.model, choices=choices, usage=usage.info()
         )
 
-    def _echo_logprobs(
+    def echo_logprobs(
         self, job: _Job, out: RequestOutput, offsets: dict[int, int], index: int
     ) -> CompletionLogprobs | None:
         """The echoed prompt's logprobs (echo with logprobs), else None."""
@@ -98,7 +97,7 @@ class CompletionResponses(CompletionPrompts):
             out.prompt_token_ids or [], out.prompt_logprobs, offsets, index, job.echo_top
         )
 
-    def _prompt_entries(self, job: _Job, out: RequestOutput) -> Any:
+    def prompt_entries(self, job: _Job, out: RequestOutput) -> Any:
         """vLLM's `prompt_logprobs` answer field when the request asked for it, else None."""
         if job.prompt_logprobs is None:
             return None
@@ -106,9 +105,7 @@ class CompletionResponses(CompletionPrompts):
             out.prompt_token_ids or [], out.prompt_logprobs, job.prompt_logprobs
         )
 
-    def _chat_response(
-        self, job: _Job, finals: list[RequestOutput], usage: _Usage
-    ) -> ChatCompletionResponse:
+    def chat(self, job: _Job, finals: list[RequestOutput], usage: _Usage) -> ChatCompletionResponse:
         choices = [
             ChatChoice(
                 index=c.index,
@@ -124,5 +121,5 @@ class CompletionResponses(CompletionPrompts):
             model=job.model,
             choices=choices,
             usage=usage.info(),
-            prompt_logprobs=self._prompt_entries(job, finals[0]),
+            prompt_logprobs=self.prompt_entries(job, finals[0]),
         )

@@ -21,10 +21,16 @@ from v1.entrypoints.openai.serving_engine import SSE_DONE, merge_streams, sse_er
 from v1.outputs import CompletionOutput, RequestOutput
 
 
-class CompletionStreams(CompletionResponses):
-    """Streaming responses (`data:` chunks ending with `data: [DONE]`)."""
+class CompletionStreams:
+    """Streaming responses (`data:` chunks ending with `data: [DONE]`); the echo and prompt
+    logprobs come from `responses`, as in the non-streaming answers."""
 
-    async def _stream_completion(
+    def __init__(self, responses: CompletionResponses) -> None:
+        self.responses = responses
+        self.metrics = responses.metrics
+        self.logprobs = responses.logprobs
+
+    async def completion(
         self, job: _Job, streams: list[AsyncIterator[RequestOutput]], timer: RequestTimer
     ) -> AsyncIterator[str]:
         usage = _Usage()
@@ -51,7 +57,7 @@ class CompletionStreams(CompletionResponses):
                     if job.echo and index not in echoed:
                         echoed.add(index)
                         text = (job.prompts[i].text or "") + text
-                        prompt_lp = self._echo_logprobs(job, out, offsets, index)
+                        prompt_lp = self.responses.echo_logprobs(job, out, offsets, index)
                     if not text and c.finish_reason is None:
                         continue
                     logprobs = None
@@ -62,7 +68,7 @@ class CompletionStreams(CompletionResponses):
                     prompt_entries = None
                     if index not in prompt_sent and out.prompt_logprobs is not None:
                         prompt_sent.add(index)  # with the choice's first chunk
-                        prompt_entries = self._prompt_entries(job, out)
+                        prompt_entries = self.responses.prompt_entries(job, out)
                     choices.append(
                         CompletionChoice(
                             index=index,
@@ -96,7 +102,7 @@ class CompletionStreams(CompletionResponses):
             ends.abort_rest()
             timer.finish(sum(usage.prompt_tokens.values()))
 
-    async def _stream_chat(
+    async def chat(
         self, job: _Job, streams: list[AsyncIterator[RequestOutput]], timer: RequestTimer
     ) -> AsyncIterator[str]:
         usage = _Usage()
@@ -118,7 +124,7 @@ class CompletionStreams(CompletionResponses):
                     prompt_entries = None
                     if not prompt_sent and out.prompt_logprobs is not None:
                         prompt_sent = True  # with the first chunk
-                        prompt_entries = self._prompt_entries(job, out)
+                        prompt_entries = self.responses.prompt_entries(job, out)
                     yield sse_model(
                         ChatCompletionStreamResponse(
                             id=job.request_id,
