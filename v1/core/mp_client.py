@@ -159,10 +159,14 @@ def _stop_process(res: _Resources, proc: Any) -> None:
     """SHUTDOWN, then SIGTERM, then SIGKILL (caller holds proc_lock)."""
     if not proc.is_alive():
         return
-    # No peer (zmq.Again): the signals below still work.
+    # No peer (zmq.Again: a core still starting has not connected): nothing to wait for, the
+    # signals below still work.
+    sent = False
     with res.send_lock, contextlib.suppress(zmq.ZMQError):
         res.input_socket.send(EngineCoreRequestType.SHUTDOWN.value, flags=zmq.NOBLOCK)
-    proc.join(timeout=5)
+        sent = True
+    if sent:
+        proc.join(timeout=5)
     if proc.is_alive():
         logger.warning("EngineCore (pid %d) ignored SHUTDOWN; terminating it", proc.pid)
         proc.terminate()
