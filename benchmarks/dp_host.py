@@ -211,13 +211,13 @@ def build_model_dir(root: str, tokenizer: str) -> str:
 
 
 def make_llm(path: str, dp: int, args: argparse.Namespace) -> Any:
-    import v1.engine.llm_engine as llm_engine_module
+    import v1.engine.core_client as core_client_module
     from v1 import LLM
 
-    real = llm_engine_module.make_engine_core_client
+    real = core_client_module.make_engine_core_client
     # The core processes import this file as `dp_host` (its folder is on their path).
     patched = functools.partial(real, executor_factory="dp_host:SimulatedGpu")
-    llm_engine_module.make_engine_core_client = patched
+    core_client_module.make_engine_core_client = patched
     try:
         kwargs: dict[str, Any] = dict(
             max_num_seqs=args.max_num_seqs,
@@ -231,7 +231,7 @@ def make_llm(path: str, dp: int, args: argparse.Namespace) -> Any:
             kwargs["data_parallel_size"] = dp
         return LLM(path, **kwargs)
     finally:
-        llm_engine_module.make_engine_core_client = real
+        core_client_module.make_engine_core_client = real
 
 
 def transcribe(llm: Any, clips: np.ndarray, tokens: int) -> list[Any]:

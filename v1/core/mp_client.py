@@ -159,10 +159,14 @@ def _stop_process(res: _Resources, proc: Any) -> None:
     """SHUTDOWN, then SIGTERM, then SIGKILL (caller holds proc_lock)."""
     if not proc.is_alive():
         return
-    # No peer (zmq.Again): the signals below still work.
+    # No peer (zmq.Again: a core still starting has not connected): nothing to wait for, the
+    # signals below still work.
+    sent = False
     with res.send_lock, contextlib.suppress(zmq.ZMQError):
         res.input_socket.send(EngineCoreRequestType.SHUTDOWN.value, flags=zmq.NOBLOCK)
-    proc.join(timeout=5)
+        sent = True
+    if sent:
+        proc.join(timeout=5)
     if proc.is_alive():
         logger.warning("EngineCore (pid %d) ignored SHUTDOWN; terminating it", proc.pid)
         proc.terminate()
@@ -194,12 +198,15 @@ class MPClient(EngineCoreClient):
         executor_factory: str | None = None,
         ready_timeout_s: float | None = None,
         core_env: dict[str, str] | None = None,
+        abort_start: threading.Event | None = None,
     ) -> None:
         """`program`: the module run as the core process (`python -m program`; it picks the
         executor and calls `v1.core.engine_core_proc.run_engine_core`). `input_address`/`output_address`: explicit endpoints to bind (both or neither; e.g.
         tcp://127.0.0.1:5555); default ipc:// in a private temp dir. `executor_factory`: an
         import path `module:Name` the core builds its executor with (tests). `core_env`:
-        environment variables set for the core process only (a data-parallel core's devices)."""
+        environment variables set for the core process only (a data-parallel core's devices).
+        `abort_start`: set by another thread to give up waiting for the handshake (the core is
+        stopped and EngineCoreStartError raised), e.g. when the frontend built meanwhile failed."""
         self.config = config
         self._core_env = core_env
         self._program = program
@@ -214,7 +221,8 @@ class MPClient(EngineCoreClient):
         try:
             self._start_process(executor_factory)
             ready = self._wait_ready(
-                envs.V1_ENGINE_READY_TIMEOUT_S if ready_timeout_s is None else ready_timeout_s
+                envs.V1_ENGINE_READY_TIMEOUT_S if ready_timeout_s is None else ready_timeout_s,
+                abort_start,
             )
         except BaseException:
             self._closing = True
@@ -267,11 +275,13 @@ class MPClient(EngineCoreClient):
             args += ["--ipc-dir", self._res.ipc_dir]
         self._res.proc = CoreProcess(self._program, args, self.config.to_json(), self._core_env)
 
-    def _wait_ready(self, timeout_s: float) -> ReadyMessage:
+    def _wait_ready(self, timeout_s: float, abort: threading.Event | None = None) -> ReadyMessage:
         decoder = MsgpackDecoder(ReadyMessage)
         sock, proc = self._res.output_socket, self._res.proc
         deadline = time.monotonic() + timeout_s
         while True:
+            if abort is not None and abort.is_set():
+                raise EngineCoreStartError("the EngineCore start-up was aborted by its frontend")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError(

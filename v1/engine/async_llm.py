@@ -26,7 +26,7 @@ from v1.engine.beam_search import (
     make_beam_search,
     run_beam_search_async,
 )
-from v1.engine.core_client import make_engine_core_client
+from v1.engine.core_client import make_frontend_and_client
 from v1.engine.input_processor import InputProcessor, Params
 from v1.engine.output_processor import AnyRequestOutput, OutputProcessor, ParentRequest
 from v1.logger import init_logger
@@ -93,17 +93,26 @@ class AsyncLLM:
         self.model_config = config.model_config
         self.model_info = self.model_config.info
         """The frontend's model facts (the server asks its `supported_tasks`)."""
-        self.tokenizer = tokenizer if tokenizer is not None else get_tokenizer(self.model_config)
-        self.input_processor = InputProcessor(
-            self.model_config,
-            self.tokenizer,
-            max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
-            model_info=self.model_info,
-            lora_config=config.lora_config,
-            # N cores hash their own audio, in parallel, instead of the frontend's one thread.
-            audio_hash_in_core=config.parallel_config.data_parallel_size > 1,
+
+        def build_frontend() -> tuple[Any, InputProcessor, OutputProcessor]:
+            tok = tokenizer if tokenizer is not None else get_tokenizer(self.model_config)
+            input_processor = InputProcessor(
+                self.model_config,
+                tok,
+                max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
+                model_info=self.model_info,
+                lora_config=config.lora_config,
+                # N cores hash their own audio, in parallel, instead of the frontend's one thread.
+                audio_hash_in_core=config.parallel_config.data_parallel_size > 1,
+            )
+            return tok, input_processor, OutputProcessor(tok)
+
+        # The core process starts while the frontend is built (make_frontend_and_client).
+        frontend, client = make_frontend_and_client(
+            config, build_frontend, multiprocess=True, asyncio_mode=True, **client_kwargs
         )
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.engine_core = cast("AsyncMPClient | AsyncDPClient", client)
+        self.tokenizer, self.input_processor, self.output_processor = frontend
         self.transcriber: AsyncTranscriber | None = None
         """Whisper models: the one transcriber of this engine (`transcribe`, the server)."""
         if "transcription" in self.model_info.supported_tasks:
@@ -121,11 +130,6 @@ class AsyncLLM:
         self._input_pool = ThreadPoolExecutor(1, thread_name_prefix="v1-input")
         """Tokenization and input checks, off the event loop and one at a time (a tokenizer
         is not safe to use from two threads at once)."""
-        # Last: starting the core process is the slow, resource-holding part.
-        self.engine_core = cast(
-            "AsyncMPClient | AsyncDPClient",
-            make_engine_core_client(config, multiprocess=True, asyncio_mode=True, **client_kwargs),
-        )
         gc.collect()
         gc.freeze()  # start-up objects live forever: keep them out of cyclic GC scans
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from v1.config import EngineConfig
 from v1.core.protocol import EngineCoreOutput, EngineCoreRequest
-from v1.engine.core_client import make_engine_core_client
+from v1.engine.core_client import make_frontend_and_client
 from v1.engine.input_processor import InputProcessor, Params
 from v1.engine.output_processor import AnyRequestOutput, OutputProcessor, ParentRequest
 from v1.lora_request import LoRARequest
@@ -33,19 +33,25 @@ class LLMEngine:
         self.model_config = config.model_config
         self.model_info = self.model_config.info
         """The process's model facts: the input processor and an in-process core share it."""
-        self.tokenizer = tokenizer if tokenizer is not None else get_tokenizer(self.model_config)
-        self.input_processor = InputProcessor(
-            self.model_config,
-            self.tokenizer,
-            max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
-            model_info=self.model_info,
-            lora_config=config.lora_config,
-            # N cores hash their own audio, in parallel, instead of the frontend's one thread.
-            audio_hash_in_core=config.parallel_config.data_parallel_size > 1,
+
+        def build_frontend() -> tuple[Any, InputProcessor, OutputProcessor]:
+            tok = tokenizer if tokenizer is not None else get_tokenizer(self.model_config)
+            input_processor = InputProcessor(
+                self.model_config,
+                tok,
+                max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
+                model_info=self.model_info,
+                lora_config=config.lora_config,
+                # N cores hash their own audio, in parallel, instead of the frontend's one thread.
+                audio_hash_in_core=config.parallel_config.data_parallel_size > 1,
+            )
+            return tok, input_processor, OutputProcessor(tok)
+
+        # A core process starts while the frontend is built (make_frontend_and_client).
+        frontend, self.engine_core = make_frontend_and_client(
+            config, build_frontend, multiprocess=multiprocess
         )
-        self.output_processor = OutputProcessor(self.tokenizer)
-        # The client last: it starts the core (and its process), which is the costly part.
-        self.engine_core = make_engine_core_client(config, multiprocess=multiprocess)
+        self.tokenizer, self.input_processor, self.output_processor = frontend
         self._closed = False
         self._core_outputs: dict[str, EngineCoreOutput | None] = {}
         """Requests run by `run_core_requests` -> their final output (None until finished)."""

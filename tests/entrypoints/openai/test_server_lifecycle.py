@@ -15,6 +15,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,17 +37,39 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return make_chat_llama_dir(tmp_path_factory.mktemp("llama"), CHAT_TEMPLATE)
 
 
-def start(
-    llama_dir: str, tmp_path: Path, *args: str, env: dict[str, str] | None = None
+def launch(
+    llama_dir: str, log_dir: Path, *args: str, env: dict[str, str] | None = None
 ) -> RemoteServer:
-    server = RemoteServer(
-        "lifecycle", llama_dir, ["--num-kv-blocks", "64", *args], tmp_path, env=env
-    )
+    return RemoteServer("lifecycle", llama_dir, ["--num-kv-blocks", "64", *args], log_dir, env=env)
+
+
+@pytest.fixture(scope="module")
+def servers(
+    llama_dir: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, tuple[RemoteServer, Path]]]:
+    """One server per test below, each with the flags it tests and its own TMPDIR (for its
+    socket directory), all launched at once: a start-up is two single-threaded programs in a
+    row (the server's imports, then its core's), so together they use every CPU. Each test
+    stops (or kills) its own server; none is shared."""
+    flags: dict[str, tuple[str, ...]] = {
+        "drain": ("--shutdown-timeout", "120"),
+        "shutdown_timeout": ("--shutdown-timeout", "1", "--max-num-seqs", "1"),
+        "engine_death": ("--max-num-seqs", "1"),
+        "sigkill": (),
+    }
+    launched: dict[str, tuple[RemoteServer, Path]] = {}
     try:
-        return server.wait_ready()
-    except BaseException:
-        server.stop()
-        raise
+        for name, args in flags.items():
+            root = tmp_path_factory.mktemp(f"lifecycle_{name}")
+            private_tmp = Path(tempfile.mkdtemp(dir=root))
+            server = launch(llama_dir, root, *args, env={"TMPDIR": str(private_tmp)})
+            launched[name] = (server, private_tmp)
+        for server, _ in launched.values():
+            server.wait_ready()
+        yield launched
+    finally:
+        for server, _ in launched.values():
+            server.stop()
 
 
 def wait_exit(server: RemoteServer, timeout: float = 30) -> int:
@@ -84,10 +107,10 @@ def _wait_first_line(outs: list[dict[str, Any]]) -> None:
     assert any("first" in o for o in outs), "no stream started"
 
 
-def test_sigterm_drains_then_exits_zero(llama_dir: str, tmp_path: Path) -> None:
+def test_sigterm_drains_then_exits_zero(servers: dict[str, tuple[RemoteServer, Path]]) -> None:
     """A request in flight (its body still arriving) is served to the end during the drain,
     while new requests (and /health) get 503 with Retry-After; then the server exits 0."""
-    server = start(llama_dir, tmp_path, "--shutdown-timeout", "120")
+    server, _ = servers["drain"]
     body = json.dumps({"prompt": "hi", "max_tokens": 3, "temperature": 0}).encode()
     held = socket.create_connection(("127.0.0.1", server.port), timeout=30)
     held.sendall(
@@ -120,10 +143,12 @@ def test_sigterm_drains_then_exits_zero(llama_dir: str, tmp_path: Path) -> None:
     assert wait_exit(server) == 0
 
 
-def test_shutdown_timeout_fails_the_rest_with_an_error(llama_dir: str, tmp_path: Path) -> None:
+def test_shutdown_timeout_fails_the_rest_with_an_error(
+    servers: dict[str, tuple[RemoteServer, Path]],
+) -> None:
     """Work still running or queued at --shutdown-timeout ends with an error (an error event
     for a started stream, a 503 body for one that never started); the server exits 0."""
-    server = start(llama_dir, tmp_path, "--shutdown-timeout", "1", "--max-num-seqs", "1")
+    server, _ = servers["shutdown_timeout"]
     # One at a time, 8 x 240 tokens: far more than 1 s of work on any machine.
     outs: list[dict[str, Any]] = [{} for _ in range(8)]
     threads = [threading.Thread(target=stream_lines, args=(server, LONG, o)) for o in outs]
@@ -147,10 +172,9 @@ def _ipc_dirs(root: Path) -> list[Path]:
 
 
 def test_engine_death_exits_nonzero_and_removes_the_socket_dir(
-    llama_dir: str, tmp_path: Path
+    servers: dict[str, tuple[RemoteServer, Path]],
 ) -> None:
-    private_tmp = Path(tempfile.mkdtemp(dir=tmp_path))
-    server = start(llama_dir, tmp_path, "--max-num-seqs", "1", env={"TMPDIR": str(private_tmp)})
+    server, private_tmp = servers["engine_death"]
     assert len(_ipc_dirs(private_tmp)) == 1
     outs: list[dict[str, Any]] = [{} for _ in range(4)]  # queued one behind the other
     threads = [threading.Thread(target=stream_lines, args=(server, LONG, o)) for o in outs]
@@ -166,9 +190,10 @@ def test_engine_death_exits_nonzero_and_removes_the_socket_dir(
     assert _ipc_dirs(private_tmp) == []
 
 
-def test_sigkilled_server_leaves_no_core_and_no_socket_dir(llama_dir: str, tmp_path: Path) -> None:
-    private_tmp = Path(tempfile.mkdtemp(dir=tmp_path))
-    server = start(llama_dir, tmp_path, env={"TMPDIR": str(private_tmp)})
+def test_sigkilled_server_leaves_no_core_and_no_socket_dir(
+    servers: dict[str, tuple[RemoteServer, Path]],
+) -> None:
+    server, private_tmp = servers["sigkill"]
     core = server.find_core_pid()
     assert len(_ipc_dirs(private_tmp)) == 1
     server.proc.kill()
