@@ -805,21 +805,27 @@ class TranscriptionPlanner:
         content = _until_eos(out.token_ids, eos)
         decoded = out.token_ids[: len(content) + 1]  # EOS counts, when there is one
         logprobs = out.logprobs[: len(decoded)] if out.logprobs else None
+        if logprobs and len(logprobs) >= len(content):
+            probs = [math.exp(lp) for t, lp in zip(content, logprobs, strict=False) if t < eos]
+        else:
+            probs = [float("nan")] * sum(t < eos for t in content)
+        # The prefix is part of the prompt, forced: the window's text starts with it.
+        forced = ([self.tokens.timestamp_begin] if timestamps else []) + list(prefix or [])
+        if prefix:
+            content = forced + content
+            probs = [1.0] * len(prefix) + probs
+            # As faster-whisper's avg_logprob and compression ratio: the window's tokens are
+            # `[<|0.00|>] prefix` and the sampled ones, the forced ones with logprob 0
+            # (CTranslate2 scores them so).
+            decoded = forced + decoded
+            if logprobs:
+                logprobs = [0.0] * len(forced) + logprobs
         quality = DecodeQuality(
             compression_ratio(decoded, self.builder.model_config.vocab_size),
             average_logprob(logprobs),
             out.no_speech_prob,
         )
         verdict = self.fallback.verdict(quality)
-        if logprobs and len(logprobs) >= len(content):
-            probs = [math.exp(lp) for t, lp in zip(content, logprobs, strict=False) if t < eos]
-        else:
-            probs = [float("nan")] * sum(t < eos for t in content)
-        if prefix:
-            # The prefix is part of the prompt, forced: the window's text starts with it.
-            forced = ([self.tokens.timestamp_begin] if timestamps else []) + list(prefix)
-            content = forced + content
-            probs = [1.0] * len(prefix) + probs
         return _Attempt(content, quality, temperature, verdict, out.token_times, probs)
 
     def _detect_request(self, index: int, audio: AudioClip, label: str = "") -> WindowRequest:
