@@ -29,6 +29,7 @@ def _two_clips() -> bytes:
     return buf.getvalue()
 
 
+@pytest.mark.slow  # two requests of two windows on a CPU server
 def test_condition_on_previous_text_field_changes_the_second_window(
     whisper_server: RemoteServer,
 ) -> None:
@@ -56,6 +57,7 @@ def test_condition_on_previous_text_field_changes_the_second_window(
     assert unconditioned[len(first) :] != conditioned[len(first) :]
 
 
+@pytest.mark.slow  # five requests, two of them with a fallback
 def test_threshold_fields_change_fallback_and_silence(whisper_server: RemoteServer) -> None:
     """A log_prob_threshold no decoding meets (0) or a compression_ratio_threshold every text
     is above sends the window through every fallback temperature (from the form's 0.8: 0.8,
