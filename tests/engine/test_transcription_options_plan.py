@@ -20,6 +20,7 @@ from tests.engine.test_transcription_plan import (
     PREV,
     SOT,
     SR,
+    TB,
     TRANSCRIBE,
     Call,
     Reply,
@@ -60,17 +61,46 @@ def test_hotwords_go_in_every_prompt_unless_a_prefix_is_given(whisper_config) ->
     assert PREV not in engine.calls[0].prompt_ids
 
 
-def test_prefix_is_forced_in_the_first_window_only_and_starts_its_text(whisper_config) -> None:
+def test_prefix_is_forced_with_timestamps_in_the_window_at_0_s_only(whisper_config) -> None:
+    """faster-whisper's `get_prompt(prefix=options.prefix if seek == 0 else None)`: the window
+    at 0 s is `sot sequence <|0.00|> prefix` with the timestamps on (not <|notimestamps|>), its
+    hotwords left out and max_initial_timestamp lifted (the sampler frees the first token
+    after the prefix); later windows get the hotwords and no prefix."""
     tok = whisper_config[1]
-    pre = words(tok, " And so")
-    replies = [Reply(words(tok, " my fellow.")), Reply([ts(0), *words(tok, " Then."), ts(2)])]
+    pre, hot = words(tok, " And so"), words(tok, " Quilter")
+    first_reply = [*words(tok, " my fellow."), ts(2), ts(2), *words(tok, " Then."), ts(4)]
+    replies = [Reply(first_reply), Reply([ts(0), *words(tok, " End."), ts(3)])]
     engine = scripted(whisper_config, in_order(replies))
-    (result,) = Transcriber(engine).transcribe((noise(40), SR), language="en", prefix="And so")
+    (result,) = Transcriber(engine).transcribe(
+        (noise(40), SR),
+        language="en",
+        prefix="And so",
+        hotwords="Quilter",
+        max_initial_timestamp=0.5,
+    )
     first, second = engine.calls
-    assert first.prompt_ids == [SOT, EN, TRANSCRIBE, NO_TS, *pre]
-    assert pre[0] not in second.prompt_ids[second.prompt_ids.index(SOT) :]
-    assert result.segments[0].text == " And so my fellow."
-    assert result.text.startswith(" And so my fellow.")
+    assert first.prompt_ids == [SOT, EN, TRANSCRIBE, ts(0), *pre]
+    assert first.params.whisper_timestamps and second.params.whisper_timestamps
+    assert not any(t >= TB for t in first.params.begin_suppress_tokens)
+    assert ts(0.52) in second.params.begin_suppress_tokens  # max_initial_timestamp there
+    # The second window (from 30 s: the first ended on a single timestamp): hotwords, then
+    # the first window's tokens (the prefix among them) as previous text; no prefix.
+    assert second.prompt_ids[: 1 + len(hot)] == [PREV, *hot]
+    assert second.prompt_ids[1 + len(hot) : -3] == [ts(0), *pre, *first_reply]
+    assert second.prompt_ids[-3:] == [SOT, EN, TRANSCRIBE]
+    got = [(s.start, s.end, s.text) for s in result.segments]
+    assert got == [
+        (0.0, 2.0, " And so my fellow."),
+        (2.0, 4.0, " Then."),
+        (30.0, 33.0, " End."),
+    ]
+    # A first window that starts past 0 s (clip_timestamps) gets no prefix, as faster-whisper.
+    engine = scripted(whisper_config, lambda call: Reply([ts(0), *words(tok, " Hi."), ts(1)]))
+    Transcriber(engine).transcribe(
+        (noise(10), SR), language="en", prefix="And so", hotwords="Quilter", clip_timestamps="5"
+    )
+    (call,) = engine.calls
+    assert call.prompt_ids == [PREV, *hot, SOT, EN, TRANSCRIBE]
 
 
 def test_initial_prompt_is_the_previous_text_of_the_first_window(whisper_config) -> None:

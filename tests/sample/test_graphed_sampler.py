@@ -40,6 +40,8 @@ REQS = [
         outputs=[12, 62],
     ),
     Req(params=SamplingParams(temperature=0.0, forced_eos_token_id=50), max_output_tokens=4),
+    # sot sequence (52), <|0.00|> and a forced text prefix: the first token is free.
+    Req(params=SamplingParams(temperature=0.0, whisper_timestamps=True), prompt=[52, 60, 7, 8]),
 ]
 
 
@@ -49,10 +51,10 @@ def fill(reqs: list[Req], slots: list[int]) -> SamplingState:
 
 
 def test_dense_sampler_matches_the_general_sampler_step_after_step() -> None:
-    slots = [5, 0, 3, 7, 1]
+    slots = [5, 0, 3, 7, 1, 2]
     general, dense = fill(REQS, slots), fill(REQS, slots)
     slots_np = np.array(slots)
-    valid = np.array([True, True, True, False, True])  # row 3: a prompt chunk, no token
+    valid = np.array([True, True, True, False, True, True])  # row 3: a prompt chunk, no token
     gen = torch.Generator().manual_seed(0)
     for _ in range(6):
         # Timestamps win often (scaled) so the pair rules and the forced timestamp all run.

@@ -144,3 +144,38 @@ def test_whisper_state_with_rows_that_use_no_timestamps() -> None:
     assert int(whisper.min_timestamp[0]) == 55
     assert state.penalties.token_ids[0, 3:6].tolist() == [52, 3, 55]
     assert state.penalties.token_ids[1, 3:6].tolist() == [8, 61, 52]
+
+
+def test_whisper_first_token_after_a_forced_prefix_is_free() -> None:
+    """faster-whisper's prefix (`sot sequence <|0.00|> text`): CTranslate2 bans only
+    <|notimestamps|> at the first sampled token, even where the timestamps' total probability
+    wins and past max_initial_timestamp; from the second token on the rules hold as usual, over
+    the sampled tokens only. Without the prefix the first token is an early timestamp."""
+    info = WhisperTokenInfo(
+        eos_token_id=40,
+        no_timestamps_token_id=49,
+        timestamp_begin=50,
+        max_initial_timestamp_index=2,
+    )
+    params = SamplingParams(whisper_timestamps=True)
+    sot_sequence = [41, 43, 45]
+    prefixed = Req(params=params, prompt=[*sot_sequence, 50, 7, 8])
+    plain = Req(params=params, prompt=sot_sequence)
+    text_only = Req(params=params, prompt=[1, 2, 3])  # no special token: no prefix known
+    state, metadata = make_state([prefixed, plain, text_only], vocab_size=80, whisper=info)
+    logits = torch.zeros(3, 80)
+    logits[:, 50:] = 2.0  # the timestamps' mass beats every text token
+    logits[:, 70] = 5.0
+    out = apply_logits_processors(logits.clone(), metadata)
+    # After the prefix: everything but <|notimestamps|>, late timestamps and text included.
+    assert torch.isinf(out[0, 49]) and torch.isfinite(out[0, :49]).all()
+    assert torch.isfinite(out[0, 50:]).all() and int(out[0].argmax()) == 70
+    for row in (1, 2):  # the usual first rule: a timestamp <= <|0.04|>
+        assert torch.isinf(out[row, :50]).all() and torch.isfinite(out[row, 50:53]).all()
+        assert torch.isinf(out[row, 53:]).all()
+    state.append_output_tokens([0, 1, 2], [70, 51, 51])
+    second = state.make_metadata([0, 1, 2]).whisper
+    assert second is not None and not bool(second.after_prefix.any())
+    assert not bool(second.is_first.any())
+    # The first sampled token counts as a pair on its own (CTranslate2 and transformers alike).
+    assert second.block_timestamps.tolist() == [True, True, True]

@@ -208,9 +208,12 @@ class TranscriptionOptions:
     """Only these spans are decoded: "start,end,start,end,..." seconds (a last start without
     end runs to the end of the audio) or a list of numbers; times stay the recording's."""
     hotwords: str | None = None
-    """Hint phrase put in every window's previous-text prompt (ignored when prefix is given)."""
+    """Hint phrase put in the previous-text prompt of every window but the one that starts
+    with `prefix` (faster-whisper's `get_prompt`)."""
     prefix: str | None = None
-    """Text forced at the start of the first window (it is part of the output)."""
+    """Text forced at the start of the window at 0 s (it is part of the output); with
+    timestamps that window is `<|0.00|> prefix` and sampling goes on from there with
+    timestamps (faster-whisper's rule: the first token after the prefix is free)."""
     hallucination_silence_threshold: float | None = None
     """With word_timestamps: skip silences longer than this (s) around segments whose words
     look hallucinated (openai-whisper's / faster-whisper's rule)."""
@@ -422,9 +425,7 @@ class TranscriptionPlanner:
         keep = builder.max_prompt_text_tokens
         self.prefix_ids = builder.text_prompt_ids(options.prefix)[:keep] if options.prefix else []
         self.hotword_ids = (
-            builder.text_prompt_ids(options.hotwords)[:keep]
-            if options.hotwords and not options.prefix
-            else []
+            builder.text_prompt_ids(options.hotwords)[:keep] if options.hotwords else []
         )
 
     def _option_rules(self, params: SamplingParams) -> SamplingParams:
@@ -668,11 +669,11 @@ class TranscriptionPlanner:
                     if file_language is None:
                         probability = window_probability
                 file_language = file_language or language
-                prefix = self.prefix_ids if not windows else []
-                # The sampler's timestamp rules start at the first sampled token, which a
-                # prefix pushes past <|0.00|>: a prefixed window is decoded without them.
+                # faster-whisper: the prefix is forced in the window at seek 0 only, with the
+                # timestamps on (the sampler frees the first token after it).
+                prefix = self.prefix_ids if seek == 0 else []
                 attempt = yield from self._decode(
-                    index, label, audio, language, history, timestamps and not prefix, prefix
+                    index, label, audio, language, history, timestamps, prefix
                 )
                 if attempt.verdict is Verdict.SKIP:
                     assembler.add(_DecodedWindow(seek, [], attempt, language))
@@ -758,8 +759,15 @@ class TranscriptionPlanner:
         fallback = self.fallback
         ids = self._decoder_prompt(language, timestamps, previous, prefix)
         options = self.options
+        window_params = self.params
+        begin = window_params.begin_suppress_tokens
+        if prefix and timestamps and begin:
+            # max_initial_timestamp bounds the first timestamp of a window; after a prefix
+            # the window's first timestamp is the forced <|0.00|> (CTranslate2 lifts it too).
+            tb = self.tokens.timestamp_begin
+            window_params = window_params.clone(begin_suppress_tokens=[t for t in begin if t < tb])
         for k, temperature in enumerate(fallback.temperatures):
-            params = self.params.clone(temperature=temperature, whisper_timestamps=timestamps)
+            params = window_params.clone(temperature=temperature, whisper_timestamps=timestamps)
             request_id = f"{self.prefix}-{index}-{label}" + (f"-t{k}" if k else "")
             beam = None
             if temperature == 0.0 and options.beam_size is not None:
@@ -797,21 +805,27 @@ class TranscriptionPlanner:
         content = _until_eos(out.token_ids, eos)
         decoded = out.token_ids[: len(content) + 1]  # EOS counts, when there is one
         logprobs = out.logprobs[: len(decoded)] if out.logprobs else None
+        if logprobs and len(logprobs) >= len(content):
+            probs = [math.exp(lp) for t, lp in zip(content, logprobs, strict=False) if t < eos]
+        else:
+            probs = [float("nan")] * sum(t < eos for t in content)
+        # The prefix is part of the prompt, forced: the window's text starts with it.
+        forced = ([self.tokens.timestamp_begin] if timestamps else []) + list(prefix or [])
+        if prefix:
+            content = forced + content
+            probs = [1.0] * len(prefix) + probs
+            # As faster-whisper's avg_logprob and compression ratio: the window's tokens are
+            # `[<|0.00|>] prefix` and the sampled ones, the forced ones with logprob 0
+            # (CTranslate2 scores them so).
+            decoded = forced + decoded
+            if logprobs:
+                logprobs = [0.0] * len(forced) + logprobs
         quality = DecodeQuality(
             compression_ratio(decoded, self.builder.model_config.vocab_size),
             average_logprob(logprobs),
             out.no_speech_prob,
         )
         verdict = self.fallback.verdict(quality)
-        if logprobs and len(logprobs) >= len(content):
-            probs = [math.exp(lp) for t, lp in zip(content, logprobs, strict=False) if t < eos]
-        else:
-            probs = [float("nan")] * sum(t < eos for t in content)
-        if prefix:
-            # The prefix is part of the prompt, forced: the window's text starts with it.
-            forced = ([self.tokens.timestamp_begin] if timestamps else []) + list(prefix)
-            content = forced + content
-            probs = [1.0] * len(prefix) + probs
         return _Attempt(content, quality, temperature, verdict, out.token_times, probs)
 
     def _detect_request(self, index: int, audio: AudioClip, label: str = "") -> WindowRequest:
@@ -939,10 +953,11 @@ class TranscriptionPlanner:
     ) -> list[int]:
         """`<|startofprev|> hotwords previous` `<|startoftranscript|><|lang|><|task|>`
         `[<|notimestamps|>]` then, at the first window, `[<|0.00|>] prefix` (faster-whisper's
-        `get_prompt`), from the checked language and task."""
+        `get_prompt`: no hotwords in a window with a prefix), from the checked language and
+        task."""
         tokens = self.tokens
         ids: list[int] = []
-        hotwords = self.hotword_ids
+        hotwords = self.hotword_ids if not prefix else []
         if previous or hotwords:
             keep = max(0, self.builder.max_prompt_text_tokens - len(hotwords))
             ids = [tokens.prev, *hotwords, *(previous[-keep:] if keep else [])]

@@ -572,7 +572,7 @@ def _add_inference_routes(
         return await tokenization.detokenize(body)
 
     upload_limits: dict[str, Any] = {
-        "form_limits": {"max_files": 1, "max_fields": 32, "max_part_size": 64 << 10},
+        "form_limits": {"max_files": 1, "max_fields": 40, "max_part_size": 64 << 10},
         "dependencies": [Depends(check_form_fields)],  # unknown form fields are a 400
     }
 
@@ -609,6 +609,10 @@ def _add_inference_routes(
         no_repeat_ngram_size: Annotated[int | None, Form()] = None,
         clip_timestamps: Annotated[str | None, Form()] = None,
         batch_size: Annotated[int | None, Form()] = None,
+        condition_on_previous_text: Annotated[bool | None, Form()] = None,
+        compression_ratio_threshold: Annotated[float | None, Form()] = None,
+        log_prob_threshold: Annotated[float | None, Form()] = None,
+        no_speech_threshold: Annotated[float | None, Form()] = None,
     ) -> Response:
         _reject_unsupported_audio(include, chunking_strategy)
         _check_length_penalty(length_penalty)
@@ -641,6 +645,10 @@ def _add_inference_routes(
                 no_repeat_ngram_size=no_repeat_ngram_size,
                 clip_timestamps=clip_timestamps,
                 batch_size=batch_size,
+                condition_on_previous_text=condition_on_previous_text,
+                compression_ratio_threshold=compression_ratio_threshold,
+                log_prob_threshold=log_prob_threshold,
+                no_speech_threshold=no_speech_threshold,
             ),
         )
         return await audio.create(req, request)
@@ -671,6 +679,10 @@ def _add_inference_routes(
         no_repeat_ngram_size: Annotated[int | None, Form()] = None,
         clip_timestamps: Annotated[str | None, Form()] = None,
         batch_size: Annotated[int | None, Form()] = None,
+        condition_on_previous_text: Annotated[bool | None, Form()] = None,
+        compression_ratio_threshold: Annotated[float | None, Form()] = None,
+        log_prob_threshold: Annotated[float | None, Form()] = None,
+        no_speech_threshold: Annotated[float | None, Form()] = None,
     ) -> Response:
         _check_length_penalty(length_penalty)
         req = AudioRequest(
@@ -700,6 +712,10 @@ def _add_inference_routes(
                 no_repeat_ngram_size=no_repeat_ngram_size,
                 clip_timestamps=clip_timestamps,
                 batch_size=batch_size,
+                condition_on_previous_text=condition_on_previous_text,
+                compression_ratio_threshold=compression_ratio_threshold,
+                log_prob_threshold=log_prob_threshold,
+                no_speech_threshold=no_speech_threshold,
             ),
         )
         return await audio.create(req, request)

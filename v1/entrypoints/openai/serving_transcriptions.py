@@ -73,7 +73,8 @@ class AudioRequest:
     timestamp_granularities: list[str] = field(default_factory=list)
     stream: bool = False
     decoding: dict[str, Any] = field(default_factory=dict)
-    """Extra form fields beam_size, best_of, patience, length_penalty (those sent)."""
+    """Extra form fields beam_size, best_of, patience, length_penalty and
+    FASTER_WHISPER_FORM_FIELDS (those sent), as `TranscriptionOptions` fields."""
 
 
 FASTER_WHISPER_FORM_FIELDS = (
@@ -91,11 +92,19 @@ FASTER_WHISPER_FORM_FIELDS = (
     "no_repeat_ngram_size",
     "clip_timestamps",
     "batch_size",
+    "condition_on_previous_text",
+    "compression_ratio_threshold",
+    "log_prob_threshold",
+    "no_speech_threshold",
 )
 """faster-whisper's transcribe options the transcription and translation forms take (same
 names and meaning; vad_parameters a JSON object, suppress_tokens comma-separated ids,
 clip_timestamps "start,end,..." seconds of the whole upload, which each chunk of a long upload
-takes its part of)."""
+takes its part of; condition_on_previous_text within each chunk of a long upload)."""
+
+FORM_TO_OPTION = {"log_prob_threshold": "logprob_threshold"}
+"""Form fields (faster-whisper's names) whose transcribe option is named otherwise."""
+OPTION_TO_FORM = {option: form for form, option in FORM_TO_OPTION.items()}
 
 
 def decoding_options(
@@ -115,7 +124,7 @@ def decoding_options(
     }
     unknown = sorted(set(faster_whisper) - set(FASTER_WHISPER_FORM_FIELDS))
     assert not unknown, unknown  # the routes pass only these
-    values.update(faster_whisper)
+    values.update({FORM_TO_OPTION.get(k, k): v for k, v in faster_whisper.items()})
     if isinstance(values.get("vad_parameters"), str):
         import json
 
@@ -222,8 +231,14 @@ class ServingTranscriptions(ServingBase):
                 word_timestamps="word" in req.timestamp_granularities,
                 **req.decoding,
             )
+            options.fallback(SamplingParams(temperature=req.temperature))  # the thresholds
         except ValueError as e:
-            raise bad_request(str(e), param=str(e).split(" ", 1)[0]) from e
+            message = str(e)
+            name = message.split(" ", 1)[0]
+            if name in OPTION_TO_FORM:  # the client's name for it
+                name = OPTION_TO_FORM[name]
+                message = name + message[message.index(" ") :]
+            raise bad_request(message, param=name) from e
         try:
             return await self.transcriber.prepare(
                 options,

@@ -1,10 +1,11 @@
 """Whisper's timestamp rules per slot: which slots use them and their timestamp state (last
-timestamp, whether the last two outputs were timestamps). Steps update the state on the device
-from the sampled tensor; the host only knows which rows use the rules and their counts."""
+timestamp, whether the last two outputs were timestamps, whether sampling starts after a forced
+prefix). Steps update the state on the device from the sampled tensor; the host only knows which
+rows use the rules and their counts."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,8 +17,9 @@ from v1.sampling_params import SamplingParams
 
 _LAST_TIMESTAMP, _FLAGS = range(2)
 """Columns of the state table (one table: one copy per flush, one gather per step)."""
-_LAST_IS_TS, _PENULTIMATE_IS_TS = 1, 2
-"""Bits of the _FLAGS column: timestamp state over the outputs so far."""
+_LAST_IS_TS, _PENULTIMATE_IS_TS, _AFTER_PREFIX = 1, 2, 4
+"""Bits of the _FLAGS column: timestamp state over the outputs so far; _AFTER_PREFIX: no output
+yet and the prompt ends with a forced prefix (cleared by the first output)."""
 _NEUTRAL = np.array([-1, _PENULTIMATE_IS_TS], dtype=np.int64)
 _NEG_INF = float("-inf")
 
@@ -35,6 +37,16 @@ class WhisperTokenInfo:
     max_initial_timestamp_index: int | None = 50
     """The first timestamp is at most timestamp_begin + this (None: no limit)."""
 
+    def ends_with_prefix(self, prompt_token_ids: Sequence[int]) -> bool:
+        """The prompt ends with a forced prefix: text or timestamp tokens follow its last
+        special token (the `<|startoftranscript|>` sequence, ids after EOS up to
+        <|notimestamps|>), as faster-whisper's `sot_sequence [<|0.00|>] prefix`: CTranslate2
+        samples from after them. A prompt without special tokens has no prefix."""
+        for n, token in enumerate(reversed(prompt_token_ids)):
+            if self.eos_token_id < token <= self.no_timestamps_token_id:
+                return n > 0
+        return False
+
 
 @dataclass
 class WhisperTimestampMetadata:
@@ -44,7 +56,11 @@ class WhisperTimestampMetadata:
     rows: torch.Tensor
     """[k] int64 batch rows with whisper_timestamps on."""
     is_first: torch.Tensor
-    """[k] bool: no output token yet (the first token must be an early timestamp)."""
+    """[k] bool: no output token yet after a prompt without a prefix (the first token must be
+    an early timestamp)."""
+    after_prefix: torch.Tensor
+    """[k] bool: no output token yet after a prompt that ends with a forced prefix: only
+    <|notimestamps|> is banned (CTranslate2's rule, which faster-whisper's `prefix` runs on)."""
     block_timestamps: torch.Tensor
     """[k] bool: the last two outputs were timestamps (or one timestamp only): text must follow."""
     block_text: torch.Tensor
@@ -78,7 +94,10 @@ class WhisperTimestampsState:
             raise ValueError("whisper_timestamps needs a Whisper model (no WhisperTokenInfo)")
         self.enabled[slot] = request.params.whisper_timestamps
         self._state[slot] = _NEUTRAL
-        if request.output_token_ids and self.info is not None:
+        if self.info is not None and not request.output_token_ids:
+            if self.info.ends_with_prefix(request.prompt_token_ids):
+                self._state[slot, _FLAGS] |= _AFTER_PREFIX
+        elif request.output_token_ids and self.info is not None:
             # A resumed request's state, as if its outputs had been appended.
             outputs = np.asarray(request.output_token_ids, dtype=np.int64)
             is_timestamp = outputs >= self.info.timestamp_begin
@@ -149,10 +168,12 @@ class WhisperTimestampsState:
         # otherwise the next timestamp must be strictly larger.
         min_timestamp = torch.where(last & ~penultimate, last_timestamp, last_timestamp + 1)
         min_timestamp = torch.where(last_timestamp >= 0, min_timestamp, self.info.timestamp_begin)
+        after_prefix = is_first & ((flags & _AFTER_PREFIX) != 0)
         return WhisperTimestampMetadata(
             info=self.info,
             rows=rows,
-            is_first=is_first,
+            is_first=is_first & ~after_prefix,
+            after_prefix=after_prefix,
             block_timestamps=last & penultimate,
             block_text=last & ~penultimate,
             min_timestamp=min_timestamp,
@@ -179,7 +200,9 @@ def apply_whisper_timestamp_rules(logits: torch.Tensor, whisper: WhisperTimestam
     <|notimestamps|> is never generated; timestamps come in pairs (after a lone timestamp only a
     timestamp or a special token >= EOS, after a pair only non-timestamps) and never decrease;
     the first output is a timestamp <= timestamp_begin + max_initial_timestamp_index; when the
-    timestamps' total probability beats every text token, a timestamp is forced.
+    timestamps' total probability beats every text token, a timestamp is forced. The first
+    output after a forced prefix (the prompt ends with text or a timestamp) is free but for
+    <|notimestamps|>: CTranslate2 (faster-whisper's `prefix`) applies no other rule there.
     """
     scores = logits[whisper.rows]  # [k, vocab]
     whisper_timestamp_rules_(scores, whisper)
@@ -211,7 +234,7 @@ def whisper_timestamp_rules_(
     logprobs = torch.log_softmax(scores, dim=-1)
     timestamp_logprob = logprobs[:, tb:].logsumexp(dim=-1)
     max_text_logprob = logprobs[:, :tb].max(dim=-1).values
-    force_timestamp = timestamp_logprob > max_text_logprob
+    force_timestamp = (timestamp_logprob > max_text_logprob) & ~whisper.after_prefix
     if active is not None:
         force_timestamp = force_timestamp & active
     scores[:, :tb].masked_fill_(force_timestamp.unsqueeze(1), _NEG_INF)
