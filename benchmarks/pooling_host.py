@@ -67,11 +67,13 @@ def build(tokenizer: str, hidden_size: int = 32) -> str:
     return path
 
 
-def inputs(num: int, seed: int) -> list[dict[str, Any]]:
+def inputs(num: int, seed: int, max_len: int = 512) -> list[dict[str, Any]]:
+    """`num` token-id prompts of 16-`max_len` tokens (in random order, as bert_embed.py
+    hands them to `LLM.embed`)."""
     rng = np.random.default_rng(seed)
     return [
         {"prompt_token_ids": [101, *rng.integers(1000, 29000, size=n - 2).tolist(), 102]}
-        for n in rng.integers(16, 513, size=num)
+        for n in rng.integers(16, max_len + 1, size=num)
     ]
 
 
@@ -99,9 +101,11 @@ def skip_model(llm: Any) -> None:
     """The main pass returns zeros of its output's shape (--host-only)."""
     state = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.state
     hidden_size = state.model_config.hf_config.hidden_size
+    # One buffer for every step (a fresh [T, H] tensor a step costs its page faults).
+    out = torch.randn(state.config.scheduler_config.max_num_batched_tokens, hidden_size)
 
     def forward(step: Any, so: Any) -> torch.Tensor:
-        return torch.zeros(len(step.input_ids), hidden_size)
+        return out[: len(step.input_ids)]
 
     state.forward = forward
 
@@ -120,12 +124,21 @@ def main() -> None:
         help="the vectors' width (768: BERT-base's outputs; the conversion to float lists "
         "scales with it); use with --host-only for widths past a few hundred",
     )
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="a real checkpoint folder (e.g. ../shared/assets/all-MiniLM-L6-v2) instead of the "
+        "tiny random BERT: its pooling, its width; use with --host-only",
+    )
+    parser.add_argument(
+        "--max-len", type=int, default=None, help="longest input (default 512, a --model's limit)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     from v1 import LLM
 
     llm = LLM(
-        build(args.tokenizer, args.hidden_size),
+        args.model or build(args.tokenizer, args.hidden_size),
         dtype="float32",
         device="cpu",
         multiprocess=False,
@@ -134,13 +147,17 @@ def main() -> None:
     )
     if args.host_only:
         skip_model(llm)
-    llm.embed(inputs(args.inputs, 0), use_tqdm=False)  # warm-up, full size
+    max_len = args.max_len or 512
+    if args.model and args.max_len is None:
+        max_len = min(max_len, llm.config.model_config.info.pooling.max_input_len)
+    print(f"{args.inputs} inputs of 16-{max_len} tokens", flush=True)
+    llm.embed(inputs(args.inputs, 0, max_len), use_tqdm=False)  # warm-up, full size
     timings: dict[str, list[float]] = collections.defaultdict(list)
     instrument(llm, timings)
     per_run: dict[str, list[float]] = collections.defaultdict(list)
     for run in range(args.runs):
         timings.clear()
-        batch = inputs(args.inputs, run + 1)
+        batch = inputs(args.inputs, run + 1, max_len)
         start = time.perf_counter()
         llm.embed(batch, use_tqdm=False)
         per_run["wall (s)"].append(time.perf_counter() - start)
@@ -155,7 +172,7 @@ def main() -> None:
     if args.cprofile:
         prof = cProfile.Profile()
         prof.enable()
-        llm.embed(inputs(args.inputs, 99), use_tqdm=False)
+        llm.embed(inputs(args.inputs, 99, max_len), use_tqdm=False)
         prof.disable()
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(40)
