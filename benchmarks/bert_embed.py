@@ -18,7 +18,8 @@ then `--repeats` timed runs; the best median is the baseline), then our engine o
 - `after`: the defaults (fused kernels on, max_steps_in_flight auto: 3 for pooling on a GPU,
   outputs converted as they arrive);
 - `cudnn` (opt-in): `after` plus `V1_CUDNN_VARLEN` (cuDNN ragged attention; the line says
-  whether cuDNN took it or refused).
+  whether cuDNN took it or refused). Its encoder steps run eagerly: the op cannot be captured
+  in the encoder's CUDA graphs (see `make_encoder_graphs`).
 Then, unless `--no-profile`, one more run of each under torch.profiler: the device kernel time
 of a run, i.e. the host-free ceiling of our kernels. Every variant prints the lowest cosine of
 its embeddings to transformers' on the same inputs (fp16 both; ~0.999+ expected).
@@ -230,6 +231,7 @@ def _run_variant(
         )
         if "cudnn_used" in entry:
             line += f"; cuDNN ragged attention {'used' if entry['cudnn_used'] else 'REFUSED'}"
+            line += " (eager encoder steps: no CUDA graphs)"
         if hf_vectors is not None and ours_vectors is not None:
             cos = (ours_vectors * hf_vectors.numpy()).sum(-1)
             entry["min_cosine_to_hf"] = float(cos.min())
