@@ -167,6 +167,24 @@ def checked_ids(ids: Any, limit: int) -> list[int] | None:
         return None
 
 
+def checked_id_lists(lists: list[Any], limit: int) -> list[list[int]] | None:
+    """`checked_ids` of many lists in one msgspec pass (a chunk of prompts): new lists, or
+    None when any list fails (the caller checks each alone to name the culprit)."""
+    try:
+        return msgspec.convert((lists,), _id_lists_type(limit)).ids
+    except msgspec.ValidationError:
+        return None
+
+
+@functools.lru_cache(maxsize=16)
+def _id_lists_type(limit: int) -> Any:
+    return msgspec.defstruct(
+        "CheckedIdLists",
+        [("ids", list[list[Annotated[int, msgspec.Meta(ge=0, lt=limit)]]])],
+        array_like=True,
+    )
+
+
 @functools.lru_cache(maxsize=16)
 def _ids_type(limit: int) -> Any:
     """A one-field array-like Struct around the checked list: msgspec finds a Struct's
