@@ -9,6 +9,13 @@ phase timed (median per step, and per request where that is the unit).
 takes ~250 ms a step and evicts the host's caches between the phases timed, where on a GPU
 host the phases run back to back with the device working meanwhile; this times them so (and
 ~30x faster).
+
+With --host-only, `--runs` uninstrumented runs come first: this process's CPU time per run
+(`time.process_time`, steadier than wall time on a shared machine) less the pooling's own CPU
+compute (`Pooler.launch`: a kernel launch on a GPU), per run, per step and per request. The
+issue 35 workload (all-MiniLM-L6-v2, 4096 inputs of 16-256 tokens):
+
+    python3 benchmarks/pooling_host.py --model ../shared/assets/all-MiniLM-L6-v2 --host-only
 """
 
 from __future__ import annotations
@@ -110,6 +117,43 @@ def skip_model(llm: Any) -> None:
     state.forward = forward
 
 
+def host_cpu_time(llm: Any, runs: int, batch_of: Any) -> None:
+    """Prints the median host CPU time of `runs` uninstrumented `embed` runs, less the pooling's
+    CPU compute (see the module docstring)."""
+    from v1.models.layers.pooler import Pooler
+
+    launch = Pooler.launch
+    pooling: list[float] = []
+
+    def timed_launch(self: Any, *a: Any, **k: Any) -> Any:
+        start = time.process_time()
+        try:
+            return launch(self, *a, **k)
+        finally:
+            pooling.append(time.process_time() - start)
+
+    Pooler.launch = timed_launch  # type: ignore[method-assign]
+    hosts, steps = [], []
+    try:
+        for run in range(runs):
+            batch = batch_of(run)
+            pooling.clear()
+            start = time.process_time()
+            out = llm.embed(batch, use_tqdm=False)
+            hosts.append(time.process_time() - start - sum(pooling))
+            steps.append(len(pooling))
+            del out
+    finally:
+        Pooler.launch = launch  # type: ignore[method-assign]
+    host, num_steps = float(np.median(hosts)), int(np.median(steps))
+    print(
+        f"host CPU time per run: median {host * 1e3:.1f} ms (runs: "
+        f"{', '.join(f'{h * 1e3:.0f}' for h in hosts)}); {num_steps} steps: "
+        f"{host / num_steps * 1e6:,.0f} us per step, {host / len(batch) * 1e6:.1f} us per request",
+        flush=True,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokenizer", default=".bench_assets/minilm")
@@ -152,6 +196,8 @@ def main() -> None:
         max_len = min(max_len, llm.config.model_config.info.pooling.max_input_len)
     print(f"{args.inputs} inputs of 16-{max_len} tokens", flush=True)
     llm.embed(inputs(args.inputs, 0, max_len), use_tqdm=False)  # warm-up, full size
+    if args.host_only:
+        host_cpu_time(llm, args.runs, lambda run: inputs(args.inputs, run + 1, max_len))
     timings: dict[str, list[float]] = collections.defaultdict(list)
     instrument(llm, timings)
     per_run: dict[str, list[float]] = collections.defaultdict(list)
