@@ -9,6 +9,13 @@ phase timed (median per step, and per request where that is the unit).
 takes ~250 ms a step and evicts the host's caches between the phases timed, where on a GPU
 host the phases run back to back with the device working meanwhile; this times them so (and
 ~30x faster).
+
+With --host-only, `--runs` uninstrumented runs come first: this process's CPU time per run
+(`time.process_time`, steadier than wall time on a shared machine) less the pooling's own CPU
+compute (`Pooler.launch`: a kernel launch on a GPU), per run, per step and per request. The
+issue 35 workload (all-MiniLM-L6-v2, 4096 inputs of 16-256 tokens):
+
+    python3 benchmarks/pooling_host.py --model ../shared/assets/all-MiniLM-L6-v2 --host-only
 """
 
 from __future__ import annotations
@@ -67,11 +74,13 @@ def build(tokenizer: str, hidden_size: int = 32) -> str:
     return path
 
 
-def inputs(num: int, seed: int) -> list[dict[str, Any]]:
+def inputs(num: int, seed: int, max_len: int = 512) -> list[dict[str, Any]]:
+    """`num` token-id prompts of 16-`max_len` tokens (in random order, as bert_embed.py
+    hands them to `LLM.embed`)."""
     rng = np.random.default_rng(seed)
     return [
         {"prompt_token_ids": [101, *rng.integers(1000, 29000, size=n - 2).tolist(), 102]}
-        for n in rng.integers(16, 513, size=num)
+        for n in rng.integers(16, max_len + 1, size=num)
     ]
 
 
@@ -99,11 +108,50 @@ def skip_model(llm: Any) -> None:
     """The main pass returns zeros of its output's shape (--host-only)."""
     state = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.state
     hidden_size = state.model_config.hf_config.hidden_size
+    # One buffer for every step (a fresh [T, H] tensor a step costs its page faults).
+    out = torch.randn(state.config.scheduler_config.max_num_batched_tokens, hidden_size)
 
     def forward(step: Any, so: Any) -> torch.Tensor:
-        return torch.zeros(len(step.input_ids), hidden_size)
+        return out[: len(step.input_ids)]
 
     state.forward = forward
+
+
+def host_cpu_time(llm: Any, runs: int, batch_of: Any) -> None:
+    """Prints the median host CPU time of `runs` uninstrumented `embed` runs, less the pooling's
+    CPU compute (see the module docstring)."""
+    from v1.models.layers.pooler import Pooler
+
+    launch = Pooler.launch
+    pooling: list[float] = []
+
+    def timed_launch(self: Any, *a: Any, **k: Any) -> Any:
+        start = time.process_time()
+        try:
+            return launch(self, *a, **k)
+        finally:
+            pooling.append(time.process_time() - start)
+
+    Pooler.launch = timed_launch  # type: ignore[method-assign]
+    hosts, steps = [], []
+    try:
+        for run in range(runs):
+            batch = batch_of(run)
+            pooling.clear()
+            start = time.process_time()
+            out = llm.embed(batch, use_tqdm=False)
+            hosts.append(time.process_time() - start - sum(pooling))
+            steps.append(len(pooling))
+            del out
+    finally:
+        Pooler.launch = launch  # type: ignore[method-assign]
+    host, num_steps = float(np.median(hosts)), int(np.median(steps))
+    print(
+        f"host CPU time per run: median {host * 1e3:.1f} ms (runs: "
+        f"{', '.join(f'{h * 1e3:.0f}' for h in hosts)}); {num_steps} steps: "
+        f"{host / num_steps * 1e6:,.0f} us per step, {host / len(batch) * 1e6:.1f} us per request",
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -120,12 +168,21 @@ def main() -> None:
         help="the vectors' width (768: BERT-base's outputs; the conversion to float lists "
         "scales with it); use with --host-only for widths past a few hundred",
     )
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="a real checkpoint folder (e.g. ../shared/assets/all-MiniLM-L6-v2) instead of the "
+        "tiny random BERT: its pooling, its width; use with --host-only",
+    )
+    parser.add_argument(
+        "--max-len", type=int, default=None, help="longest input (default 512, a --model's limit)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     from v1 import LLM
 
     llm = LLM(
-        build(args.tokenizer, args.hidden_size),
+        args.model or build(args.tokenizer, args.hidden_size),
         dtype="float32",
         device="cpu",
         multiprocess=False,
@@ -134,13 +191,19 @@ def main() -> None:
     )
     if args.host_only:
         skip_model(llm)
-    llm.embed(inputs(args.inputs, 0), use_tqdm=False)  # warm-up, full size
+    max_len = args.max_len or 512
+    if args.model and args.max_len is None:
+        max_len = min(max_len, llm.config.model_config.info.pooling.max_input_len)
+    print(f"{args.inputs} inputs of 16-{max_len} tokens", flush=True)
+    llm.embed(inputs(args.inputs, 0, max_len), use_tqdm=False)  # warm-up, full size
+    if args.host_only:
+        host_cpu_time(llm, args.runs, lambda run: inputs(args.inputs, run + 1, max_len))
     timings: dict[str, list[float]] = collections.defaultdict(list)
     instrument(llm, timings)
     per_run: dict[str, list[float]] = collections.defaultdict(list)
     for run in range(args.runs):
         timings.clear()
-        batch = inputs(args.inputs, run + 1)
+        batch = inputs(args.inputs, run + 1, max_len)
         start = time.perf_counter()
         llm.embed(batch, use_tqdm=False)
         per_run["wall (s)"].append(time.perf_counter() - start)
@@ -155,7 +218,7 @@ def main() -> None:
     if args.cprofile:
         prof = cProfile.Profile()
         prof.enable()
-        llm.embed(inputs(args.inputs, 99), use_tqdm=False)
+        llm.embed(inputs(args.inputs, 99, max_len), use_tqdm=False)
         prof.disable()
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(40)

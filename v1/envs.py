@@ -62,7 +62,8 @@ LayerNorm) and its mean pooling (+ L2 normalize) run as one Triton kernel each
 V1_CUDNN_VARLEN: bool = _bool("V1_CUDNN_VARLEN", False)
 """Experimental: packed (varlen) bidirectional attention without a KV cache (BERT family)
 through cuDNN's ragged fused attention instead of flash varlen, on CUDA in 16 bits; falls back
-to flash varlen (logged) where cuDNN refuses. Off by default until measured on a GPU."""
+to flash varlen (logged) where cuDNN refuses. Off by default until measured on a GPU. With it,
+encoder-only steps run eagerly (no CUDA graphs: the op cannot be stream-captured)."""
 
 V1_GELU_EPILOGUE: bool = _bool("V1_GELU_EPILOGUE", True)
 """On CUDA in 16 bits, run a Linear's GELU as its GEMM's epilogue (tanh form; see

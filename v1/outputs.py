@@ -92,21 +92,48 @@ class PoolingOutput:
     data: np.ndarray
 
 
-@dataclass
 class EmbeddingOutput:
-    embedding: list[float]
-    """The (float32) embedding vector."""
+    """One embedding vector: `data`, the float32 array the engine produced, and `embedding`,
+    the same values as a list of floats, made at its first read (4096 MiniLM vectors as float
+    lists cost ~40 ms of host time, more than the engine's device work for them on a GPU: a
+    caller that reads `data`, or only some vectors, does not pay it)."""
+
+    __slots__ = ("_embedding", "data")
+
+    def __init__(self, embedding: list[float] | np.ndarray) -> None:
+        """`embedding`: the vector, as a list of floats or a 1-D array."""
+        if isinstance(embedding, np.ndarray):
+            self.data = embedding
+            self._embedding: list[float] | None = None
+        else:
+            self._embedding = list(embedding)
+            self.data = np.asarray(self._embedding, dtype=np.float32)
+
+    @property
+    def embedding(self) -> list[float]:
+        """The (float32) embedding vector as Python floats."""
+        if self._embedding is None:
+            self._embedding = self.data.tolist()
+        return self._embedding
 
     @staticmethod
     def from_base(output: PoolingOutput) -> EmbeddingOutput:
         data = np.asarray(output.data, dtype=np.float32)
         if data.ndim != 1:
             raise ValueError(f"an embedding must be one vector, got shape {data.shape}")
-        return EmbeddingOutput(data.tolist())
+        return EmbeddingOutput(data)
 
     @property
     def hidden_size(self) -> int:
-        return len(self.embedding)
+        return len(self.data)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, EmbeddingOutput):
+            return NotImplemented
+        return self.embedding == other.embedding
+
+    def __repr__(self) -> str:
+        return f"EmbeddingOutput(embedding={self.embedding!r})"
 
 
 @dataclass

@@ -481,6 +481,35 @@ def test_pretokenized_encoder_only_prompts_build_the_same_requests(bert: InputPr
             assert bert.process("r", built, params, arrival_time=1.0) == expected
 
 
+def test_pretokenize_checks_token_id_prompts_together(bert: InputProcessor) -> None:
+    """Token-id prompts of a chunk have their ids checked in one pass: each request is the one
+    its own prompt builds (over-long ones fail or truncate alike); prompts with segment ids or
+    no ids keep their own path; one bad id anywhere leaves every prompt to its own check."""
+    prompts: list[Any] = [
+        {"prompt_token_ids": [2, 100, 3]},
+        {"prompt_token_ids": (2, 101, 102, 3)},
+        {"prompt_token_ids": [2, *([100] * 30), 3]},
+        {"prompt_token_ids": [2, 100, 3], "token_type_ids": [0, 0, 0]},
+        {"prompt_token_ids": []},
+        "hello world",
+    ]
+    pre = bert.builder.pretokenize(prompts)
+    assert [p is not q for p, q in zip(prompts, pre, strict=True)] == [1, 1, 1, 0, 0, 0]
+    for params in (PoolingParams(), PoolingParams(truncate_prompt_tokens=10)):
+        for prompt, built in zip(prompts, pre, strict=True):
+            try:
+                expected = bert.process("r", prompt, params, arrival_time=1.0)
+            except ValueError as e:
+                with pytest.raises(ValueError, match=re.escape(str(e))):
+                    bert.process("r", built, params, arrival_time=1.0)
+                continue
+            assert bert.process("r", built, params, arrival_time=1.0) == expected
+    bad = [{"prompt_token_ids": [2, 100, 3]}, {"prompt_token_ids": [2, 10**6, 3]}]
+    assert bert.builder.pretokenize(bad) == bad  # each keeps its own check
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        bert.process("r", bad[1], PoolingParams())
+
+
 def test_encoder_only_truncation(bert: InputProcessor, wordpiece) -> None:
     text = "the quick brown fox " * 10
     req = bert.process("r", text, PoolingParams(truncate_prompt_tokens=8))

@@ -125,6 +125,9 @@ def test_truncation_and_input_order(scorer: LLM) -> None:
     assert [len(o.prompt_token_ids) for o in short] == [6, 3]
     assert all(isinstance(v, float) for v in short[0].outputs.embedding)
     assert short[0].outputs.embedding != short[1].outputs.embedding
+    # The float32 array the engine produced, the same values as the list.
+    assert short[0].outputs.data.dtype == np.float32
+    assert short[0].outputs.data.tolist() == short[0].outputs.embedding
 
 
 def test_generator_rejects_pooling_calls(tiny_llama_dir: str) -> None:

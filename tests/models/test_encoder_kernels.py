@@ -252,6 +252,8 @@ def test_llm_embed_fused_matches_unfused_gpu(monkeypatch) -> None:
     for flag in (True, False):
         monkeypatch.setattr(envs, "V1_FUSED_ENCODER", flag)
         llm = LLM(str(minilm), dtype="float16", multiprocess=False, max_num_batched_tokens=4096)
+        state = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.state
+        assert (state.graphs is None) == flag  # cuDNN varlen: eager; flash: graphs
         out = llm.embed(prompts, use_tqdm=False)
         results[flag] = np.array([o.outputs.embedding for o in out])
         llm.shutdown()
@@ -327,8 +329,9 @@ def test_cudnn_varlen_matches_reference_gpu(monkeypatch, dtype, lengths, heads, 
 @requires_cuda
 @pytest.mark.gpu
 def test_llm_embed_cudnn_varlen_matches_flash_gpu(monkeypatch) -> None:
-    """MiniLM through `LLM.embed` with CUDA graphs: cuDNN ragged attention (where available)
-    against flash varlen, cosine >= 0.9999 for every input."""
+    """MiniLM through `LLM.embed`: cuDNN ragged attention (where available; eager steps, as
+    its op cannot be captured) against flash varlen in CUDA graphs, cosine >= 0.9999 for every
+    input."""
     from v1 import LLM
     from v1.attention.backends import triton as triton_backend
 
@@ -345,6 +348,8 @@ def test_llm_embed_cudnn_varlen_matches_flash_gpu(monkeypatch) -> None:
         monkeypatch.setattr(envs, "V1_CUDNN_VARLEN", flag)
         monkeypatch.setattr(triton_backend, "_CUDNN_VARLEN_OK", [True])
         llm = LLM(str(minilm), dtype="float16", multiprocess=False, max_num_batched_tokens=4096)
+        state = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.state
+        assert (state.graphs is None) == flag  # cuDNN varlen: eager; flash: graphs
         out = llm.embed(prompts, use_tqdm=False)
         results[flag] = np.array([o.outputs.embedding for o in out])
         if flag and not triton_backend._CUDNN_VARLEN_OK[0]:

@@ -162,14 +162,37 @@ def checked_ids(ids: Any, limit: int) -> list[int] | None:
     bools), else None: the caller looks for the culprit to name it. One pass at C speed
     (msgspec), where a type pass, min and max took 4x longer per request."""
     try:
-        return msgspec.convert(ids, _ids_type(limit))
+        return msgspec.convert((ids,), _ids_type(limit)).ids
+    except msgspec.ValidationError:
+        return None
+
+
+def checked_id_lists(lists: list[Any], limit: int) -> list[list[int]] | None:
+    """`checked_ids` of many lists in one msgspec pass (a chunk of prompts): new lists, or
+    None when any list fails (the caller checks each alone to name the culprit)."""
+    try:
+        return msgspec.convert((lists,), _id_lists_type(limit)).ids
     except msgspec.ValidationError:
         return None
 
 
 @functools.lru_cache(maxsize=16)
+def _id_lists_type(limit: int) -> Any:
+    return msgspec.defstruct(
+        "CheckedIdLists",
+        [("ids", list[list[Annotated[int, msgspec.Meta(ge=0, lt=limit)]]])],
+        array_like=True,
+    )
+
+
+@functools.lru_cache(maxsize=16)
 def _ids_type(limit: int) -> Any:
-    return list[Annotated[int, msgspec.Meta(ge=0, lt=limit)]]
+    """A one-field array-like Struct around the checked list: msgspec finds a Struct's
+    compiled type by identity, where a bare `list[Annotated[...]]` is hashed through
+    typing's Python-level __hash__ on every call (~1.3 us of a 5 us check of 136 ids)."""
+    return msgspec.defstruct(
+        "CheckedIds", [("ids", list[Annotated[int, msgspec.Meta(ge=0, lt=limit)]])], array_like=True
+    )
 
 
 def _check_ids(ids: list[int], limit: int, what: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -25,7 +26,7 @@ from v1.engine.beam_search import (
     run_beam_search,
 )
 from v1.engine.llm_engine import LLMEngine
-from v1.gc_policy import deferred_full_collections
+from v1.gc_policy import deferred_full_collections, paused_collections
 from v1.lora_request import LoRARequest
 from v1.outputs import (
     ClassificationRequestOutput,
@@ -426,7 +427,8 @@ class LLM:
         engine = self.llm_engine
         req_ids = [str(next(self._counter)) for _ in prompts]
         items = list(zip(req_ids, prompts, params, priority or [0] * len(prompts), strict=True))
-        if isinstance(params[0], PoolingParams):
+        pooling = isinstance(params[0], PoolingParams)
+        if pooling:
             feed = _Feed(engine, items, pooling_depth=PoolingQueueDepth.of(self.config))
         else:
             # Requests enter a window at a time so that adding them overlaps the device's work
@@ -437,7 +439,9 @@ class LLM:
                 else 2 * self.config.scheduler_config.max_num_seqs
             )
             feed = _Feed(engine, items, window=window, loras=loras)
-        outputs = self._run_engine(set(req_ids), use_tqdm and len(prompts) > 1, feed, convert)
+        outputs = self._run_engine(
+            set(req_ids), use_tqdm and len(prompts) > 1, feed, convert, pause_gc=pooling
+        )
         ordered = [outputs[r] for r in req_ids]
         failed = [(i, o.error) for i, o in enumerate(ordered) if o.error is not None]
         if failed:
@@ -451,14 +455,20 @@ class LLM:
         use_tqdm: bool,
         feed: _Feed,
         convert: Callable[[Any], Any] | None = None,
+        *,
+        pause_gc: bool = False,
     ) -> dict[str, Any]:
+        """Steps until every request of `req_ids` has its final output. `pause_gc` (pooling
+        batches): automatic cyclic collections paused, one young collection every
+        PAUSED_COLLECTION_STEPS steps (`v1.gc_policy.paused_collections`)."""
         outputs: dict[str, RequestOutput | PoolingRequestOutput] = {}
         bar = tqdm(
             total=len(req_ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm
         )
         try:
-            with deferred_full_collections():
+            with deferred_full_collections(), _gc_pause(pause_gc) as tick:
                 while len(outputs) < len(req_ids):
+                    tick()
                     feed.top_up()
                     if not self.llm_engine.has_unfinished_requests():
                         missing = sorted(req_ids - outputs.keys())
@@ -476,6 +486,15 @@ class LLM:
         finally:
             bar.close()
         return outputs
+
+
+def _gc_pause(pause: bool) -> AbstractContextManager[Callable[[], None]]:
+    """`paused_collections()` when `pause`, else a context yielding a tick that does nothing."""
+    return paused_collections() if pause else nullcontext(_no_tick)
+
+
+def _no_tick() -> None:
+    return None
 
 
 PRETOKENIZE_CHUNK = 64

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from v1 import envs
 from v1.attention.backend import AttentionType, CommonAttentionMetadata
 from v1.forward_context import ForwardContext, set_forward_context
 from v1.host_copy import to_device
@@ -177,7 +178,7 @@ def make_encoder_graphs(
     max_len: int,
 ) -> EncoderGraphs | None:
     """Graphs for a CUDA encoder-only model in 16 bits whose backend declares encoder graphs
-    (None otherwise, or for a position limit past MAX_GRAPH_LEN)."""
+    (None otherwise, for a position limit past MAX_GRAPH_LEN, or with `V1_CUDNN_VARLEN`)."""
     dtype = next(model.parameters()).dtype
     if (
         device.type != "cuda"
@@ -185,6 +186,18 @@ def make_encoder_graphs(
         or dtype not in (torch.float16, torch.bfloat16)
         or max_len > MAX_GRAPH_LEN
     ):
+        return None
+    if envs.V1_CUDNN_VARLEN:
+        # torch's ragged cuDNN attention (aten._cudnn_attention_forward with offsets) builds
+        # or looks up its cuDNN execution plan on the host at every call (several torch
+        # releases build it anew each call, with no plan cache for this path); stream capture
+        # does not allow that: the capture broke in the GEMM after the first attention
+        # (cublasLt CUBLAS_STATUS_EXECUTION_FAILED, then "operation failed due to a previous
+        # error during capture", H200, torch 2.11).
+        logger.warning(
+            "V1_CUDNN_VARLEN is set: encoder-only steps run eagerly, without CUDA graphs "
+            "(cuDNN's ragged attention cannot be captured)"
+        )
         return None
     builder = attn_metadata.backend.get_builder_cls()(AttentionType.ENCODER_ONLY, device, 0)
     graphs = EncoderGraphs(model, builder, layer_names, device, max_tokens, max_reqs, max_len)

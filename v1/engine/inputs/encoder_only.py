@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from v1.core.admission import checked_ids
+from v1.core.admission import checked_id_lists, checked_ids
 from v1.core.protocol import EngineCoreRequest, now
 from v1.engine.inputs.base import TokenInputBuilder, check_keys, check_text, opt_list
 from v1.pooling_params import PoolingParams, PoolingParamsError
@@ -22,12 +22,16 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class TokenizedText:
-    """A text (or text pair) prompt as `pretokenize` tokenized it with others."""
+    """A text (or text pair) prompt as `pretokenize` tokenized it with others, or a token-id
+    prompt whose ids it checked with others."""
 
     input_ids: list[int]
     token_type_ids: list[int] | None
     pair: tuple[str, str] | None
     """The text pair (truncation tokenizes it again); None for one text."""
+
+
+_TOKEN_IDS_ONLY = {"prompt_token_ids"}
 
 
 class EncoderOnlyInputBuilder(TokenInputBuilder):
@@ -89,8 +93,25 @@ class EncoderOnlyInputBuilder(TokenInputBuilder):
 
     def pretokenize(self, prompts: list[Any]) -> list[Any]:
         """Texts and text pairs (those `input_ids` would tokenize without an error first) become
-        TokenizedText, two tokenizer calls for all: what one call per prompt would give."""
+        TokenizedText, two tokenizer calls for all: what one call per prompt would give.
+        Token-id prompts ({"prompt_token_ids": non-empty list}) have their ids checked in one
+        pass for all and become TokenizedText too; if any fails, each keeps its own check
+        (which names the culprit)."""
         out = list(prompts)
+        ids_only = [
+            i
+            for i, p in enumerate(prompts)
+            if isinstance(p, dict)
+            and p.keys() == _TOKEN_IDS_ONLY
+            and isinstance(p["prompt_token_ids"], (list, tuple))
+            and p["prompt_token_ids"]
+        ]
+        if len(ids_only) > 1:
+            lists = [prompts[i]["prompt_token_ids"] for i in ids_only]
+            checked = checked_id_lists(lists, self.encoder_vocab_size)
+            if checked is not None:
+                for i, ids in zip(ids_only, checked, strict=True):
+                    out[i] = TokenizedText(ids, None, None)
         texts = [i for i, p in enumerate(prompts) if isinstance(p, str) and p]
         pairs = [
             i
