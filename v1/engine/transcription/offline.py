@@ -271,9 +271,10 @@ class _ChunkFeed:
                 self._read(wait=True, plans=plans)
         else:
             self._read(wait=idle, plans=plans)
-            while not plans and idle and self.file < len(self.chunks) and not self.detecting:
-                self._read(wait=True, plans=plans)
         self._release(plans)
+        while idle and not plans and self.file < len(self.chunks) and not self.detecting:
+            self._read(wait=True, plans=plans)  # the pieces read so far settled no chunk
+            self._release(plans)
         return plans
 
     def _read(self, wait: bool, plans: list[Plan]) -> None:
