@@ -22,6 +22,7 @@ API (stable; the realtime session imports it): `VadOptions`, `get_speech_timesta
 from __future__ import annotations
 
 import bisect
+import concurrent.futures
 import dataclasses
 import functools
 import math
@@ -383,6 +384,10 @@ class SpanStream:
         new = spans[len(self._settled) :]
         self._settled = spans
         return new
+
+    def wait(self) -> None:
+        """Waits until every piece has finished (the next `take` then reads them all)."""
+        concurrent.futures.wait(self._futures)
 
     def close(self) -> None:
         """Drops the pieces not started yet (a transcription stopped early)."""

@@ -100,6 +100,11 @@ class ChunkStream:
             chunks += self._builder.finish()
         return chunks
 
+    def wait(self) -> None:
+        """Waits until the file's VAD has finished (the next `take` hands out every chunk)."""
+        if self._spans is not None:
+            self._spans.wait()
+
     def close(self) -> None:
         if self._spans is not None:
             self._spans.close()

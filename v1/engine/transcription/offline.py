@@ -267,8 +267,10 @@ class _ChunkFeed:
         next VAD piece rather than return nothing."""
         plans: list[Plan] = []
         if not self.pipelined:
-            while self.file < len(self.chunks):
-                self._read(wait=True, plans=plans)
+            for source in self.chunks[self.file :]:
+                source.wait()  # every file's VAD, then its spans and chunks at once
+            self._read(wait=False, plans=plans)
+            assert self.file == len(self.chunks)
         else:
             self._read(wait=idle, plans=plans)
         self._release(plans)
