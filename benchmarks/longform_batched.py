@@ -16,8 +16,8 @@ run on the VAD threads). The two give the same segments.
 The warm-up starts the VAD threads and their onnxruntime sessions (`v1.audio.vad.warm_up`, once
 per process; its time is printed apart). Each run also prints where its wall time went
 (`phases`, main thread): audio loading (`load_audio_inputs`), `vad` (the main thread reading
-VAD results: waiting for the next piece when the engine has nothing to run, and turning
-probabilities into spans and chunks: `ChunkStream.take`), planning (`TranscriptionPlanner
+VAD results: waiting for VAD pieces while the engine has nothing to run, and turning
+probabilities into spans and chunks: `ChunkStream.take` and `.wait`), planning (`TranscriptionPlanner
 .plan`), the plans' per-window Python (`advance_plan`), submitting windows
 (`LLMEngine.add_processed_request`), engine steps (`LLMEngine.step`), the rest of the loop
 (`engine`: `_SyncRun` bookkeeping) and joining the chunk results (`merge`); `other` is the
@@ -158,6 +158,7 @@ def install_phase_timers(vad_workers: int | None) -> tuple[PhaseTimer, VadClock]
     clock = VadClock()
     timer.wrap(offline, "load_audio_inputs", "audio")
     timer.wrap(batching.ChunkStream, "take", "vad")
+    timer.wrap(batching.ChunkStream, "wait", "vad")
     timer.wrap(plan.TranscriptionPlanner, "plan", "plan")
     timer.wrap(offline._SyncRun, "run", "engine")
     timer.wrap(offline, "advance_plan", "windows")

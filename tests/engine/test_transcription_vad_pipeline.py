@@ -189,3 +189,18 @@ def test_pipelined_whisper_base_result_is_the_vad_first_result(whisper_base: LLM
     assert long.language == "en" and len(long.segments) >= 2
     assert [s.id for s in long.segments] == list(range(len(long.segments)))
     assert "fellow Americans" in long.text and "universe" in long.text
+
+
+def test_streamed_segments_come_in_file_order_while_vad_runs(tiny_llm: LLM) -> None:
+    """`stream=True`: the chunks' segments come out file by file, chunk by chunk, as the
+    result holds them (the same objects), though chunks are added while VAD runs."""
+    audio = [(speech(120, seed=1), SR), (speech(20, seed=2), SR)]
+    options = dict(batch_size=3, vad_filter=True, language="en", timestamps=True, **SHORT)
+    stream = tiny_llm.transcribe(audio, stream=True, **options)
+    streamed = [(stream.input_index, segment) for segment in stream]
+    results = stream.results
+    assert [s for i, s in streamed if i == 0] == results[0].segments
+    assert [s for i, s in streamed if i == 1] == results[1].segments
+    assert [i for i, _ in streamed] == sorted(i for i, _ in streamed)
+    (again,) = tiny_llm.transcribe(audio[:1], **options)
+    assert [segment_key(s) for s in again.segments] == [segment_key(s) for s in results[0].segments]
