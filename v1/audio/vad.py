@@ -1,12 +1,14 @@
 """Voice activity detection: the Silero VAD model that the `silero-vad` package ships.
 
-One component for the whole engine: offline (`get_speech_timestamps` for `vad_filter=True` and
-batched long-form transcription) and streaming (`VadIterator`, fed chunks of any size by a
-realtime session, reports where speech starts and ends). Both run the package's "sequence"
-ONNX export through onnxruntime (one call per block of 32 ms frames, no per-frame Python loop);
+One component for the whole engine: offline (`get_speech_timestamps` for `vad_filter=True`,
+`SpanStream` for batched long-form transcription, which decodes while VAD still runs) and
+streaming (`VadIterator`, fed chunks of any size by a realtime session, reports where speech
+starts and ends). Both run the package's "sequence" ONNX export through onnxruntime (one call
+per block of 32 ms frames, no per-frame Python loop), one session per thread, created once;
 the streaming path carries the LSTM state and the 64-sample context between calls, so it sees
 exactly the probabilities the offline single pass sees. Offline, a file longer than ~4 min runs
-as pieces in parallel threads, each warmed up on the ~30 s before it (`speech_probabilities`). The probabilities become speech spans through
+as pieces on the process's bounded pool of VAD threads (`vad_pool`), each piece warmed up on
+the ~30 s before it (`speech_probabilities`). The probabilities become speech spans through
 the package's own state machine (`get_speech_timestamps_from_probs`).
 
 Options and defaults are faster-whisper's (`VadOptions`): a 2 s silence ends a span, spans are
@@ -14,18 +16,20 @@ padded by 400 ms. Audio is float32 mono 16 kHz (what `load_audio` returns); posi
 sample indices at 16 kHz.
 
 API (stable; the realtime session imports it): `VadOptions`, `get_speech_timestamps`,
-`speech_probabilities`, `VadIterator`, `VadEvent`, `SpeechMap`, `collect_speech`.
+`speech_probabilities`, `SpanStream`, `VadIterator`, `VadEvent`, `SpeechMap`, `collect_speech`.
 """
 
 from __future__ import annotations
 
 import bisect
+import concurrent.futures
 import dataclasses
 import functools
 import math
 import threading
+from collections import deque
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -118,9 +122,21 @@ def _silero_data_dir() -> str:
     return os.path.join(list(spec.submodule_search_locations)[0], "data")
 
 
-@functools.lru_cache(maxsize=1)
+_thread_state = threading.local()
+
+
 def _session() -> Any:
-    """The onnxruntime session of silero_vad_16k_sequence.onnx (one per process, thread-safe)."""
+    """This thread's onnxruntime session of silero_vad_16k_sequence.onnx, created on the
+    thread's first VAD call and kept for the thread's life: the VAD threads (`vad_pool`) live
+    as long as the process, so later files and calls create none (and threads never race to
+    create one)."""
+    session = getattr(_thread_state, "session", None)
+    if session is None:
+        session = _thread_state.session = _new_session()
+    return session
+
+
+def _new_session() -> Any:
     import os
 
     import onnxruntime
@@ -198,14 +214,80 @@ def default_vad_workers() -> int:
     return max(1, min(16, cpus))
 
 
-def _piece_probabilities(frames: np.ndarray, lo: int, hi: int, warmup: int) -> np.ndarray:
-    """Probabilities of frames [lo, hi): the model starts from a zero LSTM state `warmup`
-    frames earlier (with the true 64-sample context) and those warm-up outputs are dropped."""
+_pool_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+_pool_workers = 0
+
+
+def vad_pool() -> tuple[ThreadPoolExecutor, int]:
+    """The process's VAD threads and their number (`default_vad_workers()` when first asked):
+    every offline VAD (the offline `LLM`, all server requests at once) queues its pieces here,
+    so the threads stay bounded however many long files arrive together. Each thread keeps its
+    own onnxruntime session (`_session`)."""
+    global _pool, _pool_workers
+    with _pool_lock:
+        if _pool is None:
+            _pool_workers = default_vad_workers()
+            _pool = ThreadPoolExecutor(max_workers=_pool_workers, thread_name_prefix="vad")
+        return _pool, _pool_workers
+
+
+def warm_up() -> None:
+    """Starts every VAD thread with its session, and silero's span code, now rather than inside
+    the first long file (a server or a benchmark pays this once per process)."""
+    _from_probs()
+    pool, workers = vad_pool()
+    barrier = threading.Barrier(workers)
+
+    def start_thread() -> None:
+        _session()
+        barrier.wait(timeout=60)  # one task per thread: each holds its thread until all started
+
+    for future in [pool.submit(start_thread) for _ in range(workers)]:
+        future.result()
+
+
+def _piece_bounds(n_frames: int, workers: int, piece_frames: int, waves: int) -> list[int]:
+    """Frame bounds of the pieces of a file of `n_frames`: up to `waves * workers` equal pieces
+    of at least `piece_frames` (one piece when the file is shorter than two)."""
+    if piece_frames < 1 or waves < 1:
+        raise ValueError("VAD piece_frames and waves must be >= 1")
+    n_pieces = max(1, min(waves * max(1, workers), n_frames // piece_frames))
+    return [n_frames * k // n_pieces for k in range(n_pieces + 1)]
+
+
+def _piece_probabilities(audio: np.ndarray, lo: int, hi: int, warmup: int) -> np.ndarray:
+    """Probabilities of frames [lo, hi) of `audio` (the last frame zero-padded): the model
+    starts from a zero LSTM state `warmup` frames earlier (with the true 64-sample context) and
+    those warm-up outputs are dropped. Frames are views of `audio` (a copy only for the padded
+    last frame)."""
     first = max(0, lo - warmup)
+    samples = audio[first * FRAME_SAMPLES : hi * FRAME_SAMPLES]
+    missing = (hi - first) * FRAME_SAMPLES - samples.size
+    if missing:
+        samples = np.concatenate((samples, np.zeros(missing, dtype=np.float32)))
     model = _FrameModel()
     if first > 0:
-        model.context = frames[first - 1, -CONTEXT_SAMPLES:].copy()
-    return model.forward(frames[first:hi])[lo - first :]
+        model.context = audio[first * FRAME_SAMPLES - CONTEXT_SAMPLES : first * FRAME_SAMPLES]
+    return model.forward(samples.reshape(hi - first, FRAME_SAMPLES))[lo - first :]
+
+
+def _submit_pieces(
+    audio: np.ndarray, workers: int | None, piece_frames: int, warmup_frames: int, waves: int
+) -> list[Future[np.ndarray]]:
+    """The pieces of `audio`, in file order, queued on the VAD threads."""
+    if warmup_frames < 0:
+        raise ValueError("VAD warmup_frames must be >= 0")
+    pool, pool_workers = vad_pool()
+    workers = pool_workers if workers is None else int(workers)
+    bounds = _piece_bounds(
+        math.ceil(audio.size / FRAME_SAMPLES), workers, piece_frames, 1 if workers == 1 else waves
+    )
+    return [
+        pool.submit(_piece_probabilities, audio, lo, hi, warmup_frames)
+        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)
+        if hi > lo
+    ]
 
 
 def speech_probabilities(
@@ -214,36 +296,22 @@ def speech_probabilities(
     workers: int | None = None,
     piece_frames: int = _PIECE_FRAMES,
     warmup_frames: int = _WARMUP_FRAMES,
+    waves: int = 1,
 ) -> np.ndarray:
     """Silero's speech probability of each 32 ms frame (the last one zero-padded).
 
-    Audio longer than two pieces (`piece_frames`, ~2 min) runs as up to `workers` pieces in
-    parallel threads (None: `default_vad_workers()`; onnxruntime releases the GIL). Each piece
-    after the first starts its LSTM from zero `warmup_frames` (~30 s) before its first frame,
-    on the real audio there, and drops those outputs. The recurrent state forgets its start
-    slowly, so a stitched probability can differ from the single pass by a few hundredths;
-    tests/audio/test_vad_parallel.py checks the speech spans stay those of the single pass on
-    real speech. `workers=1` is the single pass (faster-whisper's way)."""
+    Audio longer than two pieces (`piece_frames`, ~2 min) runs as up to `waves * workers`
+    pieces on the VAD threads (None: the pool's threads; onnxruntime releases the GIL). Each
+    piece after the first starts its LSTM from zero `warmup_frames` (~30 s) before its first
+    frame, on the real audio there, and drops those outputs. The recurrent state forgets its
+    start slowly, so a stitched probability can differ from the single pass by a few
+    hundredths; tests/audio/test_vad_parallel.py checks the speech spans stay those of the
+    single pass on real speech. `workers=1` is the single pass (faster-whisper's way)."""
     audio = _as_audio(audio_16k)
-    n_frames = math.ceil(audio.size / FRAME_SAMPLES)
-    frames = np.zeros((n_frames, FRAME_SAMPLES), dtype=np.float32)
-    frames.reshape(-1)[: audio.size] = audio
-    workers = default_vad_workers() if workers is None else int(workers)
-    if piece_frames < 1 or warmup_frames < 0:
-        raise ValueError("VAD piece_frames must be >= 1 and warmup_frames >= 0")
-    n_pieces = min(workers, n_frames // piece_frames)
-    if n_pieces <= 1:
-        return _FrameModel().forward(frames)
-    bounds = [n_frames * k // n_pieces for k in range(n_pieces + 1)]
-
-    with ThreadPoolExecutor(max_workers=n_pieces, thread_name_prefix="vad") as pool:
-        parts = list(
-            pool.map(
-                lambda k: _piece_probabilities(frames, bounds[k], bounds[k + 1], warmup_frames),
-                range(n_pieces),
-            )
-        )
-    return np.concatenate(parts)
+    futures = _submit_pieces(audio, workers, piece_frames, warmup_frames, waves)
+    if not futures:
+        return np.zeros(0, dtype=np.float32)
+    return np.concatenate([f.result() for f in futures])
 
 
 def get_speech_timestamps(
@@ -260,6 +328,91 @@ def get_speech_timestamps(
     if audio.size == 0:
         return []
     return spans_from_probabilities(speech_probabilities(audio, workers=workers), audio.size, opts)
+
+
+class SpanStream:
+    """The speech spans of one recording while its VAD still runs: its pieces (as
+    `speech_probabilities(..., waves=2)`: more pieces than threads, so the first ones finish
+    early) are queued on the VAD threads at once, and `take` hands out, in order, the spans
+    that no later piece can change. All of them, once every piece is in, are exactly
+    `spans_from_probabilities` of all the probabilities (a test holds it).
+
+    """
+
+    def __init__(
+        self,
+        audio_16k: Any,
+        options: VadOptions | Mapping[str, Any] | None = None,
+        *,
+        workers: int | None = None,
+        piece_frames: int = _PIECE_FRAMES,
+        warmup_frames: int = _WARMUP_FRAMES,
+        waves: int = 2,
+    ) -> None:
+        self.options = VadOptions.from_value(options)
+        self._audio = _as_audio(audio_16k)
+        self._futures = deque(
+            _submit_pieces(self._audio, workers, piece_frames, warmup_frames, waves)
+        )
+        self.num_pieces = len(self._futures)
+        """Pieces the recording was cut into."""
+        self.num_pieces_read = 0
+        """Pieces whose probabilities `take` has read (in file order)."""
+        self._probs: list[np.ndarray] = []
+        self._settled: list[tuple[int, int]] = []
+
+    @property
+    def done(self) -> bool:
+        """Every piece is read and every span handed out."""
+        return not self._futures
+
+    def take(self, wait: bool = False) -> list[tuple[int, int]]:
+        """The spans settled since the last call, in order. Reads the pieces finished so far
+        in file order; `wait`: first waits for the next piece (when one is left)."""
+        read = 0
+        while self._futures and (self._futures[0].done() or (wait and not read)):
+            self._probs.append(self._futures.popleft().result())
+            read += 1
+        if not read:
+            return []
+        self.num_pieces_read += read
+        probs = np.concatenate(self._probs) if len(self._probs) > 1 else self._probs[0]
+        self._probs = [probs]
+        num_samples = None if self._futures else self._audio.size
+        spans = settled_spans(probs, num_samples, self.options)
+        assert spans[: len(self._settled)] == self._settled, "a settled VAD span changed"
+        new = spans[len(self._settled) :]
+        self._settled = spans
+        return new
+
+    def wait(self) -> None:
+        """Waits until every piece has finished (the next `take` then reads them all)."""
+        concurrent.futures.wait(self._futures)
+
+    def close(self) -> None:
+        """Drops the pieces not started yet (a transcription stopped early)."""
+        for future in self._futures:
+            future.cancel()
+        self._futures.clear()
+
+
+def settled_spans(
+    probs: np.ndarray, num_samples: int | None, options: VadOptions
+) -> list[tuple[int, int]]:
+    """The spans of the first `len(probs)` frames of a recording that no later frame can
+    change (`num_samples`: the recording's length once `probs` are all its frames, then all
+    its spans; None while more frames may follow).
+
+    Why they are settled: silero's state machine reads the probabilities frame after frame,
+    so over a prefix of the frames it closes the same spans as over all of them; only its last
+    span may still grow, be cut at max_speech_duration_s (its start stays) or, shorter than
+    `min_speech_duration_ms`, vanish; and a span's padding reads only its neighbours' starts
+    and ends. So of the spans of a prefix, all but the last two are final.
+    tests/audio/test_vad_stream.py checks it on random probabilities and options."""
+    if num_samples is not None:
+        return spans_from_probabilities(probs, num_samples, options)
+    spans = spans_from_probabilities(probs, probs.size * FRAME_SAMPLES, options)
+    return spans[: max(0, len(spans) - 2)]
 
 
 def spans_from_probabilities(

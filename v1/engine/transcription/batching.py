@@ -1,6 +1,8 @@
 """A batched file (faster-whisper's `BatchedInferencePipeline`, `batch_size`): its chunks of at
 most 30 s (VAD speech, or plain pieces), decoded on their own, then joined on the file's clock
-chunk after chunk. Both drivers (`offline.py`, `streaming.py`) use these.
+chunk after chunk. Both drivers (`offline.py`, `streaming.py`) use these; `ChunkStream` hands a
+file's chunks out while its VAD still runs, so the offline driver decodes the first ones
+meanwhile.
 """
 
 from __future__ import annotations
@@ -9,33 +11,103 @@ import dataclasses
 from typing import Any
 
 from v1.audio import SAMPLE_RATE
-from v1.audio.vad import VadOptions, get_speech_timestamps
+from v1.audio.vad import SpanStream, VadOptions, get_speech_timestamps
 from v1.engine.inputs.whisper import WINDOW_SECONDS
 from v1.engine.transcription.plan import TranscriptionResult, TranscriptionSegment
+
+
+def chunk_vad_options(vad: VadOptions, max_seconds: float = WINDOW_SECONDS) -> VadOptions:
+    """The VAD options a batched file runs with: no span longer than a chunk."""
+    return dataclasses.replace(
+        vad, max_speech_duration_s=min(vad.max_speech_duration_s, max_seconds)
+    )
+
+
+class ChunkBuilder:
+    """Speech spans -> chunks of at most `max_seconds`, as the spans come: a span (cut at
+    `max_seconds`) joins the open chunk while the chunk still fits, from its first span's
+    start to its last one's end (the silence between stays in); a span that does not fit
+    closes the open chunk, which can then no longer change."""
+
+    def __init__(self, max_seconds: float = WINDOW_SECONDS) -> None:
+        self.limit = int(max_seconds * SAMPLE_RATE)
+        self._open: tuple[int, int] | None = None
+
+    def add(self, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The chunks that `spans` (the next ones of the file, in order) closed."""
+        closed: list[tuple[int, int]] = []
+        for start, end in spans:
+            end = min(end, start + self.limit)
+            if self._open is not None and end - self._open[0] <= self.limit:
+                self._open = (self._open[0], end)
+            else:
+                if self._open is not None:
+                    closed.append(self._open)
+                self._open = (start, end)
+        return closed
+
+    def finish(self) -> list[tuple[int, int]]:
+        """The open chunk, at the end of the file."""
+        last, self._open = self._open, None
+        return [last] if last is not None else []
 
 
 def speech_chunks(
     samples: Any, vad: VadOptions | None, max_seconds: float = WINDOW_SECONDS
 ) -> list[tuple[int, int]]:
-    """(start, end) samples of the chunks of a batched file, each at most `max_seconds`: VAD
-    speech spans (split at `max_seconds`) joined while they fit one chunk, from the first
-    span's start to the last one's end (the silence between stays in); without VAD, plain
-    consecutive pieces."""
+    """(start, end) samples of the chunks of a batched file, each at most `max_seconds`
+    (`ChunkBuilder` over the VAD speech spans); without VAD, plain consecutive pieces."""
     limit = int(max_seconds * SAMPLE_RATE)
     n = samples.shape[0]
     if vad is None:
         return [(s, min(s + limit, n)) for s in range(0, n, limit)]
-    vad = dataclasses.replace(
-        vad, max_speech_duration_s=min(vad.max_speech_duration_s, max_seconds)
-    )
-    chunks: list[tuple[int, int]] = []
-    for start, end in get_speech_timestamps(samples, vad):
-        end = min(end, start + limit)
-        if chunks and end - chunks[-1][0] <= limit:
-            chunks[-1] = (chunks[-1][0], end)
+    builder = ChunkBuilder(max_seconds)
+    chunks = builder.add(get_speech_timestamps(samples, chunk_vad_options(vad, max_seconds)))
+    return chunks + builder.finish()
+
+
+class ChunkStream:
+    """One batched file's chunks as its VAD settles them (`SpanStream` -> `ChunkBuilder`):
+    `take` hands out, in order, the chunks no later VAD piece can change; without VAD, every
+    chunk at once. Once `done`, the chunks handed out are exactly `speech_chunks` over the
+    same VAD probabilities."""
+
+    def __init__(
+        self, samples: Any, vad: VadOptions | None, max_seconds: float = WINDOW_SECONDS
+    ) -> None:
+        self._spans: SpanStream | None = None
+        self._plain: list[tuple[int, int]] = []
+        if vad is None:
+            self._plain = speech_chunks(samples, None, max_seconds)
         else:
-            chunks.append((start, end))
-    return chunks
+            self._spans = SpanStream(samples, chunk_vad_options(vad, max_seconds))
+            self._builder = ChunkBuilder(max_seconds)
+
+    @property
+    def done(self) -> bool:
+        """Every chunk is handed out."""
+        return not self._plain and (self._spans is None or self._spans.done)
+
+    def take(self, wait: bool = False) -> list[tuple[int, int]]:
+        """The chunks settled since the last call; `wait`: first waits for the next VAD piece."""
+        if self._spans is None:
+            chunks, self._plain = self._plain, []
+            return chunks
+        if self._spans.done:
+            return []
+        chunks = self._builder.add(self._spans.take(wait))
+        if self._spans.done:
+            chunks += self._builder.finish()
+        return chunks
+
+    def wait(self) -> None:
+        """Waits until the file's VAD has finished (the next `take` hands out every chunk)."""
+        if self._spans is not None:
+            self._spans.wait()
+
+    def close(self) -> None:
+        if self._spans is not None:
+            self._spans.close()
 
 
 class ChunkJoiner:

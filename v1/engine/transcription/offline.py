@@ -24,7 +24,7 @@ from v1.engine.beam_search import (
     take_step_request_ids,
 )
 from v1.engine.inputs.whisper import WINDOW_SECONDS
-from v1.engine.transcription.batching import ChunkJoiner, speech_chunks
+from v1.engine.transcription.batching import ChunkJoiner, ChunkStream
 from v1.engine.transcription.loading import load_audio_inputs
 from v1.engine.transcription.plan import (
     FileProgress,
@@ -47,13 +47,20 @@ from v1.gc_policy import deferred_full_collections
 class ProgressBar:
     """A tqdm bar over seconds of audio with the real-time factor (audio s / wall s)."""
 
-    def __init__(self, progress: list[FileProgress], enabled: bool) -> None:
+    def __init__(
+        self,
+        progress: list[FileProgress],
+        enabled: bool,
+        total: list[FileProgress] | None = None,
+    ) -> None:
+        """`progress`: the plans' progress (a list that may grow while the bar runs); `total`:
+        what the bar's end counts (default: `progress` as it is now)."""
         from tqdm.auto import tqdm
 
         self.progress = progress
         self.start = time.perf_counter()
         self.shown = 0.0
-        total = sum(p.duration for p in progress)
+        total = sum(p.duration for p in (progress if total is None else total))
         self.bar = tqdm(
             total=round(total, 1),
             desc="Transcribing",
@@ -87,10 +94,14 @@ class Transcriber:
     abort_request, and the core-request calls of beam search), with the engine's Whisper input
     builder. `LLM` builds one."""
 
-    def __init__(self, engine: Any, max_active_files: int | None = None) -> None:
+    def __init__(
+        self, engine: Any, max_active_files: int | None = None, pipeline_vad: bool = True
+    ) -> None:
         """`max_active_files`: files decoded at once (default: twice max_num_seqs per engine core;
-        each has one window in flight)."""
+        each has one window in flight). `pipeline_vad`: batched files decode their first chunks
+        while their VAD still runs (off: VAD first; the results are the same)."""
         self.engine = engine
+        self.pipeline_vad = pipeline_vad
         self.builder = engine.input_processor.whisper_builder
         config = getattr(engine, "config", None)
         num_cores = config.parallel_config.data_parallel_size if config is not None else 1
@@ -184,75 +195,169 @@ class Transcriber:
         use_tqdm: bool,
     ) -> _Job:
         """batch_size: every file cut into chunks of at most 30 s (VAD speech with vad_filter,
-        else plain 30 s pieces); the language detected once per file; then all chunks of all
-        files decoded as independent plans, batch_size at a time in the engine's steps, and
-        each file's chunk results joined on its clock, chunk after chunk."""
-        options = planner.options
-        batch_size = options.batch_size
-        assert batch_size is not None
-        chunks = [
-            speech_chunks(w, options.vad_parameters if options.vad_filter else None)
-            for w in waveforms
-        ]
-        languages: list[tuple[str | None, float | None]] = [
-            (planner.language, 1.0 if planner.language else None)
-        ] * len(waveforms)
-        joiners = [
-            ChunkJoiner(w.shape[0] / SAMPLE_RATE, options.word_timestamps) for w in waveforms
-        ]
-        units: list[_Unit] = []
-        spans: list[tuple[int, int, int]] = []
-        """(file, start, end sample) of each chunk, in stream order."""
-        progress: list[FileProgress] = []
-        for i, file_chunks in enumerate(chunks):
-            for start, end in file_chunks:
-                unit = _Unit(i, functools.partial(joiners[i].place, start / SAMPLE_RATE))
-                units.append(unit)
-                spans.append((i, start, end))
-                progress.append(
-                    FileProgress((end - start) / SAMPLE_RATE, on_segment=unit.queue.append)
-                )
-        chunk_results: list[TranscriptionResult | None] = [None] * len(units)
-        for k, unit in enumerate(units):
-            unit.is_done = functools.partial(_has_result, chunk_results, k)
-        bar = ProgressBar(progress, show_progress(use_tqdm, progress))
+        else plain 30 s pieces); the language detected once per file; all chunks of all files
+        decoded as independent plans, batch_size at a time in the engine's steps, and each
+        file's chunk results joined on its clock, chunk after chunk. The VAD runs on its
+        threads meanwhile: a chunk is decoded as soon as no later VAD piece can change it
+        (`pipeline_vad`; off, every file's VAD ends before the first chunk is decoded)."""
+        feed = _ChunkFeed(planner, waveforms, self.pipeline_vad)
+        files = [FileProgress(w.shape[0] / SAMPLE_RATE) for w in waveforms]
+        bar = ProgressBar(feed.progress, show_progress(use_tqdm, files), total=files)
+        run = self._run([], planner.options.batch_size or 1)
+        run.feed = feed
+        feed.run = run
 
         def steps() -> Iterator[None]:
-            detect = planner.tokens.multilingual and planner.language is None
-            if detect and not options.multilingual:
-                todo = [i for i, c in enumerate(chunks) if c]
-                plans = [
-                    planner.detect_plan(i, waveforms[i][chunks[i][0][0] : chunks[i][0][1]])
-                    for i in todo
-                ]
-                found = self._run(plans, batch_size)
-                yield from found.steps()  # closing this generator closes that one
-                for i, lang in zip(todo, found.results, strict=True):
-                    languages[i] = lang  # type: ignore[assignment]
-            plans = []
-            for k, (i, start, end) in enumerate(spans):
-                chunk_planner = planner.for_chunks(languages[i][0])  # a copy
-                if k and spans[k - 1][0] == i:
-                    chunk_planner.prefix_ids = []  # the prefix starts the file only
-                plans.append(chunk_planner.plan(k, waveforms[i][start:end], progress[k]))
-            run = self._run(plans, batch_size)
             with contextlib.closing(run.steps()) as engine_steps:
                 for _ in engine_steps:
                     bar.refresh()
                     yield
-            chunk_results[:] = run.results
 
-        def finish() -> list[TranscriptionResult]:
-            return [
-                joiners[i].result(
-                    [r for r, sp in zip(chunk_results, spans, strict=True) if sp[0] == i],  # type: ignore[misc]
-                    languages[i],
-                    planner.language or "en",
-                )
-                for i in range(len(waveforms))
-            ]
+        def close() -> None:
+            feed.close()
+            bar.close()
 
-        return _Job(units, steps(), finish, bar.close)
+        return _Job(feed.units, steps(), feed.results, close)
+
+
+class _ChunkFeed:
+    """The chunk plans of batched files, handed to a `_SyncRun` as the files' VAD settles
+    their chunks: files in order, each file's chunks in order (the stream order of `units`).
+    A file whose language is detected first (multilingual model, no language) runs its
+    detection plan on its first chunk, and its chunk plans once that plan has returned."""
+
+    def __init__(
+        self, planner: TranscriptionPlanner, waveforms: list[Any], pipelined: bool
+    ) -> None:
+        options = planner.options
+        self.planner = planner
+        self.waveforms = waveforms
+        self.pipelined = pipelined
+        vad = options.vad_parameters if options.vad_filter else None
+        self.chunks = [ChunkStream(w, vad) for w in waveforms]
+        self.detect = planner.tokens.multilingual and planner.language is None
+        self.detect = self.detect and not options.multilingual
+        self.languages: list[tuple[str | None, float | None]] = [
+            (planner.language, 1.0 if planner.language else None)
+        ] * len(waveforms)
+        self.joiners = [
+            ChunkJoiner(w.shape[0] / SAMPLE_RATE, options.word_timestamps) for w in waveforms
+        ]
+        self.units: list[_Unit] = []
+        self.progress: list[FileProgress] = []
+        self.spans: list[tuple[int, int, int]] = []
+        """(file, start, end sample) of each chunk, in stream order."""
+        self.plan_of_chunk: list[int | None] = []
+        """The run's plan index of each chunk (None until its plan is made)."""
+        self.detecting: dict[int, int] = {}
+        """File -> the run's plan index of its language detection, while it runs."""
+        self.held: list[int] = []
+        """Chunks waiting for their file's language, in stream order."""
+        self.file = 0  # the file whose chunks are read now
+        self.last_end = [0] * len(waveforms)  # each file's end of its last chunk (samples)
+        self.run: _SyncRun | None = None
+
+    @property
+    def exhausted(self) -> bool:
+        """Nothing more will come."""
+        return self.file == len(self.chunks) and not self.held and not self.detecting
+
+    def __call__(self, idle: bool) -> list[Plan]:
+        """The plans that can start now; `idle` (the engine has nothing to run): waits for the
+        next VAD piece rather than return nothing."""
+        plans: list[Plan] = []
+        if not self.pipelined:
+            for source in self.chunks[self.file :]:
+                source.wait()  # every file's VAD, then its spans and chunks at once
+            self._read(wait=False, plans=plans)
+            assert self.file == len(self.chunks)
+        else:
+            self._read(wait=idle, plans=plans)
+        self._release(plans)
+        while idle and not plans and self.file < len(self.chunks) and not self.detecting:
+            self._read(wait=True, plans=plans)  # the pieces read so far settled no chunk
+            self._release(plans)
+        return plans
+
+    def _read(self, wait: bool, plans: list[Plan]) -> None:
+        """Reads settled chunks of the current file (and of the files after it, once it is
+        done)."""
+        while self.file < len(self.chunks):
+            i = self.file
+            source = self.chunks[i]
+            for start, end in source.take(wait):
+                self._add_chunk(i, start, end, plans)
+                wait = False
+            if not source.done:
+                return
+            self._end_file(i)
+            self.file += 1
+            wait = False
+
+    def _add_chunk(self, i: int, start: int, end: int, plans: list[Plan]) -> None:
+        k = len(self.units)
+        first_of_file = not self.spans or self.spans[-1][0] != i
+        unit = _Unit(i, functools.partial(self.joiners[i].place, start / SAMPLE_RATE))
+        unit.is_done = functools.partial(self._chunk_done, k)
+        self.units.append(unit)
+        self.spans.append((i, start, end))
+        # The bar counts the file's seconds: a chunk, the silence before it.
+        self.progress.append(
+            FileProgress((end - self.last_end[i]) / SAMPLE_RATE, on_segment=unit.queue.append)
+        )
+        self.last_end[i] = end
+        self.plan_of_chunk.append(None)
+        self.held.append(k)
+        if first_of_file and self.detect:
+            assert self.run is not None
+            waveform = self.waveforms[i]
+            self.detecting[i] = self.run.num_plans + len(plans)
+            plans.append(self.planner.detect_plan(i, waveform[start:end]))
+
+    def _end_file(self, i: int) -> None:
+        tail = self.waveforms[i].shape[0] - self.last_end[i]
+        self.progress.append(FileProgress(tail / SAMPLE_RATE, done=tail / SAMPLE_RATE))
+
+    def _release(self, plans: list[Plan]) -> None:
+        """Chunk plans of the held chunks whose file's language is known, in stream order."""
+        assert self.run is not None
+        for i, index in list(self.detecting.items()):
+            found = self.run.results[index] if index < len(self.run.results) else None
+            if found is not None:
+                self.languages[i] = found  # type: ignore[assignment]
+                del self.detecting[i]
+        still: list[int] = []
+        for k in self.held:
+            i, start, end = self.spans[k]
+            if i in self.detecting:
+                still.append(k)
+                continue
+            chunk_planner = self.planner.for_chunks(self.languages[i][0])  # a copy
+            if k and self.spans[k - 1][0] == i:
+                chunk_planner.prefix_ids = []  # the prefix starts the file only
+            self.plan_of_chunk[k] = self.run.num_plans + len(plans)
+            plans.append(chunk_planner.plan(k, self.waveforms[i][start:end], self.progress[k]))
+        self.held = still
+
+    def _chunk_done(self, k: int) -> bool:
+        index = self.plan_of_chunk[k]
+        return index is not None and self.run is not None and self.run.results[index] is not None
+
+    def results(self) -> list[TranscriptionResult]:
+        """Each file's result: its chunks' results joined (once every plan has run)."""
+        assert self.run is not None and self.exhausted
+        parts: list[list[TranscriptionResult]] = [[] for _ in self.waveforms]
+        for (i, _, _), index in zip(self.spans, self.plan_of_chunk, strict=True):
+            assert index is not None
+            parts[i].append(self.run.results[index])  # type: ignore[arg-type]
+        return [
+            joiner.result(part, language, self.planner.language or "en")
+            for joiner, part, language in zip(self.joiners, parts, self.languages, strict=True)
+        ]
+
+    def close(self) -> None:
+        for source in self.chunks:
+            source.close()
 
 
 def _has_result(results: list[Any], index: int) -> bool:
@@ -393,6 +498,24 @@ class _SyncRun:
         self.results: list[TranscriptionResult | None] = [None] * len(plans)
         self.waiting = deque(range(len(plans)))
         self.active: set[int] = set()
+        self.feed: _ChunkFeed | None = None
+        """More plans while the run goes (batched files whose VAD still runs)."""
+
+    @property
+    def num_plans(self) -> int:
+        return len(self.plans)
+
+    def _take_fed(self) -> None:
+        """Adds the plans the feed has now; with nothing to run, waits for some."""
+        assert self.feed is not None
+        idle = not (self.pending or self.beams or self.waiting)
+        plans = self.feed(idle)
+        first = len(self.plans)
+        self.plans.extend(plans)
+        self.results.extend([None] * len(plans))
+        self.waiting.extend(range(first, len(self.plans)))
+        if idle and plans:
+            self._start_waiting(extra=self.num_cores)  # as at the start of a run
 
     def run(self, on_progress: Callable[[], None]) -> list[TranscriptionResult]:
         for _ in self.steps():
@@ -421,7 +544,13 @@ class _SyncRun:
     def _steps(self) -> Iterator[None]:
         engine = self.engine
         self._start_waiting(extra=self.num_cores)  # one unscheduled file per core
-        while self.pending or self.beams or self.waiting:
+        while True:
+            if self.feed is not None:
+                self._take_fed()
+            if not (self.pending or self.beams or self.waiting):
+                if self.feed is None or self.feed.exhausted:
+                    return
+                continue
             for output in engine.step():
                 entry = self.pending.get(output.request_id)
                 if entry is None:
