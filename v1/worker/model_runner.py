@@ -105,6 +105,12 @@ class ModelRunner:
     def load_model(self) -> None:
         from v1.worker.model_loader import load_model
 
+        if self.device.type == "cuda":
+            # Give back the cached blocks of an engine shut down earlier in this process
+            # before the weights land in them: a weight inside the old KV segment pins it,
+            # and the new KV cache (sized from the device's memory) then finds no room.
+            gc.collect()
+            torch.cuda.empty_cache()
         with use_backend(self.backend_name):
             self.model = load_model(self.model_config, self.device, self.dtype, tp=self.tp)
         self.model.eval()
@@ -182,9 +188,7 @@ class ModelRunner:
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         self.kv_cache_config = kv_cache_config
         if self.device.type == "cuda":
-            # The profile sized the cache against memory the allocator may still hold in
-            # blocks of an engine shut down meanwhile (its cycles collected after the
-            # profile): hand those back so the one large allocation finds room.
+            # Cycles of an engine shut down meanwhile may still hold cached blocks.
             gc.collect()
             torch.cuda.empty_cache()
         kv_caches = allocate_kv_cache(kv_cache_config, self.device)
