@@ -47,7 +47,6 @@ from v1.entrypoints.openai.http_limits import (
 from v1.entrypoints.openai.lifecycle import DrainingServer, ServerLifecycle
 from v1.entrypoints.openai.metrics import RequestObserver, ServerMetrics
 from v1.entrypoints.openai.protocol import (
-    MAX_LENGTH_PENALTY,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -67,7 +66,7 @@ from v1.entrypoints.openai.serving_tokenization import ServingTokenization
 from v1.entrypoints.openai.serving_transcriptions import (
     AudioRequest,
     ServingTranscriptions,
-    decoding_options,
+    decoding_form,
 )
 from v1.logger import init_logger
 from v1.version import __version__
@@ -580,6 +579,7 @@ def _add_inference_routes(
     async def create_transcription(
         request: Request,
         file: Annotated[UploadFile, File()],
+        decoding: Annotated[dict[str, Any], Depends(decoding_form)],
         model: Annotated[str | None, Form()] = None,
         language: Annotated[str | None, Form()] = None,
         prompt: Annotated[str | None, Form()] = None,
@@ -591,31 +591,15 @@ def _add_inference_routes(
         stream: Annotated[bool, Form()] = False,
         include: Annotated[list[str] | None, Form(alias="include[]")] = None,
         chunking_strategy: Annotated[str | None, Form()] = None,
-        beam_size: Annotated[int | None, Form()] = None,
-        best_of: Annotated[int | None, Form()] = None,
-        patience: Annotated[float | None, Form()] = None,
-        length_penalty: Annotated[float | None, Form()] = None,
-        vad_filter: Annotated[bool | None, Form()] = None,
-        vad_parameters: Annotated[str | None, Form()] = None,
-        hotwords: Annotated[str | None, Form()] = None,
-        prefix: Annotated[str | None, Form()] = None,
         hallucination_silence_threshold: Annotated[float | None, Form()] = None,
         multilingual: Annotated[bool | None, Form()] = None,
-        without_timestamps: Annotated[bool | None, Form()] = None,
-        max_initial_timestamp: Annotated[float | None, Form()] = None,
-        suppress_tokens: Annotated[str | None, Form()] = None,
-        suppress_blank: Annotated[bool | None, Form()] = None,
-        repetition_penalty: Annotated[float | None, Form()] = None,
-        no_repeat_ngram_size: Annotated[int | None, Form()] = None,
-        clip_timestamps: Annotated[str | None, Form()] = None,
-        batch_size: Annotated[int | None, Form()] = None,
-        condition_on_previous_text: Annotated[bool | None, Form()] = None,
-        compression_ratio_threshold: Annotated[float | None, Form()] = None,
-        log_prob_threshold: Annotated[float | None, Form()] = None,
-        no_speech_threshold: Annotated[float | None, Form()] = None,
     ) -> Response:
         _reject_unsupported_audio(include, chunking_strategy)
-        _check_length_penalty(length_penalty)
+        only_here = {
+            "hallucination_silence_threshold": hallucination_silence_threshold,
+            "multilingual": multilingual,
+        }
+        decoding.update({k: v for k, v in only_here.items() if v is not None})
         req = AudioRequest(
             "transcribe",
             file,
@@ -626,30 +610,7 @@ def _add_inference_routes(
             response_format,
             timestamp_granularities or [],
             stream,
-            decoding_options(
-                beam_size,
-                best_of,
-                patience,
-                length_penalty,
-                vad_filter=vad_filter,
-                vad_parameters=vad_parameters,
-                hotwords=hotwords,
-                prefix=prefix,
-                hallucination_silence_threshold=hallucination_silence_threshold,
-                multilingual=multilingual,
-                without_timestamps=without_timestamps,
-                max_initial_timestamp=max_initial_timestamp,
-                suppress_tokens=suppress_tokens,
-                suppress_blank=suppress_blank,
-                repetition_penalty=repetition_penalty,
-                no_repeat_ngram_size=no_repeat_ngram_size,
-                clip_timestamps=clip_timestamps,
-                batch_size=batch_size,
-                condition_on_previous_text=condition_on_previous_text,
-                compression_ratio_threshold=compression_ratio_threshold,
-                log_prob_threshold=log_prob_threshold,
-                no_speech_threshold=no_speech_threshold,
-            ),
+            decoding,
         )
         return await audio.create(req, request)
 
@@ -657,34 +618,14 @@ def _add_inference_routes(
     async def create_translation(
         request: Request,
         file: Annotated[UploadFile, File()],
+        decoding: Annotated[dict[str, Any], Depends(decoding_form)],
         model: Annotated[str | None, Form()] = None,
         language: Annotated[str | None, Form()] = None,
         prompt: Annotated[str | None, Form()] = None,
         temperature: Annotated[float, Form()] = 0.0,
         response_format: Annotated[str, Form()] = "json",
         stream: Annotated[bool, Form()] = False,
-        beam_size: Annotated[int | None, Form()] = None,
-        best_of: Annotated[int | None, Form()] = None,
-        patience: Annotated[float | None, Form()] = None,
-        length_penalty: Annotated[float | None, Form()] = None,
-        vad_filter: Annotated[bool | None, Form()] = None,
-        vad_parameters: Annotated[str | None, Form()] = None,
-        hotwords: Annotated[str | None, Form()] = None,
-        prefix: Annotated[str | None, Form()] = None,
-        without_timestamps: Annotated[bool | None, Form()] = None,
-        max_initial_timestamp: Annotated[float | None, Form()] = None,
-        suppress_tokens: Annotated[str | None, Form()] = None,
-        suppress_blank: Annotated[bool | None, Form()] = None,
-        repetition_penalty: Annotated[float | None, Form()] = None,
-        no_repeat_ngram_size: Annotated[int | None, Form()] = None,
-        clip_timestamps: Annotated[str | None, Form()] = None,
-        batch_size: Annotated[int | None, Form()] = None,
-        condition_on_previous_text: Annotated[bool | None, Form()] = None,
-        compression_ratio_threshold: Annotated[float | None, Form()] = None,
-        log_prob_threshold: Annotated[float | None, Form()] = None,
-        no_speech_threshold: Annotated[float | None, Form()] = None,
     ) -> Response:
-        _check_length_penalty(length_penalty)
         req = AudioRequest(
             "translate",
             file,
@@ -695,28 +636,7 @@ def _add_inference_routes(
             response_format,
             [],
             stream,
-            decoding_options(
-                beam_size,
-                best_of,
-                patience,
-                length_penalty,
-                vad_filter=vad_filter,
-                vad_parameters=vad_parameters,
-                hotwords=hotwords,
-                prefix=prefix,
-                without_timestamps=without_timestamps,
-                max_initial_timestamp=max_initial_timestamp,
-                suppress_tokens=suppress_tokens,
-                suppress_blank=suppress_blank,
-                repetition_penalty=repetition_penalty,
-                no_repeat_ngram_size=no_repeat_ngram_size,
-                clip_timestamps=clip_timestamps,
-                batch_size=batch_size,
-                condition_on_previous_text=condition_on_previous_text,
-                compression_ratio_threshold=compression_ratio_threshold,
-                log_prob_threshold=log_prob_threshold,
-                no_speech_threshold=no_speech_threshold,
-            ),
+            decoding,
         )
         return await audio.create(req, request)
 
@@ -730,17 +650,6 @@ def http_limits_from_args(args: argparse.Namespace) -> HttpLimits:
         "max_connections_per_client",
     )
     return HttpLimits(**{n: getattr(args, n) for n in names if getattr(args, n, None) is not None})
-
-
-def _check_length_penalty(length_penalty: float | None) -> None:
-    if length_penalty is not None and not abs(length_penalty) <= MAX_LENGTH_PENALTY:
-        raise APIError(
-            400,
-            f"length_penalty must be in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}], got "
-            f"{length_penalty!r}",
-            param="length_penalty",
-            code="invalid_value",
-        )
 
 
 def _reject_unsupported_audio(include: list[str] | None, chunking_strategy: str | None) -> None:

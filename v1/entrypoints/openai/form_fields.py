@@ -1,9 +1,12 @@
 """Unknown multipart form fields are a 400, as unknown JSON fields are (OpenAI's rule): the
-audio routes' known fields are the form parameters their endpoint declares (read from the route,
-so a field added there is known at once), plus OpenAI fields refused as not supported.
+audio routes' known fields are the form parameters their endpoint declares, itself or through a
+dependency such as `decoding_form` (read from the route, so a field added there is known at
+once), plus OpenAI fields refused as not supported.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from fastapi import Request
 
@@ -28,8 +31,17 @@ def declared_form_fields(request: Request) -> dict[str, str]:
     """{field name: the form key it is read from} of the endpoint serving `request`."""
     route = request.scope.get("route")
     dependant = getattr(route, "dependant", None)
-    params = getattr(dependant, "body_params", None) or []
-    return {_base(p.alias): p.alias for p in params}
+    return {_base(p.alias): p.alias for p in body_params(dependant)}
+
+
+def body_params(dependant: Any) -> list[Any]:
+    """The form parameters of an endpoint and of the dependencies it declares them through."""
+    if dependant is None:
+        return []
+    params = list(getattr(dependant, "body_params", None) or [])
+    for sub in getattr(dependant, "dependencies", None) or []:
+        params += body_params(sub)
+    return params
 
 
 async def check_form_fields(request: Request) -> None:

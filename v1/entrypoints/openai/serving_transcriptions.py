@@ -15,10 +15,10 @@ import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
-from fastapi import Request, UploadFile
+from fastapi import Form, Request, UploadFile
 from fastapi.responses import PlainTextResponse, Response
 
 from v1.audio import SAMPLE_RATE, AudioError
@@ -38,7 +38,7 @@ from v1.entrypoints.openai import transcript_formats as formats
 from v1.entrypoints.openai.errors import APIError, bad_request, engine_dead_error
 from v1.entrypoints.openai.http_limits import read_upload_bounded
 from v1.entrypoints.openai.metrics import ServerMetrics
-from v1.entrypoints.openai.protocol import TRANSCRIPTION_FORMATS, random_id
+from v1.entrypoints.openai.protocol import MAX_LENGTH_PENALTY, TRANSCRIPTION_FORMATS, random_id
 from v1.entrypoints.openai.serving_engine import (
     ServerSettings,
     ServingBase,
@@ -146,6 +146,62 @@ def decoding_options(
                 "suppress_tokens must be comma-separated token ids", param="suppress_tokens"
             ) from e
     return {name: value for name, value in values.items() if value is not None}
+
+
+async def decoding_form(
+    beam_size: Annotated[int | None, Form()] = None,
+    best_of: Annotated[int | None, Form()] = None,
+    patience: Annotated[float | None, Form()] = None,
+    length_penalty: Annotated[float | None, Form()] = None,
+    vad_filter: Annotated[bool | None, Form()] = None,
+    vad_parameters: Annotated[str | None, Form()] = None,
+    hotwords: Annotated[str | None, Form()] = None,
+    prefix: Annotated[str | None, Form()] = None,
+    without_timestamps: Annotated[bool | None, Form()] = None,
+    max_initial_timestamp: Annotated[float | None, Form()] = None,
+    suppress_tokens: Annotated[str | None, Form()] = None,
+    suppress_blank: Annotated[bool | None, Form()] = None,
+    repetition_penalty: Annotated[float | None, Form()] = None,
+    no_repeat_ngram_size: Annotated[int | None, Form()] = None,
+    clip_timestamps: Annotated[str | None, Form()] = None,
+    batch_size: Annotated[int | None, Form()] = None,
+    condition_on_previous_text: Annotated[bool | None, Form()] = None,
+    compression_ratio_threshold: Annotated[float | None, Form()] = None,
+    log_prob_threshold: Annotated[float | None, Form()] = None,
+    no_speech_threshold: Annotated[float | None, Form()] = None,
+) -> dict[str, Any]:
+    """The decoding form fields both audio routes take (a FastAPI dependency: the routes'
+    declared fields include these), as transcribe options; a bad value is a 400."""
+    if length_penalty is not None and not abs(length_penalty) <= MAX_LENGTH_PENALTY:
+        raise APIError(
+            400,
+            f"length_penalty must be in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}], got "
+            f"{length_penalty!r}",
+            param="length_penalty",
+            code="invalid_value",
+        )
+    return decoding_options(
+        beam_size,
+        best_of,
+        patience,
+        length_penalty,
+        vad_filter=vad_filter,
+        vad_parameters=vad_parameters,
+        hotwords=hotwords,
+        prefix=prefix,
+        without_timestamps=without_timestamps,
+        max_initial_timestamp=max_initial_timestamp,
+        suppress_tokens=suppress_tokens,
+        suppress_blank=suppress_blank,
+        repetition_penalty=repetition_penalty,
+        no_repeat_ngram_size=no_repeat_ngram_size,
+        clip_timestamps=clip_timestamps,
+        batch_size=batch_size,
+        condition_on_previous_text=condition_on_previous_text,
+        compression_ratio_threshold=compression_ratio_threshold,
+        log_prob_threshold=log_prob_threshold,
+        no_speech_threshold=no_speech_threshold,
+    )
 
 
 class ServingTranscriptions(ServingBase):
