@@ -85,13 +85,17 @@ def test_span_stream_hands_out_the_spans_of_all_probabilities(long_speech, opts)
     stream = SpanStream(long_speech, opts, **layout)
     assert stream.num_pieces == 6
     handed: list[list[tuple[int, int]]] = []
+    read = 0
     while not stream.done:
         handed.append(stream.take(wait=True))
-        assert stream.num_pieces_read == len(handed)  # one piece at a time
+        # At least the next piece; more when the pool finished them meanwhile (a race).
+        assert stream.num_pieces_read > read
+        read = stream.num_pieces_read
     probs = speech_probabilities(long_speech, **layout)
     expected = spans_from_probabilities(probs, long_speech.size, opts)
     assert [s for spans in handed for s in spans] == expected and len(expected) > 10
-    assert sum(1 for spans in handed[:-1] if spans) >= 3  # spans came before the last piece
+    if len(handed) == stream.num_pieces:  # one piece per take: spans before the last piece
+        assert sum(1 for spans in handed[:-1] if spans) >= 3
     assert stream.take() == [] and stream.take(wait=True) == []
 
 
