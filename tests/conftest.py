@@ -29,3 +29,23 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A random 2-layer GQA LlamaForCausalLM with the tiny tokenizer (read-only: copy it
     before changing files)."""
     return make_tiny_llama_dir(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture
+def fresh_vad_threads(monkeypatch: pytest.MonkeyPatch):
+    """A new VAD pool of 2 threads; yields the count of onnxruntime sessions created."""
+    from v1.audio import vad
+
+    created = [0]
+    new_session = vad._new_session
+
+    def counting() -> object:
+        created[0] += 1
+        return new_session()
+
+    monkeypatch.setattr(vad, "_new_session", counting)
+    monkeypatch.setattr(vad, "default_vad_workers", lambda: 2)
+    monkeypatch.setattr(vad, "_pool", None)  # new threads: no session yet
+    yield created
+    pool, _ = vad.vad_pool()
+    pool.shutdown(wait=True)

@@ -5,7 +5,6 @@ session each across calls."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -97,24 +96,6 @@ def test_span_stream_hands_out_the_spans_of_all_probabilities(long_speech, opts)
     if len(handed) == stream.num_pieces:  # one piece per take: spans before the last piece
         assert sum(1 for spans in handed[:-1] if spans) >= 3
     assert stream.take() == [] and stream.take(wait=True) == []
-
-
-@pytest.fixture
-def fresh_vad_threads(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
-    """A new VAD pool of 2 threads; yields the count of onnxruntime sessions created."""
-    created = [0]
-    new_session = vad._new_session
-
-    def counting() -> object:
-        created[0] += 1
-        return new_session()
-
-    monkeypatch.setattr(vad, "_new_session", counting)
-    monkeypatch.setattr(vad, "default_vad_workers", lambda: 2)
-    monkeypatch.setattr(vad, "_pool", None)
-    yield created
-    pool, _ = vad.vad_pool()
-    pool.shutdown(wait=True)
 
 
 def test_each_vad_thread_creates_its_session_once(long_speech, fresh_vad_threads) -> None:

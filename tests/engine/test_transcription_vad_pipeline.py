@@ -110,27 +110,15 @@ def test_chunks_reach_the_engine_before_the_last_vad_piece_ends(
 
 
 def test_vad_sessions_are_created_once_across_two_transcribe_calls(
-    tiny_llm: LLM, monkeypatch: pytest.MonkeyPatch
+    tiny_llm: LLM, fresh_vad_threads: list[int]
 ) -> None:
-    created = [0]
-    new_session = vad._new_session
-
-    def counting() -> Any:
-        created[0] += 1
-        return new_session()
-
-    monkeypatch.setattr(vad, "_new_session", counting)
-    monkeypatch.setattr(vad, "default_vad_workers", lambda: 2)
-    monkeypatch.setattr(vad, "_pool", None)  # new threads: no session yet
+    created = fresh_vad_threads
     audio = speech(70)
-    try:
-        first = tiny_llm.transcribe((audio, SR), batch_size=2, vad_filter=True, **SHORT)
-        assert created[0] == 2  # several pieces on two threads: one session per thread
-        second = tiny_llm.transcribe((audio, SR), batch_size=2, vad_filter=True, **SHORT)
-        assert created[0] == 2
-        assert second[0].text == first[0].text
-    finally:
-        vad.vad_pool()[0].shutdown(wait=True)
+    first = tiny_llm.transcribe((audio, SR), batch_size=2, vad_filter=True, **SHORT)
+    assert created[0] == 2  # several pieces on two threads: one session per thread
+    second = tiny_llm.transcribe((audio, SR), batch_size=2, vad_filter=True, **SHORT)
+    assert created[0] == 2
+    assert second[0].text == first[0].text
 
 
 @pytest.fixture(scope="module")

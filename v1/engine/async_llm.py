@@ -26,15 +26,14 @@ from v1.engine.beam_search import (
     make_beam_search,
     run_beam_search_async,
 )
-from v1.engine.core_client import make_frontend_and_client
-from v1.engine.input_processor import InputProcessor, Params
-from v1.engine.output_processor import AnyRequestOutput, OutputProcessor, ParentRequest
+from v1.engine.core_client import build_frontend, make_frontend_and_client
+from v1.engine.input_processor import Params
+from v1.engine.output_processor import AnyRequestOutput, ParentRequest
 from v1.logger import init_logger
 from v1.lora_request import LoRARequest
 from v1.outputs import PoolingRequestOutput, RequestOutput, RequestOutputKind
 from v1.pooling_params import PoolingParams
 from v1.sampling_params import SamplingParams
-from v1.tokenizer import get_tokenizer
 
 if TYPE_CHECKING:
     from v1.core.dp_client import AsyncDPClient
@@ -94,22 +93,13 @@ class AsyncLLM:
         self.model_info = self.model_config.info
         """The frontend's model facts (the server asks its `supported_tasks`)."""
 
-        def build_frontend() -> tuple[Any, InputProcessor, OutputProcessor]:
-            tok = tokenizer if tokenizer is not None else get_tokenizer(self.model_config)
-            input_processor = InputProcessor(
-                self.model_config,
-                tok,
-                max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
-                model_info=self.model_info,
-                lora_config=config.lora_config,
-                # N cores hash their own audio, in parallel, instead of the frontend's one thread.
-                audio_hash_in_core=config.parallel_config.data_parallel_size > 1,
-            )
-            return tok, input_processor, OutputProcessor(tok)
-
         # The core process starts while the frontend is built (make_frontend_and_client).
         frontend, client = make_frontend_and_client(
-            config, build_frontend, multiprocess=True, asyncio_mode=True, **client_kwargs
+            config,
+            partial(build_frontend, config, tokenizer),
+            multiprocess=True,
+            asyncio_mode=True,
+            **client_kwargs,
         )
         self.engine_core = cast("AsyncMPClient | AsyncDPClient", client)
         self.tokenizer, self.input_processor, self.output_processor = frontend

@@ -15,7 +15,10 @@ from v1.core.client import EngineCoreClient
 from v1.core.dp_client import AsyncDPClient, SyncDPClient
 from v1.core.inproc_client import InprocClient
 from v1.core.mp_client import AsyncMPClient, SyncMPClient
+from v1.engine.input_processor import InputProcessor
+from v1.engine.output_processor import OutputProcessor
 from v1.executor import executor_class
+from v1.tokenizer import get_tokenizer
 
 T = TypeVar("T")
 
@@ -41,6 +44,25 @@ def make_engine_core_client(
         return InprocClient(config, executor_class(config))
     mp_class = AsyncMPClient if asyncio_mode else SyncMPClient
     return mp_class(config, program=CORE_PROGRAM, **client_kwargs)
+
+
+def build_frontend(
+    config: EngineConfig, tokenizer: Any = None
+) -> tuple[Any, InputProcessor, OutputProcessor]:
+    """An engine's frontend: its tokenizer (`tokenizer`, else the model's), input processor and
+    output processor."""
+    model_config = config.model_config
+    tok = tokenizer if tokenizer is not None else get_tokenizer(model_config)
+    input_processor = InputProcessor(
+        model_config,
+        tok,
+        max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
+        model_info=model_config.info,
+        lora_config=config.lora_config,
+        # N cores hash their own audio, in parallel, instead of the frontend's one thread.
+        audio_hash_in_core=config.parallel_config.data_parallel_size > 1,
+    )
+    return tok, input_processor, OutputProcessor(tok)
 
 
 def make_frontend_and_client(

@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 from v1.config import EngineConfig
 from v1.core.protocol import EngineCoreOutput, EngineCoreRequest
-from v1.engine.core_client import make_frontend_and_client
-from v1.engine.input_processor import InputProcessor, Params
-from v1.engine.output_processor import AnyRequestOutput, OutputProcessor, ParentRequest
+from v1.engine.core_client import build_frontend, make_frontend_and_client
+from v1.engine.input_processor import Params
+from v1.engine.output_processor import AnyRequestOutput, ParentRequest
 from v1.lora_request import LoRARequest
 from v1.outputs import RequestOutputKind
 from v1.sampling_params import SamplingParams
-from v1.tokenizer import get_tokenizer
 
 
 class LLMEngine:
@@ -34,22 +34,9 @@ class LLMEngine:
         self.model_info = self.model_config.info
         """The process's model facts: the input processor and an in-process core share it."""
 
-        def build_frontend() -> tuple[Any, InputProcessor, OutputProcessor]:
-            tok = tokenizer if tokenizer is not None else get_tokenizer(self.model_config)
-            input_processor = InputProcessor(
-                self.model_config,
-                tok,
-                max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
-                model_info=self.model_info,
-                lora_config=config.lora_config,
-                # N cores hash their own audio, in parallel, instead of the frontend's one thread.
-                audio_hash_in_core=config.parallel_config.data_parallel_size > 1,
-            )
-            return tok, input_processor, OutputProcessor(tok)
-
         # A core process starts while the frontend is built (make_frontend_and_client).
         frontend, self.engine_core = make_frontend_and_client(
-            config, build_frontend, multiprocess=multiprocess
+            config, partial(build_frontend, config, tokenizer), multiprocess=multiprocess
         )
         self.tokenizer, self.input_processor, self.output_processor = frontend
         self._closed = False
