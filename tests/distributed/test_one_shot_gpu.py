@@ -27,7 +27,15 @@ SHAPES = [
 
 
 def _rank_main(rank: int, world_size: int, init_file: str) -> None:
+    import faulthandler
+    import sys
+
     from v1.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+
+    faulthandler.dump_traceback_later(60, exit=True)  # a hung collective shows where
+
+    def say(msg: str) -> None:
+        print(f"rank {rank}: {msg}", file=sys.stderr, flush=True)
 
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
@@ -38,9 +46,12 @@ def _rank_main(rank: int, world_size: int, init_file: str) -> None:
         x = torch.randn(shape, generator=gen, device=device).to(dtype)
         expected = x.clone()
         torch.distributed.all_reduce(expected)
+        say(f"{dtype} {shape}")
         served = tp.one_shot.serves(x)
         assert served == (dtype != torch.float16 and 16 <= x.numel() * x.element_size() <= 1 << 20)
         got = tp.all_reduce(x.clone())
+        torch.cuda.synchronize()
+        say("eager done")
         torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2)
         # Replayed from a CUDA graph, on new values written into the captured input.
         static_in = torch.zeros_like(x)
@@ -52,12 +63,15 @@ def _rank_main(rank: int, world_size: int, init_file: str) -> None:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             static_out = tp.all_reduce(static_in * 1)
+        say("captured")
         for scale in (1.0, -2.0):
             static_in.copy_(x * scale)
             graph.replay()
             torch.testing.assert_close(static_out, expected * scale, rtol=1e-2, atol=1e-2)
         torch.cuda.synchronize()
+    say("all shapes done")
     destroy_tensor_parallel()
+    say("destroyed")
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -73,7 +87,7 @@ def test_one_shot_all_reduce_matches_nccl(tmp_path: Path, world_size: int) -> No
     for p in procs:
         p.start()
     for p in procs:
-        p.join(timeout=240)
+        p.join(timeout=75)
     codes = [p.exitcode for p in procs]
     for p in procs:
         if p.is_alive():
