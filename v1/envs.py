@@ -65,11 +65,6 @@ through cuDNN's ragged fused attention instead of flash varlen, on CUDA in 16 bi
 to flash varlen (logged) where cuDNN refuses. Off by default until measured on a GPU. With it,
 encoder-only steps run eagerly (no CUDA graphs: the op cannot be stream-captured)."""
 
-V1_TP_ONE_SHOT: bool = _bool("V1_TP_ONE_SHOT", True)
-"""Tensor parallelism on CUDA: all-reduces of at most 1 MiB (decode steps) run as torch's
-one-shot kernel over symmetric memory (one launch, no NCCL round; see
-v1/distributed/parallel_state.py); 0 sends every all-reduce through NCCL."""
-
 V1_GELU_EPILOGUE: bool = _bool("V1_GELU_EPILOGUE", True)
 """On CUDA in 16 bits, run a Linear's GELU as its GEMM's epilogue (tanh form; see
 v1/models/layers/activation.py); 0 keeps the separate exact activation."""
