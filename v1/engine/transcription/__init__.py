@@ -1,6 +1,7 @@
 """Whisper transcription over the engine: audio -> seek-based 30 s windows -> timed segments.
 
-One plan per waveform (`plan.py`, with the model-free rules of `seek.py` and `words.py`) runs
+One plan per waveform (`plan.py`, checked `options.py`, segments assembled by `segments.py`,
+with the model-free rules of `seek.py` and `words.py`) runs
 under either driver: `Transcriber` (offline `LLM`) or `AsyncTranscriber` (`AsyncLLM`, the
 server); `merging.py` runs long uploads chunk by chunk. The names below are the package's API.
 """
@@ -8,10 +9,10 @@ server); `merging.py` runs long uploads chunk by chunk. The names below are the 
 from v1.engine.transcription.loading import load_audio_inputs
 from v1.engine.transcription.merging import ChunkMerger, chunk_events
 from v1.engine.transcription.offline import Transcriber, TranscriptionStream
-from v1.engine.transcription.plan import (
+from v1.engine.transcription.options import TranscriptionOptions
+from v1.engine.transcription.plan import TranscriptionPlanner
+from v1.engine.transcription.segments import (
     TranscriptionError,
-    TranscriptionOptions,
-    TranscriptionPlanner,
     TranscriptionResult,
     TranscriptionSegment,
 )

@@ -13,7 +13,7 @@ from typing import Any
 from v1.audio import SAMPLE_RATE
 from v1.audio.vad import SpanStream, VadOptions, get_speech_timestamps
 from v1.engine.inputs.whisper import WINDOW_SECONDS
-from v1.engine.transcription.plan import TranscriptionResult, TranscriptionSegment
+from v1.engine.transcription.segments import TranscriptionResult, TranscriptionSegment
 
 
 def chunk_vad_options(vad: VadOptions, max_seconds: float = WINDOW_SECONDS) -> VadOptions:

@@ -14,11 +14,8 @@ from collections.abc import AsyncIterator
 import numpy as np
 
 from v1.audio import MIN_AUDIO_SECONDS, SAMPLE_RATE
-from v1.engine.transcription.plan import (
-    TranscriptionPlanner,
-    TranscriptionResult,
-    TranscriptionSegment,
-)
+from v1.engine.transcription.plan import TranscriptionPlanner
+from v1.engine.transcription.segments import TranscriptionResult, TranscriptionSegment
 from v1.engine.transcription.streaming import AsyncTranscriber, InputDone, TranscriptionEvent
 from v1.engine.transcription.words import TranscriptionWord
 

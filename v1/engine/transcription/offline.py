@@ -26,15 +26,9 @@ from v1.engine.beam_search import (
 from v1.engine.inputs.whisper import WINDOW_SECONDS
 from v1.engine.transcription.batching import ChunkJoiner, ChunkStream
 from v1.engine.transcription.loading import load_audio_inputs
-from v1.engine.transcription.plan import (
-    FileProgress,
-    Plan,
-    TranscriptionOptions,
-    TranscriptionPlanner,
-    TranscriptionResult,
-    TranscriptionSegment,
-    WindowOutput,
-)
+from v1.engine.transcription.options import TranscriptionOptions
+from v1.engine.transcription.plan import FileProgress, Plan, TranscriptionPlanner, WindowOutput
+from v1.engine.transcription.segments import TranscriptionResult, TranscriptionSegment
 from v1.engine.transcription.windows import (
     WindowCollector,
     advance_plan,

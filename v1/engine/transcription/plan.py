@@ -11,108 +11,42 @@ import copy
 import dataclasses
 import math
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from v1.audio import SAMPLE_RATE, AudioClip
-from v1.audio.vad import SpeechMap, VadOptions, collect_speech, get_speech_timestamps
+from v1.audio.vad import SpeechMap, collect_speech, get_speech_timestamps
 from v1.core.protocol import EngineCoreRequest, now
 from v1.engine.beam_search import BeamSearchParams
 from v1.engine.inputs.whisper import WhisperInputBuilder, WhisperInputError
 from v1.engine.output_processor import ParentRequest
+from v1.engine.transcription.options import TranscriptionOptions
 from v1.engine.transcription.seek import (
     FRAMES_PER_SECOND,
     MAX_CONDITIONING_TEMPERATURE,
     SAMPLES_PER_FRAME,
     WINDOW_FRAMES,
     DecodeQuality,
-    TemperatureFallback,
     Verdict,
     average_logprob,
     compression_ratio,
     seek_window,
 )
-from v1.engine.transcription.words import TranscriptionWord, WordClock, timed_words
+from v1.engine.transcription.segments import (
+    Attempt,
+    DecodedWindow,
+    SegmentAssembler,
+    TranscriptionError,
+    TranscriptionResult,
+    TranscriptionSegment,
+    is_anomaly,
+)
+from v1.engine.transcription.words import TranscriptionWord, timed_words
 from v1.sampling_params import SamplingParams
 
 WINDOW_SAMPLES = WINDOW_FRAMES * SAMPLES_PER_FRAME
-
-
-def parse_clip_timestamps(value: str | Sequence[float] | None) -> tuple[float, ...]:
-    """faster-whisper's clip_timestamps ("0,10.5,20" or [0, 10.5, 20]) as checked numbers:
-    start, end pairs in increasing order (a last start alone runs to the end); () for none."""
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        text = value.strip()
-        if not text:
-            return ()
-        try:
-            numbers = [float(x) for x in text.split(",")]
-        except ValueError as e:
-            raise ValueError(f"clip_timestamps must be numbers separated by commas: {e}") from e
-    elif isinstance(value, Sequence):
-        numbers = []
-        for x in value:
-            if isinstance(x, bool) or not isinstance(x, (int, float)):
-                raise ValueError(f"clip_timestamps must be numbers, got {x!r}")
-            numbers.append(float(x))
-    else:
-        raise ValueError(f"clip_timestamps must be a string or a list, got {value!r}")
-    if any(not math.isfinite(x) or x < 0 for x in numbers):
-        raise ValueError(f"clip_timestamps must be finite seconds >= 0, got {numbers}")
-    if any(b <= a for a, b in zip(numbers, numbers[1:], strict=False)):
-        raise ValueError(f"clip_timestamps must increase, got {numbers}")
-    return tuple(numbers)
-
-
-class TranscriptionError(RuntimeError):
-    """The engine failed a transcription request (the message names the input and window)."""
-
-
-@dataclass
-class TranscriptionSegment:
-    """Text between two times, in seconds from the start of the audio. avg_logprob,
-    compression_ratio, no_speech_prob and temperature describe the decoding of the window the
-    segment comes from."""
-
-    id: int
-    start: float
-    end: float
-    text: str
-    tokens: list[int]
-    """Text token ids (no special or timestamp tokens)."""
-    avg_logprob: float
-    """Mean raw logprob of the window's sampled tokens (EOS included, as openai-whisper)."""
-    compression_ratio: float
-    """Token-id bytes / their zlib-compressed size, of the window (`compression_ratio`)."""
-    no_speech_prob: float | None
-    """P(<|nospeech|>) at <|startoftranscript|>; None when the frontend does not carry it."""
-    temperature: float = 0.0
-    """Temperature of the decoding that was kept (above the first one after a fallback)."""
-    seek: int = 0
-    """Start of the window, in 10 ms frames (openai-whisper's `seek`)."""
-    words: list[TranscriptionWord] | None = None
-    """The segment's words with their times (word_timestamps only)."""
-    language: str | None = None
-    """Language the segment was decoded in (detected per window with multilingual=True)."""
-
-
-@dataclass
-class TranscriptionResult:
-    text: str
-    language: str
-    """ISO 639-1 code (detected when not given)."""
-    duration: float
-    """Seconds of audio."""
-    segments: list[TranscriptionSegment] = field(default_factory=list)
-    words: list[TranscriptionWord] | None = None
-    """Every word with its times, in order (word_timestamps only)."""
-    language_probability: float | None = None
-    """Probability of the detected language token at <|startoftranscript|> (raw softmax over
-    the vocabulary); 1.0 when the language was given."""
 
 
 @dataclass(frozen=True)
@@ -150,198 +84,6 @@ Plan = Generator[WindowRequest, WindowOutput, TranscriptionResult]
 """One waveform's windows, one request at a time (each depends on the one before)."""
 
 
-@dataclass(frozen=True)
-class TranscriptionOptions:
-    """The options of one `transcribe` call (every file gets the same)."""
-
-    language: str | None = None
-    """ISO code or name; None detects it from the first window (multilingual models)."""
-    task: str = "transcribe"
-    """"transcribe" or "translate" (to English)."""
-    timestamps: bool = False
-    """Decode short audio with timestamps too (audio over 30 s always is: windows seek on
-    them) and report timed segments."""
-    prompt: str | None = None
-    """Text that precedes the audio (vocabulary, spelling, style), as the first window's
-    previous text."""
-    sampling_params: SamplingParams | None = None
-    """Per window: default greedy with no token cap; n must be 1."""
-    condition_on_previous_text: bool = True
-    """Prompt each window with the text of the windows before it (`<|startofprev|>`); reset
-    after a window decoded above temperature 0.5."""
-    temperature: float | tuple[float, ...] | None = None
-    """Fallback temperatures; one number disables fallback. Default: from sampling_params'
-    temperature (0) up to 1.0 in steps of 0.2."""
-    compression_ratio_threshold: float | None = 2.4
-    """Decode again, hotter, when the text's gzip compression ratio is above this."""
-    logprob_threshold: float | None = -1.0
-    """Decode again, hotter, when the mean token logprob is below this."""
-    no_speech_threshold: float | None = 0.6
-    """With a mean logprob below logprob_threshold and P(<|nospeech|>) above this, the window
-    is silence: skipped."""
-    word_timestamps: bool = False
-    """Time every word (cross-attention alignment heads and DTW, as openai-whisper): the
-    result and its segments get `words`."""
-    beam_size: int | None = None
-    """Decode at temperature 0 with beam search of this width (openai-whisper's beam_size;
-    scored and finished as transformers' generate(num_beams=...)). None: greedy."""
-    best_of: int | None = None
-    """At temperatures above 0, sample this many candidates and keep the most likely."""
-    patience: float | None = None
-    """Beam search keeps and waits for round(beam_size * patience) finished beams."""
-    length_penalty: float | None = None
-    """Beam search: scores are sum(logprobs) / length ** length_penalty (None: 1.0).
-    best_of: openai-whisper's ranking, sum / length (None) or sum / ((5 + length) / 6) ** it."""
-    # ---- faster-whisper's options ----
-    initial_prompt: str | None = None
-    """faster-whisper's name for `prompt` (give one of them)."""
-    vad_filter: bool = False
-    """Drop the non-speech parts (Silero VAD, `v1.audio.vad`) before decoding; times stay on
-    the original recording's clock."""
-    vad_parameters: VadOptions | dict[str, Any] | None = None
-    """`VadOptions` or a dict of its fields (faster-whisper's defaults when None)."""
-    batch_size: int | None = None
-    """Decode the chunks of a file (VAD speech chunks of at most 30 s with vad_filter, plain
-    30 s chunks without) in parallel, this many at once, each chunk on its own (no previous
-    text across chunks): faster-whisper's BatchedInferencePipeline. None: sequential seek."""
-    clip_timestamps: str | Sequence[float] | None = None
-    """Only these spans are decoded: "start,end,start,end,..." seconds (a last start without
-    end runs to the end of the audio) or a list of numbers; times stay the recording's."""
-    hotwords: str | None = None
-    """Hint phrase put in the previous-text prompt of every window but the one that starts
-    with `prefix` (faster-whisper's `get_prompt`)."""
-    prefix: str | None = None
-    """Text forced at the start of the window at 0 s (it is part of the output); with
-    timestamps that window is `<|0.00|> prefix` and sampling goes on from there with
-    timestamps (faster-whisper's rule: the first token after the prefix is free)."""
-    hallucination_silence_threshold: float | None = None
-    """With word_timestamps: skip silences longer than this (s) around segments whose words
-    look hallucinated (openai-whisper's / faster-whisper's rule)."""
-    multilingual: bool = False
-    """Detect the language of every window (segments carry theirs)."""
-    without_timestamps: bool = False
-    """Decode every window with <|notimestamps|>: one segment per 30 s window."""
-    max_initial_timestamp: float = 1.0
-    """The first timestamp of a window is at most this (s); at most the model's own limit."""
-    suppress_tokens: Sequence[int] | None = (-1,)
-    """Token ids never sampled; -1 stands for the model's default set (non-speech symbols)."""
-    suppress_blank: bool = True
-    """No blank (" ") or <|endoftext|> as a window's first sampled token."""
-    repetition_penalty: float = 1.0
-    """Penalty on the logits of tokens already generated (> 1 discourages repeats)."""
-    no_repeat_ngram_size: int = 0
-    """No n-gram of this size is generated twice (0: off)."""
-
-    def __post_init__(self) -> None:
-        if self.initial_prompt is not None:
-            if self.prompt is not None:
-                raise ValueError("give prompt or initial_prompt, not both")
-            object.__setattr__(self, "prompt", self.initial_prompt)
-            object.__setattr__(self, "initial_prompt", None)  # one name from here on
-        for name in ("vad_filter", "multilingual", "without_timestamps", "suppress_blank"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
-        object.__setattr__(self, "vad_parameters", VadOptions.from_value(self.vad_parameters))
-        if self.batch_size is not None and (
-            isinstance(self.batch_size, bool)
-            or not isinstance(self.batch_size, int)
-            or self.batch_size < 1
-        ):
-            raise ValueError(f"batch_size must be an integer >= 1, got {self.batch_size!r}")
-        object.__setattr__(self, "clip_timestamps", parse_clip_timestamps(self.clip_timestamps))
-        if self.clip_timestamps and (self.vad_filter or self.batch_size is not None):
-            raise ValueError("clip_timestamps cannot be combined with vad_filter or batch_size")
-        for name in ("hotwords", "prefix"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, str):
-                raise ValueError(f"{name} must be a string, got {type(value).__name__}")
-        threshold = self.hallucination_silence_threshold
-        if threshold is not None:
-            if (
-                isinstance(threshold, bool)
-                or not isinstance(threshold, (int, float))
-                or not (math.isfinite(threshold) and threshold > 0)
-            ):
-                raise ValueError(
-                    f"hallucination_silence_threshold must be a number > 0, got {threshold!r}"
-                )
-            if not self.word_timestamps:
-                raise ValueError("hallucination_silence_threshold needs word_timestamps=True")
-        if self.without_timestamps and self.timestamps:
-            raise ValueError("timestamps and without_timestamps contradict each other")
-        mit = self.max_initial_timestamp
-        if (
-            isinstance(mit, bool)
-            or not isinstance(mit, (int, float))
-            or not (math.isfinite(mit) and mit >= 0)
-        ):
-            raise ValueError(f"max_initial_timestamp must be a number >= 0, got {mit!r}")
-        if self.suppress_tokens is not None:
-            if isinstance(self.suppress_tokens, (str, bytes)) or not all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= -1
-                for t in self.suppress_tokens
-            ):
-                raise ValueError(
-                    f"suppress_tokens must be a list of token ids (-1: the model's default "
-                    f"set), got {self.suppress_tokens!r}"
-                )
-            object.__setattr__(self, "suppress_tokens", tuple(self.suppress_tokens))
-        rp = self.repetition_penalty
-        if (
-            isinstance(rp, bool)
-            or not isinstance(rp, (int, float))
-            or not (math.isfinite(rp) and rp > 0)
-        ):
-            raise ValueError(f"repetition_penalty must be a number > 0, got {rp!r}")
-        ngram = self.no_repeat_ngram_size
-        if isinstance(ngram, bool) or not isinstance(ngram, int) or ngram < 0:
-            raise ValueError(f"no_repeat_ngram_size must be an integer >= 0, got {ngram!r}")
-        for name in ("beam_size", "best_of"):
-            value = getattr(self, name)
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 10
-            ):
-                raise ValueError(f"{name} must be an integer in [1, 10], got {value!r}")
-        if self.patience is not None and self.beam_size is None:
-            raise ValueError("patience needs beam_size")
-        for name in ("patience", "length_penalty"):
-            value = getattr(self, name)
-            if value is not None and (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float))
-                or not math.isfinite(value)
-            ):
-                raise ValueError(f"{name} must be a number, got {value!r}")
-        if self.patience is not None and not 0 < self.patience <= 100:
-            raise ValueError(f"patience must be in (0, 100], got {self.patience!r}")
-
-    @classmethod
-    def from_kwargs(cls, options: dict[str, Any]) -> TranscriptionOptions:
-        """Options from keyword arguments; ValueError naming an unknown one."""
-        names = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(options) - set(names))
-        if unknown:
-            raise ValueError(f"unknown transcription option(s) {unknown}; expected some of {names}")
-        return cls(**options)
-
-    def fallback(self, params: SamplingParams) -> TemperatureFallback:
-        thresholds = {
-            "compression_ratio_threshold": self.compression_ratio_threshold,
-            "logprob_threshold": self.logprob_threshold,
-            "no_speech_threshold": self.no_speech_threshold,
-        }
-        if self.temperature is None:
-            return TemperatureFallback.starting_at(params.temperature, **thresholds)
-        temperatures = self.temperature
-        if isinstance(temperatures, (int, float)) and not isinstance(temperatures, bool):
-            temperatures = (temperatures,)
-        elif not isinstance(temperatures, Sequence) or isinstance(temperatures, str):
-            raise ValueError(
-                f"temperature must be a number or a sequence of numbers, got {temperatures!r}"
-            )
-        return TemperatureFallback(tuple(temperatures), **thresholds)
-
-
 @dataclass
 class FileProgress:
     """How far one file's plan got, for progress bars."""
@@ -353,34 +95,6 @@ class FileProgress:
     on_segment: Callable[[TranscriptionSegment], None] | None = None
     """Called with each segment as soon as its window is decoded (final: the plan's result
     has the same segment objects, in the same order)."""
-
-
-@dataclass(frozen=True)
-class _Attempt:
-    """The decoding of one window that was kept (after any fallback)."""
-
-    content: list[int]
-    """Sampled tokens before EOS."""
-    quality: DecodeQuality
-    temperature: float
-    verdict: Verdict
-    """ACCEPT or SKIP."""
-    token_times: list[float] | None = None
-    """WindowOutput.token_times of this decoding."""
-    text_probs: list[float] | None = None
-    """Probability of each text token of `content` (timestamps left out), in order."""
-
-
-@dataclass(frozen=True)
-class _DecodedWindow:
-    seek: int
-    """Start of the window in frames."""
-    segments: list[tuple[float, float, list[int]]]
-    """(start s, end s, text token ids) of each segment."""
-    attempt: _Attempt
-    language: str | None = None
-    last_word_end: float | None = None
-    """End of the window's last kept word (hallucination_silence_threshold only)."""
 
 
 class TranscriptionPlanner:
@@ -583,7 +297,7 @@ class TranscriptionPlanner:
             detected = yield self._detect_request(index, first)
             language, probability = self._language_of(detected)
         language = language or "en"
-        assembler = _SegmentAssembler(
+        assembler = SegmentAssembler(
             self.builder.tokenizer.decode,
             self.tokens.eos,
             samples.shape[0] / SAMPLE_RATE,
@@ -598,7 +312,7 @@ class TranscriptionPlanner:
             text_ids = [t for t in attempt.content if t < self.tokens.eos]
             duration = samples.shape[0] / SAMPLE_RATE
             spans = [] if attempt.verdict is Verdict.SKIP else [(0.0, duration, text_ids)]
-            assembler.add(_DecodedWindow(0, spans, attempt, language))
+            assembler.add(DecodedWindow(0, spans, attempt, language))
         else:
             language, probability = yield from self._seek_windows(
                 index, samples, first, language, probability, progress, detect, assembler
@@ -634,7 +348,7 @@ class TranscriptionPlanner:
         probability: float,
         progress: FileProgress,
         detect: bool,
-        assembler: _SegmentAssembler,
+        assembler: SegmentAssembler,
     ) -> Generator[WindowRequest, WindowOutput, tuple[str, float]]:
         """Windows from `seek` (frames): each starts where the previous one's last complete
         segment ended, or at its end when it ended on a complete segment or was silence. Each
@@ -676,7 +390,7 @@ class TranscriptionPlanner:
                     index, label, audio, language, history, timestamps, prefix
                 )
                 if attempt.verdict is Verdict.SKIP:
-                    assembler.add(_DecodedWindow(seek, [], attempt, language))
+                    assembler.add(DecodedWindow(seek, [], attempt, language))
                     seek += size
                     progress.done = min(seek, num_frames) * SAMPLES_PER_FRAME / SAMPLE_RATE
                     continue
@@ -699,12 +413,12 @@ class TranscriptionPlanner:
                     if again:
                         # A hallucination after a long silence: decoded again from after the
                         # silence; the prompt stays as it was (faster-whisper's `continue`).
-                        assembler.add(_DecodedWindow(seek, [], attempt, language))
+                        assembler.add(DecodedWindow(seek, [], attempt, language))
                         seek = next_seek
                         progress.done = min(seek, num_frames) * SAMPLES_PER_FRAME / SAMPLE_RATE
                         continue
                     kept = segments[: len(spans)]  # dropped segments do not prompt the next
-                assembler.add(_DecodedWindow(seek, spans, attempt, language, last_word_end))
+                assembler.add(DecodedWindow(seek, spans, attempt, language, last_word_end))
                 seek = next_seek
                 conditioned = attempt.temperature <= MAX_CONDITIONING_TEMPERATURE
                 if self.options.condition_on_previous_text and conditioned:
@@ -724,7 +438,7 @@ class TranscriptionPlanner:
         previous: list[int],
         timestamps: bool,
         prefix: list[int] | None = None,
-    ) -> Generator[WindowRequest, WindowOutput, _Attempt]:
+    ) -> Generator[WindowRequest, WindowOutput, Attempt]:
         """One window at each fallback temperature until the verdict is not RETRY; then, for
         word timestamps of a beam or a best-of sample, the alignment pass of the kept tokens."""
         attempt = yield from self._decode_fallback(
@@ -755,7 +469,7 @@ class TranscriptionPlanner:
         previous: list[int],
         timestamps: bool,
         prefix: list[int],
-    ) -> Generator[WindowRequest, WindowOutput, _Attempt]:
+    ) -> Generator[WindowRequest, WindowOutput, Attempt]:
         fallback = self.fallback
         ids = self._decoder_prompt(language, timestamps, previous, prefix)
         options = self.options
@@ -800,7 +514,7 @@ class TranscriptionPlanner:
         temperature: float,
         prefix: list[int] | None = None,
         timestamps: bool = False,
-    ) -> _Attempt:
+    ) -> Attempt:
         eos = self.tokens.eos
         content = _until_eos(out.token_ids, eos)
         decoded = out.token_ids[: len(content) + 1]  # EOS counts, when there is one
@@ -826,7 +540,7 @@ class TranscriptionPlanner:
             out.no_speech_prob,
         )
         verdict = self.fallback.verdict(quality)
-        return _Attempt(content, quality, temperature, verdict, out.token_times, probs)
+        return Attempt(content, quality, temperature, verdict, out.token_times, probs)
 
     def _detect_request(self, index: int, audio: AudioClip, label: str = "") -> WindowRequest:
         """One decoder step over the language tokens; it shares the window's encoder output
@@ -854,12 +568,12 @@ class TranscriptionPlanner:
     def _skip_hallucinations(
         self,
         spans: list[tuple[float, float, list[int]]],
-        attempt: _Attempt,
+        attempt: Attempt,
         seek: int,
         size: int,
         next_seek: int,
         language: str,
-        windows: list[_DecodedWindow],
+        windows: list[DecodedWindow],
         num_frames: int,
     ) -> tuple[list[tuple[float, float, list[int]]], int, float | None, bool]:
         """hallucination_silence_threshold, as faster-whisper's `generate_segments` applies
@@ -909,7 +623,7 @@ class TranscriptionPlanner:
             next_seek = round(word_ends[-1] * FRAMES_PER_SECOND)
         window_end = (seek + WINDOW_FRAMES) / FRAMES_PER_SECOND
         first = next((words for words in seg_words if words), None)
-        if first is not None and _is_anomaly(first):
+        if first is not None and is_anomaly(first):
             gap = first[0].start - offset
             if gap > threshold:
                 return [], seek + round(gap * FRAMES_PER_SECOND), None, True
@@ -917,7 +631,7 @@ class TranscriptionPlanner:
         for si, words in enumerate(seg_words):
             if not words:
                 continue
-            if _is_anomaly(words):
+            if is_anomaly(words):
                 following = next((w for w in seg_words[si + 1 :] if w), None)
                 next_start = following[0].start if following else offset + size / FRAMES_PER_SECOND
                 start, end = words[0].start, words[-1].end
@@ -926,7 +640,7 @@ class TranscriptionPlanner:
                 )
                 silence_after = (
                     next_start - end > threshold
-                    or (following is not None and _is_anomaly(following))
+                    or (following is not None and is_anomaly(following))
                     or window_end - end < 2.0
                 )
                 if silence_before and silence_after:
@@ -1017,118 +731,6 @@ class TranscriptionPlanner:
         )
 
 
-class _SegmentAssembler:
-    """One file's decoded windows -> its segments, window by window: each window's segments
-    are final as soon as it is added (in time order, clamped into the audio and never
-    overlapping; segments without text are dropped; vad_filter times back on the recording's
-    clock) and go to `on_segment` at once; `result` is the file's TranscriptionResult."""
-
-    def __init__(
-        self,
-        decode: Callable[[list[int]], str],
-        eos: int,
-        duration: float,
-        word_timestamps: bool,
-        speech_map: SpeechMap | None,
-        on_segment: Callable[[TranscriptionSegment], None] | None,
-    ) -> None:
-        self.decode = decode
-        self.eos = eos
-        self.duration = duration
-        """Seconds of the decoded audio (speech only with vad_filter)."""
-        self.speech_map = speech_map
-        self.on_segment = on_segment
-        self.windows: list[_DecodedWindow] = []
-        self.segments: list[TranscriptionSegment] = []
-        self.text_ids: list[int] = []
-        self.last_end = 0.0
-        self.clock = WordClock(decode, eos, "en", duration) if word_timestamps else None
-
-    def add(self, window: _DecodedWindow) -> None:
-        self.windows.append(window)
-        quality = window.attempt.quality
-        clock = self.clock
-        if clock is not None:
-            times = window.attempt.token_times
-            if times is None and window.segments:
-                raise TranscriptionError(
-                    f"the window at {window.seek / FRAMES_PER_SECOND:.2f} s came back "
-                    "without word timings"
-                )
-            clock.language = window.language or clock.language
-            clock.start_window(
-                times or [], window.seek / FRAMES_PER_SECOND, window.attempt.text_probs
-            )
-        for start, end, text_ids in window.segments:
-            words = clock.segment_words(text_ids) if clock is not None else None
-            if not text_ids:
-                continue
-            self.text_ids += text_ids
-            start = min(max(start, self.last_end), self.duration)
-            end = min(max(end, start), self.duration)
-            self.last_end = end
-            segment = TranscriptionSegment(
-                id=len(self.segments),
-                start=round(start, 3),
-                end=round(end, 3),
-                text=self.decode(text_ids),
-                tokens=text_ids,
-                avg_logprob=quality.avg_logprob,
-                compression_ratio=quality.compression_ratio,
-                no_speech_prob=quality.no_speech_prob,
-                temperature=window.attempt.temperature,
-                seek=window.seek,
-                words=words,
-                language=window.language,
-            )
-            if self.speech_map is not None:
-                _restore_times(segment, self.speech_map)
-            self.segments.append(segment)
-            if self.on_segment is not None:
-                self.on_segment(segment)
-
-    def result(self, language: str) -> TranscriptionResult:
-        segments = self.segments
-        for segment in segments:
-            segment.language = segment.language or language
-        # One segment (every short-form clip): its text is the whole text, decoded once.
-        text = segments[0].text if len(segments) == 1 else self.decode(self.text_ids)
-        return TranscriptionResult(
-            text=text,
-            language=language,
-            duration=self.duration,
-            segments=segments,
-            words=[w for s in segments for w in s.words or []] if self.clock else None,
-        )
-
-
-def _is_anomaly(words: list[TranscriptionWord]) -> bool:
-    """openai-whisper's hallucination score of a segment's first 8 words (very short, very
-    long or improbable words)."""
-    import string
-
-    scored = [w for w in words if w.word.strip() not in string.punctuation][:8]
-    score = 0.0
-    for w in scored:
-        if (w.probability if w.probability is not None else 1.0) < 0.15:
-            score += 1.0
-        duration = w.end - w.start
-        if duration < 0.133:
-            score += (0.133 - duration) * 15
-        if duration > 2.0:
-            score += duration - 2.0
-    return score >= 3 or score + 0.01 >= len(scored)
-
-
 def _until_eos(token_ids: Sequence[int], eos: int) -> list[int]:
     ids = list(token_ids)
     return ids[: ids.index(eos)] if eos in ids else ids
-
-
-def _restore_times(seg: TranscriptionSegment, speech_map: SpeechMap) -> None:
-    """Times on the speech-only audio (vad_filter) -> the recording's clock, in place."""
-    seg.start = speech_map.original_time(seg.start)
-    seg.end = max(seg.start, speech_map.original_time(seg.end, is_end=True))
-    for word in seg.words or []:
-        word.start = speech_map.original_time(word.start)
-        word.end = max(word.start, speech_map.original_time(word.end, is_end=True))

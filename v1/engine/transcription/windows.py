@@ -12,13 +12,8 @@ from typing import Any
 
 from v1.engine.beam_search import BeamSearch
 from v1.engine.output_processor import LazySampleLogprobs
-from v1.engine.transcription.plan import (
-    Plan,
-    TranscriptionError,
-    TranscriptionResult,
-    WindowOutput,
-    WindowRequest,
-)
+from v1.engine.transcription.plan import Plan, WindowOutput, WindowRequest
+from v1.engine.transcription.segments import TranscriptionError, TranscriptionResult
 from v1.outputs import RequestOutput
 
 NO_SPEECH_PROB = "no_speech_prob"
