@@ -49,3 +49,15 @@ def fresh_vad_threads(monkeypatch: pytest.MonkeyPatch):
     yield created
     pool, _ = vad.vad_pool()
     pool.shutdown(wait=True)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """torch on one thread for a module's tests (tiny models: many small ops, faster on one
+    thread, and the suite shares the cores); the module marks itself `ONE_TORCH_THREAD`."""
+    import torch
+
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)

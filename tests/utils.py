@@ -12,6 +12,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 ASSETS = Path(__file__).resolve().parents[2] / "shared" / "assets"
 """Real checkpoints and audio (see ../shared/assets/README.md): tests that need them skip when
 they are absent locally, and fail under CI (see `require_asset`)."""
@@ -26,12 +28,14 @@ def require_asset(path: Path) -> Path:
     """`path`, or a skip when it is absent; under CI (CI=true) a failure instead, so a
     checkout without the assets cannot pass while silently skipping the real-weight tests."""
     if not path.exists():
-        import pytest
-
         if IN_CI:
             pytest.fail(asset_missing_message(path), pytrace=False)
         pytest.skip(asset_missing_message(path))
     return path
+
+
+ONE_TORCH_THREAD = pytest.mark.usefixtures("one_torch_thread")
+"""A module's `pytestmark`: its tests run with torch on one thread (tests/conftest.py)."""
 
 
 def needs_assets(*paths: Path) -> Any:

@@ -12,16 +12,16 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-import torch
 
 from tests.utils import (
     ASSETS,
+    ONE_TORCH_THREAD,
     make_tiny_bart_dir,
     make_tiny_llama_dir,
     make_tiny_model_dir,
@@ -31,19 +31,12 @@ from tests.utils import (
 from v1 import LLM, BeamSearchParams, SamplingParams
 from v1.core.errors import EngineDeadError
 
+pytestmark = ONE_TORCH_THREAD
+
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 ENGINE_ARGS = dict(num_kv_blocks=96, block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
 TEXTS = ["Hello world", "The quick brown fox jumps over the lazy dog.", "To be or not to be"]
 WORKER_MODULE = "v1.executor.worker_proc"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    """Tiny models step faster on one thread (and the suite shares the cores)."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
 
 
 def worker_pids(parent_pid: int | None = None) -> list[int]:

@@ -10,17 +10,15 @@ import asyncio
 import io
 import json
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import soundfile as sf
-import torch
 from blake3 import blake3
 
-from tests.utils import ASSETS, WHISPER_BASE, make_tiny_whisper_dir, needs_assets
+from tests.utils import ASSETS, ONE_TORCH_THREAD, WHISPER_BASE, make_tiny_whisper_dir, needs_assets
 from v1 import LLM
 from v1.audio import AudioError, load_audio
 from v1.engine.inputs.whisper import WhisperInputBuilder, WhisperInputError
@@ -30,22 +28,13 @@ from v1.sampling_params import SamplingParams
 AUDIO = ASSETS / "audio"
 CLIPS = ["jfk.flac", "librispeech/test_audio_0.flac", "librispeech/test_audio_1.flac"]
 SR = 16_000
-pytestmark = needs_assets(WHISPER_BASE, AUDIO)
+pytestmark = [needs_assets(WHISPER_BASE, AUDIO), ONE_TORCH_THREAD]
 ENGINE_ARGS = dict(
     device="cpu",
     multiprocess=False,
     max_num_encoder_input_tokens=6 * 1500,
     encoder_cache_size=12 * 1500,
 )
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    """Decode steps are many small ops, faster on one thread (and the suite shares the cores)."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
 
 
 @pytest.fixture(scope="module")

@@ -9,21 +9,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
-from tests.utils import ASSETS, WHISPER_BASE, needs_assets
+from tests.utils import ASSETS, ONE_TORCH_THREAD, WHISPER_BASE, needs_assets
 from v1.entrypoints.cli import main
+
+pytestmark = ONE_TORCH_THREAD
 
 AUDIO = ASSETS / "audio"
 SHORT = AUDIO / "librispeech" / "test_audio_0.flac"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -14,24 +14,15 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 
-from tests.utils import ASSETS, WHISPER_BASE, needs_assets
+from tests.utils import ASSETS, ONE_TORCH_THREAD, WHISPER_BASE, needs_assets
 from v1 import LLM
 from v1.audio import load_audio
 
 AUDIO = ASSETS / "audio"
 SR = 16_000
-pytestmark = needs_assets(WHISPER_BASE, AUDIO)
+pytestmark = [needs_assets(WHISPER_BASE, AUDIO), ONE_TORCH_THREAD]
 JFK = " And so my fellow Americans, ask not what your country can do for you, ask what you can do for your country."
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ import pytest
 import soundfile as sf
 import torch
 
-from tests.utils import ASSETS, WHISPER_BASE, make_tiny_whisper_dir, needs_assets
+from tests.utils import ASSETS, ONE_TORCH_THREAD, WHISPER_BASE, make_tiny_whisper_dir, needs_assets
 from v1 import LLM
 from v1.audio import decode as audio_decode
 from v1.engine.inputs.whisper import WhisperInputBuilder
@@ -35,7 +35,7 @@ SR = 16_000
 ENGINE_ARGS = dict(
     device="cpu", max_num_encoder_input_tokens=6 * 1500, encoder_cache_size=12 * 1500
 )
-pytestmark = needs_assets(WHISPER_BASE, SHORT)
+pytestmark = [needs_assets(WHISPER_BASE, SHORT), ONE_TORCH_THREAD]
 
 
 @dataclass
@@ -93,14 +93,6 @@ def counts() -> Iterator[Counts]:
             counting("task_checks", WhisperInputBuilder.check_task),
         )
         yield counted
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
 
 
 @pytest.fixture(scope="module")

@@ -8,28 +8,18 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
-from tests.utils import ASSETS, WHISPER_BASE, needs_assets
+from tests.utils import ASSETS, ONE_TORCH_THREAD, WHISPER_BASE, needs_assets
 from v1 import LLM
 from v1.audio import load_audio
 
 AUDIO = ASSETS / "audio"
 SR = 16_000
-pytestmark = needs_assets(WHISPER_BASE, AUDIO)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = [needs_assets(WHISPER_BASE, AUDIO), ONE_TORCH_THREAD]
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 
-from tests.utils import ASSETS, WHISPER_BASE, make_tiny_whisper_dir, needs_assets
+from tests.utils import ASSETS, ONE_TORCH_THREAD, WHISPER_BASE, make_tiny_whisper_dir, needs_assets
 from v1 import LLM
 from v1.audio import load_audio, vad
 from v1.engine.transcription import Transcriber, batching
@@ -23,18 +22,10 @@ from v1.sampling_params import SamplingParams
 AUDIO = ASSETS / "audio"
 CLIPS = ["jfk.flac", "librispeech/test_audio_0.flac", "librispeech/test_audio_1.flac"]
 SR = 16_000
-pytestmark = needs_assets(WHISPER_BASE, AUDIO)
+pytestmark = [needs_assets(WHISPER_BASE, AUDIO), ONE_TORCH_THREAD]
 ENGINE_ARGS = dict(device="cpu", multiprocess=False)
 SHORT = dict(sampling_params=SamplingParams(temperature=0.0, max_tokens=6), temperature=0.0)
 """Random weights decode a few tokens per chunk."""
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)

@@ -3,12 +3,10 @@ tokens of transformers' generate(num_beams=5); best_of sampling keeps the most l
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
-from tests.utils import ASSETS, WHISPER_BASE, needs_assets
+from tests.utils import ASSETS, ONE_TORCH_THREAD, WHISPER_BASE, needs_assets
 from v1 import LLM, SamplingParams
 from v1.audio import load_audio
 
@@ -16,15 +14,7 @@ AUDIO = ASSETS / "audio"
 CLIPS = ["librispeech/test_audio_0.flac", "librispeech/test_audio_1.flac"]
 """Two short clips (4.7 s each): a batch of beam requests; JFK's 11 s only made it slower."""
 SR = 16_000
-pytestmark = needs_assets(WHISPER_BASE, AUDIO)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
+pytestmark = [needs_assets(WHISPER_BASE, AUDIO), ONE_TORCH_THREAD]
 
 
 def hf_beam_tokens(waves: list) -> list[list[int]]:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.engine.test_transcription import ENGINE_ARGS
-from tests.utils import ASSETS, WHISPER_BASE, needs_assets
+from tests.utils import ASSETS, ONE_TORCH_THREAD, WHISPER_BASE, needs_assets
 from v1 import LLM, SamplingParams
 from v1.audio import load_audio
 from v1.engine.transcription.words import split_words
@@ -28,15 +28,7 @@ JFK (pauses, punctuation) and LibriSpeech 1 (words of several tokens)."""
 SR = 16_000
 TOLERANCE = 0.1 + 1e-6
 """Seconds (times are multiples of 0.02 s: 0.1 s is five encoder positions)."""
-pytestmark = needs_assets(WHISPER_BASE, AUDIO)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
+pytestmark = [needs_assets(WHISPER_BASE, AUDIO), ONE_TORCH_THREAD]
 
 
 @pytest.fixture(scope="module")

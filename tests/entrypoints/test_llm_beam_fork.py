@@ -5,24 +5,17 @@ end, a search that fails midway, and preemption under a tiny KV cache."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import torch
 
 from tests.entrypoints.test_llm_beam_search import ENGINE_ARGS, MAX_TOKENS, MODELS, TEXTS
+from tests.utils import ONE_TORCH_THREAD
 from v1 import LLM, BeamSearchParams, SamplingParams
 
+pytestmark = ONE_TORCH_THREAD
+
 PARAMS = BeamSearchParams(beam_width=4, max_tokens=MAX_TOKENS, num_return_sequences=4)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
 
 
 @pytest.fixture(scope="module", params=["llama", "bart"])

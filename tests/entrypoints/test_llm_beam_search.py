@@ -5,7 +5,7 @@ penalties and the three early_stopping modes; beams share one cross cache and on
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ from transformers import (
 )
 
 from tests.utils import (
+    ONE_TORCH_THREAD,
     make_tiny_bart_dir,
     make_tiny_llama_dir,
     make_tiny_model_dir,
@@ -27,6 +28,8 @@ from tests.utils import (
     make_tiny_tokenizer,
 )
 from v1 import LLM, BeamSearchParams
+
+pytestmark = ONE_TORCH_THREAD
 
 MAX_TOKENS = 10
 TEXTS = ["the quick brown fox", "hello world, who are you"]
@@ -86,15 +89,6 @@ MODELS: dict[str, tuple[Callable[[Path], str], bool]] = {
     "llama": (_llama, False),
     "gpt2": (_gpt2, False),
 }
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    """Tiny models: many small ops, faster on one thread (and the suite shares the cores)."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
 
 
 @pytest.fixture(scope="module", params=list(MODELS))

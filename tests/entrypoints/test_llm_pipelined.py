@@ -18,6 +18,7 @@ import torch
 
 from tests.utils import (
     ASSETS,
+    ONE_TORCH_THREAD,
     WHISPER_BASE,
     make_tiny_bart_dir,
     make_tiny_llama_dir,
@@ -25,6 +26,8 @@ from tests.utils import (
     make_tiny_whisper_dir,
 )
 from v1 import LLM, SamplingParams
+
+pytestmark = ONE_TORCH_THREAD
 
 ENGINE_ARGS = dict(
     multiprocess=False, block_size=4, max_num_seqs=4, max_num_batched_tokens=24, max_model_len=64
@@ -40,14 +43,6 @@ PARAMS = [
     SamplingParams(temperature=0, max_tokens=12, no_repeat_ngram_size=2, frequency_penalty=0.4),
     SamplingParams(temperature=0.7, seed=9, min_tokens=6, max_tokens=9, logprobs=2),
 ]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
 
 
 @pytest.fixture(scope="module")

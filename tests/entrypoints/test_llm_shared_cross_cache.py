@@ -9,27 +9,21 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-import torch
 
-from tests.utils import WHISPER_BASE, make_tiny_whisper_dir
+from tests.utils import ONE_TORCH_THREAD, WHISPER_BASE, make_tiny_whisper_dir
 from v1 import LLM, BeamSearchParams, SamplingParams
 from v1.kv_cache.capacity import cdiv
 from v1.kv_cache.single_type import CrossAttentionManager
 
-pytestmark = pytest.mark.skipif(
-    not WHISPER_BASE.is_dir(), reason=f"needs the real whisper-base folder at {WHISPER_BASE}"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not WHISPER_BASE.is_dir(), reason=f"needs the real whisper-base folder at {WHISPER_BASE}"
+    ),
+    ONE_TORCH_THREAD,
+]
 SR = 16_000
 BLOCK_SIZE = 16
 ENCODER_LEN = 1500
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ an adapter equals the transcription of the model PEFT merged the adapter into.""
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,21 +14,14 @@ import pytest
 import torch
 
 from tests.lora.conftest import LLAMA_TARGETS, make_adapter
-from tests.utils import make_tiny_llama_dir
+from tests.utils import ONE_TORCH_THREAD, make_tiny_llama_dir
 from v1 import LLM, BeamSearchParams, LoRARequest, SamplingParams
+
+pytestmark = ONE_TORCH_THREAD
 
 MAX_TOKENS = 8
 ENGINE = dict(multiprocess=False, num_kv_blocks=256, block_size=4, max_model_len=64)
 LORA = dict(enable_lora=True, max_loras=2, max_lora_rank=8)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    """Tiny models: many small ops, faster on one thread (and the suite shares the cores)."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
 
 
 @torch.inference_mode()

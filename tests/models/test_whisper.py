@@ -5,7 +5,6 @@ greedy tokens and raw logprobs, also under preemption; no-speech probabilities a
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -13,6 +12,7 @@ import pytest
 import torch
 
 from tests.utils import (
+    ONE_TORCH_THREAD,
     WHISPER_BASE,
     WHISPER_WINDOW,
     make_tiny_whisper_dir,
@@ -26,18 +26,9 @@ from v1.executor.uniproc import UniProcExecutor
 from v1.sampling_params import SamplingParams
 from v1.tokenizer import get_tokenizer
 
-pytestmark = needs_assets(WHISPER_BASE)
+pytestmark = [needs_assets(WHISPER_BASE), ONE_TORCH_THREAD]
 WINDOW = WHISPER_WINDOW
 """Encoder positions of one window."""
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    """These steps are many small ops, faster on one thread (and the suite shares the cores)."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.models.harness import small_whisper_config, uniform_encoder_context
-from tests.utils import ASSETS
+from tests.utils import ASSETS, ONE_TORCH_THREAD
 from tests.worker.worker_factories import (
     bart_inputs,
     decoder_request,
@@ -40,18 +39,12 @@ from v1.quantization.fp8_rows import (
 )
 from v1.sampling_params import SamplingParams
 
+pytestmark = ONE_TORCH_THREAD
+
 WHISPER_BASE = ASSETS / "whisper-base"
 MINILM = ASSETS / "all-MiniLM-L6-v2"
 AUDIO = ASSETS / "audio"
 CLIPS = ["jfk.flac", "librispeech/test_audio_0.flac", "librispeech/test_audio_1.flac"]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
 
 
 # ---- the quantizer and the GEMM ----

@@ -8,7 +8,6 @@ expected tokens; `auto` keeps per-layer K/V on CPU.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ import pytest
 import torch
 from test_cuda_graphs import emulated_backend  # noqa: F401 (the fixture)
 
-from tests.utils import ASSETS
+from tests.utils import ASSETS, ONE_TORCH_THREAD
 from tests.worker.worker_factories import (
     bart_inputs,
     decoder_request,
@@ -30,19 +29,12 @@ from v1.core.protocol import EngineCoreRequest
 from v1.kv_cache import CrossAttentionSpec, EncoderStatesSpec
 from v1.sampling_params import SamplingParams
 
+pytestmark = ONE_TORCH_THREAD
+
 WHISPER_BASE = ASSETS / "whisper-base"
 AUDIO = ASSETS / "audio"
 CLIPS = ["jfk.flac", "librispeech/test_audio_0.flac", "librispeech/test_audio_1.flac"]
 LOGPROB_ATOL = 1e-4
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    """Many small ops: faster on one thread (and the suite shares the cores)."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
 
 
 def run(core: EngineCore, requests: list[EngineCoreRequest]) -> dict[str, dict[str, list]]:

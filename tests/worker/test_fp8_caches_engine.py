@@ -7,12 +7,11 @@ modes, and every block comes back.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import pytest
 import torch
 
-from tests.utils import ASSETS
+from tests.utils import ASSETS, ONE_TORCH_THREAD
 from tests.worker.worker_factories import (
     bart_inputs,
     decoder_request,
@@ -25,17 +24,11 @@ from v1.attention.cross_attention import EncoderDecoderAttention
 from v1.kv_cache.spec import FullAttentionSpec
 from v1.quantization.fp8_rows import FP8_DTYPE
 
+pytestmark = ONE_TORCH_THREAD
+
 WHISPER_BASE = ASSETS / "whisper-base"
 AUDIO = ASSETS / "audio"
 CLIPS = ["jfk.flac", "librispeech/test_audio_0.flac", "librispeech/test_audio_1.flac"]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
 
 
 @pytest.fixture(scope="module")
