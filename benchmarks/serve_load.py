@@ -135,7 +135,9 @@ def offline_rtfx(
         for k, batch in enumerate(sets):
             audio = [(pcm16(a), SAMPLE_RATE) for a in batch.audio]
             start = time.perf_counter()
-            outs = llm.transcribe(audio, language="en", temperature=0.0, use_tqdm=False)
+            # The server's `temperature=0` is OpenAI's: start at 0 and fall back hotter on a
+            # failed window (TranscriptionOptions' default); the same work here.
+            outs = llm.transcribe(audio, language="en", use_tqdm=False)
             wall = time.perf_counter() - start
             if k:
                 rtfx.append(batch.seconds / wall)
