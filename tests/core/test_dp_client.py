@@ -320,7 +320,18 @@ def test_killing_one_core_fails_every_pending_request_and_stops_the_other(llm: A
     assert other.wait_for_exit(timeout=0) is not None
 
 
-def test_offline_llm_with_two_cores_matches_one_core(tiny_llama_dir: str):
+def test_offline_llm_with_two_cores_matches_one_core(tiny_llama_dir: str, monkeypatch):
+    from v1.core.mp_client import MPClient
+    from v1.core.protocol import EngineCoreRequestType
+
+    sent: list[tuple[EngineCoreRequestType, int]] = []
+    send = MPClient._send
+
+    def counting_send(self: MPClient, kind: EngineCoreRequestType, payload: Any) -> None:
+        sent.append((kind, len(payload) if kind is EngineCoreRequestType.ADD_MANY else 1))
+        send(self, kind, payload)
+
+    monkeypatch.setattr(MPClient, "_send", counting_send)
     params = greedy(6)
     prompts = [PROMPTS[i % 4] + " " * (i % 3) for i in range(24)]
     kwargs: dict[str, Any] = dict(device="cpu", block_size=16, num_kv_blocks=256)
@@ -336,6 +347,9 @@ def test_offline_llm_with_two_cores_matches_one_core(tiny_llama_dir: str):
         got_beams = [[s.token_ids for s in o.sequences] for o in two.beam_search(PROMPTS, beam)]
         stats = two.llm_engine.get_stats()
     assert got == expected and got_beams == expected_beams
+    # The generate batch's top-ups went out as one ADD_MANY message per core, not one per prompt.
+    many = [n for kind, n in sent if kind is EngineCoreRequestType.ADD_MANY]
+    assert many and sum(many) >= len(prompts) // 2
     assert stats["num_forks"] == len(PROMPTS) * 5 * 3  # every step after the first, all beams
     assert [s["num_used_blocks"] for s in stats["data_parallel"]] == [0, 0]
     assert [s["num_kv_requests"] for s in stats["data_parallel"]] == [0, 0]

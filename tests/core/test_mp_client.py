@@ -301,6 +301,31 @@ def test_bad_requests_fail_alone(client: SyncMPClient):
     assert len(tokens(dup)) == 2  # the first one runs to its end
 
 
+def test_batched_adds_go_out_as_one_message_in_call_order(client: SyncMPClient, monkeypatch):
+    kinds: list[EngineCoreRequestType] = []
+    send = client._send
+    monkeypatch.setattr(
+        client, "_send", lambda kind, payload: (kinds.append(kind), send(kind, payload))
+    )
+    with client.batched_adds():
+        client.add_request(request("m1", max_tokens=3))
+        with client.batched_adds():  # nested: the outer block sends
+            client.add_request(request("m2", max_tokens=2, prompt=[1] * 9))
+        client.add_request(request("m3", max_tokens=1))
+        assert kinds == []  # held until the block ends
+    assert kinds == [EngineCoreRequestType.ADD_MANY]
+    got = collect(client, {"m1", "m2", "m3"})
+    assert tokens(got["m1"]) == [13, 14, 15] and tokens(got["m2"]) == [19, 20]
+    assert tokens(got["m3"]) == [13]
+    with client.batched_adds():  # one held request: a plain ADD
+        client.add_request(request("m4", max_tokens=1))
+    assert kinds[-1] == EngineCoreRequestType.ADD and tokens(collect(client, {"m4"})["m4"]) == [13]
+    with pytest.raises(RuntimeError, match="boom"), client.batched_adds():
+        client.add_request(request("m5", max_tokens=1))
+        raise RuntimeError("boom")  # what was added still goes out (the caller aborts it)
+    assert tokens(collect(client, {"m5"})["m5"]) == [13]
+
+
 def send_raw(client: SyncMPClient, frames: list[bytes]) -> None:
     with client._res.send_lock:
         client._send_frames_locked(frames)
@@ -327,12 +352,26 @@ def test_malformed_frames_are_dropped_and_the_core_keeps_running(client: SyncMPC
         [add, msgspec.msgpack.encode([1, 2, 3])],  # wrong shape
         [add, msgspec.msgpack.encode({"request_id": "badreq", "prompt_token_ids": "x"})],
         [add, bad_array],  # array frame missing
+        [
+            EngineCoreRequestType.ADD_MANY.value,  # one bad request fails the whole message
+            msgspec.msgpack.encode(
+                [
+                    {"request_id": "many-bad", "prompt_token_ids": "x"},
+                    msgspec.msgpack.decode(
+                        msgspec.msgpack.encode({"request_id": "many-ok", "prompt_token_ids": [1]})
+                    ),
+                ]
+            ),
+        ],
         [EngineCoreRequestType.ABORT.value, msgspec.msgpack.encode([1, 2])],
         [EngineCoreRequestType.UTILITY.value, msgspec.msgpack.encode({"x": 1})],
     ):
         send_raw(client, frames)
     client.add_request(request("after-garbage", max_tokens=3))
-    got = collect(client, {"after-garbage", "badreq", "badarr"})
+    got = collect(client, {"after-garbage", "badreq", "badarr", "many-bad", "many-ok"})
+    for req_id in ("many-bad", "many-ok"):
+        assert got[req_id][-1].finish_reason == FinishReason.ERROR
+        assert "malformed" in got[req_id][-1].error
     # undecodable requests whose id is readable get an error instead of silence
     assert got["badreq"][-1].finish_reason == FinishReason.ERROR
     assert "malformed" in got["badreq"][-1].error

@@ -5,10 +5,18 @@ driven synchronously (offline LLM) and one driven from asyncio (AsyncLLM, the se
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from v1.core.protocol import EngineCoreOutputs, EngineCoreRequest
+
+
+class HeldAdds(threading.local):
+    """Per thread: the requests an open `batched_adds` block holds (None: no block open)."""
+
+    requests: Any = None
 
 
 class EngineCoreClient(ABC):
@@ -18,6 +26,12 @@ class EngineCoreClient(ABC):
 
     def abort_requests(self, request_ids: list[str]) -> None:
         raise TypeError(f"{type(self).__name__} is asyncio-only")
+
+    def batched_adds(self) -> AbstractContextManager[None]:
+        """Inside it, this thread's `add_request` calls may be held and sent together when it
+        ends (one message per core instead of one per request: an offline batch's top-up).
+        The requests reach the core in call order; nothing is sent before the block ends."""
+        return nullcontext()
 
     def get_output(self) -> EngineCoreOutputs:
         raise TypeError(f"{type(self).__name__} is asyncio-only")

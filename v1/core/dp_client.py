@@ -9,13 +9,14 @@ with EngineDeadError and the other cores are stopped.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import queue
 import threading
 from abc import abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -23,7 +24,7 @@ import numpy as np
 from blake3 import blake3
 
 from v1.config import EngineConfig
-from v1.core.client import EngineCoreClient
+from v1.core.client import EngineCoreClient, HeldAdds
 from v1.core.errors import EngineCoreStartError, EngineDeadError
 from v1.core.mp_client import _DEAD, LoopOutputQueue, MPClient, _Dead
 from v1.core.protocol import (
@@ -253,6 +254,7 @@ class DPClient(EngineCoreClient):
             raise ValueError("a data-parallel engine binds one private ipc:// pair per core")
         self.config = config
         self._lock = threading.Lock()
+        self._held = HeldAdds()
         self._dead_error: str | None = None
         self._closing = False
         num_cores = config.parallel_config.data_parallel_size
@@ -335,11 +337,28 @@ class DPClient(EngineCoreClient):
         with self._lock:
             self._check_alive()
             core = self.balancer.assign(request)
+        held = self._held.requests
+        if held is not None:  # a `batched_adds` block: routed now, sent when it ends
+            held.setdefault(core, []).append(request)
+            return
         try:
             self.cores[core].send_add(request)
         except BaseException:
             with self._lock:
                 self.balancer.release([request.request_id])
+            raise
+
+    def _send_held(self, held: dict[int, list[EngineCoreRequest]]) -> None:
+        """Each core's held requests in one message; a failed send forgets the requests that
+        did not go out."""
+        unsent = dict(held)
+        try:
+            for core, requests in held.items():
+                self.cores[core].send_adds(requests)
+                del unsent[core]
+        except BaseException:
+            with self._lock:
+                self.balancer.release([r.request_id for rs in unsent.values() for r in rs])
             raise
 
     def _send_abort(self, request_ids: list[str]) -> None:
@@ -396,6 +415,20 @@ class SyncDPClient(DPClient):
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self._send_add(request)
+
+    @contextlib.contextmanager
+    def batched_adds(self) -> Iterator[None]:
+        """See `EngineCoreClient.batched_adds`: each request is routed when added, and each
+        core gets its held requests as one ADD_MANY message when the block ends."""
+        if self._held.requests is not None:
+            yield
+            return
+        self._held.requests = {}
+        try:
+            yield
+        finally:
+            held, self._held.requests = self._held.requests, None
+            self._send_held(held)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids:

@@ -212,6 +212,9 @@ class EngineCoreProc:
             self._last_seq = seq
             if kind is EngineCoreRequestType.ADD:
                 self.engine_core.add_request(payload)
+            elif kind is EngineCoreRequestType.ADD_MANY:
+                for request in payload:
+                    self.engine_core.add_request(request)
             elif kind is EngineCoreRequestType.ABORT:
                 self.engine_core.abort_requests(payload)
             elif kind is EngineCoreRequestType.UTILITY:
@@ -245,6 +248,7 @@ class EngineCoreProc:
     def _input_loop(self) -> None:
         decoders = {
             EngineCoreRequestType.ADD: MsgpackDecoder(EngineCoreRequest),
+            EngineCoreRequestType.ADD_MANY: MsgpackDecoder(list[EngineCoreRequest]),
             EngineCoreRequestType.ABORT: MsgpackDecoder(list[str]),
             EngineCoreRequestType.UTILITY: MsgpackDecoder(UtilityRequest),
         }
@@ -278,6 +282,10 @@ class EngineCoreProc:
                         self._eager_aborts.append((seq, payload))
                 elif kind is EngineCoreRequestType.ADD and payload.encoder_input is not None:
                     _hash_audio(payload.encoder_input)
+                elif kind is EngineCoreRequestType.ADD_MANY:
+                    for request in payload:
+                        if request.encoder_input is not None:
+                            _hash_audio(request.encoder_input)
                 self.input_queue.put((seq, kind, payload))
         except zmq.ContextTerminated:
             return
@@ -314,17 +322,25 @@ def _hash_audio(enc: EncoderInput) -> None:
 def _answer_undecodable(
     kind: EngineCoreRequestType, frames: list[Any], error: str
 ) -> EngineCoreOutputs | None:
-    """An error reply to an undecodable ADD (by request id) or UTILITY (by call id), when those
-    ids can still be read; the sender would otherwise wait forever."""
+    """An error reply to an undecodable ADD or ADD_MANY (by request id: every request of the
+    message) or UTILITY (by call id), when those ids can still be read; the sender would
+    otherwise wait forever."""
     try:
         raw = msgspec.msgpack.decode(frames[0].bytes if frames else b"")
     except (msgspec.DecodeError, ValueError):
         return None
     if kind is EngineCoreRequestType.ADD and isinstance(raw, dict):
-        req_id = raw.get("request_id")
-        if isinstance(req_id, str):
-            out = EngineCoreOutput(req_id, [], finish_reason=FinishReason.ERROR, error=error)
-            return EngineCoreOutputs(outputs=[out], timestamp=now())
+        raw = [raw]
+    if kind in (EngineCoreRequestType.ADD, EngineCoreRequestType.ADD_MANY) and isinstance(
+        raw, list
+    ):  # every request whose id can be read fails (the message is one unit)
+        ids = [r.get("request_id") for r in raw if isinstance(r, dict)]
+        outs = [
+            EngineCoreOutput(req_id, [], finish_reason=FinishReason.ERROR, error=error)
+            for req_id in ids
+            if isinstance(req_id, str)
+        ]
+        return EngineCoreOutputs(outputs=outs, timestamp=now()) if outs else None
     call_id = raw[0] if isinstance(raw, list) and raw else None
     if kind is EngineCoreRequestType.UTILITY and type(call_id) is int:
         out = UtilityOutput(call_id, failure_message=error)

@@ -20,7 +20,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +29,7 @@ import zmq
 
 from v1 import envs
 from v1.config import EngineConfig
-from v1.core.client import EngineCoreClient
+from v1.core.client import EngineCoreClient, HeldAdds
 from v1.core.errors import EngineCoreStartError, EngineDeadError, UtilityCallError
 from v1.core.protocol import (
     EngineCoreOutputs,
@@ -378,6 +378,13 @@ class MPClient(EngineCoreClient):
         with self._res.send_lock:
             self._send_frames_locked([kind.value, *self._encoder.encode(payload)])
 
+    def send_adds(self, requests: list[EngineCoreRequest]) -> None:
+        """`requests` in one message (ADD for a single one)."""
+        if len(requests) == 1:
+            self._send(EngineCoreRequestType.ADD, requests[0])
+        elif requests:
+            self._send(EngineCoreRequestType.ADD_MANY, requests)
+
     def _send_frames_locked(self, frames: list[Any]) -> None:
         """Sends one multipart message (caller holds send_lock); waits only while no core is
         connected, and raises EngineDeadError once the core is gone."""
@@ -441,13 +448,31 @@ class SyncMPClient(MPClient):
 
     def __init__(self, config: EngineConfig, **kwargs: Any) -> None:
         self._outputs: queue.Queue[EngineCoreOutputs | _Dead] = queue.Queue()
+        self._held = HeldAdds()
         super().__init__(config, **kwargs)
 
     def _deliver(self, item: EngineCoreOutputs | _Dead) -> None:
         self._outputs.put(item)
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self._send(EngineCoreRequestType.ADD, request)
+        if self._held.requests is not None:
+            self._held.requests.append(request)
+        else:
+            self._send(EngineCoreRequestType.ADD, request)
+
+    @contextlib.contextmanager
+    def batched_adds(self) -> Iterator[None]:
+        """See `EngineCoreClient.batched_adds`: the held requests go out as one ADD_MANY
+        message (a nested block leaves the sending to the outer one)."""
+        if self._held.requests is not None:
+            yield
+            return
+        self._held.requests = []
+        try:
+            yield
+        finally:
+            held, self._held.requests = self._held.requests, None
+            self.send_adds(held)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids:

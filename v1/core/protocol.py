@@ -164,6 +164,9 @@ class EngineCoreRequestType(enum.Enum):
     ABORT = b"\x01"
     UTILITY = b"\x02"
     SHUTDOWN = b"\x03"
+    ADD_MANY = b"\x04"
+    """A list of requests in one message (`EngineCoreClient.batched_adds`), each applied as an
+    ADD, in order."""
 
 
 class UtilityRequest(msgspec.Struct, array_like=True):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from functools import partial
 from typing import Any
 
@@ -121,6 +122,11 @@ class LLMEngine:
                 lazy_logprobs=lazy_logprobs,
             )
             self.engine_core.add_request(request)
+
+    def batched_adds(self) -> AbstractContextManager[None]:
+        """Requests added inside go to the core(s) together when the block ends (one message
+        per core; `EngineCoreClient.batched_adds`)."""
+        return self.engine_core.batched_adds()
 
     def abort_request(self, request_ids: list[str]) -> None:
         """Drops requests (n>1 parents included); they produce no further outputs."""

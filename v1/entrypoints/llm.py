@@ -550,6 +550,10 @@ class _Feed:
 
     def top_up(self) -> None:
         """Adds the next requests until the unfinished ones are enough (or none are left)."""
+        with self.engine.batched_adds():  # one message per core per top-up
+            self._top_up()
+
+    def _top_up(self) -> None:
         engine, items, processed = self.engine, self.items, self.processed
         while self.next < len(items) and not self._enough():
             i = self.next
