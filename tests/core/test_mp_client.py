@@ -324,6 +324,19 @@ def test_batched_adds_go_out_as_one_message_in_call_order(client: SyncMPClient, 
         client.add_request(request("m5", max_tokens=1))
         raise RuntimeError("boom")  # what was added still goes out (the caller aborts it)
     assert tokens(collect(client, {"m5"})["m5"]) == [13]
+    # An abort inside the block goes after the adds held before it: "m6" never runs.
+    with client.batched_adds():
+        client.add_request(request("m6", max_tokens=50, prompt=[SLOW, 1]))
+        client.abort_requests(["m6"])
+        client.add_request(request("m7", max_tokens=2))
+    assert kinds[-3:] == [
+        EngineCoreRequestType.ADD,
+        EngineCoreRequestType.ABORT,
+        EngineCoreRequestType.ADD,
+    ]
+    got = collect(client, {"m7"})
+    assert tokens(got["m7"]) == [13, 14] and "m6" not in got
+    assert client.call_utility("get_stats")["num_requests"] == 0
 
 
 def send_raw(client: SyncMPClient, frames: list[bytes]) -> None:

@@ -117,6 +117,9 @@ class RecordingEngine:
     def abort_request(self, request_ids: list[str]) -> None:
         self.engine.abort_request(request_ids)
 
+    def batched_adds(self) -> Any:
+        return self.engine.batched_adds()
+
 
 # ---- WhisperInputBuilder ----
 

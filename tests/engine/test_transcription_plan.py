@@ -6,6 +6,7 @@ the text before them, fall back to hotter temperatures, skip silence, and files 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,9 @@ class ScriptedEngine:
 
     def __post_init__(self) -> None:
         self.input_processor = InputProcessor(self.model_config, self.tokenizer)
+
+    def batched_adds(self) -> AbstractContextManager[None]:
+        return nullcontext()
 
     def add_processed_request(
         self,

@@ -30,7 +30,8 @@ class EngineCoreClient(ABC):
     def batched_adds(self) -> AbstractContextManager[None]:
         """Inside it, this thread's `add_request` calls may be held and sent together when it
         ends (one message per core instead of one per request: an offline batch's top-up).
-        The requests reach the core in call order; nothing is sent before the block ends."""
+        The requests reach the core in call order; an abort or utility call made inside the
+        block first sends what it holds, so every message keeps its place."""
         return nullcontext()
 
     def get_output(self) -> EngineCoreOutputs:

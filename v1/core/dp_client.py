@@ -427,11 +427,20 @@ class SyncDPClient(DPClient):
         try:
             yield
         finally:
-            held, self._held.requests = self._held.requests, None
+            self._flush_held()
+            self._held.requests = None
+
+    def _flush_held(self) -> None:
+        """Sends what this thread's open block holds (before an abort or utility call of the
+        thread, which keeps its place after the adds made before it)."""
+        held = self._held.requests
+        if held:
+            self._held.requests = {}
             self._send_held(held)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids:
+            self._flush_held()
             self._send_abort(list(request_ids))
 
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
@@ -446,6 +455,7 @@ class SyncDPClient(DPClient):
         return item
 
     def call_utility(self, method: str, *args: Any) -> Any:
+        self._flush_held()
         futures = self._start_utilities(method, args)
         return _merge_utility(method, [fut.result() for fut in futures])
 

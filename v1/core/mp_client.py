@@ -471,11 +471,20 @@ class SyncMPClient(MPClient):
         try:
             yield
         finally:
-            held, self._held.requests = self._held.requests, None
+            self._flush_held()
+            self._held.requests = None
+
+    def _flush_held(self) -> None:
+        """Sends what this thread's open block holds (before any other message of the thread:
+        an abort or utility call keeps its place after the adds made before it)."""
+        held = self._held.requests
+        if held:
+            self._held.requests = []
             self.send_adds(held)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids:
+            self._flush_held()
             self._send(EngineCoreRequestType.ABORT, list(request_ids))
 
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
@@ -491,6 +500,7 @@ class SyncMPClient(MPClient):
         return item
 
     def call_utility(self, method: str, *args: Any) -> Any:
+        self._flush_held()
         return self._start_utility(method, args).result()
 
 
