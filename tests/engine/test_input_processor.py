@@ -452,6 +452,20 @@ def test_invalid_encoder_only_inputs(bert: InputProcessor, prompt: Any, match: s
         bert.process("r", prompt, PoolingParams())
 
 
+def assert_builds_alike(bert: InputProcessor, prompts: list[Any], pre: list[Any]) -> None:
+    """Each pretokenized prompt builds the request (or the error) its original builds, with
+    and without truncation."""
+    for params in (PoolingParams(), PoolingParams(truncate_prompt_tokens=10)):
+        for prompt, built in zip(prompts, pre, strict=True):
+            try:
+                expected = bert.process("r", prompt, params, arrival_time=1.0)
+            except ValueError as e:
+                with pytest.raises(ValueError, match=re.escape(str(e))):
+                    bert.process("r", built, params, arrival_time=1.0)
+                continue
+            assert bert.process("r", built, params, arrival_time=1.0) == expected
+
+
 def test_pretokenized_encoder_only_prompts_build_the_same_requests(bert: InputProcessor) -> None:
     """`pretokenize` tokenizes a batch's texts and text pairs together; each request it builds
     is the one its own prompt builds (truncation of long texts and pairs included), and a
@@ -470,15 +484,7 @@ def test_pretokenized_encoder_only_prompts_build_the_same_requests(bert: InputPr
     ]
     pre = bert.builder.pretokenize(prompts)
     assert sum(p is not q for p, q in zip(prompts, pre, strict=True)) == 6
-    for params in (PoolingParams(), PoolingParams(truncate_prompt_tokens=10)):
-        for prompt, built in zip(prompts, pre, strict=True):
-            try:
-                expected = bert.process("r", prompt, params, arrival_time=1.0)
-            except ValueError as e:
-                with pytest.raises(ValueError, match=re.escape(str(e))):
-                    bert.process("r", built, params, arrival_time=1.0)
-                continue
-            assert bert.process("r", built, params, arrival_time=1.0) == expected
+    assert_builds_alike(bert, prompts, pre)
 
 
 def test_pretokenize_checks_token_id_prompts_together(bert: InputProcessor) -> None:
@@ -495,15 +501,7 @@ def test_pretokenize_checks_token_id_prompts_together(bert: InputProcessor) -> N
     ]
     pre = bert.builder.pretokenize(prompts)
     assert [p is not q for p, q in zip(prompts, pre, strict=True)] == [1, 1, 1, 0, 0, 0]
-    for params in (PoolingParams(), PoolingParams(truncate_prompt_tokens=10)):
-        for prompt, built in zip(prompts, pre, strict=True):
-            try:
-                expected = bert.process("r", prompt, params, arrival_time=1.0)
-            except ValueError as e:
-                with pytest.raises(ValueError, match=re.escape(str(e))):
-                    bert.process("r", built, params, arrival_time=1.0)
-                continue
-            assert bert.process("r", built, params, arrival_time=1.0) == expected
+    assert_builds_alike(bert, prompts, pre)
     bad = [{"prompt_token_ids": [2, 100, 3]}, {"prompt_token_ids": [2, 10**6, 3]}]
     assert bert.builder.pretokenize(bad) == bad  # each keeps its own check
     with pytest.raises(ValueError, match="outside the vocabulary"):

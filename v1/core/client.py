@@ -7,16 +7,43 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 from v1.core.protocol import EngineCoreOutputs, EngineCoreRequest
 
 
 class HeldAdds(threading.local):
-    """Per thread: the requests an open `batched_adds` block holds (None: no block open)."""
+    """Per thread: the requests an open `batched_adds` block holds (None: no block open).
+    `empty()` makes an empty holding (a list, or a dict per core); `send(held)` sends a
+    non-empty one."""
 
     requests: Any = None
+
+    def __init__(self, empty: Callable[[], Any], send: Callable[[Any], None]) -> None:
+        self._empty = empty
+        self._send = send
+
+    @contextmanager
+    def block(self) -> Iterator[None]:
+        """A `batched_adds` block; a nested one leaves the sending to the outer one."""
+        if self.requests is not None:
+            yield
+            return
+        self.requests = self._empty()
+        try:
+            yield
+        finally:
+            self.flush()
+            self.requests = None
+
+    def flush(self) -> None:
+        """Sends what this thread's open block holds (before any other message of the thread:
+        an abort or utility call keeps its place after the adds made before it)."""
+        if self.requests:
+            held, self.requests = self.requests, self._empty()
+            self._send(held)
 
 
 class EngineCoreClient(ABC):

@@ -9,15 +9,15 @@ with EngineDeadError and the other cores are stopped.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import os
 import queue
 import threading
 from abc import abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
@@ -254,7 +254,7 @@ class DPClient(EngineCoreClient):
             raise ValueError("a data-parallel engine binds one private ipc:// pair per core")
         self.config = config
         self._lock = threading.Lock()
-        self._held = HeldAdds()
+        self._held = HeldAdds(dict, self._send_held)
         self._dead_error: str | None = None
         self._closing = False
         num_cores = config.parallel_config.data_parallel_size
@@ -416,31 +416,14 @@ class SyncDPClient(DPClient):
     def add_request(self, request: EngineCoreRequest) -> None:
         self._send_add(request)
 
-    @contextlib.contextmanager
-    def batched_adds(self) -> Iterator[None]:
+    def batched_adds(self) -> AbstractContextManager[None]:
         """See `EngineCoreClient.batched_adds`: each request is routed when added, and each
         core gets its held requests as one ADD_MANY message when the block ends."""
-        if self._held.requests is not None:
-            yield
-            return
-        self._held.requests = {}
-        try:
-            yield
-        finally:
-            self._flush_held()
-            self._held.requests = None
-
-    def _flush_held(self) -> None:
-        """Sends what this thread's open block holds (before an abort or utility call of the
-        thread, which keeps its place after the adds made before it)."""
-        held = self._held.requests
-        if held:
-            self._held.requests = {}
-            self._send_held(held)
+        return self._held.block()
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids:
-            self._flush_held()
+            self._held.flush()
             self._send_abort(list(request_ids))
 
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
@@ -455,7 +438,7 @@ class SyncDPClient(DPClient):
         return item
 
     def call_utility(self, method: str, *args: Any) -> Any:
-        self._flush_held()
+        self._held.flush()
         futures = self._start_utilities(method, args)
         return _merge_utility(method, [fut.result() for fut in futures])
 

@@ -20,8 +20,9 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -448,7 +449,7 @@ class SyncMPClient(MPClient):
 
     def __init__(self, config: EngineConfig, **kwargs: Any) -> None:
         self._outputs: queue.Queue[EngineCoreOutputs | _Dead] = queue.Queue()
-        self._held = HeldAdds()
+        self._held = HeldAdds(list, self.send_adds)
         super().__init__(config, **kwargs)
 
     def _deliver(self, item: EngineCoreOutputs | _Dead) -> None:
@@ -460,31 +461,13 @@ class SyncMPClient(MPClient):
         else:
             self._send(EngineCoreRequestType.ADD, request)
 
-    @contextlib.contextmanager
-    def batched_adds(self) -> Iterator[None]:
-        """See `EngineCoreClient.batched_adds`: the held requests go out as one ADD_MANY
-        message (a nested block leaves the sending to the outer one)."""
-        if self._held.requests is not None:
-            yield
-            return
-        self._held.requests = []
-        try:
-            yield
-        finally:
-            self._flush_held()
-            self._held.requests = None
-
-    def _flush_held(self) -> None:
-        """Sends what this thread's open block holds (before any other message of the thread:
-        an abort or utility call keeps its place after the adds made before it)."""
-        held = self._held.requests
-        if held:
-            self._held.requests = []
-            self.send_adds(held)
+    def batched_adds(self) -> AbstractContextManager[None]:
+        """See `EngineCoreClient.batched_adds`: the held requests go out as one ADD_MANY."""
+        return self._held.block()
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids:
-            self._flush_held()
+            self._held.flush()
             self._send(EngineCoreRequestType.ABORT, list(request_ids))
 
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
@@ -500,7 +483,7 @@ class SyncMPClient(MPClient):
         return item
 
     def call_utility(self, method: str, *args: Any) -> Any:
-        self._flush_held()
+        self._held.flush()
         return self._start_utility(method, args).result()
 
 
