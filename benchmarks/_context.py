@@ -169,12 +169,19 @@ def run_ours(
 
     result = OursRun(variant)
     llm = probe = None
+    variant = dict(variant)
+    process = dict(multiprocess=ctx.args.multiprocess)
+    if variant.pop("settings", "tuned") == "defaults":
+        # What a user who knows no settings gets: the engine's own choices, its core in its
+        # own process as LLM starts it (issue 35 item 1).
+        engine_kwargs = {k: v for k, v in engine_kwargs.items() if k == "kv_cache_memory_bytes"}
+        process = {}
     try:
         llm = LLM(
             path,
             dtype=str(ctx.dtype).removeprefix("torch."),
             device=ctx.device.name,
-            multiprocess=ctx.args.multiprocess,
+            **process,
             **engine_kwargs,
             **variant,
         )
@@ -253,6 +260,8 @@ def ours_rows(
     for r in runs:
         label = f"{spec.name} [{variant_label(r.variant)}]" if r.variant else spec.name
         notes = [spec.intro]
+        if r.variant.get("settings") == "defaults":
+            notes.append("this row: none of the engine settings above, only LLM's defaults")
         if r.error is not None:
             ctx.failures.append(f"{label}: {r.error}")
             notes.append(f"v1-engine FAILED: {r.error}")

@@ -97,8 +97,9 @@ WORKLOADS: dict[str, Callable[[Context], list[Row]]] = {
     "llama-1b": bench_llama,
     "host-overhead": bench_host_overhead,
 }
-ENGINE_OPTIONS = ("cross_attention", "quantization", "kv_cache_dtype")
-"""Issue 16's LLM options, passed through only when given."""
+ENGINE_OPTIONS = ("settings", "cross_attention", "quantization", "kv_cache_dtype")
+"""Issue 16's LLM options, passed through only when given; `settings` is ours: "defaults" runs
+`LLM(path, dtype=...)` with nothing else (issue 35 item 1), "tuned" the workload's settings."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -145,6 +146,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="our EngineCore in its own process (LLM's default for users)",
     )
+    p.add_argument(
+        "--settings",
+        default=None,
+        help="tuned|defaults (list): the workload's engine settings, or none (LLM's defaults)",
+    )
     p.add_argument("--cross-attention", default=None, help="absorbed|per_layer|auto (list)")
     p.add_argument("--quantization", default=None, help="e.g. fp8 (list)")
     p.add_argument("--kv-cache-dtype", default=None, help="e.g. fp8 (list)")
@@ -169,7 +175,9 @@ def engine_variants(args: argparse.Namespace) -> list[dict[str, str]]:
             lists[option] = value.split(",")
     variants = []
     for combo in itertools.product(*lists.values()):
-        variant = {k: v for k, v in zip(lists, combo, strict=True) if v != "default"}
+        variant = {
+            k: v for k, v in zip(lists, combo, strict=True) if v not in ("default", "tuned")
+        }
         if variant not in variants:
             variants.append(variant)
     return variants or [{}]
