@@ -45,6 +45,19 @@ def test_offline_whisper_on_gpu_gets_the_tuned_values(whisper_dir: str) -> None:
     assert _steps(per_layer) == (128, 8)
 
 
+def test_offline_whisper_on_gpu_encodes_twice_the_windows_a_step(whisper_dir: str) -> None:
+    """The tuned rows' 32 windows a step offline on a GPU; the server and CPU keep the model's
+    16 (a first token waits for its window's step); an explicit budget wins."""
+    windows = lambda config: config.encoder_budget // config.model_config.max_encoder_len  # noqa: E731
+    assert windows(make_engine_config(whisper_dir, device="cuda", offline=True)) == 32
+    assert windows(make_engine_config(whisper_dir, device="cuda")) == 16
+    assert windows(make_engine_config(whisper_dir, device="cpu", offline=True)) == 16
+    explicit = make_engine_config(
+        whisper_dir, device="cuda", offline=True, max_num_encoder_input_tokens=1500 * 4
+    )
+    assert windows(explicit) == 4
+
+
 def test_cpu_and_decoder_only_keep_small_values(whisper_dir: str, llama_dir: str) -> None:
     assert _steps(make_engine_config(whisper_dir, device="cpu", offline=True)) == (128, 1)
     assert _steps(make_engine_config(llama_dir, device="cuda", offline=True)) == (128, 8)

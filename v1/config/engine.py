@@ -115,8 +115,10 @@ class EngineConfig:
         if sc.max_num_encoder_input_tokens is not None:
             return sc.max_num_encoder_input_tokens
         mc = self.model_config
-        per_step = mc.spec.encoder_inputs_per_step * mc.max_encoder_len
-        return max(sc.max_num_batched_tokens, per_step)
+        inputs = mc.spec.encoder_inputs_per_step
+        if self.offline and self.device_config.device_type == "cuda":
+            inputs *= OFFLINE_ENCODER_INPUTS_FACTOR
+        return max(sc.max_num_batched_tokens, inputs * mc.max_encoder_len)
 
     @property
     def encoder_cache_size(self) -> int:
@@ -168,6 +170,12 @@ AUTO_MAX_NUM_SEQS = 128
 OFFLINE_NUM_SCHEDULER_STEPS = 8
 """num_scheduler_steps for offline batches on a GPU: turbo, 512 clips, H100: 6,142 -> 6,382
 RTFx (machines B and D: +3-5%) (RESULTS.md, session 13)."""
+OFFLINE_ENCODER_INPUTS_FACTOR = 2
+"""Offline batches on a GPU run twice the model's default encoder inputs a step (Whisper: 32
+windows, the tuned rows' 1500 * 32): fewer mixed steps, so a deep decoder runs fewer decode
+steps at partial batches. whisper-large-v3, 256 clips, H200: defaults 2,197 RTFx against 2,422
+tuned (RESULTS.md, session 19). The server keeps 16: a request's first token waits for its
+window's encoder step."""
 TYPICAL_DECODER_TOKENS = 256
 """Decoder tokens of a typical request when the core sizes an auto max_num_seqs by its KV cache
 (capped by max_model_len); an encoder-decoder request adds its whole encoder input."""
