@@ -176,6 +176,9 @@ def run_ours(
         # own process as LLM starts it (issue 35 item 1).
         engine_kwargs = {k: v for k, v in engine_kwargs.items() if k == "kv_cache_memory_bytes"}
         process = {}
+    where = variant.pop("process", None)
+    if where is not None:
+        process = dict(multiprocess=where == "mp")
     try:
         llm = LLM(
             path,

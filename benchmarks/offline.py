@@ -97,9 +97,11 @@ WORKLOADS: dict[str, Callable[[Context], list[Row]]] = {
     "llama-1b": bench_llama,
     "host-overhead": bench_host_overhead,
 }
-ENGINE_OPTIONS = ("settings", "cross_attention", "quantization", "kv_cache_dtype")
-"""Issue 16's LLM options, passed through only when given; `settings` is ours: "defaults" runs
-`LLM(path, dtype=...)` with nothing else (issue 35 item 1), "tuned" the workload's settings."""
+ENGINE_OPTIONS = ("settings", "process", "cross_attention", "quantization", "kv_cache_dtype")
+"""Issue 16's LLM options, passed through only when given. `settings` and `process` are ours:
+"defaults" runs `LLM(path, dtype=...)` with nothing else (issue 35 item 1), its core in its own
+process unless `process=in`; "tuned" the workload's settings; `process` in|mp overrides where
+the core runs for that row."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -150,6 +152,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--settings",
         default=None,
         help="tuned|defaults (list): the workload's engine settings, or none (LLM's defaults)",
+    )
+    p.add_argument(
+        "--process", default=None, help="in|mp (list): where each row's EngineCore runs"
     )
     p.add_argument("--cross-attention", default=None, help="absorbed|per_layer|auto (list)")
     p.add_argument("--quantization", default=None, help="e.g. fp8 (list)")
