@@ -73,6 +73,12 @@ def start_server(args: argparse.Namespace, dp: int) -> tuple[subprocess.Popen, s
     cmd = [sys.executable, "-m", "v1.entrypoints.cli", "serve", args.model]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--device", args.device]
     cmd += ["--data-parallel-size", str(dp), *args.serve_args]
+    if "--max-connections-per-client" not in args.serve_args:
+        # The load comes from one address: the server's per-client cap (64 by default, against
+        # slow clients) would close the connections past it with a 429.
+        cmd += ["--max-connections-per-client", str(max(64, args.concurrency))]
+    if "--max-connections" not in args.serve_args:
+        cmd += ["--max-connections", str(max(1000, args.concurrency))]
     print("server:", " ".join(cmd), flush=True)
     log = open(os.path.join(args.log_dir, f"serve_load_server_dp{dp}.log"), "w")  # noqa: SIM115
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
