@@ -357,6 +357,7 @@ def test_decode_bursts_stream_the_same_tokens_in_chunks(llm: AsyncLLM, config: E
         dataclasses.replace(
             config,
             scheduler_config=dataclasses.replace(config.scheduler_config, num_scheduler_steps=4),
+            auto_num_scheduler_steps=False,  # a user's value: streamed requests burst too
         )
     )
     try:
@@ -365,3 +366,49 @@ def test_decode_bursts_stream_the_same_tokens_in_chunks(llm: AsyncLLM, config: E
         bursts.shutdown()
     assert got == expected and {len(t) for t in got.values()} == {11, 13}
     assert max(one_at_a_time) == 1 and max(chunks) == 4
+
+
+def test_auto_bursts_run_final_only_requests_and_keep_streams_per_token(
+    llm: AsyncLLM, config: EngineConfig
+):
+    """An auto num_scheduler_steps (a GPU server's: 8, here forced on CPU) runs requests whose
+    outputs nobody reads token by token (FINAL_ONLY) in decode bursts, the same tokens as one
+    token a step; streamed requests (DELTA) keep one token a delta and get no burst."""
+    params = greedy(13)
+
+    async def run(engine: AsyncLLM, kind: RequestOutputKind) -> tuple[list[list[int]], int]:
+        before = (await engine.get_stats())["num_decode_bursts"] if engine is not llm else 0
+        outs = await asyncio.gather(
+            *(
+                stream(engine, p, params, f"auto-{kind.name}-{i}", kind)
+                for i, p in enumerate(PROMPTS)
+            )
+        )
+        await assert_core_idle(engine)
+        return list(outs), (await engine.get_stats())["num_decode_bursts"] - before
+
+    expected, _ = asyncio.run(run(llm, RequestOutputKind.FINAL_ONLY))
+    auto = dataclasses.replace(
+        config,
+        scheduler_config=dataclasses.replace(config.scheduler_config, num_scheduler_steps=8),
+        auto_num_scheduler_steps=True,
+    )
+    engine = AsyncLLM.from_engine_config(auto)
+    try:
+        final, final_bursts = asyncio.run(run(engine, RequestOutputKind.FINAL_ONLY))
+        streamed, streamed_bursts = asyncio.run(run(engine, RequestOutputKind.DELTA))
+
+        async def delta_sizes() -> list[int]:
+            sizes = []
+            async for out in engine.generate(
+                PROMPTS[0], params, "auto-sizes", output_kind=RequestOutputKind.DELTA
+            ):
+                sizes.append(len(out.outputs[0].token_ids))
+            return sizes
+
+        sizes = asyncio.run(delta_sizes())
+    finally:
+        engine.shutdown()
+    assert final == expected and streamed == expected
+    assert final_bursts > 0 and streamed_bursts == 0
+    assert max(sizes) == 1 and sum(sizes) == 13

@@ -98,3 +98,22 @@ def test_no_burst_with_admissions_grammars_or_word_timestamps() -> None:
         sched.update_from_output(so, burst_output(so))
         assert sched.schedule().num_decode_steps == 1
         assert request.status == RequestStatus.RUNNING
+
+
+def test_auto_bursts_skip_streamed_requests_a_users_value_bursts_them() -> None:
+    """An auto num_scheduler_steps (EngineConfig.auto_num_scheduler_steps) bursts only while no
+    scheduled request is streamed; a user's value bursts streamed requests too."""
+    for auto, streamed, expected in (
+        (True, (False, False), 4),
+        (True, (False, True), 1),
+        (False, (True, True), 4),
+    ):
+        sched = make_scheduler(num_scheduler_steps=4, num_kv_blocks=64)
+        sched.bursts_take_streamed = not auto
+        for i, flag in enumerate(streamed):
+            request = make_request(f"r{i}", prompt_len=3, max_tokens=20)
+            request.streamed = flag
+            sched.add_request(request)
+        so = sched.schedule()
+        sched.update_from_output(so, burst_output(so))
+        assert sched.schedule().num_decode_steps == expected, (auto, streamed)

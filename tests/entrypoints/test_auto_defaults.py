@@ -1,8 +1,9 @@
 """Fast by default: max_num_seqs and num_scheduler_steps left unset resolve once, in the config
-layer, to what the tuned benchmark rows use where it is safe (docs/decisions.md): offline
-Whisper on a GPU gets 512 sequences and decode bursts of 8, the server (no `offline`) keeps one
-token per step, decoder-only and CPU keep 128; the engine core lowers an auto max_num_seqs to
-what its KV cache holds. The GPU values give the same greedy transcripts on CPU.
+layer, to what the tuned benchmark rows use where it is safe (docs/decisions.md): Whisper on a
+GPU gets 512 sequences and decode bursts of 8 (auto bursts skip streamed requests, so the
+server's streams still get every token), decoder-only and CPU keep 128; the engine core lowers
+an auto max_num_seqs to what its KV cache holds. The GPU values give the same greedy
+transcripts on CPU.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def test_offline_whisper_on_gpu_gets_the_tuned_values(whisper_dir: str) -> None:
     assert _steps(offline) == (512, 8)
     assert offline.auto_max_num_seqs
     server = make_engine_config(whisper_dir, device="cuda")
-    assert _steps(server) == (512, 1)  # the server streams every token
+    assert _steps(server) == (512, 8) and server.auto_num_scheduler_steps
     per_layer = make_engine_config(
         whisper_dir, device="cuda", offline=True, cross_attention="per_layer"
     )
@@ -61,7 +62,7 @@ def test_offline_whisper_on_gpu_encodes_twice_the_windows_a_step(whisper_dir: st
 def test_cpu_and_decoder_only_keep_small_values(whisper_dir: str, llama_dir: str) -> None:
     assert _steps(make_engine_config(whisper_dir, device="cpu", offline=True)) == (128, 1)
     assert _steps(make_engine_config(llama_dir, device="cuda", offline=True)) == (128, 8)
-    assert _steps(make_engine_config(llama_dir, device="cuda")) == (128, 1)
+    assert _steps(make_engine_config(llama_dir, device="cuda")) == (128, 8)
 
 
 def test_explicit_values_win_and_survive_the_process_boundary(whisper_dir: str) -> None:
@@ -69,10 +70,12 @@ def test_explicit_values_win_and_survive_the_process_boundary(whisper_dir: str) 
         whisper_dir, device="cuda", offline=True, max_num_seqs=64, num_scheduler_steps=2
     )
     assert _steps(config) == (64, 2) and not config.auto_max_num_seqs
+    assert not config.auto_num_scheduler_steps
     assert kv_bounded_max_num_seqs(config, requests_that_fit=3) == 64  # the user's value stays
     auto = make_engine_config(whisper_dir, device="cuda", offline=True)
     again = EngineConfig.from_json(auto.to_json())
     assert _steps(again) == (512, 8) and again.auto_max_num_seqs and again.offline
+    assert again.auto_num_scheduler_steps
     assert kv_bounded_max_num_seqs(again, requests_that_fit=300) == 300
     assert kv_bounded_max_num_seqs(again, requests_that_fit=0) == 1
     assert kv_bounded_max_num_seqs(again, requests_that_fit=9000) == 512

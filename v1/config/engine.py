@@ -36,6 +36,10 @@ class EngineConfig:
     auto_max_num_seqs: bool = False
     """Set when max_num_seqs was left to auto and resolved here: the engine core may lower it
     to what its KV cache holds (`kv_bounded_max_num_seqs`). Not a user argument."""
+    auto_num_scheduler_steps: bool = False
+    """Set when num_scheduler_steps was left to auto and resolved here: decode bursts then run
+    only while no scheduled request is streamed (EngineCoreRequest.streamed); a user's value
+    bursts streamed requests too (they get several tokens a delta). Not a user argument."""
 
     def __post_init__(self) -> None:
         self._resolve_auto_scheduling()
@@ -90,6 +94,7 @@ class EngineConfig:
             object.__setattr__(self, "auto_max_num_seqs", True)
         if sc.num_scheduler_steps is None:
             resolved["num_scheduler_steps"] = resolve_num_scheduler_steps(self)
+            object.__setattr__(self, "auto_num_scheduler_steps", True)
         if sc.max_steps_in_flight is None:
             resolved["max_steps_in_flight"] = resolve_max_steps_in_flight(self)
         if resolved:
@@ -142,6 +147,7 @@ class EngineConfig:
         out["lora_config"] = dataclasses.asdict(self.lora_config)
         out["offline"] = self.offline
         out["auto_max_num_seqs"] = self.auto_max_num_seqs
+        out["auto_num_scheduler_steps"] = self.auto_num_scheduler_steps
         return json.dumps(out)
 
     @classmethod
@@ -157,6 +163,7 @@ class EngineConfig:
             lora_config=LoRAConfig(**data.get("lora_config", {})),
             offline=data.get("offline", False),
             auto_max_num_seqs=data.get("auto_max_num_seqs", False),
+            auto_num_scheduler_steps=data.get("auto_num_scheduler_steps", False),
         )
 
 
@@ -167,9 +174,10 @@ turbo, 512 clips, H100: 6,336-6,382 RTFx at max_num_seqs 512 against 6,013-6,220
 (RESULTS.md, session 13); a request holds ~3.1 MiB of KV (fp8) there."""
 AUTO_MAX_NUM_SEQS = 128
 """max_num_seqs elsewhere (CPU, decoder-only, encoder-only, per-layer cross-attention)."""
-OFFLINE_NUM_SCHEDULER_STEPS = 8
-"""num_scheduler_steps for offline batches on a GPU: turbo, 512 clips, H100: 6,142 -> 6,382
-RTFx (machines B and D: +3-5%) (RESULTS.md, session 13)."""
+AUTO_NUM_SCHEDULER_STEPS = 8
+"""num_scheduler_steps on a GPU, for requests nobody reads token by token: offline batches
+(turbo, 512 clips, H100: 6,142 -> 6,382 RTFx; machines B and D: +3-5%; RESULTS.md, session 13)
+and the server's non-streamed transcriptions (session 19)."""
 OFFLINE_ENCODER_INPUTS_FACTOR = 2
 """Offline batches on a GPU run twice the model's default encoder inputs a step (Whisper: 32
 windows, the tuned rows' 1500 * 32): fewer mixed steps, so a deep decoder runs fewer decode
@@ -194,10 +202,11 @@ def resolve_max_num_seqs(config: EngineConfig) -> int:
 
 
 def resolve_num_scheduler_steps(config: EngineConfig) -> int:
-    """The rule behind num_scheduler_steps=None: bursts for offline batches on a GPU only (the
-    server streams each token; on CPU the device, not the host, bounds a step)."""
-    if config.offline and config.device_config.device_type == "cuda":
-        return OFFLINE_NUM_SCHEDULER_STEPS
+    """The rule behind num_scheduler_steps=None: bursts on a GPU (on CPU the device, not the
+    host, bounds a step). Auto bursts never run a streamed request (`auto_num_scheduler_steps`):
+    a server's streams still get every token as it comes."""
+    if config.device_config.device_type == "cuda":
+        return AUTO_NUM_SCHEDULER_STEPS
     return 1
 
 

@@ -83,6 +83,11 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
     """The LoRA adapter the request runs with (None: the base model). The core keys the
     request's encoder input and prefix-cache blocks by `lora_int_id`, so no two adapters share
     an encoder output, cross K/V or cached prefix."""
+    streamed: bool = True
+    """The frontend reads this request's tokens step by step (a streamed response). False: only
+    its final output is read (offline batches, non-streamed responses, beam steps), so an auto
+    num_scheduler_steps may run it in decode bursts; a streamed request runs one token a step
+    unless the user set num_scheduler_steps."""
 
 
 class EngineCoreOutput(msgspec.Struct, omit_defaults=True, array_like=True, gc=False):
@@ -139,6 +144,8 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     """Partial blocks copied for forks (one per diverging sequence and decoder KV group)."""
     num_held_evictions: int = 0
     """Held requests freed for room before their forks came (those forks computed again)."""
+    num_decode_bursts: int = 0
+    """Engine steps that ran several decode steps back to back (num_scheduler_steps)."""
 
 
 class UtilityOutput(msgspec.Struct, omit_defaults=True):

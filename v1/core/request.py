@@ -111,6 +111,8 @@ class Request:
         """The held request whose KV this one forks at admission (EngineCoreRequest.fork_from);
         cleared once admitted."""
         self.last_fork = False
+        self.streamed = True
+        """Its tokens are read step by step (EngineCoreRequest.streamed)."""
 
         if sampling_params is not None:
             room = max_model_len - len(prompt_token_ids)
@@ -141,6 +143,7 @@ class Request:
             # A continued sequence: it runs like a request resumed after preemption.
             request.append_output_token_ids(list(req.output_token_ids))
         request.hold_kv = req.hold_kv
+        request.streamed = req.streamed
         request.fork_from = req.fork_from
         request.last_fork = req.last_fork
         return request

@@ -287,6 +287,7 @@ class AsyncLLM:
         self._core_futures.update(futures)
         try:
             for request in requests:
+                request.streamed = False  # only the final output is kept
                 await self.engine_core.add_request_async(request)
             if release_ids:
                 await self.engine_core.abort_requests_async(list(release_ids))
@@ -403,6 +404,7 @@ class AsyncLLM:
             )
         try:
             for request in core_requests:
+                request.streamed = output_kind != RequestOutputKind.FINAL_ONLY
                 await self.engine_core.add_request_async(request)
         except BaseException:
             self._queues.pop(request_id, None)

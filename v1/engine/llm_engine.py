@@ -121,6 +121,7 @@ class LLMEngine:
                 encoder_prompt=encoder_text,
                 lazy_logprobs=lazy_logprobs,
             )
+            request.streamed = output_kind != RequestOutputKind.FINAL_ONLY
             self.engine_core.add_request(request)
 
     def batched_adds(self) -> AbstractContextManager[None]:
@@ -141,6 +142,7 @@ class LLMEngine:
             raise ValueError("core request ids must be unique")
         for request in requests:
             self._core_outputs[request.request_id] = None
+            request.streamed = False  # only the final output is kept
             self.engine_core.add_request(request)
 
     def take_core_output(self, request_id: str) -> EngineCoreOutput | None:

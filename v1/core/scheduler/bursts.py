@@ -10,10 +10,12 @@ from v1.core.scheduler.step_plan import StepPlan
 from v1.kv_cache.manager import KVCacheManager
 
 
-def burst_length(plan: StepPlan, num_scheduler_steps: int, max_model_len: int) -> int:
+def burst_length(
+    plan: StepPlan, num_scheduler_steps: int, max_model_len: int, streamed_ok: bool = True
+) -> int:
     """Decode steps the plan's running requests may run back to back: 1 unless every one
-    decodes one token (no prefill chunk, grammar or word timestamps), at most what
-    max_model_len leaves each request."""
+    decodes one token (no prefill chunk, grammar or word timestamps) and, unless
+    `streamed_ok`, none is streamed; at most what max_model_len leaves each request."""
     num_steps = num_scheduler_steps
     num_scheduled = plan.num_scheduled
     for request in plan.scheduled_running:
@@ -25,6 +27,7 @@ def burst_length(plan: StepPlan, num_scheduler_steps: int, max_model_len: int) -
             or params.structured_outputs is not None
             or params.word_timestamps
             or request.num_computed_tokens + 1 != num_tokens
+            or (request.streamed and not streamed_ok)
         ):
             return 1
         # Requests of staggered lengths may finish inside one burst; only the KV slots bound it.

@@ -37,6 +37,10 @@ class Scheduler:
         sc = config.scheduler_config
         self.max_num_batched_tokens = sc.max_num_batched_tokens
         self.num_scheduler_steps = sc.num_scheduler_steps
+        self.bursts_take_streamed = not config.auto_num_scheduler_steps
+        """A user's num_scheduler_steps bursts every request; the auto one only those nobody
+        reads token by token (EngineCoreRequest.streamed)."""
+        self.num_decode_bursts = 0
         self.policy = sc.policy
         self.max_model_len = config.model_config.effective_max_model_len
         self.encoder_budget = config.encoder_budget
@@ -126,9 +130,12 @@ class Scheduler:
         if not preempted:
             self.admitter.admit_waiting(plan, self.num_steps, capped)
         if self.num_scheduler_steps > 1 and plan.scheduled_running and not plan.scheduled_new:
-            num_steps = burst_length(plan, self.num_scheduler_steps, self.max_model_len)
+            num_steps = burst_length(
+                plan, self.num_scheduler_steps, self.max_model_len, self.bursts_take_streamed
+            )
             if num_steps > 1:
                 plan.num_decode_steps = allocate_burst(plan, num_steps, self.kv_cache_manager)
+                self.num_decode_bursts += plan.num_decode_steps > 1
         return self._make_output(plan)
 
     def _schedule_running(self, plan: StepPlan) -> bool:
@@ -280,6 +287,7 @@ class Scheduler:
             num_forked_tokens=kv.num_forked_tokens,
             num_block_copies=kv.num_block_copies,
             num_held_evictions=self.resources.num_held_evictions,
+            num_decode_bursts=self.num_decode_bursts,
         )
 
 

@@ -119,6 +119,7 @@ class TranscriptionPlanner:
         runs with: windows, language detection, alignment, each beam (None: the base model)."""
         self.builder = builder
         self.lora_request = lora_request
+        self.stream_text = stream_text
         self.tokens = builder.tokens
         self.options = options
         self.prefix = request_prefix

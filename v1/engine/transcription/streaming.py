@@ -146,7 +146,7 @@ class AsyncTranscriber:
         try:
             result = await self._run_plan(
                 planner.plan(index, samples),
-                lambda text: emit(WindowText(index, text)),
+                (lambda text: emit(WindowText(index, text))) if planner.stream_text else None,
                 f"audio input {index}",
             )
             emit(InputDone(index, result))
@@ -181,7 +181,7 @@ class AsyncTranscriber:
             if detect and not options.multilingual and chunks:
                 first_start, first_end = chunks[0]
                 plan = planner.detect_plan(index, samples[first_start:first_end])
-                language = await self._run_plan(plan, lambda text: None, f"audio input {index}")
+                language = await self._run_plan(plan, None, f"audio input {index}")
             chunk_planner = planner.for_chunks(language[0])
             chunk_planner.prefix = f"{planner.prefix}-{index}b"  # ids apart from other files'
             texts = _InOrder(len(chunks), lambda text: emit(WindowText(index, text)))
@@ -195,7 +195,7 @@ class AsyncTranscriber:
                 async with gate:
                     result = await self._run_plan(
                         chunk_k.plan(k, samples[start:end]),
-                        functools.partial(texts.put, k),
+                        functools.partial(texts.put, k) if planner.stream_text else None,
                         f"audio input {index}",
                     )
                 texts.done(k)
@@ -218,9 +218,10 @@ class AsyncTranscriber:
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _run_plan(self, plan: Plan, on_text: Callable[[str], None], what: str) -> Any:
+    async def _run_plan(self, plan: Plan, on_text: Callable[[str], None] | None, what: str) -> Any:
         """One plan, window after window, to its result; the plan itself advances on the
-        input thread (it hashes audio and decodes text with the tokenizer)."""
+        input thread (it hashes audio and decodes text with the tokenizer). `on_text`: takes
+        each window's text as it is decoded; None: nobody reads it before the window ends."""
         output: WindowOutput | None = None
         while True:
             await self.llm.check_health()
@@ -230,7 +231,7 @@ class AsyncTranscriber:
             output = await self._run_window(request, on_text, what)
 
     async def _run_window(
-        self, request: WindowRequest, on_text: Callable[[str], None], what: str
+        self, request: WindowRequest, on_text: Callable[[str], None] | None, what: str
     ) -> WindowOutput:
         if request.beam is not None:
             search = window_beam_search(request)
@@ -239,15 +240,18 @@ class AsyncTranscriber:
             )
             return beam_window_output(search)
         collector = WindowCollector(what, request.length_penalty)
+        # A window whose text nobody reads as it comes is one final output (and its requests
+        # may run in decode bursts: EngineCoreRequest.streamed).
+        kind = RequestOutputKind.FINAL_ONLY if on_text is None else RequestOutputKind.DELTA
         async for output in self.llm.generate_processed(
             request.request_id,
             request.prompt,
             request.params,
             request.core_requests,
-            output_kind=RequestOutputKind.DELTA,
+            output_kind=kind,
         ):
             text = collector.add(output)
-            if text:
+            if text and on_text is not None:
                 on_text(text)
         return collector.result()
 

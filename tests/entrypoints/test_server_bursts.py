@@ -1,0 +1,113 @@
+"""The server's auto decode bursts (a GPU server resolves num_scheduler_steps to 8; here the
+same config is forced on CPU): a non-streamed /v1/audio/transcriptions runs its windows in
+bursts and returns the text of one token a step; a streamed one (stream=true) gets no burst,
+so its text deltas still come as each token is decoded."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import io
+import json
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import soundfile as sf
+
+from tests.utils import ONE_TORCH_THREAD, WHISPER_BASE, make_tiny_whisper_dir, needs_assets
+from v1.config import make_engine_config
+from v1.engine.async_llm import AsyncLLM
+
+pytestmark = [needs_assets(WHISPER_BASE), ONE_TORCH_THREAD, pytest.mark.timeout(300)]
+
+SR = 16_000
+# Greedy, one pass: thresholds no window fails, so no fallback samples at temperature > 0.
+FORM = {
+    "model": "whisper-1",
+    "language": "en",
+    "temperature": "0",
+    "compression_ratio_threshold": "1000000",
+    "log_prob_threshold": "-1000000",
+}
+
+
+def wav(seconds: float, seed: int) -> bytes:
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    sf.write(
+        buf, (0.1 * rng.standard_normal(int(seconds * SR))).astype(np.float32), SR, format="WAV"
+    )
+    return buf.getvalue()
+
+
+async def post_all(app: Any, uploads: list[bytes], stream: bool) -> list[httpx.Response]:
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        fields = {**FORM, "stream": "true"} if stream else FORM
+        return await asyncio.gather(
+            *(
+                client.post(
+                    "/v1/audio/transcriptions",
+                    files={"file": (f"c{i}.wav", data)},
+                    data=fields,
+                    timeout=120,
+                )
+                for i, data in enumerate(uploads)
+            )
+        )
+
+
+def streamed_text(response: httpx.Response) -> tuple[str, int]:
+    events = [
+        json.loads(line.removeprefix("data: "))
+        for line in response.text.splitlines()
+        if line.startswith("data: ")
+    ]
+    *deltas, done = events
+    assert done["type"] == "transcript.text.done"
+    return done["text"], len(deltas)
+
+
+def test_non_streamed_transcriptions_burst_streamed_ones_do_not(tmp_path) -> None:
+    from v1.entrypoints.openai.api_server import build_app
+    from v1.entrypoints.openai.serving_engine import ServerSettings
+
+    path = make_tiny_whisper_dir(tmp_path / "whisper")
+    per_token = make_engine_config(path, device="cpu", max_model_len=40, num_kv_blocks=2048)
+    assert per_token.scheduler_config.num_scheduler_steps == 1  # CPU: no auto bursts
+    auto = dataclasses.replace(
+        per_token,
+        scheduler_config=dataclasses.replace(per_token.scheduler_config, num_scheduler_steps=8),
+        auto_num_scheduler_steps=True,
+    )
+    uploads = [wav(3 + i, seed=i) for i in range(4)]
+    settings = ServerSettings(served_model_names=("whisper-1",), model_path=path)
+    results: dict[str, Any] = {}
+    for name, config in (("per_token", per_token), ("auto", auto)):
+        engine = AsyncLLM.from_engine_config(config)
+        try:
+            app = build_app(engine, settings)
+
+            async def run(app: Any = app, engine: AsyncLLM = engine) -> dict[str, Any]:
+                start = (await engine.get_stats())["num_decode_bursts"]
+                plain = await post_all(app, uploads, stream=False)
+                mid = (await engine.get_stats())["num_decode_bursts"]
+                streamed = await post_all(app, uploads, stream=True)
+                end = (await engine.get_stats())["num_decode_bursts"]
+                return dict(plain=plain, streamed=streamed, bursts=(mid - start, end - mid))
+
+            results[name] = asyncio.run(run())
+        finally:
+            engine.shutdown()
+    for name, got in results.items():
+        assert all(r.status_code == 200 for r in got["plain"] + got["streamed"]), name
+    texts = {n: [r.json()["text"] for r in got["plain"]] for n, got in results.items()}
+    streams = {n: [streamed_text(r) for r in got["streamed"]] for n, got in results.items()}
+    assert texts["auto"] == texts["per_token"] and any(t.strip() for t in texts["auto"])
+    assert [t for t, _ in streams["auto"]] == texts["auto"]
+    assert streams["auto"] == streams["per_token"]  # the same deltas, one per decoded piece
+    assert results["auto"]["bursts"][0] > 0  # non-streamed windows ran in bursts
+    assert results["auto"]["bursts"][1] == 0  # streamed ones did not
+    assert results["per_token"]["bursts"] == (0, 0)
