@@ -18,7 +18,11 @@ defaults otherwise) on the same clips, warm, and prints server RTFx / offline RT
         --num-requests 1024 --concurrency 512 --rounds 2 -- --max-num-seqs 512 --max-model-len 104
     python benchmarks/serve_load.py --random tiny --device cpu --data-parallel-size 1,2 \
         --num-requests 8 --concurrency 4 --rounds 1 -- --max-model-len 12   # CPU smoke run
-Arguments after `--` go to `v1 serve` as they are. `--random turbo|tiny` serves random weights of
+`--no-fallback` (the default with `--random`) sends thresholds no window fails
+(compression_ratio_threshold 1e6, log_prob_threshold -1e6) on both sides: one greedy pass per
+window, as transformers' generate runs (random weights fail every quality check, so the
+fallback would decode each window at all six temperatures). Arguments after `--` go to
+`v1 serve` as they are. `--random turbo|tiny` serves random weights of
 whisper-large-v3-turbo's shapes (or a tiny Whisper) with whisper-base's tokenizer (their WER means
 nothing; `--max-model-len` bounds their decoding). A comma list of data-parallel sizes runs one
 server per size, one after the other, and ends with a table.
@@ -87,8 +91,12 @@ def start_server(args: argparse.Namespace, dp: int) -> tuple[subprocess.Popen, s
     return proc, url
 
 
+NO_FALLBACK = {"compression_ratio_threshold": 1e6, "log_prob_threshold": -1e6}
+"""Thresholds no window fails: one greedy pass per window (`--no-fallback`)."""
+
+
 async def send_all(
-    url: str, model: str, files: list[bytes], concurrency: int
+    url: str, model: str, files: list[bytes], concurrency: int, extra: dict[str, float]
 ) -> tuple[float, list[float], list[str], list[str]]:
     """Wall seconds, per-request latencies, transcripts (in input order), errors."""
     sem = asyncio.Semaphore(concurrency)
@@ -104,7 +112,12 @@ async def send_all(
                 r = await client.post(
                     "/v1/audio/transcriptions",
                     files={"file": (f"clip{i}.wav", files[i], "audio/wav")},
-                    data={"model": model, "language": "en", "temperature": "0"},
+                    data={
+                        "model": model,
+                        "language": "en",
+                        "temperature": "0",
+                        **{k: str(v) for k, v in extra.items()},
+                    },
                 )
                 latencies.append(time.perf_counter() - start)
                 if r.status_code != 200:
@@ -143,7 +156,7 @@ def offline_rtfx(
             start = time.perf_counter()
             # The server's `temperature=0` is OpenAI's: start at 0 and fall back hotter on a
             # failed window (TranscriptionOptions' default); the same work here.
-            outs = llm.transcribe(audio, language="en", use_tqdm=False)
+            outs = llm.transcribe(audio, language="en", use_tqdm=False, **fallback_options(args))
             wall = time.perf_counter() - start
             if k:
                 rtfx.append(batch.seconds / wall)
@@ -151,6 +164,17 @@ def offline_rtfx(
         return rtfx, texts
     finally:
         llm.shutdown()
+
+
+def fallback_options(args: argparse.Namespace) -> dict[str, float]:
+    """The transcribe options of --no-fallback (the form field log_prob_threshold is the
+    option logprob_threshold), or none."""
+    if not args.no_fallback:
+        return {}
+    return {
+        "compression_ratio_threshold": NO_FALLBACK["compression_ratio_threshold"],
+        "logprob_threshold": NO_FALLBACK["log_prob_threshold"],
+    }
 
 
 def serve_engine_kwargs(serve_args: list[str]) -> dict:
@@ -173,6 +197,12 @@ def main() -> int:
     p.add_argument("--num-requests", type=int, default=512, help="requests per timed round")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds (median), after a warm one")
     p.add_argument("--offline-baseline", action="store_true", help="also time LLM.transcribe")
+    p.add_argument(
+        "--no-fallback",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="one greedy pass per window on both sides (default: on with --random)",
+    )
     p.add_argument("--audio-dir", default=None, help="the assets' audio folder")
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--log-dir", default=os.environ.get("OUT", "."), help="server log folder")
@@ -180,6 +210,8 @@ def main() -> int:
     args = p.parse_args()
     if (args.model is None) == (args.random is None):
         p.error("give --model or --random")
+    if args.no_fallback is None:
+        args.no_fallback = args.random is not None
     dps = [int(n) for n in args.data_parallel_size.split(",")]
     clips = load_clips(args.audio_dir)
     sets = [make_inputs(clips, args.num_requests, s) for s in range(args.rounds + 1)]
@@ -215,7 +247,13 @@ def run_one(
     try:
         for k, (batch, payload) in enumerate(zip(sets, files, strict=True)):
             wall, lat, texts, errors = asyncio.run(
-                send_all(url, args.model, payload, args.concurrency)
+                send_all(
+                    url,
+                    args.model,
+                    payload,
+                    args.concurrency,
+                    NO_FALLBACK if args.no_fallback else {},
+                )
             )
             if errors:
                 print(f"round {k}: {len(errors)} errors, first: {errors[0]}", flush=True)
