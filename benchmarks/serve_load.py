@@ -35,6 +35,7 @@ import asyncio
 import io
 import os
 import shlex
+import signal
 import socket
 import statistics
 import subprocess
@@ -46,6 +47,7 @@ import httpx
 import numpy as np
 from _real_speech import SAMPLE_RATE, InputSet, load_clips, make_inputs, wer
 from _serve import wait_until_healthy
+from process_cost import summarize
 
 
 def wav_bytes(audio: np.ndarray) -> bytes:
@@ -68,6 +70,16 @@ def build_random_model(kind: str, device: str, root: str) -> str:
 
     ns = argparse.Namespace(tiny=kind == "tiny", device=device, tokenizer=asset("whisper-base"))
     return build_turbo(ns, root)
+
+
+def start_spy(pid: int, out: str) -> subprocess.Popen:
+    """py-spy (on PATH) sampling the server and its core processes, per thread, until SIGINT."""
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    cmd = ["py-spy", "record", "--pid", str(pid), "--subprocesses", "--threads", "--nonblocking"]
+    cmd += ["--rate", "200", "--format", "raw", "--output", out]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1.0)  # py-spy attaches
+    return proc
 
 
 def start_server(args: argparse.Namespace, dp: int) -> tuple[subprocess.Popen, str]:
@@ -205,6 +217,9 @@ def main() -> int:
     )
     p.add_argument("--audio-dir", default=None, help="the assets' audio folder")
     p.add_argument("--start-timeout", type=float, default=600.0)
+    p.add_argument(
+        "--py-spy", default=None, help="folder: py-spy samples the server during the timed rounds"
+    )
     p.add_argument("--log-dir", default=os.environ.get("OUT", "."), help="server log folder")
     p.add_argument("serve_args", nargs="*", help="after `--`: extra `v1 serve` arguments")
     args = p.parse_args()
@@ -244,8 +259,11 @@ def run_one(
     """One server of `dp` cores under the load: its summary (None after request errors)."""
     proc, url = start_server(args, dp)
     rounds = []
+    spy = None
     try:
         for k, (batch, payload) in enumerate(zip(sets, files, strict=True)):
+            if k == 1 and args.py_spy:
+                spy = start_spy(proc.pid, os.path.join(args.py_spy, f"server_dp{dp}.txt"))
             wall, lat, texts, errors = asyncio.run(
                 send_all(
                     url,
@@ -268,6 +286,10 @@ def run_one(
             if k:
                 rounds.append((wall, lat, texts, batch))
     finally:
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)  # py-spy writes what it sampled
+            spy.wait(timeout=60)
+            print(summarize(os.path.join(args.py_spy, f"server_dp{dp}.txt"), 30), flush=True)
         proc.terminate()
         try:
             proc.wait(timeout=60)
