@@ -33,8 +33,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import io
+import json
 import os
 import shlex
+import shutil
 import signal
 import socket
 import statistics
@@ -103,6 +105,9 @@ def start_server(args: argparse.Namespace, dp: int) -> tuple[subprocess.Popen, s
     return proc, url
 
 
+client_cpu: list[float] = []
+"""The load client's CPU time over the wall time of each round (1.0 = one core busy)."""
+
 NO_FALLBACK = {"compression_ratio_threshold": 1e6, "log_prob_threshold": -1e6}
 """Thresholds no window fails: one greedy pass per window (`--no-fallback`)."""
 
@@ -137,10 +142,82 @@ async def send_all(
                     return
                 texts[i] = r.json()["text"]
 
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         await asyncio.gather(*(one(i) for i in range(len(files))))
         wall = time.perf_counter() - start
+        # The load client is one Python process: a busy one limits the load it can make.
+        client_cpu.append((time.process_time() - cpu) / wall)
     return wall, latencies, texts, errors
+
+
+def send_from_processes(
+    args: argparse.Namespace, url: str, payload: list[bytes], root: str
+) -> tuple[float, list[float], list[str], list[str]]:
+    """`send_all` split over --client-procs processes (request i goes to process i mod N, each
+    with concurrency / N in flight): one Python client can spend most of a round encoding
+    multipart bodies. The processes load their files, then start together on a line on stdin;
+    the wall runs from the earliest start to the latest end. Results come back as JSON."""
+    n = args.client_procs
+    folder = tempfile.mkdtemp(prefix="load-", dir=root)
+    for i, data in enumerate(payload):
+        with open(os.path.join(folder, f"{i}.wav"), "wb") as f:
+            f.write(data)
+    extra = NO_FALLBACK if args.no_fallback else {}
+    procs = []
+    for w in range(n):
+        job = dict(url=url, model=args.model, folder=folder, worker=w, workers=n, extra=extra)
+        job.update(num=len(payload), concurrency=max(1, args.concurrency // n))
+        cmd = [sys.executable, os.path.abspath(__file__), "--client-worker", json.dumps(job)]
+        procs.append(
+            subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        )
+    for proc in procs:
+        assert proc.stdout is not None
+        if proc.stdout.readline().strip() != "ready":
+            raise RuntimeError("a load client process did not start")
+    for proc in procs:
+        assert proc.stdin is not None
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+    results = [json.loads(proc.communicate(timeout=3600)[0]) for proc in procs]
+    shutil.rmtree(folder, ignore_errors=True)
+    texts = [""] * len(payload)
+    latencies: list[float] = []
+    errors: list[str] = []
+    for r in results:
+        latencies += r["latencies"]
+        errors += r["errors"]
+        for i, text in r["texts"].items():
+            texts[int(i)] = text
+    wall = max(r["end"] for r in results) - min(r["start"] for r in results)
+    client_cpu.append(sum(r["cpu"] for r in results) / wall)
+    return wall, latencies, texts, errors
+
+
+def client_worker(spec: str) -> int:
+    """One load client process (`send_from_processes`)."""
+    job = json.loads(spec)
+    mine = list(range(job["worker"], job["num"], job["workers"]))
+    files = []
+    for i in mine:
+        with open(os.path.join(job["folder"], f"{i}.wav"), "rb") as f:
+            files.append(f.read())
+    print("ready", flush=True)
+    sys.stdin.readline()
+    start, cpu = time.time(), time.process_time()
+    wall, latencies, texts, errors = asyncio.run(
+        send_all(job["url"], job["model"], files, job["concurrency"], job["extra"])
+    )
+    result = dict(
+        start=start,
+        end=start + wall,
+        cpu=time.process_time() - cpu,
+        latencies=latencies,
+        errors=errors,
+        texts={str(i): t for i, t in zip(mine, texts, strict=True)},
+    )
+    print(json.dumps(result), flush=True)
+    return 0
 
 
 def pct(values: list[float], q: float) -> float:
@@ -200,6 +277,8 @@ def serve_engine_kwargs(serve_args: list[str]) -> dict:
 
 
 def main() -> int:
+    if len(sys.argv) == 3 and sys.argv[1] == "--client-worker":
+        return client_worker(sys.argv[2])
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="a Whisper model folder (e.g. whisper-base)")
     p.add_argument("--random", choices=("turbo", "tiny"), default=None, help="random weights")
@@ -221,6 +300,12 @@ def main() -> int:
         "--py-spy", default=None, help="folder: py-spy samples the server during the timed rounds"
     )
     p.add_argument("--log-dir", default=os.environ.get("OUT", "."), help="server log folder")
+    p.add_argument(
+        "--client-procs",
+        type=int,
+        default=1,
+        help="load client processes (the concurrency split among them)",
+    )
     p.add_argument("serve_args", nargs="*", help="after `--`: extra `v1 serve` arguments")
     args = p.parse_args()
     if (args.model is None) == (args.random is None):
@@ -233,6 +318,7 @@ def main() -> int:
     files = [[wav_bytes(a) for a in s.audio] for s in sets]
     summaries = []
     with tempfile.TemporaryDirectory(prefix="v1serve-") as root:
+        args.root = root
         if args.random is not None:
             args.model = build_random_model(args.random, args.device, root)
         for dp in dps:
@@ -264,15 +350,18 @@ def run_one(
         for k, (batch, payload) in enumerate(zip(sets, files, strict=True)):
             if k == 1 and args.py_spy:
                 spy = start_spy(proc.pid, os.path.join(args.py_spy, f"server_dp{dp}.txt"))
-            wall, lat, texts, errors = asyncio.run(
-                send_all(
-                    url,
-                    args.model,
-                    payload,
-                    args.concurrency,
-                    NO_FALLBACK if args.no_fallback else {},
+            if args.client_procs > 1:
+                wall, lat, texts, errors = send_from_processes(args, url, payload, args.root)
+            else:
+                wall, lat, texts, errors = asyncio.run(
+                    send_all(
+                        url,
+                        args.model,
+                        payload,
+                        args.concurrency,
+                        NO_FALLBACK if args.no_fallback else {},
+                    )
                 )
-            )
             if errors:
                 print(f"round {k}: {len(errors)} errors, first: {errors[0]}", flush=True)
                 return None
@@ -280,7 +369,8 @@ def run_one(
             print(
                 f"dp {dp} {label}: {len(payload) / wall:,.2f} req/s, RTFx "
                 f"{batch.seconds / wall:,.1f}, p50 {pct(lat, 0.5):.3f} s, p99 "
-                f"{pct(lat, 0.99):.3f} s, WER {100 * wer(batch.references, texts):.2f}%",
+                f"{pct(lat, 0.99):.3f} s, WER {100 * wer(batch.references, texts):.2f}%, load "
+                f"client CPU {100 * client_cpu[-1]:.0f}% of the wall",
                 flush=True,
             )
             if k:
