@@ -199,8 +199,8 @@ def _outputs_with(value) -> bytes:
     return msgspec.msgpack.encode([[["r", [], None, None, None, value]]])
 
 
-def _ext(code, dtype="<f4", shape=(2,), index=1):
-    return msgspec.msgpack.Ext(code, msgspec.msgpack.encode([dtype, list(shape), index]))
+def _ext(code, dtype="<f4", shape=(2,), index=1, *offset):
+    return msgspec.msgpack.Ext(code, msgspec.msgpack.encode([dtype, list(shape), index, *offset]))
 
 
 @pytest.mark.parametrize(
@@ -218,6 +218,11 @@ def _ext(code, dtype="<f4", shape=(2,), index=1):
         ([_outputs_with(_ext(ARRAY_EXT, shape=(-2, -4))), b"x" * 32], "negative"),
         ([_outputs_with(msgspec.msgpack.Ext(ARRAY_EXT, b"\xc1")), b"x" * 8], "array header"),
         ([_outputs_with(_ext(TENSOR_EXT, dtype="float99")), b"x" * 8], "unknown tensor dtype"),
+        ([_outputs_with(_ext(ARRAY_EXT, "<f4", (2,), 1, 4)), b"x" * 8], "at byte 4 needs 12"),
+        ([_outputs_with(_ext(ARRAY_EXT, "<f4", (2,), 1, -4)), b"x" * 8], "array header"),
+        ([_outputs_with(_ext(TENSOR_EXT, "float32", (2,), 1, 0)), b"x" * 8], "array header"),
+        ([_outputs_with(_ext(ARRAY_EXT, "<f4", (2,), 1, 0, 0)), b"x" * 8], "array header"),
+        ([_outputs_with(_ext(ARRAY_EXT, "<f4", ("2",), 1)), b"x" * 8], "array header"),
     ],
 )
 def test_malformed_messages_raise_decode_error(frames, match):
@@ -237,3 +242,25 @@ def test_unsupported_objects_are_refused_not_pickled():
     # the encoder is reusable after a failure and frames do not leak between messages
     assert len(encoder.encode(UtilityOutput(1, result=np.zeros(2)))) == 2
     assert len(encoder.encode(UtilityOutput(1, result=3))) == 1
+
+
+def test_shared_views_travel_in_one_frame_of_their_base():
+    """The core's encoder (share_views) sends a step's pooled rows, views of one host array, as
+    one aux frame with byte offsets; arrays that are not such views keep their own frames, and
+    a frontend's encoder (the default) never sends a base for a view."""
+    flat = np.arange(6 * 8, dtype=np.float32)
+    rows = [flat[i * 8 : (i + 1) * 8] for i in range(6)]
+    strided = np.arange(12.0).reshape(3, 4)[:, 1]  # not contiguous: copied, its own frame
+    message = UtilityOutput(1, result=[*rows, np.ones(3), strided])
+    frames = MsgpackEncoder(share_views=True).encode(message)
+    assert len(frames) == 1 + 3  # payload, the rows' base, the ones, the strided copy
+    assert bytes(frames[1]) == flat.tobytes()
+    got = MsgpackDecoder(UtilityOutput).decode(frames).result
+    for row, want in zip(got[:6], rows, strict=True):
+        np.testing.assert_array_equal(row, want)
+        assert row.base is not None  # a view of the received frame, no copy
+    np.testing.assert_array_equal(got[6], np.ones(3))
+    np.testing.assert_array_equal(got[7], strided)
+    window = np.arange(100, dtype=np.float32)[10:20]  # a window of a longer signal
+    plain = MsgpackEncoder().encode(UtilityOutput(2, result=[window, *rows[:2]]))
+    assert [memoryview(f).nbytes for f in plain[1:]] == [40, 32, 32]  # only what is sent

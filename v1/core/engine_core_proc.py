@@ -296,7 +296,7 @@ class EngineCoreProc:
             self.input_socket.close(linger=0)
 
     def _output_loop(self) -> None:
-        encoder = MsgpackEncoder()
+        encoder = MsgpackEncoder(share_views=True)  # a pooling step's rows: one frame
         try:
             while True:
                 outputs = self.output_queue.get()

@@ -37,14 +37,21 @@ class MsgpackEncoder:
 
     An array becomes a msgpack ext value (code 1; code 2 for a torch CPU tensor) whose payload
     is `[dtype, shape, frame_index]`; its bytes travel in frame `frame_index` of the same
-    multipart message.
+    multipart message. With `share_views` (the core's outputs), numpy arrays that are
+    contiguous views of one contiguous array (a step's pooled vectors: rows of one host copy)
+    share that array's frame: their payload is `[dtype, shape, frame_index, byte_offset]`, so a
+    message of n such rows has one aux frame, not n. The whole base array travels, so this
+    suits messages that send all of it (not a frontend's windows of a long audio file).
 
     The array buffers are memoryviews of the arrays themselves (no copy); keep the message alive
     until zmq has sent them (send with copy=False uses them in place)."""
 
-    def __init__(self) -> None:
+    def __init__(self, share_views: bool = False) -> None:
         self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
         self._aux: list[memoryview] | None = None
+        self._share_views = share_views
+        self._bases: dict[int, tuple[int, int, int, np.ndarray]] = {}
+        """id(base array) -> (frame index, base address, base bytes, base), this message's."""
 
     def encode(self, obj: Any) -> list[Buffer]:
         self._aux = []
@@ -54,9 +61,15 @@ class MsgpackEncoder:
             return frames
         finally:
             self._aux = None
+            self._bases.clear()
 
     def _enc_hook(self, obj: Any) -> Any:
         if isinstance(obj, np.ndarray):
+            base = obj.base
+            if self._share_views and isinstance(base, np.ndarray) and obj.flags.c_contiguous:
+                shared = self._view_ext(obj, base)
+                if shared is not None:
+                    return shared
             return self._array_ext(ARRAY_EXT, obj, obj.dtype.str)
         if isinstance(obj, np.generic):
             return obj.item()
@@ -68,6 +81,28 @@ class MsgpackEncoder:
             raw = obj.detach().contiguous().view(-1).view(torch.uint8).numpy()
             return self._array_ext(TENSOR_EXT, raw, dtype, shape=tuple(obj.shape))
         raise TypeError(f"cannot encode objects of type {type(obj).__name__}")
+
+    def _view_ext(self, arr: np.ndarray, base: np.ndarray) -> msgspec.msgpack.Ext | None:
+        """`arr` as a slice of its base's frame (sent once per message), or None when the base
+        is not one plain contiguous block of numbers holding it."""
+        while isinstance(base.base, np.ndarray):
+            base = base.base
+        if arr.dtype.kind not in _ARRAY_KINDS:
+            raise TypeError(f"cannot send arrays of dtype {arr.dtype} (only bool and numbers)")
+        known = self._bases.get(id(base))
+        if known is None:
+            if not base.flags.c_contiguous or base.dtype.kind not in _ARRAY_KINDS:
+                return None
+            assert self._aux is not None, "enc_hook outside encode()"
+            self._aux.append(memoryview(base.reshape(-1).view(np.uint8)))
+            known = (len(self._aux), base.ctypes.data, base.nbytes, base)
+            self._bases[id(base)] = known
+        index, address, nbytes, _ = known
+        offset = arr.ctypes.data - address
+        if not 0 <= offset <= nbytes - arr.nbytes:
+            return None
+        header = msgspec.msgpack.encode((arr.dtype.str, arr.shape, index, offset))
+        return msgspec.msgpack.Ext(ARRAY_EXT, header)
 
     def _array_ext(
         self, code: int, arr: np.ndarray, dtype: str, shape: tuple[int, ...] | None = None
@@ -90,7 +125,7 @@ class MsgpackDecoder:
 
     def __init__(self, type: Any = Any) -> None:
         self._decoder = msgspec.msgpack.Decoder(type, ext_hook=self._ext_hook)
-        self._header_decoder = msgspec.msgpack.Decoder(tuple[str, list[int], int])
+        self._header_decoder = msgspec.msgpack.Decoder(list[str | list[int] | int])
         self._aux: Sequence[Buffer] = ()
 
     def decode(self, frames: Sequence[Any]) -> Any:
@@ -110,9 +145,10 @@ class MsgpackDecoder:
         if code not in (ARRAY_EXT, TENSOR_EXT):
             raise DecodeError(f"unknown msgpack ext type {code}")
         try:
-            dtype_name, shape, index = self._header_decoder.decode(data)
+            header = self._header_decoder.decode(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             raise DecodeError(f"malformed array header: {e}") from e
+        dtype_name, shape, index, offset = _checked_header(header, code)
         if not 1 <= index < len(self._aux):
             raise DecodeError(f"array refers to frame {index}; the message has {len(self._aux)}")
         buf = self._aux[index]
@@ -125,12 +161,38 @@ class MsgpackDecoder:
         if dtype.kind not in _ARRAY_KINDS:
             raise DecodeError(f"array dtype {dtype_name!r} is not bool or a number")
         count = _num_elements(shape)
-        if count * dtype.itemsize != memoryview(buf).nbytes:
+        nbytes = memoryview(buf).nbytes
+        if offset is None:
+            if count * dtype.itemsize != nbytes:
+                raise DecodeError(
+                    f"frame {index} holds {nbytes} bytes; "
+                    f"shape {shape} of {dtype_name} needs {count * dtype.itemsize}"
+                )
+            return np.frombuffer(buf, dtype=dtype, count=count).reshape(shape)
+        if offset + count * dtype.itemsize > nbytes:
             raise DecodeError(
-                f"frame {index} holds {memoryview(buf).nbytes} bytes; "
-                f"shape {shape} of {dtype_name} needs {count * dtype.itemsize}"
+                f"frame {index} holds {nbytes} bytes; shape {shape} of {dtype_name} at byte "
+                f"{offset} needs {offset + count * dtype.itemsize}"
             )
-        return np.frombuffer(buf, dtype=dtype, count=count).reshape(shape)
+        return np.frombuffer(buf, dtype=dtype, count=count, offset=offset).reshape(shape)
+
+
+def _checked_header(header: list[Any], code: int) -> tuple[str, list[int], int, int | None]:
+    """`[dtype, shape, index]`, or `[dtype, shape, index, byte_offset]` (numpy arrays only: a
+    slice of a frame other arrays share)."""
+    if len(header) not in (3, 4) or (len(header) == 4 and code != ARRAY_EXT):
+        raise DecodeError(f"malformed array header: {header!r}")
+    dtype_name, shape, index = header[:3]
+    offset = header[3] if len(header) == 4 else None
+    if (
+        not isinstance(dtype_name, str)
+        or not isinstance(shape, list)
+        or not all(type(d) is int for d in shape)
+        or type(index) is not int
+        or (offset is not None and (type(offset) is not int or offset < 0))
+    ):
+        raise DecodeError(f"malformed array header: {header!r}")
+    return dtype_name, shape, index, offset
 
 
 def _num_elements(shape: list[int]) -> int:
