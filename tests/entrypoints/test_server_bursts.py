@@ -1,7 +1,7 @@
 """The server's auto decode bursts (a GPU server resolves num_scheduler_steps to 8; here the
-same config is forced on CPU): a non-streamed /v1/audio/transcriptions runs its windows in
-bursts and returns the text of one token a step; a streamed one (stream=true) gets no burst,
-so its text deltas still come as each token is decoded."""
+same config is forced on CPU): a non-streamed /v1/audio/transcriptions or /v1/completions runs
+in bursts and returns the text of one token a step; a streamed one (stream=true) gets no
+burst, so its deltas still come as each token is decoded."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from tests.utils import ONE_TORCH_THREAD, WHISPER_BASE, make_tiny_whisper_dir, n
 from v1.config import make_engine_config
 from v1.engine.async_llm import AsyncLLM
 
-pytestmark = [needs_assets(WHISPER_BASE), ONE_TORCH_THREAD, pytest.mark.timeout(300)]
+pytestmark = [ONE_TORCH_THREAD, pytest.mark.timeout(300)]
 
 SR = 16_000
 # Greedy, one pass: thresholds no window fails, so no fallback samples at temperature > 0.
@@ -70,6 +70,7 @@ def streamed_text(response: httpx.Response) -> tuple[str, int]:
     return done["text"], len(deltas)
 
 
+@needs_assets(WHISPER_BASE)
 def test_non_streamed_transcriptions_burst_streamed_ones_do_not(tmp_path) -> None:
     from v1.entrypoints.openai.api_server import build_app
     from v1.entrypoints.openai.serving_engine import ServerSettings
@@ -110,4 +111,66 @@ def test_non_streamed_transcriptions_burst_streamed_ones_do_not(tmp_path) -> Non
     assert streams["auto"] == streams["per_token"]  # the same deltas, one per decoded piece
     assert results["auto"]["bursts"][0] > 0  # non-streamed windows ran in bursts
     assert results["auto"]["bursts"][1] == 0  # streamed ones did not
+    assert results["per_token"]["bursts"] == (0, 0)
+
+
+def test_non_streamed_completions_burst_streamed_ones_do_not(tiny_llama_dir: str) -> None:
+    """/v1/completions under auto bursts: a non-streamed response (its metrics still read every
+    output) runs in bursts and returns the text of one token a step; a streamed one gets one
+    token a chunk, as with no bursts at all."""
+    from v1.entrypoints.openai.api_server import build_app
+    from v1.entrypoints.openai.serving_engine import ServerSettings
+
+    per_token = make_engine_config(tiny_llama_dir, device="cpu", num_kv_blocks=512)
+    auto = dataclasses.replace(
+        per_token,
+        scheduler_config=dataclasses.replace(per_token.scheduler_config, num_scheduler_steps=8),
+        auto_num_scheduler_steps=True,
+    )
+    body = {"model": "llama", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    prompts = ["The quick brown fox", "Hello world", "To be or not"]
+    settings = ServerSettings(served_model_names=("llama",), model_path=tiny_llama_dir)
+    results: dict[str, Any] = {}
+    for name, config in (("per_token", per_token), ("auto", auto)):
+        engine = AsyncLLM.from_engine_config(config)
+        try:
+            app = build_app(engine, settings)
+
+            async def run(app: Any = app, engine: AsyncLLM = engine) -> dict[str, Any]:
+                transport = httpx.ASGITransport(app=app)
+                async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+
+                    async def post(prompt: str, stream: bool) -> httpx.Response:
+                        payload = {**body, "prompt": prompt, "stream": stream}
+                        return await client.post("/v1/completions", json=payload, timeout=60)
+
+                    start = (await engine.get_stats())["num_decode_bursts"]
+                    plain = await asyncio.gather(*(post(p, False) for p in prompts))
+                    mid = (await engine.get_stats())["num_decode_bursts"]
+                    streamed = await asyncio.gather(*(post(p, True) for p in prompts))
+                    end = (await engine.get_stats())["num_decode_bursts"]
+                return dict(plain=plain, streamed=streamed, bursts=(mid - start, end - mid))
+
+            results[name] = asyncio.run(run())
+        finally:
+            engine.shutdown()
+
+    def chunks(response: httpx.Response) -> list[str]:
+        events = [
+            line.removeprefix("data: ")
+            for line in response.text.splitlines()
+            if line.startswith("data: ") and line != "data: [DONE]"
+        ]
+        return [json.loads(e)["choices"][0]["text"] for e in events]
+
+    for name, got in results.items():
+        assert all(r.status_code == 200 for r in got["plain"] + got["streamed"]), name
+    texts = {
+        n: [r.json()["choices"][0]["text"] for r in got["plain"]] for n, got in results.items()
+    }
+    assert texts["auto"] == texts["per_token"]
+    streams = {n: [chunks(r) for r in got["streamed"]] for n, got in results.items()}
+    assert ["".join(c) for c in streams["auto"]] == texts["auto"]
+    assert streams["auto"] == streams["per_token"]  # the same chunks: no burst merged them
+    assert results["auto"]["bursts"][0] > 0 and results["auto"]["bursts"][1] == 0
     assert results["per_token"]["bursts"] == (0, 0)

@@ -171,10 +171,14 @@ class AsyncLLM:
         *,
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
         lora_request: LoRARequest | None = None,
+        streamed: bool | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Streams the request's outputs as they arrive (per `output_kind`); the last one has
         `finished=True`. Cancelling or closing the iterator aborts the request; `abort()` from
-        elsewhere ends it without a final output. `lora_request`: the adapter it runs with."""
+        elsewhere ends it without a final output. `lora_request`: the adapter it runs with.
+        `streamed`: whether the caller reads the tokens as they come (default: unless
+        FINAL_ONLY); False lets an auto num_scheduler_steps run the request in decode bursts,
+        so its outputs may carry several tokens each (EngineCoreRequest.streamed)."""
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError("generate() needs SamplingParams (use encode() for pooling)")
         core_requests = None
@@ -189,7 +193,7 @@ class AsyncLLM:
                 lora_request=lora_request,
             )
         async for out in self._run(
-            request_id, prompt, sampling_params, priority, output_kind, core_requests
+            request_id, prompt, sampling_params, priority, output_kind, core_requests, streamed
         ):
             yield out
 
@@ -329,9 +333,10 @@ class AsyncLLM:
         priority: int,
         output_kind: RequestOutputKind,
         core_requests: list[EngineCoreRequest] | None = None,
+        streamed: bool | None = None,
     ) -> AsyncIterator[Any]:
         q = await self._add_request(
-            request_id, prompt, params, priority, output_kind, core_requests
+            request_id, prompt, params, priority, output_kind, core_requests, streamed
         )
         observer = request_observer.get()
         finished = False
@@ -365,8 +370,12 @@ class AsyncLLM:
         priority: int,
         output_kind: RequestOutputKind,
         core_requests: list[EngineCoreRequest] | None = None,
+        streamed: bool | None = None,
     ) -> asyncio.Queue[_Item | None]:
-        """`core_requests`: built beforehand (`generate_processed`); None: processed here."""
+        """`core_requests`: built beforehand (`generate_processed`); None: processed here.
+        `streamed`: None means unless FINAL_ONLY (see `generate`)."""
+        if streamed is None:
+            streamed = output_kind != RequestOutputKind.FINAL_ONLY
         self._check_running()
         self._ensure_output_handler()
         if request_id in self._queues or request_id in self.output_processor.parent_requests:
@@ -404,7 +413,7 @@ class AsyncLLM:
             )
         try:
             for request in core_requests:
-                request.streamed = output_kind != RequestOutputKind.FINAL_ONLY
+                request.streamed = streamed
                 await self.engine_core.add_request_async(request)
         except BaseException:
             self._queues.pop(request_id, None)

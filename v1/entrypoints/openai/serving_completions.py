@@ -237,6 +237,9 @@ class ServingCompletions(CompletionPrompts):
                 output_kind=kind,
                 priority=job.priority,
                 lora_request=self.lora_for(job.model),
+                # A non-streamed response reads only the last output (the metrics read every
+                # one as it comes): such requests may run in decode bursts.
+                streamed=stream,
             )
             for i, (p, params) in enumerate(zip(job.prompts, job.params, strict=True))
         ]
