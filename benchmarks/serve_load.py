@@ -22,7 +22,12 @@ defaults otherwise) on the same clips, warm, and prints server RTFx / offline RT
 (compression_ratio_threshold 1e6, log_prob_threshold -1e6) on both sides: one greedy pass per
 window, as transformers' generate runs (random weights fail every quality check, so the
 fallback would decode each window at all six temperatures). Arguments after `--` go to
-`v1 serve` as they are. `--random turbo|tiny` serves random weights of
+`v1 serve` as they are. `--null-server` sends the same load to a server that only takes the
+upload (`_null_server.py`): what the load client and one Python HTTP server carry without an
+engine; `--client-procs N` splits the client over N processes.
+
+    python benchmarks/serve_load.py --null-server --num-requests 256 --concurrency 256 \
+        --rounds 3 --client-procs 1     # then 2, 4, 8 `--random turbo|tiny` serves random weights of
 whisper-large-v3-turbo's shapes (or a tiny Whisper) with whisper-base's tokenizer (their WER means
 nothing; `--max-model-len` bounds their decoding). A comma list of data-parallel sizes runs one
 server per size, one after the other, and ends with a table.
@@ -91,11 +96,15 @@ def start_server(args: argparse.Namespace, dp: int) -> tuple[subprocess.Popen, s
     cmd = [sys.executable, "-m", "v1.entrypoints.cli", "serve", args.model]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--device", args.device]
     cmd += ["--data-parallel-size", str(dp), *args.serve_args]
-    if "--max-connections-per-client" not in args.serve_args:
+    if args.null_server:
+        cmd = [sys.executable, "-m", "uvicorn", "_null_server:app", "--port", str(port)]
+        cmd += ["--host", "127.0.0.1", "--loop", "uvloop", "--http", "httptools"]
+        cmd += ["--app-dir", os.path.dirname(os.path.abspath(__file__)), "--log-level", "warning"]
+    elif "--max-connections-per-client" not in args.serve_args:
         # The load comes from one address: the server's per-client cap (64 by default, against
         # slow clients) would close the connections past it with a 429.
         cmd += ["--max-connections-per-client", str(max(64, args.concurrency))]
-    if "--max-connections" not in args.serve_args:
+    if not args.null_server and "--max-connections" not in args.serve_args:
         cmd += ["--max-connections", str(max(1000, args.concurrency))]
     print("server:", " ".join(cmd), flush=True)
     log = open(os.path.join(args.log_dir, f"serve_load_server_dp{dp}.log"), "w")  # noqa: SIM115
@@ -301,6 +310,12 @@ def main() -> int:
     )
     p.add_argument("--log-dir", default=os.environ.get("OUT", "."), help="server log folder")
     p.add_argument(
+        "--null-server",
+        action="store_true",
+        help="send the load to a server that only takes the upload (no engine: the client's "
+        "and the HTTP path's own limit)",
+    )
+    p.add_argument(
         "--client-procs",
         type=int,
         default=1,
@@ -308,7 +323,10 @@ def main() -> int:
     )
     p.add_argument("serve_args", nargs="*", help="after `--`: extra `v1 serve` arguments")
     args = p.parse_args()
-    if (args.model is None) == (args.random is None):
+    if args.null_server:
+        args.model = args.model or "null"
+        args.offline_baseline = False
+    elif (args.model is None) == (args.random is None):
         p.error("give --model or --random")
     if args.no_fallback is None:
         args.no_fallback = args.random is not None
