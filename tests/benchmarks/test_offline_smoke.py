@@ -144,3 +144,24 @@ def test_engine_memory_is_released_between_variants(
     assert result.error is None and len(result.samples) == 1
     assert result.probe.counts == [3, 3]
     assert weights and all(ref() is None for ref in weights)
+
+
+def test_settings_and_process_rows(offline: ModuleType, tmp_path: Path) -> None:
+    """`--settings tuned,defaults --process in,mp`: four rows of one workload; the defaults rows
+    say that they ran without the workload's engine settings."""
+    rows_path = tmp_path / "rows.json"
+    argv = _smoke_args(tmp_path, "--workloads", "whisper-turbo", "--no-transformers")
+    argv += ["--repeats", "1", "--settings", "tuned,defaults", "--process", "in,mp"]
+    assert offline.main([*argv, "--json", str(rows_path)]) == 0
+    rows = json.loads(rows_path.read_text())["rows"]
+    names = [r["workload"] for r in rows]
+    assert names == [
+        "whisper-large-v3-turbo [process=in]",
+        "whisper-large-v3-turbo [process=mp]",
+        "whisper-large-v3-turbo [settings=defaults, process=in]",
+        "whisper-large-v3-turbo [settings=defaults, process=mp]",
+    ]
+    for row in rows:
+        defaults = any("only LLM's defaults" in n for n in row["notes"])
+        assert defaults == ("settings=defaults" in row["workload"])
+        assert row["ours"] is not None
