@@ -147,18 +147,16 @@ def test_engine_memory_is_released_between_variants(
 
 
 def test_settings_and_process_rows(offline: ModuleType, tmp_path: Path) -> None:
-    """`--settings tuned,defaults --process in,mp`: four rows of one workload; the defaults rows
-    say that they ran without the workload's engine settings."""
+    """`--settings tuned,defaults --process mp`: two rows of one workload, both with the core in
+    its own process; the defaults row says that it ran without the workload's settings."""
     rows_path = tmp_path / "rows.json"
     argv = _smoke_args(tmp_path, "--workloads", "whisper-turbo", "--no-transformers")
-    argv += ["--repeats", "1", "--settings", "tuned,defaults", "--process", "in,mp"]
+    argv += ["--repeats", "1", "--settings", "tuned,defaults", "--process", "mp"]
     assert offline.main([*argv, "--json", str(rows_path)]) == 0
     rows = json.loads(rows_path.read_text())["rows"]
     names = [r["workload"] for r in rows]
     assert names == [
-        "whisper-large-v3-turbo [process=in]",
         "whisper-large-v3-turbo [process=mp]",
-        "whisper-large-v3-turbo [settings=defaults, process=in]",
         "whisper-large-v3-turbo [settings=defaults, process=mp]",
     ]
     for row in rows:
