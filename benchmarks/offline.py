@@ -153,9 +153,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="tuned|defaults (list): the workload's engine settings, or none (LLM's defaults)",
     )
-    p.add_argument(
-        "--process", default=None, help="in|mp (list): where each row's EngineCore runs"
-    )
+    p.add_argument("--process", default=None, help="in|mp (list): where each row's EngineCore runs")
     p.add_argument("--cross-attention", default=None, help="absorbed|per_layer|auto (list)")
     p.add_argument("--quantization", default=None, help="e.g. fp8 (list)")
     p.add_argument("--kv-cache-dtype", default=None, help="e.g. fp8 (list)")
@@ -180,9 +178,7 @@ def engine_variants(args: argparse.Namespace) -> list[dict[str, str]]:
             lists[option] = value.split(",")
     variants = []
     for combo in itertools.product(*lists.values()):
-        variant = {
-            k: v for k, v in zip(lists, combo, strict=True) if v not in ("default", "tuned")
-        }
+        variant = {k: v for k, v in zip(lists, combo, strict=True) if v not in ("default", "tuned")}
         if variant not in variants:
             variants.append(variant)
     return variants or [{}]

@@ -12,11 +12,9 @@ of each process and thread are printed.
 from __future__ import annotations
 
 import argparse
-import collections
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,54 +25,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 from _context import asset  # noqa: E402
+from _spy import start_spy, summarize  # noqa: E402
 from _whisper import CLIP_SECONDS, transcribe_run  # noqa: E402
 from dp_scaling import ENGINE_KWARGS, TINY_ENGINE_KWARGS, ClipSource, build_turbo  # noqa: E402
-
-
-def start_spy(pid: int, out: str, seconds: float) -> subprocess.Popen:
-    cmd = ["py-spy", "record", "--pid", str(pid), "--subprocesses", "--threads", "--nonblocking"]
-    cmd += ["--rate", "250", "--format", "raw", "--output", out, "--duration", str(int(seconds))]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    time.sleep(1.0)  # py-spy attaches
-    return proc
-
-
-def summarize(raw: str, top: int) -> str:
-    """Samples per process / thread, and each one's busiest frames (self and inclusive)."""
-    by_thread: collections.Counter[str] = collections.Counter()
-    self_frames: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
-    incl_frames: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
-    with open(raw) as f:
-        for line in f:
-            stack, _, count = line.rstrip("\n").rpartition(" ")
-            if not stack:
-                continue
-            frames = stack.split(";")
-            # --subprocesses: "process PID:"cmd"" first, then "thread (0x..)" with --threads
-            head = []
-            for fr in frames:
-                if not fr.startswith(("process ", "thread ")):
-                    break
-                head.append(fr)
-            key = " / ".join(
-                h.split(":")[0] if h.startswith("process ") else h[:60] for h in head[-2:]
-            )
-            body = frames[len(head) :]
-            n = int(count)
-            by_thread[key] += n
-            if body:
-                self_frames[key][body[-1]] += n
-            for fr in set(body):
-                incl_frames[key][fr] += n
-    total = sum(by_thread.values()) or 1
-    lines = [f"{total} samples"]
-    for key, n in by_thread.most_common(8):
-        lines.append(f"\n## {key}: {n} samples ({100 * n / total:.1f}%)")
-        lines.append("self:")
-        lines += [f"  {c:6d}  {fr[:150]}" for fr, c in self_frames[key].most_common(top)]
-        lines.append("inclusive:")
-        lines += [f"  {c:6d}  {fr[:150]}" for fr, c in incl_frames[key].most_common(top)]
-    return "\n".join(lines)
 
 
 def main() -> int:
@@ -130,7 +83,7 @@ def main() -> int:
                     batch = clips.next(args.clips)
                     seconds = 2 + 1.5 * statistics.median(walls[mode])
                     out = os.path.join(args.py_spy, f"{mode}.txt")
-                    spy = start_spy(os.getpid(), out, seconds)
+                    spy = start_spy(os.getpid(), out, rate=250, seconds=seconds)
                     start = time.perf_counter()
                     run(llm, batch)
                     wall = time.perf_counter() - start

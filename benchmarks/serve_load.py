@@ -54,7 +54,7 @@ import httpx
 import numpy as np
 from _real_speech import SAMPLE_RATE, InputSet, load_clips, make_inputs, wer
 from _serve import wait_until_healthy
-from process_cost import summarize
+from _spy import start_spy, summarize
 
 
 def wav_bytes(audio: np.ndarray) -> bytes:
@@ -77,16 +77,6 @@ def build_random_model(kind: str, device: str, root: str) -> str:
 
     ns = argparse.Namespace(tiny=kind == "tiny", device=device, tokenizer=asset("whisper-base"))
     return build_turbo(ns, root)
-
-
-def start_spy(pid: int, out: str) -> subprocess.Popen:
-    """py-spy (on PATH) sampling the server and its core processes, per thread, until SIGINT."""
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    cmd = ["py-spy", "record", "--pid", str(pid), "--subprocesses", "--threads", "--nonblocking"]
-    cmd += ["--rate", "200", "--format", "raw", "--output", out]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    time.sleep(1.0)  # py-spy attaches
-    return proc
 
 
 def start_server(args: argparse.Namespace, dp: int) -> tuple[subprocess.Popen, str]:
@@ -402,7 +392,7 @@ def run_one(
     finally:
         if spy is not None:
             spy.send_signal(signal.SIGINT)  # py-spy writes what it sampled
-            spy.wait(timeout=60)
+            spy.communicate(timeout=60)  # its stderr is a pipe: drain it
             print(summarize(os.path.join(args.py_spy, f"server_dp{dp}.txt"), 30), flush=True)
         proc.terminate()
         try:
