@@ -428,3 +428,15 @@ def forbid_resampling(monkeypatch: Any) -> None:
     import soxr
 
     monkeypatch.setattr(soxr, "ResampleStream", fail)
+
+
+def with_auto_bursts(config: Any, steps: int = 8) -> Any:
+    """`config` as a GPU engine resolves an auto num_scheduler_steps (bursts of `steps` that
+    skip streamed requests: EngineConfig.auto_num_scheduler_steps), forced on any device."""
+    import dataclasses
+
+    return dataclasses.replace(
+        config,
+        scheduler_config=dataclasses.replace(config.scheduler_config, num_scheduler_steps=steps),
+        auto_num_scheduler_steps=True,
+    )

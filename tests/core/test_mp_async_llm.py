@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from tests.utils import with_auto_bursts
 from v1.config import EngineConfig, make_engine_config
 from v1.core.errors import EngineDeadError
 from v1.engine.async_llm import AsyncLLM
@@ -388,11 +389,7 @@ def test_auto_bursts_run_final_only_requests_and_keep_streams_per_token(
         return list(outs), (await engine.get_stats())["num_decode_bursts"] - before
 
     expected, _ = asyncio.run(run(llm, RequestOutputKind.FINAL_ONLY))
-    auto = dataclasses.replace(
-        config,
-        scheduler_config=dataclasses.replace(config.scheduler_config, num_scheduler_steps=8),
-        auto_num_scheduler_steps=True,
-    )
+    auto = with_auto_bursts(config)
     engine = AsyncLLM.from_engine_config(auto)
     try:
         final, final_bursts = asyncio.run(run(engine, RequestOutputKind.FINAL_ONLY))
