@@ -1,11 +1,16 @@
-"""What running the EngineCore in its own process costs offline Whisper (issue 35 item 1):
-`LLM.transcribe` with the core in this process against the same engine with the core in its own
-process (LLM's default), alternating, on one set of random large-v3-turbo weights, 30 s clips x
-forced tokens, fresh clips every run. With `--py-spy DIR` (py-spy on PATH), one more run of
-each is sampled by py-spy (non-blocking, both processes, per thread), and the busiest frames
-of each process and thread are printed.
+"""What running the EngineCore in its own process, and LLM's default settings, cost offline
+Whisper (issue 35 item 1): `LLM.transcribe` on engines that all live at once, timed in turn
+(round-robin, so drift hits every engine alike), on one set of random large-v3-turbo weights,
+30 s clips x forced tokens, fresh clips every run. `--modes` picks the engines: `in` / `mp`
+the tuned settings with the core in this process / its own process (LLM's default);
+`defaults-in` / `defaults-mp` `LLM(path, dtype=...)` with nothing else but a fixed KV pool.
+With `--py-spy DIR` (py-spy on PATH), one more run of each is sampled by py-spy (non-blocking,
+both processes, per thread), and the busiest frames of each process and thread are printed.
+With `--trace DIR`, every core writes its step trace (V1_STEP_TRACE, `v1.core.step_trace`) and
+each timed run's steps are summarized: how many steps, how many encoder inputs per encoder
+step, how many requests per decode step.
 
-    python3 benchmarks/process_cost.py --clips 256 --repeats 3 --py-spy $OUT/spy
+    python3 benchmarks/process_cost.py --clips 256 --repeats 3 --trace $OUT/trace
     python3 benchmarks/process_cost.py --device cpu --tiny --clips 4 --repeats 1   # smoke run
 """
 
@@ -20,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -39,6 +46,8 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--py-spy", default=None, help="folder for py-spy's raw profiles")
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--modes", default="in,mp", help="comma list of " + ",".join(MODES))
+    p.add_argument("--trace", default=None, help="folder for the cores' step traces")
     args = p.parse_args()
     from v1 import LLM
 
@@ -53,10 +62,27 @@ def main() -> int:
         dtype = "float16" if args.device.startswith("cuda") else "float32"
         run = transcribe_run(args.tokens)
         clips = ClipSource(args.clips)
-        engines = {
-            mode: LLM(path, dtype=dtype, device=args.device, multiprocess=mode == "mp", **kwargs)
-            for mode in ("in", "mp")
-        }
+        modes = args.modes.split(",")
+        if unknown := set(modes) - set(MODES):
+            raise SystemExit(f"unknown --modes {sorted(unknown)}; choose from {MODES}")
+        if args.trace:
+            os.environ["V1_STEP_TRACE"] = args.trace  # read by each core as it starts
+        defaults = {"kv_cache_memory_bytes": kwargs["kv_cache_memory_bytes"]}
+        engines = {}
+        traces = {}
+        for mode in modes:
+            before = (
+                set(os.listdir(args.trace)) if args.trace and os.path.isdir(args.trace) else set()
+            )
+            engines[mode] = LLM(
+                path,
+                dtype=dtype,
+                device=args.device,
+                multiprocess=mode.endswith("mp"),
+                **(defaults if mode.startswith("defaults") else kwargs),
+            )
+            if args.trace:
+                (traces[mode],) = set(os.listdir(args.trace)) - before
         try:
             for llm in engines.values():
                 run(llm, clips.next(args.clips))  # warm-up on full-size clips
@@ -69,11 +95,11 @@ def main() -> int:
                     walls[mode].append(time.perf_counter() - start)
             audio = args.clips * CLIP_SECONDS
             print(f"\n{args.clips} clips x {args.tokens} tokens, engine {kwargs}, alternating")
-            print("| core | RTFx median [min-max] | wall s |")
+            print("| engine | RTFx median [min-max] | wall s |")
             print("|---|---:|---:|")
             for mode, w in walls.items():
                 print(
-                    f"| {'this process' if mode == 'in' else 'own process'} | "
+                    f"| {MODES[mode]} | "
                     f"{audio / statistics.median(w):,.0f} [{audio / max(w):,.0f}-"
                     f"{audio / min(w):,.0f}] | {statistics.median(w):.3f} |"
                 )
@@ -96,9 +122,48 @@ def main() -> int:
         finally:
             for llm in engines.values():
                 llm.shutdown()
+        if args.trace:
+            for mode, name in traces.items():
+                print(f"\n# step trace, {MODES[mode]} ({name}); warm-up run first")
+                print(summarize_trace(os.path.join(args.trace, name)))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return 0
+
+
+MODES = {
+    "in": "tuned, core in this process",
+    "mp": "tuned, core in its own process",
+    "defaults-in": "defaults, core in this process",
+    "defaults-mp": "defaults, core in its own process (LLM's default)",
+}
+RUN_GAP_S = 0.3
+"""A pause between two steps this long starts a new run (the other engines ran meanwhile)."""
+
+
+def summarize_trace(path: str) -> str:
+    """One table row per run of a step trace (runs split at pauses of RUN_GAP_S)."""
+    rows = np.loadtxt(path, delimiter=",", skiprows=1, ndmin=2)
+    if not len(rows):
+        return "(no steps)"
+    cuts = np.flatnonzero(np.diff(rows[:, 0]) > RUN_GAP_S) + 1
+    lines = [
+        "| run | s (first to last schedule) | steps | encoder steps | inputs per encoder step "
+        "(mean, first 3) | decode-only steps | reqs, burst per decode-only step | tokens per step |",
+        "|---:|---:|---:|---:|---|---:|---|---:|",
+    ]
+    for i, run in enumerate(np.split(rows, cuts)):
+        t, _, enc, reqs, tokens, burst, _ = run.T
+        encoder_steps = enc[enc > 0]
+        decode_only = reqs[enc == 0]
+        lines.append(
+            f"| {i} | {t[-1] - t[0]:.3f} | {len(run)} | {len(encoder_steps)} | "
+            f"{encoder_steps.mean() if len(encoder_steps) else 0:.1f} "
+            f"({', '.join(str(int(x)) for x in encoder_steps[:3])}) | {len(decode_only)} | "
+            f"{decode_only.mean() if len(decode_only) else 0:.1f}, "
+            f"{burst[enc == 0].mean() if len(decode_only) else 0:.1f} | {tokens.mean():.1f} |"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

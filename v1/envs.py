@@ -95,6 +95,12 @@ def torch_profiler_dir() -> str | None:
     return os.environ.get("V1_TORCH_PROFILER_DIR") or None
 
 
+def step_trace_dir() -> str | None:
+    """V1_STEP_TRACE=DIR, read when an EngineCore starts: it writes one CSV line per scheduled
+    step to DIR/steps-<pid>-<n>.csv (`v1.core.step_trace`; unset: off)."""
+    return os.environ.get("V1_STEP_TRACE") or None
+
+
 def torch_profiler_steps() -> tuple[int, int]:
     """V1_TORCH_PROFILER_STEPS "START:STOP" (default "20:40"): the worker steps profiled."""
     start, _, stop = os.environ.get("V1_TORCH_PROFILER_STEPS", "20:40").partition(":")

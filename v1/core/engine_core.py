@@ -26,6 +26,7 @@ from v1.core.protocol import (
 from v1.core.request import Request, RequestStatus
 from v1.core.sched_output import SchedulerOutput
 from v1.core.scheduler import Scheduler
+from v1.core.step_trace import StepTrace
 from v1.core.structured_output import StructuredOutputManager
 from v1.kv_cache.capacity import num_blocks_needed, num_usable_blocks
 from v1.kv_cache.sizing import get_kv_cache_config
@@ -83,6 +84,7 @@ class EngineCore:
         """Seconds from arrival to the first scheduled step, until the first output carries it."""
         self._prompt_logprobs: dict[str, tuple[list[list[int]], list[list[float]]]] = {}
         """Prompt logprobs of requests whose first token is not out yet, by prompt position."""
+        self._trace = StepTrace.from_env()
         gc.collect()
         gc.freeze()  # start-up objects live forever: keep them out of cyclic GC scans
         if not self.kv_cache_config.groups:
@@ -177,6 +179,8 @@ class EngineCore:
     def _schedule(self) -> SchedulerOutput:
         """The scheduler's next step, with the grammar bitmask of its structured requests."""
         so = self.scheduler.schedule()
+        if self._trace is not None:
+            self._trace.record(so, len(self.scheduler.waiting))
         if so.scheduled_new_reqs:
             self._record_queue_times(so)
         if len(self.structured_outputs):
@@ -385,6 +389,8 @@ class EngineCore:
         return getattr(self, method)(*args)
 
     def shutdown(self) -> None:
+        if self._trace is not None:
+            self._trace.close()
         self.executor.shutdown()
         # Start-up froze this engine's objects out of cyclic GC; give them back so that a
         # process that builds engine after engine (tests, benchmarks) frees each one's memory.
