@@ -26,11 +26,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
+import _trace  # noqa: E402
 from _context import asset  # noqa: E402
 from _spy import start_spy, summarize  # noqa: E402
 from _whisper import CLIP_SECONDS, transcribe_run  # noqa: E402
@@ -66,7 +65,7 @@ def main() -> int:
         if unknown := set(modes) - set(MODES):
             raise SystemExit(f"unknown --modes {sorted(unknown)}; choose from {MODES}")
         if args.trace:
-            os.environ["V1_STEP_TRACE"] = args.trace  # read by each core as it starts
+            _trace.enable(args.trace)
         defaults = {"kv_cache_memory_bytes": kwargs["kv_cache_memory_bytes"]}
         engines = {}
         traces = {}
@@ -82,17 +81,19 @@ def main() -> int:
                 **(defaults if mode.startswith("defaults") else kwargs),
             )
             if args.trace:
-                (traces[mode],) = set(os.listdir(args.trace)) - before
+                (traces[mode],) = _trace.files(args.trace) - before
         try:
             for llm in engines.values():
                 run(llm, clips.next(args.clips))  # warm-up on full-size clips
             walls: dict[str, list[float]] = {mode: [] for mode in engines}
+            spans: dict[str, list[tuple[float, float]]] = {mode: [] for mode in engines}
             for _ in range(args.repeats):
                 for mode, llm in engines.items():
                     batch = clips.next(args.clips)
                     start = time.perf_counter()
                     run(llm, batch)
-                    walls[mode].append(time.perf_counter() - start)
+                    spans[mode].append((start, time.perf_counter()))
+                    walls[mode].append(spans[mode][-1][1] - start)
             audio = args.clips * CLIP_SECONDS
             print(f"\n{args.clips} clips x {args.tokens} tokens, engine {kwargs}, alternating")
             print("| engine | RTFx median [min-max] | wall s |")
@@ -124,8 +125,8 @@ def main() -> int:
                 llm.shutdown()
         if args.trace:
             for mode, name in traces.items():
-                print(f"\n# step trace, {MODES[mode]} ({name}); warm-up run first")
-                print(summarize_trace(os.path.join(args.trace, name)))
+                print(f"\n# step trace, {MODES[mode]} ({name}), the timed runs")
+                print(_trace.summarize(os.path.join(args.trace, name), spans[mode]))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return 0
@@ -137,34 +138,3 @@ MODES = {
     "defaults-in": "defaults, core in this process",
     "defaults-mp": "defaults, core in its own process (LLM's default)",
 }
-RUN_GAP_S = 0.3
-"""A pause between two steps this long starts a new run (the other engines ran meanwhile)."""
-
-
-def summarize_trace(path: str) -> str:
-    """One table row per run of a step trace (runs split at pauses of RUN_GAP_S)."""
-    rows = np.loadtxt(path, delimiter=",", skiprows=1, ndmin=2)
-    if not len(rows):
-        return "(no steps)"
-    cuts = np.flatnonzero(np.diff(rows[:, 0]) > RUN_GAP_S) + 1
-    lines = [
-        "| run | s (first to last schedule) | steps | encoder steps | inputs per encoder step "
-        "(mean, first 3) | decode-only steps | reqs, burst per decode-only step | tokens per step |",
-        "|---:|---:|---:|---:|---|---:|---|---:|",
-    ]
-    for i, run in enumerate(np.split(rows, cuts)):
-        t, _, enc, reqs, tokens, burst, _ = run.T
-        encoder_steps = enc[enc > 0]
-        decode_only = reqs[enc == 0]
-        lines.append(
-            f"| {i} | {t[-1] - t[0]:.3f} | {len(run)} | {len(encoder_steps)} | "
-            f"{encoder_steps.mean() if len(encoder_steps) else 0:.1f} "
-            f"({', '.join(str(int(x)) for x in encoder_steps[:3])}) | {len(decode_only)} | "
-            f"{decode_only.mean() if len(decode_only) else 0:.1f}, "
-            f"{burst[enc == 0].mean() if len(decode_only) else 0:.1f} | {tokens.mean():.1f} |"
-        )
-    return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -50,6 +50,7 @@ import sys
 import tempfile
 import time
 
+import _trace
 import httpx
 import numpy as np
 from _real_speech import SAMPLE_RATE, InputSet, load_clips, make_inputs, wer
@@ -231,14 +232,16 @@ def offline_rtfx(
     from v1 import LLM
 
     kwargs = serve_engine_kwargs(args.serve_args)
+    traced = _trace.files(args.trace) if args.trace else set()
     llm = LLM(
         args.model,
         device=args.device,
         data_parallel_size=dp,
         **kwargs,
     )
+    traced = _trace.files(args.trace) - traced if args.trace else set()
     try:
-        rtfx, texts = [], []
+        rtfx, texts, spans = [], [], []
         for k, batch in enumerate(sets):
             audio = [(pcm16(a), SAMPLE_RATE) for a in batch.audio]
             start = time.perf_counter()
@@ -249,9 +252,13 @@ def offline_rtfx(
             if k:
                 rtfx.append(batch.seconds / wall)
                 texts = [o.text for o in outs]
+                spans.append((start, start + wall))
         return rtfx, texts
     finally:
         llm.shutdown()
+        for name in sorted(traced):
+            print(f"\n# step trace of the offline core ({name}), the timed runs", flush=True)
+            print(_trace.summarize(os.path.join(args.trace, name), spans), flush=True)
 
 
 def fallback_options(args: argparse.Namespace) -> dict[str, float]:
@@ -298,6 +305,12 @@ def main() -> int:
     p.add_argument(
         "--py-spy", default=None, help="folder: py-spy samples the server during the timed rounds"
     )
+    p.add_argument(
+        "--trace",
+        default=None,
+        help="folder: the server's and the offline baseline's cores write step traces, "
+        "summarized per timed round",
+    )
     p.add_argument("--log-dir", default=os.environ.get("OUT", "."), help="server log folder")
     p.add_argument(
         "--null-server",
@@ -326,6 +339,8 @@ def main() -> int:
     if args.no_fallback is None:
         args.no_fallback = args.random is not None
     dps = [int(n) for n in args.data_parallel_size.split(",")]
+    if args.trace:
+        _trace.enable(args.trace)
     clips = load_clips(args.audio_dir)
     sets = [make_inputs(clips, args.num_requests, s) for s in range(args.rounds + 1)]
     files = [[wav_bytes(a) for a in s.audio] for s in sets]
@@ -357,13 +372,17 @@ def run_one(
     args: argparse.Namespace, dp: int, sets: list[InputSet], files: list[list[bytes]]
 ) -> dict | None:
     """One server of `dp` cores under the load: its summary (None after request errors)."""
+    traced = _trace.files(args.trace) if args.trace else set()
     proc, url = start_server(args, dp)
+    traced = _trace.files(args.trace) - traced if args.trace else set()
     rounds = []
+    spans: list[tuple[float, float]] = []
     spy = None
     try:
         for k, (batch, payload) in enumerate(zip(sets, files, strict=True)):
             if k == 1 and args.py_spy:
                 spy = start_spy(proc.pid, os.path.join(args.py_spy, f"server_dp{dp}.txt"))
+            start = time.perf_counter()
             if args.client_procs > 1:
                 wall, lat, texts, errors = send_from_processes(args, url, payload, args.root)
             else:
@@ -389,6 +408,7 @@ def run_one(
             )
             if k:
                 rounds.append((wall, lat, texts, batch))
+                spans.append((start, time.perf_counter()))
     finally:
         if spy is not None:
             spy.send_signal(signal.SIGINT)  # py-spy writes what it sampled
@@ -420,6 +440,9 @@ def run_one(
         f", latency p50 {summary['p50']:.3f} s, p99 {summary['p99']:.3f} s",
         flush=True,
     )
+    for name in sorted(traced):
+        print(f"\n# step trace of the server's core ({name}), the timed rounds", flush=True)
+        print(_trace.summarize(os.path.join(args.trace, name), spans), flush=True)
     if args.offline_baseline:
         rtfx, texts = offline_rtfx(args, sets, dp)
         offline = statistics.median(rtfx)

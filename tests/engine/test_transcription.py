@@ -456,6 +456,44 @@ def test_files_start_a_step_budget_at_a_time_with_the_same_results(tiny_llm: LLM
     ]
 
 
+def test_a_core_that_runs_ahead_gets_two_step_budgets_queued(tiny_llm: LLM) -> None:
+    """A core in its own process steps without waiting for the frontend: the frontend keeps
+    two steps' encoder budget of windows queued without an output (sent in a second message
+    after the first budget), and every window is decoded as with no lead."""
+    rng = np.random.default_rng(11)
+    waves = [(0.1 * rng.standard_normal(3 * SR)).astype(np.float32) for _ in range(20)]
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+
+    class AheadEngine(RecordingEngine):
+        core_runs_ahead = True
+
+        def __init__(self, engine: Any) -> None:
+            super().__init__(engine)
+            self.config = engine.config
+            self.adds_at_step: list[int] = []
+
+        def step(self) -> list[Any]:
+            self.adds_at_step.append(len(self.added))
+            return super().step()
+
+    engine = AheadEngine(tiny_llm.llm_engine)
+    ahead = Transcriber(engine)
+    assert ahead.core_lead == 2 * ahead.files_per_step == 12
+    assert Transcriber(RecordingEngine(tiny_llm.llm_engine)).core_lead == 0
+    results = ahead.transcribe(
+        [(w, SR) for w in waves], sampling_params=params, language="en", temperature=0.0
+    )
+    assert engine.adds_at_step[0] == 12  # 7 (a budget + one), then 5 more in a second message
+    assert max(engine.adds_at_step) == 20
+    plain = Transcriber(tiny_llm.llm_engine).transcribe(
+        [(w, SR) for w in waves], sampling_params=params, language="en", temperature=0.0
+    )
+    assert [r.text for r in results] == [r.text for r in plain]
+    assert [s.tokens for r in results for s in r.segments] == [
+        s.tokens for r in plain for s in r.segments
+    ]
+
+
 def test_data_parallel_engines_admit_a_budget_of_files_per_core(tiny_llm: LLM) -> None:
     """Under data_parallel_size=N each core steps on its own: N step budgets of files start
     between two engine steps, and twice max_num_seqs per core may be active."""

@@ -47,6 +47,11 @@ class HeldAdds(threading.local):
 
 
 class EngineCoreClient(ABC):
+    runs_ahead: bool = True
+    """The core steps on its own (another process): `get_output` reads what it has done, so a
+    synchronous frontend must queue work ahead of it. False for an in-process core, which
+    steps only inside `get_output`."""
+
     # sync interface
     def add_request(self, request: EngineCoreRequest) -> None:
         raise TypeError(f"{type(self).__name__} is asyncio-only")

@@ -15,6 +15,8 @@ from v1.core.protocol import EngineCoreOutputs, EngineCoreRequest
 class InprocClient(EngineCoreClient):
     """The core in this process: `get_output` runs one step."""
 
+    runs_ahead = False
+
     def __init__(self, config: EngineConfig, executor_factory: ExecutorFactory) -> None:
         self.engine_core = EngineCore(config, executor_factory)
 

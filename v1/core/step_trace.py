@@ -13,7 +13,8 @@ from v1 import envs
 from v1.core.sched_output import SchedulerOutput
 
 COLUMNS = ("t", "new_reqs", "encoder_inputs", "reqs", "tokens", "decode_steps", "waiting")
-"""t: seconds since the trace opened (at schedule); new_reqs: requests scheduled for the
+"""t: `time.perf_counter()` at schedule (CLOCK_MONOTONIC: comparable across the processes of
+one machine, so a benchmark can cut the trace at its runs' start and end times); new_reqs: requests scheduled for the
 first time; encoder_inputs: encoder inputs run this step; reqs / tokens: scheduled requests and
 tokens; decode_steps: the step's decode burst; waiting: requests left waiting."""
 
@@ -26,9 +27,8 @@ class StepTrace:
     def __init__(self, directory: str) -> None:
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, f"steps-{os.getpid()}-{next(_counter)}.csv")
-        self._file: IO[str] = open(path, "w", buffering=1 << 16)  # noqa: SIM115 - closed by close()
+        self._file: IO[str] = open(path, "w", buffering=1)  # noqa: SIM115 - line-buffered: a killed core keeps its lines
         self._file.write(",".join(COLUMNS) + "\n")
-        self._start = time.perf_counter()
         self.path = path
 
     @classmethod
@@ -37,7 +37,7 @@ class StepTrace:
         return cls(directory) if directory else None
 
     def record(self, so: SchedulerOutput, num_waiting: int) -> None:
-        t = time.perf_counter() - self._start
+        t = time.perf_counter()
         self._file.write(
             f"{t:.6f},{len(so.scheduled_new_reqs)},{len(so.encoder_hashes_to_run)},"
             f"{len(so.num_scheduled_tokens)},{so.total_num_scheduled_tokens},"

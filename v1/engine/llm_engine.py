@@ -124,6 +124,11 @@ class LLMEngine:
             request.streamed = output_kind != RequestOutputKind.FINAL_ONLY
             self.engine_core.add_request(request)
 
+    @property
+    def core_runs_ahead(self) -> bool:
+        """The core(s) step in their own process(es) (EngineCoreClient.runs_ahead)."""
+        return self.engine_core.runs_ahead
+
     def batched_adds(self) -> AbstractContextManager[None]:
         """Requests added inside go to the core(s) together when the block ends (one message
         per core; `EngineCoreClient.batched_adds`)."""

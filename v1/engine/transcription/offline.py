@@ -111,6 +111,11 @@ class Transcriber:
         """Files started between two engine steps: one step's encoder budget of windows per
         engine core (data parallelism: each core steps on its own)."""
         self.num_cores = num_cores
+        self.core_lead = 2 * self.files_per_step if getattr(engine, "core_runs_ahead", False) else 0
+        """Windows kept queued ahead of a core that steps on its own (its own process): started
+        windows without an output yet. Between two outputs such a core may run several steps;
+        with only `files_per_step` started per output read, it ran short encoder steps and
+        decoded in more, smaller batches (process_cost.py's step trace, session 20)."""
 
     def transcribe(
         self, audio: Any, *, use_tqdm: bool = False, lora_request: Any = None, **options: Any
@@ -148,7 +153,9 @@ class Transcriber:
         return TranscriptionStream(job)
 
     def _run(self, plans: list[Plan], max_active: int) -> _SyncRun:
-        return _SyncRun(self.engine, plans, max_active, self.files_per_step, self.num_cores)
+        return _SyncRun(
+            self.engine, plans, max_active, self.files_per_step, self.num_cores, self.core_lead
+        )
 
     def _sequential(
         self,
@@ -470,7 +477,8 @@ class _SyncRun:
     at most `max_active` files run at once; their windows share the engine's steps. Files
     start `files_per_step` (one step's encoder budget) between two steps, and one more before
     the first, so every step() has a step to launch before it reads back the last one
-    (docs/decisions.md)."""
+    (docs/decisions.md). With `lead` (a core that steps on its own), more files start after
+    those, in a second message, until `lead` windows are queued without an output yet."""
 
     def __init__(
         self,
@@ -479,6 +487,7 @@ class _SyncRun:
         max_active: int,
         files_per_step: int = 1 << 30,
         num_cores: int = 1,
+        lead: int = 0,
     ) -> None:
         self.engine = engine
         self.num_cores = num_cores
@@ -494,6 +503,9 @@ class _SyncRun:
         self.active: set[int] = set()
         self.feed: _ChunkFeed | None = None
         """More plans while the run goes (batched files whose VAD still runs)."""
+        self.lead = lead
+        self.unanswered: set[str] = set()
+        """Windows added that have no output yet (queued in the core, or in its steps)."""
 
     @property
     def num_plans(self) -> int:
@@ -532,6 +544,7 @@ class _SyncRun:
             if in_flight:
                 engine.abort_core_requests(in_flight)
             self.pending.clear()
+            self.unanswered.clear()
             self.beams.clear()
             raise
 
@@ -549,6 +562,7 @@ class _SyncRun:
                 entry = self.pending.get(output.request_id)
                 if entry is None:
                     continue
+                self.unanswered.discard(output.request_id)
                 i, collector = entry
                 collector.add(output)
                 if output.finished:
@@ -581,6 +595,8 @@ class _SyncRun:
             i,
             WindowCollector(f"audio input {i}", request.length_penalty),
         )
+        if self.lead:
+            self.unanswered.add(request.request_id)
 
     def _step_beam(self, req_id: str) -> None:
         """Feeds a window's beam search its last step's outputs once all are in, then queues
@@ -614,11 +630,17 @@ class _SyncRun:
         `max_active` allows)."""
         with self.engine.batched_adds():  # one message per core (2,048 clips under DP 4)
             self._start_files(extra)
+        if self.lead and len(self.unanswered) < self.lead:
+            with self.engine.batched_adds():  # a second message: the core starts on the first
+                self._start_files(0, top_up=True)
 
-    def _start_files(self, extra: int) -> None:
+    def _start_files(self, extra: int, top_up: bool = False) -> None:
+        """Up to one step's budget (+ `extra`) of files; `top_up`: until `lead` windows wait."""
         started = 0
         while self.waiting and len(self.active) < self.max_active:
-            if started == self.files_per_step + extra:
+            if top_up and len(self.unanswered) >= self.lead:
+                return
+            if not top_up and started == self.files_per_step + extra:
                 return  # the rest after the next step (launched meanwhile)
             started += 1
             i = self.waiting.popleft()
