@@ -221,7 +221,18 @@ def test_pooling_output(processor) -> None:
     (res,) = results
     assert isinstance(res, PoolingRequestOutput) and res.finished and res.error is None
     assert res.prompt_token_ids == [2, 5, 3]
+    assert res.prompt_token_ids is request.prompt_token_ids  # shared, not copied per request
     np.testing.assert_array_equal(res.outputs.data, vector)
+
+
+def test_generation_output_copies_the_prompt_ids(processor, tiny_tokenizer) -> None:
+    ids = _ids(tiny_tokenizer, "hello")
+    request = EngineCoreRequest(
+        request_id="g", prompt_token_ids=ids, sampling_params=SamplingParams(max_tokens=1)
+    )
+    processor.add_request(request, "hello")
+    state = processor.request_states["g"]
+    assert state.prompt_token_ids == ids and state.prompt_token_ids is not ids
 
 
 def _logprob_steps(num_logprobs: int) -> list[EngineCoreOutput]:

@@ -154,6 +154,7 @@ def test_encoder_only_model_allocates_nothing() -> None:
     assert manager.get_computed_blocks(request)[1] == 0
     blocks = manager.allocate_slots(request, 12)
     assert blocks is not None and blocks.get_block_ids() == ()
+    assert blocks is manager.NO_NEW_BLOCKS  # shared: no object built per admission
     assert manager.num_total_blocks == 0 and manager.usage == 0.0
     manager.free(request)
     assert manager.num_requests == 0

@@ -42,6 +42,40 @@ _FINISH_REASONS = {
 
 
 class Request:
+    # Slots: one is built per request at admission (4096 for a batch of embeddings).
+    __slots__ = (
+        "request_id",
+        "lora_request",
+        "prompt_token_ids",
+        "sampling_params",
+        "pooling_params",
+        "encoder_input",
+        "token_type_ids",
+        "eos_token_id",
+        "arrival_time",
+        "priority",
+        "max_model_len",
+        "group_id",
+        "num_times_passed",
+        "status",
+        "stop_reason",
+        "error",
+        "num_computed_tokens",
+        "num_cached_tokens",
+        "num_preemptions",
+        "admitted_step",
+        "num_output_placeholders",
+        "output_token_ids",
+        "all_token_ids",
+        "block_hashes",
+        "num_kv_slots",
+        "hold_kv",
+        "fork_from",
+        "last_fork",
+        "streamed",
+        "max_tokens",
+    )
+
     def __init__(
         self,
         request_id: str,

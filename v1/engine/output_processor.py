@@ -212,10 +212,15 @@ class OutputProcessor:
                 final_only=output_kind == RequestOutputKind.FINAL_ONLY,
             )
         enc = request.encoder_input
+        # A pooling request's ids are the built request's own list, which nothing changes
+        # (the core keeps it as sent too): its output shares it instead of a copy.
+        prompt_token_ids = request.prompt_token_ids
+        if params is not None:
+            prompt_token_ids = list(prompt_token_ids)
         self.request_states[req_id] = RequestState(
             request_id=req_id,
             prompt=prompt,
-            prompt_token_ids=list(request.prompt_token_ids),
+            prompt_token_ids=prompt_token_ids,
             output_kind=output_kind,
             detokenizer=detokenizer,
             parent=parent,

@@ -199,7 +199,8 @@ class KVCacheManager:
         so that the step's hashing runs together (any other call runs it first).
         """
         if not self.managers:
-            return self._empty()  # encoder-only models: no paged layers, nothing to allocate
+            # Encoder-only models: no paged layers, nothing to allocate (every admission asks).
+            return self.NO_NEW_BLOCKS
         if new_computed_blocks is None and not num_encoder_tokens and self._full_managers:
             # The decode fast path (this runs for every running request each step): the full
             # tables already hold the slots (num_kv_slots: other kinds of groups never grow after

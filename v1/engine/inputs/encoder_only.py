@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from v1.model_info import ModelInfo
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class TokenizedText:
     """A text (or text pair) prompt as `pretokenize` tokenized it with others, or a token-id
     prompt whose ids it checked with others."""
