@@ -15,7 +15,7 @@ from v1.pooling_params import PoolingParams
 from v1.sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(slots=True)
 class NewRequestData:
     req_id: str
     prompt_token_ids: list[int]

@@ -126,7 +126,7 @@ class ParentRequest:
         return self.params.clone(n=1, seed=None if seed is None else seed + index)
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestState:
     """What the frontend keeps for one request the core runs."""
 
