@@ -173,6 +173,19 @@ def test_params_type_must_fit_the_model_kind(
         bert.process("r", "hello", PoolingParams(task="classify"))
 
 
+def test_pooling_params_changed_after_passing_are_checked_again(bert: InputProcessor) -> None:
+    """A batch's shared params pass once; the same object changed afterwards is checked anew
+    (the builder remembers a copy of what passed, not the object)."""
+    params = PoolingParams()
+    bert.process("r", "hello", params)
+    bert.process("r", "hello", params)
+    params.task = "classify"
+    with pytest.raises(ValueError, match="classifier"):
+        bert.process("r", "hello", params)
+    with pytest.raises(ValueError, match="encoder-only"):
+        bert.process("r", "hello", None)
+
+
 # ---- prompts ----
 
 

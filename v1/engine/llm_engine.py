@@ -103,8 +103,11 @@ class LLMEngine:
         """Queues what `process_request` returned (lets a caller validate a batch first).
         `lazy_logprobs`: completions carry a `LazySampleLogprobs` view (for callers that read
         only the sampled tokens' logprobs)."""
-        if request_id in self.output_processor.parent_requests or any(
-            r.request_id in self.output_processor.request_states for r in core_requests
+        # One core request: OutputProcessor.add_request's own check raises the same error
+        # before anything changes.
+        states = self.output_processor.request_states
+        if request_id in self.output_processor.parent_requests or (
+            len(core_requests) > 1 and any(r.request_id in states for r in core_requests)
         ):
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_text, encoder_text = self.input_processor.prompt_texts(prompt)

@@ -54,8 +54,13 @@ class EncoderOnlyInputBuilder(TokenInputBuilder):
             # An encoder-only input runs whole in one step.
             self.max_encoder_len = min(self.max_encoder_len, max_num_batched_tokens)
         self.type_vocab_size: int = getattr(model_config.hf_config, "type_vocab_size", 2)
+        self._valid_params: PoolingParams | None = None
+        """A private copy of the last params that passed `check_params`: params equal to it
+        pass without the checks (the requests of a batch share one params object)."""
 
     def check_params(self, params: Any) -> None:
+        if self._valid_params is not None and params == self._valid_params:
+            return
         if not isinstance(params, PoolingParams):
             raise ValueError(
                 f"{self.model_config.architecture} is an encoder-only (pooling) model: use "
@@ -68,6 +73,7 @@ class EncoderOnlyInputBuilder(TokenInputBuilder):
                 param="model",
             )
         self.info.check_pooling_params(params)
+        self._valid_params = params.clone()
 
     def build(
         self,
