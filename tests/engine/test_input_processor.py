@@ -602,3 +602,22 @@ def test_builders_know_their_decoder_prompt_length(
     num_pair = bart.builder.decoder_prompt_len(pair)
     assert num_pair > 1 and num_pair == len(bart.process("r", pair, GREEDY).prompt_token_ids)
     assert bert.builder.decoder_prompt_len(text) == 0  # no decoder
+
+
+def test_pretokenize_sorts_prompts_by_kind_in_one_pass() -> None:
+    from v1.engine.inputs.encoder_only import _prompt_kinds
+
+    prompts = [
+        "a text",
+        "",
+        {"prompt_token_ids": [5, 6]},
+        {"prompt_token_ids": []},
+        {"prompt_token_ids": (7,)},
+        {"prompt_token_ids": [5], "token_type_ids": [0]},
+        {"text": "q", "text_pair": "d"},
+        {"text": "q", "text_pair": ""},
+        {"text": "q", "text_pair": 3},
+        {"prompt": "p"},
+        None,
+    ]
+    assert _prompt_kinds(prompts) == ([2, 4], [0], [6])

@@ -360,13 +360,9 @@ class OutputProcessor:
 
     def _pooling_output(self, state: RequestState, out: EngineCoreOutput) -> PoolingRequestOutput:
         data = PoolingOutput(out.pooled_output) if out.pooled_output is not None else None
+        # Positional (the fields in order): one is built per request.
         return PoolingRequestOutput(
-            request_id=state.request_id,
-            outputs=data,
-            prompt_token_ids=state.prompt_token_ids,
-            finished=True,
-            error=out.error,
-            queue_time=state.queue_time,
+            state.request_id, data, state.prompt_token_ids, True, out.error, state.queue_time
         )
 
     def _sample_logprobs(self, state: RequestState, start: int) -> SampleLogprobs:

@@ -32,6 +32,28 @@ class TokenizedText:
 
 
 _TOKEN_IDS_ONLY = {"prompt_token_ids"}
+_TEXT_PAIR = {"text", "text_pair"}
+
+
+def _prompt_kinds(prompts: list[Any]) -> tuple[list[int], list[int], list[int]]:
+    """Indices of the prompts `pretokenize` handles together, in one pass: (token-id prompts
+    with a non-empty list or tuple, non-empty texts, text pairs of two non-empty texts)."""
+    ids_only: list[int] = []
+    texts: list[int] = []
+    pairs: list[int] = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            if p:
+                texts.append(i)
+        elif isinstance(p, dict):
+            keys = p.keys()
+            if keys == _TOKEN_IDS_ONLY:
+                ids = p["prompt_token_ids"]
+                if isinstance(ids, (list, tuple)) and ids:
+                    ids_only.append(i)
+            elif keys == _TEXT_PAIR and all(isinstance(t, str) and t for t in p.values()):
+                pairs.append(i)
+    return ids_only, texts, pairs
 
 
 class EncoderOnlyInputBuilder(TokenInputBuilder):
@@ -104,28 +126,13 @@ class EncoderOnlyInputBuilder(TokenInputBuilder):
         pass for all and become TokenizedText too; if any fails, each keeps its own check
         (which names the culprit)."""
         out = list(prompts)
-        ids_only = [
-            i
-            for i, p in enumerate(prompts)
-            if isinstance(p, dict)
-            and p.keys() == _TOKEN_IDS_ONLY
-            and isinstance(p["prompt_token_ids"], (list, tuple))
-            and p["prompt_token_ids"]
-        ]
+        ids_only, texts, pairs = _prompt_kinds(prompts)
         if len(ids_only) > 1:
             lists = [prompts[i]["prompt_token_ids"] for i in ids_only]
             checked = checked_id_lists(lists, self.encoder_vocab_size)
             if checked is not None:
                 for i, ids in zip(ids_only, checked, strict=True):
                     out[i] = TokenizedText(ids, None, None)
-        texts = [i for i, p in enumerate(prompts) if isinstance(p, str) and p]
-        pairs = [
-            i
-            for i, p in enumerate(prompts)
-            if isinstance(p, dict)
-            and p.keys() == {"text", "text_pair"}
-            and all(isinstance(t, str) and t for t in p.values())
-        ]
         if len(texts) > 1:
             enc = self.tokenizer([prompts[i] for i in texts], add_special_tokens=True)
             type_ids = enc.get("token_type_ids") or [None] * len(texts)

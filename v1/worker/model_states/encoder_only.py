@@ -79,18 +79,19 @@ class EncoderOnlyState(ModelState):
     ) -> None:
         """Checks the new requests and writes their segment-id rows: every row zeroed in one
         write, then the rows of requests with non-zero ids (text pairs) filled."""
-        for data in new_reqs:
+        with_types: list[tuple[CachedRequestState, NewRequestData]] = []
+        for state, data in zip(states, new_reqs, strict=True):
             if data.pooling_params is None:
                 raise ValueError(
                     f"request {data.req_id}: an encoder-only model needs pooling_params"
                 )
+            if data.token_type_ids is not None:
+                with_types.append((state, data))
         slots = np.fromiter((state.slot for state in states), np.int64, len(states))
         self.token_type_ids[slots] = 0
         self.has_token_types[slots] = False
-        for state, data in zip(states, new_reqs, strict=True):
+        for state, data in with_types:
             types = data.token_type_ids
-            if types is None:
-                continue
             if len(types) != len(data.prompt_token_ids):
                 raise ValueError(
                     f"request {data.req_id}: {len(types)} token_type_ids for "
