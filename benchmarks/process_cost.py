@@ -138,3 +138,7 @@ MODES = {
     "defaults-in": "defaults, core in this process",
     "defaults-mp": "defaults, core in its own process (LLM's default)",
 }
+
+
+if __name__ == "__main__":
+    sys.exit(main())
