@@ -23,9 +23,10 @@ def summarize(path: str, spans: list[tuple[float, float]]) -> str:
     `time.perf_counter()` here and in the core's process (one monotonic clock)."""
     rows = np.loadtxt(path, delimiter=",", skiprows=1, ndmin=2)
     lines = [
-        "| run | s (first to last schedule) | steps | encoder steps | inputs per encoder step "
+        "| run | s before the first schedule | s (first to last schedule) | s after the last "
+        "schedule | steps | encoder steps | inputs per encoder step "
         "(mean, first 3) | decode-only steps | reqs, burst per decode-only step | tokens per step |",
-        "|---:|---:|---:|---:|---|---:|---|---:|",
+        "|---:|---:|---:|---:|---:|---:|---|---:|---|---:|",
     ]
     for i, (start, end) in enumerate(spans):
         run = rows[(rows[:, 0] >= start) & (rows[:, 0] <= end)] if len(rows) else rows
@@ -36,7 +37,7 @@ def summarize(path: str, spans: list[tuple[float, float]]) -> str:
         encoder_steps = enc[enc > 0]
         decode_only = reqs[enc == 0]
         lines.append(
-            f"| {i} | {t[-1] - t[0]:.3f} | {len(run)} | {len(encoder_steps)} | "
+            f"| {i} | {t[0] - start:.3f} | {t[-1] - t[0]:.3f} | {end - t[-1]:.3f} | {len(run)} | {len(encoder_steps)} | "
             f"{encoder_steps.mean() if len(encoder_steps) else 0:.1f} "
             f"({', '.join(str(int(x)) for x in encoder_steps[:3])}) | {len(decode_only)} | "
             f"{decode_only.mean() if len(decode_only) else 0:.1f}, "
