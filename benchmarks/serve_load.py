@@ -106,6 +106,13 @@ def start_server(args: argparse.Namespace, dp: int) -> tuple[subprocess.Popen, s
 
 
 client_cpu: list[float] = []
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far, all its threads (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 """The load client's CPU time over the wall time of each round (1.0 = one core busy)."""
 
 NO_FALLBACK = {"compression_ratio_threshold": 1e6, "log_prob_threshold": -1e6}
@@ -383,6 +390,7 @@ def run_one(
             if k == 1 and args.py_spy:
                 spy = start_spy(proc.pid, os.path.join(args.py_spy, f"server_dp{dp}.txt"))
             start = time.perf_counter()
+            server_cpu = process_cpu_seconds(proc.pid)
             if args.client_procs > 1:
                 wall, lat, texts, errors = send_from_processes(args, url, payload, args.root)
             else:
@@ -398,12 +406,14 @@ def run_one(
             if errors:
                 print(f"round {k}: {len(errors)} errors, first: {errors[0]}", flush=True)
                 return None
+            server_cpu = process_cpu_seconds(proc.pid) - server_cpu
             label = "warm-up" if k == 0 else f"round {k}"
             print(
                 f"dp {dp} {label}: {len(payload) / wall:,.2f} req/s, RTFx "
                 f"{batch.seconds / wall:,.1f}, p50 {pct(lat, 0.5):.3f} s, p99 "
                 f"{pct(lat, 0.99):.3f} s, WER {100 * wer(batch.references, texts):.2f}%, load "
-                f"client CPU {100 * client_cpu[-1]:.0f}% of the wall",
+                f"client CPU {100 * client_cpu[-1]:.0f}% of the wall, server API process CPU "
+                f"{1e3 * server_cpu / len(payload):.2f} ms a request",
                 flush=True,
             )
             if k:
