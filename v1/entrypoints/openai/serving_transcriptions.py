@@ -8,7 +8,6 @@ so a long file holds a few chunks in memory. Options are checked before the uplo
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import math
 import threading
@@ -359,6 +358,7 @@ class ServingTranscriptions(ServingBase):
                     raise bad_request(str(item), param="file", code="invalid_audio") from item
                 if isinstance(item, BaseException):
                     raise item
+                sink.took()
                 yield item
         finally:
             sink.closed.set()  # a decoder waiting to hand over a chunk gives up
@@ -433,37 +433,48 @@ class _DecodeCancelled(Exception):
 
 
 class _AsyncChunkSink:
-    """A ChunkSink (v1.audio.decode) for the decoding thread that feeds an asyncio queue of
-    bounded size: `put` blocks the decoder while the queue is full."""
+    """A ChunkSink (v1.audio.decode) for the decoding thread that feeds an asyncio queue:
+    `put` hands a chunk over without waiting for the event loop, and blocks the decoder only
+    while `max_ahead` chunks are not yet taken (`took` gives room back); `finish` hands over
+    the end marker or the error, never blocking.
+
+    The decoder must not wait for the loop to run: under a burst of uploads the busy loop
+    takes tens of ms to get to each hand-over, and a decoding thread waiting on it admitted
+    only ~2 requests a step (session 20's server step trace; MAX_CONCURRENT_DECODES threads)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, chunk_samples: int, max_ahead: int) -> None:
         self.loop = loop
         self.chunk_samples = chunk_samples
-        self.queue: asyncio.Queue[Any] = asyncio.Queue(max_ahead)
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()  # bounded by `room`
+        self.room = threading.Semaphore(max_ahead)
         self.closed = threading.Event()
 
     def put(self, chunk: Any) -> None:
-        future = asyncio.run_coroutine_threadsafe(self.queue.put(chunk), self.loop)
-        while True:
-            try:
-                future.result(timeout=0.1)
-                return
-            except concurrent.futures.TimeoutError:
-                if self.closed.is_set():
-                    future.cancel()
-                    raise _DecodeCancelled() from None
+        while not self.room.acquire(timeout=0.1):
+            if self.closed.is_set():
+                raise _DecodeCancelled()
+        if self.closed.is_set():
+            raise _DecodeCancelled()
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, chunk)
+
+    def took(self) -> None:
+        """The consumer took a chunk: the decoder may hand over another."""
+        self.room.release()
+
+    def finish(self, item: Any) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
 def _decode_into(data: bytes, sink: _AsyncChunkSink, max_seconds: float, max_bytes: int) -> None:
     """Runs on an audio thread: decodes into `sink`, then its end marker or the error."""
     try:
         stream_audio(data, sink, max_seconds=max_seconds, max_bytes=max_bytes)
-        sink.put(_END)
+        sink.finish(_END)
     except _DecodeCancelled:
         return
     except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
-        with contextlib.suppress(_DecodeCancelled, RuntimeError):  # RuntimeError: loop closed
-            sink.put(e)
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody to tell
+            sink.finish(e)
 
 
 async def _first_chunk(chunks: AsyncIterator[np.ndarray]) -> np.ndarray:
