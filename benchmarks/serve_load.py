@@ -106,6 +106,9 @@ def start_server(args: argparse.Namespace, dp: int) -> tuple[subprocess.Popen, s
 
 
 client_cpu: list[float] = []
+round_start: list[float] = []
+"""`time.perf_counter()` when each round's requests started (after the client processes are
+up): where a step trace's round begins."""
 
 
 def process_cpu_seconds(pid: int) -> float:
@@ -182,6 +185,7 @@ def send_from_processes(
         assert proc.stdout is not None
         if proc.stdout.readline().strip() != "ready":
             raise RuntimeError("a load client process did not start")
+    round_start.append(time.perf_counter())
     for proc in procs:
         assert proc.stdin is not None
         proc.stdin.write("go\n")
@@ -389,7 +393,7 @@ def run_one(
         for k, (batch, payload) in enumerate(zip(sets, files, strict=True)):
             if k == 1 and args.py_spy:
                 spy = start_spy(proc.pid, os.path.join(args.py_spy, f"server_dp{dp}.txt"))
-            start = time.perf_counter()
+            round_start.append(time.perf_counter())  # one process: the round starts now
             server_cpu = process_cpu_seconds(proc.pid)
             if args.client_procs > 1:
                 wall, lat, texts, errors = send_from_processes(args, url, payload, args.root)
@@ -418,7 +422,7 @@ def run_one(
             )
             if k:
                 rounds.append((wall, lat, texts, batch))
-                spans.append((start, time.perf_counter()))
+                spans.append((round_start[-1], time.perf_counter()))
     finally:
         if spy is not None:
             spy.send_signal(signal.SIGINT)  # py-spy writes what it sampled
