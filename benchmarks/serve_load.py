@@ -106,6 +106,7 @@ def start_server(args: argparse.Namespace, dp: int) -> tuple[subprocess.Popen, s
 
 
 client_cpu: list[float] = []
+"""The load client's CPU time over the wall time of each round (1.0 = one core busy)."""
 round_start: list[float] = []
 """`time.perf_counter()` when each round's requests started (after the client processes are
 up): where a step trace's round begins."""
@@ -116,7 +117,7 @@ def process_cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-"""The load client's CPU time over the wall time of each round (1.0 = one core busy)."""
+
 
 NO_FALLBACK = {"compression_ratio_threshold": 1e6, "log_prob_threshold": -1e6}
 """Thresholds no window fails: one greedy pass per window (`--no-fallback`)."""
