@@ -121,6 +121,20 @@ class RecordingEngine:
         return self.engine.batched_adds()
 
 
+class CountingEngine(RecordingEngine):
+    """A RecordingEngine with the engine's config that counts the requests added before each
+    step."""
+
+    def __init__(self, engine: Any) -> None:
+        super().__init__(engine)
+        self.config = engine.config
+        self.adds_at_step: list[int] = []
+
+    def step(self) -> list[Any]:
+        self.adds_at_step.append(len(self.added))
+        return super().step()
+
+
 # ---- WhisperInputBuilder ----
 
 
@@ -429,16 +443,6 @@ def test_files_start_a_step_budget_at_a_time_with_the_same_results(tiny_llm: LLM
     waves = [(0.1 * rng.standard_normal(3 * SR)).astype(np.float32) for _ in range(14)]
     params = SamplingParams(temperature=0.0, max_tokens=6)
 
-    class CountingEngine(RecordingEngine):
-        def __init__(self, engine: Any) -> None:
-            super().__init__(engine)
-            self.config = engine.config
-            self.adds_at_step: list[int] = []
-
-        def step(self) -> list[Any]:
-            self.adds_at_step.append(len(self.added))
-            return super().step()
-
     engine = CountingEngine(tiny_llm.llm_engine)
     transcriber = Transcriber(engine)
     assert transcriber.files_per_step == 6
@@ -464,17 +468,8 @@ def test_a_core_that_runs_ahead_gets_two_step_budgets_queued(tiny_llm: LLM) -> N
     waves = [(0.1 * rng.standard_normal(3 * SR)).astype(np.float32) for _ in range(20)]
     params = SamplingParams(temperature=0.0, max_tokens=6)
 
-    class AheadEngine(RecordingEngine):
+    class AheadEngine(CountingEngine):
         core_runs_ahead = True
-
-        def __init__(self, engine: Any) -> None:
-            super().__init__(engine)
-            self.config = engine.config
-            self.adds_at_step: list[int] = []
-
-        def step(self) -> list[Any]:
-            self.adds_at_step.append(len(self.added))
-            return super().step()
 
     engine = AheadEngine(tiny_llm.llm_engine)
     ahead = Transcriber(engine)

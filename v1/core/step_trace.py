@@ -14,9 +14,10 @@ from v1.core.sched_output import SchedulerOutput
 
 COLUMNS = ("t", "new_reqs", "encoder_inputs", "reqs", "tokens", "decode_steps", "waiting")
 """t: `time.perf_counter()` at schedule (CLOCK_MONOTONIC: comparable across the processes of
-one machine, so a benchmark can cut the trace at its runs' start and end times); new_reqs: requests scheduled for the
-first time; encoder_inputs: encoder inputs run this step; reqs / tokens: scheduled requests and
-tokens; decode_steps: the step's decode burst; waiting: requests left waiting."""
+one machine, so a benchmark can cut the trace at its runs' start and end times); new_reqs:
+requests scheduled for the first time; encoder_inputs: encoder inputs run this step; reqs /
+tokens: scheduled requests and tokens; decode_steps: the step's decode burst; waiting:
+requests left waiting."""
 
 _counter = itertools.count()
 
@@ -27,7 +28,8 @@ class StepTrace:
     def __init__(self, directory: str) -> None:
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, f"steps-{os.getpid()}-{next(_counter)}.csv")
-        self._file: IO[str] = open(path, "w", buffering=1)  # noqa: SIM115 - line-buffered: a killed core keeps its lines
+        # Line-buffered: a core that is killed keeps the lines it wrote.
+        self._file: IO[str] = open(path, "w", buffering=1)  # noqa: SIM115 - closed by close()
         self._file.write(",".join(COLUMNS) + "\n")
         self.path = path
 

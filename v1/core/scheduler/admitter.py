@@ -115,12 +115,10 @@ class Admitter:
     def _admit(self, request: Request, plan: StepPlan, step_id: int) -> bool | None:
         """One admission attempt: False when the step budgets or the encoder cache have no
         room, None (changing nothing) when the KV cache has too few free blocks."""
-        # Each helper is skipped when the request has nothing for it (a pooling batch admits
-        # hundreds of plain requests a step).
-        if request.lora_request is not None and not self._lora_fits(request):
+        if not self._lora_fits(request):
             return False
         computed_blocks, num_cached = None, 0
-        fork_source = None if request.fork_from is None else self._fork_source(request)
+        fork_source = self._fork_source(request)
         if fork_source is not None:
             num_cached = fork_source.num_computed_tokens
         elif (
@@ -133,11 +131,9 @@ class Admitter:
         if num_new > plan.tokens and (request.is_pooling or not self.enable_chunked_prefill):
             return False  # pooling inputs run whole; without chunking a prompt waits for room
         num_new = min(num_new, plan.tokens)
-        encoder = _NO_ENCODER
-        if request.encoder_input is not None:
-            encoder = self._encoder_plan(request, plan)
-            if encoder is None:
-                return False
+        encoder = self._encoder_plan(request, plan)
+        if encoder is None:
+            return False
         if fork_source is not None:
             new_blocks = self.kv_cache_manager.fork_slots(
                 request,
@@ -158,8 +154,7 @@ class Admitter:
             return None
         if request.fork_from is not None:
             self.resources.free_held(self.forks.unregister(request))
-        if request.encoder_input is not None:
-            self._take_encoder(request, plan, encoder)
+        self._take_encoder(request, plan, encoder)
         request.status = RequestStatus.RUNNING
         request.admitted_step = step_id
         request.num_computed_tokens = num_cached
