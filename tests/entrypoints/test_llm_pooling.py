@@ -12,6 +12,7 @@ from transformers import BertConfig, BertForSequenceClassification
 
 from tests.utils import ASSETS, make_tiny_model_dir, make_tiny_wordpiece_tokenizer, needs_assets
 from v1 import LLM, PoolingParams, SamplingParams
+from v1.core.queue_depth import PoolingQueueDepth
 
 pytest.importorskip("v1.models.bert")
 
@@ -206,41 +207,69 @@ def _record_steps(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
     return steps
 
 
+def _steps_by_input(steps: list[list[str]], outputs: list[Any]) -> list[list[tuple[int, int]]]:
+    """Recorded steps as (first input, inputs) per core request: a packed one is named
+    "<first input's id>+<inputs>" (`LLM._Feed`)."""
+    index = {o.request_id: i for i, o in enumerate(outputs)}
+    by_input = []
+    for step in steps:
+        row = []
+        for core_id in step:
+            first, _, count = core_id.partition("+")
+            row.append((index[first], int(count or 1)))
+        by_input.append(row)
+    return by_input
+
+
+def embed_all_queued_first(
+    llm: LLM, prompts: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> list[Any]:
+    """`llm.embed` with the whole batch processed and queued before the first step (the feed
+    never finds the queue deep enough): the reference the fed batch must match."""
+    with monkeypatch.context() as m:
+        m.setattr(PoolingQueueDepth, "reached", lambda *_: False)
+        return llm.embed(prompts, use_tqdm=False)
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
-@pytest.mark.parametrize("max_num_seqs", [4, 64])
+@pytest.mark.parametrize(("max_num_seqs", "budget"), [(4, 64), (64, 256)])
 def test_embed_runs_the_steps_of_the_whole_batch_queued(
-    scorer_dir: str, async_scheduling: bool, max_num_seqs: int, monkeypatch: pytest.MonkeyPatch
+    scorer_dir: str,
+    async_scheduling: bool,
+    max_num_seqs: int,
+    budget: int,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """`embed` adds its inputs as the steps need them, yet every step holds the requests it
     would hold with the whole batch queued at once, so the embeddings are those, to the bit
     (they are not under other step compositions: float sums in other orders), in input
-    order. max_num_seqs=4: the feed is bounded by its number of requests; 64: by tokens."""
-    prompts = _token_prompts(60)
+    order. max_num_seqs=4: the feed is bounded by its number of requests, one input each;
+    64: by tokens, inputs packed up to 8 (32 tokens) to a core request."""
+    prompts = _token_prompts(100)
     args = dict(
         ENGINE_ARGS,
-        max_num_batched_tokens=64,
+        max_num_batched_tokens=budget,
         max_num_seqs=max_num_seqs,
         async_scheduling=async_scheduling,
     )
     with LLM(scorer_dir, **args) as llm:
-        engine = llm.llm_engine
         steps = _record_steps(llm, monkeypatch)
-        for i, prompt in enumerate(prompts):  # the reference: everything queued first
-            engine.add_request(f"ref-{i}", prompt, PoolingParams(task="embed"))
-        reference: dict[int, np.ndarray] = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                reference[int(out.request_id.removeprefix("ref-"))] = out.outputs.data
-        ref_steps = [[int(r.removeprefix("ref-")) for r in step] for step in steps]
+        reference = embed_all_queued_first(llm, prompts, monkeypatch)
+        ref_steps = _steps_by_input(steps, reference)
         steps.clear()
         outputs = llm.embed(prompts, use_tqdm=False)
-        index = {o.request_id: i for i, o in enumerate(outputs)}
-        assert [[index[r] for r in step] for step in steps] == ref_steps
+        assert _steps_by_input(steps, outputs) == ref_steps
     # Many steps, some of which took later inputs past one that did not fit.
-    assert len(ref_steps) > 10 and any(s != list(range(s[0], s[0] + len(s))) for s in ref_steps)
+    inputs = [[i for first, n in s for i in range(first, first + n)] for s in ref_steps]
+    assert len(ref_steps) > 10 and any(s != list(range(s[0], s[0] + len(s))) for s in inputs)
+    packed = [count for s in ref_steps for _, count in s if count > 1]
+    assert bool(packed) == (max_num_seqs == 64)
     for i, out in enumerate(outputs):
+        assert out.request_id != reference[i].request_id
         assert out.prompt_token_ids == prompts[i]["prompt_token_ids"]
-        np.testing.assert_array_equal(np.asarray(out.outputs.embedding), reference[i])
+        np.testing.assert_array_equal(
+            np.asarray(out.outputs.embedding), np.asarray(reference[i].outputs.embedding)
+        )
 
 
 def test_embed_starts_the_device_before_processing_the_whole_batch(

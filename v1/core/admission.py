@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 
-from v1.config import EngineConfig
+from v1.config import EngineConfig, pooling_row_tokens
 from v1.core.protocol import EngineCoreRequest
 from v1.kv_cache.capacity import max_tokens_that_fit, num_blocks_needed, num_usable_blocks
 from v1.kv_cache.spec import KVCacheConfig
@@ -117,8 +117,38 @@ def check_request(
             f"input of {num_tokens} tokens exceeds "
             f"max_num_batched_tokens={sc.max_num_batched_tokens}"
         )
+    if request.input_lens is not None:
+        _check_packed(request, config)
     # Anything shorter than max_model_len fits the KV cache and the step budget on its own:
     # check_engine_capacity refused every configuration where it would not.
+
+
+def _check_packed(request: EngineCoreRequest, config: EngineConfig) -> None:
+    """A request packing several pooling inputs (EngineCoreRequest.input_lens): lengths that
+    add up to its prompt, a task with one vector per input, and a size its runner row and the
+    step's input count hold."""
+    params, lens = request.pooling_params, request.input_lens
+    if params is None:
+        raise ValueError("input_lens packs pooling inputs; this request generates")
+    if params.task == "encode":
+        raise ValueError(
+            "packed inputs (input_lens) need a task with one vector per input: embed, "
+            "classify or score, not encode"
+        )
+    checked = checked_ids(lens, _INT32_MAX)
+    if not checked or min(checked) < 1:
+        raise ValueError("input_lens must be a non-empty list of positive input lengths")
+    num_tokens = len(request.prompt_token_ids)
+    if sum(checked) != num_tokens:
+        raise ValueError(
+            f"input_lens add up to {sum(checked)} tokens, but the prompt has {num_tokens}"
+        )
+    max_inputs = config.scheduler_config.max_num_seqs
+    if len(checked) > max_inputs:
+        raise ValueError(f"{len(checked)} packed inputs exceed max_num_seqs={max_inputs}")
+    row = pooling_row_tokens(config)
+    if num_tokens > row:
+        raise ValueError(f"packed inputs of {num_tokens} tokens exceed {row} tokens a request")
 
 
 def _check_numbers(request: EngineCoreRequest, config: EngineConfig, info: ModelInfo) -> None:

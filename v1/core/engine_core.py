@@ -241,7 +241,8 @@ class EngineCore:
         """The core boundary's pooling checks (a custom frontend may send anything)."""
         if self._pooling_config is None:
             return  # the model folder's pooling files could not be read; the runner checks
-        num_tokens = len(request.prompt_token_ids)
+        lens = request.input_lens
+        num_tokens = max(lens) if lens else len(request.prompt_token_ids)
         if num_tokens > self._pooling_config.max_input_len:
             raise ValueError(
                 f"input of {num_tokens} tokens exceeds the model's limit of "

@@ -55,6 +55,13 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
     pooling_params: PoolingParams | None = None
     encoder_input: EncoderInput | None = None
     token_type_ids: list[int] | None = None
+    input_lens: list[int] | None = None
+    """Encoder-only pooling: the request packs several inputs, back to back in
+    `prompt_token_ids` (and `token_type_ids`), of these lengths. Each runs apart (attention
+    within itself, positions from 0) and is pooled apart; the request's `pooled_output` stacks
+    their results, one row each. Only for tasks with one vector per input (embed, classify,
+    score). None: the prompt is one input. Packing saves the per-request work of the frontend
+    and the core for batches of short inputs."""
     eos_token_id: int | None = None
     arrival_time: float = 0.0
     priority: int = 0

@@ -51,6 +51,7 @@ class Request:
         "pooling_params",
         "encoder_input",
         "token_type_ids",
+        "input_lens",
         "eos_token_id",
         "arrival_time",
         "priority",
@@ -85,6 +86,7 @@ class Request:
         *,
         encoder_input: EncoderInput | None = None,
         token_type_ids: list[int] | None = None,
+        input_lens: list[int] | None = None,
         eos_token_id: int | None = None,
         arrival_time: float = 0.0,
         priority: int = 0,
@@ -108,6 +110,8 @@ class Request:
         self.pooling_params = pooling_params
         self.encoder_input = encoder_input
         self.token_type_ids = token_type_ids
+        self.input_lens = input_lens
+        """The packed inputs' lengths (EngineCoreRequest.input_lens); None: one input."""
         self.eos_token_id = eos_token_id
         self.arrival_time = arrival_time
         self.priority = priority
@@ -166,6 +170,7 @@ class Request:
             req.pooling_params,
             encoder_input=req.encoder_input,
             token_type_ids=req.token_type_ids,
+            input_lens=req.input_lens,
             eos_token_id=req.eos_token_id,
             arrival_time=req.arrival_time,
             priority=req.priority,
@@ -221,6 +226,11 @@ class Request:
     @property
     def encoder_hash(self) -> str | None:
         return self.encoder_input.content_hash if self.encoder_input is not None else None
+
+    @property
+    def num_inputs(self) -> int:
+        """Inputs the request runs apart: its packed inputs, else 1."""
+        return 1 if self.input_lens is None else len(self.input_lens)
 
     @property
     def is_pooling(self) -> bool:

@@ -28,6 +28,8 @@ class NewRequestData:
     num_computed_tokens: int
     encoder_input: EncoderInput | None = None
     token_type_ids: list[int] | None = None
+    input_lens: list[int] | None = None
+    """Packed encoder-only inputs (EngineCoreRequest.input_lens); None: one input."""
     eos_token_id: int | None = None
     """The request's EOS (min_tokens holds it back)."""
     lora_request: LoRARequest | None = None

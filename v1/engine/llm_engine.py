@@ -16,6 +16,7 @@ from v1.config import EngineConfig
 from v1.core.protocol import EngineCoreOutput, EngineCoreRequest
 from v1.engine.core_client import build_frontend, make_frontend_and_client
 from v1.engine.input_processor import Params
+from v1.engine.inputs.encoder_only import pack_requests
 from v1.engine.output_processor import AnyRequestOutput, ParentRequest
 from v1.lora_request import LoRARequest
 from v1.outputs import RequestOutputKind
@@ -126,6 +127,20 @@ class LLMEngine:
             )
             request.streamed = output_kind != RequestOutputKind.FINAL_ONLY
             self.engine_core.add_request(request)
+
+    def add_packed_request(
+        self, request_id: str, inputs: list[tuple[str, EngineCoreRequest]]
+    ) -> None:
+        """Queues several processed pooling inputs (user request id, the one core request
+        `process_request` returned; equal params and priority) as ONE core request that runs
+        them apart (EngineCoreRequest.input_lens): each input's output comes back under its
+        own user id. For batches of short inputs: the frontend and the core handle one
+        request instead of each input."""
+        packed = pack_requests(request_id, [r for _, r in inputs])
+        self.output_processor.add_packed_request(
+            packed, [(user_id, r.prompt_token_ids) for user_id, r in inputs]
+        )
+        self.engine_core.add_request(packed)
 
     @property
     def core_runs_ahead(self) -> bool:

@@ -170,6 +170,10 @@ class RequestState:
     """Tokens (and logprobs) already reported in DELTA mode."""
     extras: dict[str, float | list[float]] = field(default_factory=dict)
     """Model-specific per-request results from the core (Whisper: no_speech_prob)."""
+    packed: list[tuple[str, list[int]]] | None = None
+    """A core request packing several pooling inputs (EngineCoreRequest.input_lens): per
+    input, its user request id and prompt token ids. Its one core output becomes one user
+    output per input."""
 
     @property
     def user_request_id(self) -> str:
@@ -233,6 +237,23 @@ class OutputProcessor:
         if parent is not None:
             self.parent_requests[parent.request_id] = parent
 
+    def add_packed_request(
+        self, request: EngineCoreRequest, inputs: list[tuple[str, list[int]]]
+    ) -> None:
+        """Tracks a core request packing several pooling inputs: `inputs` holds each one's
+        user request id and prompt token ids, in packing order."""
+        req_id = request.request_id
+        if req_id in self.request_states:
+            raise ValueError(f"request id {req_id!r} is already in use")
+        self.request_states[req_id] = RequestState(
+            req_id,
+            None,
+            request.prompt_token_ids,
+            RequestOutputKind.FINAL_ONLY,
+            None,
+            packed=inputs,
+        )
+
     def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
         """Forgets user requests (parents included); returns the core request ids to abort.
         Aborted requests produce no further output."""
@@ -276,13 +297,15 @@ class OutputProcessor:
             try:
                 self._process_output(state, out, results, reqs_to_abort)
             except Exception:  # noqa: BLE001 - one request's failure ends that request alone
-                results.append(self._fail_request(state, reqs_to_abort))
+                results.extend(self._fail_request(state, reqs_to_abort))
         return results, reqs_to_abort
 
-    def _fail_request(self, state: RequestState, reqs_to_abort: list[str]) -> AnyRequestOutput:
-        """Ends the user request of `state` (every child of an n>1 request) with an error after
-        its output could not be processed; its core requests are aborted. The exception goes to
-        the log under an id the error names."""
+    def _fail_request(
+        self, state: RequestState, reqs_to_abort: list[str]
+    ) -> list[AnyRequestOutput]:
+        """Ends the user request of `state` (every child of an n>1 request; every input of a
+        packed request) with an error after its output could not be processed; its core
+        requests are aborted. The exception goes to the log under an id the error names."""
         error_id = uuid.uuid4().hex
         user_id = state.user_request_id
         logger.exception("processing the output of request %s failed (id: %s)", user_id, error_id)
@@ -291,15 +314,19 @@ class OutputProcessor:
                 reqs_to_abort.append(core_id)
         error = f"internal error (id: {error_id})"
         if state.detokenizer is None:
-            return PoolingRequestOutput(
-                request_id=user_id,
-                outputs=None,
-                prompt_token_ids=state.prompt_token_ids,
-                finished=True,
-                error=error,
-                queue_time=state.queue_time,
-            )
-        return self._make_request_output(state, user_id, [], True, error)
+            inputs = state.packed or [(user_id, state.prompt_token_ids)]
+            return [
+                PoolingRequestOutput(
+                    request_id=input_id,
+                    outputs=None,
+                    prompt_token_ids=ids,
+                    finished=True,
+                    error=error,
+                    queue_time=state.queue_time,
+                )
+                for input_id, ids in inputs
+            ]
+        return [self._make_request_output(state, user_id, [], True, error)]
 
     def _process_output(
         self,
@@ -317,7 +344,10 @@ class OutputProcessor:
             state.extras.update(out.extras)
         detokenizer = state.detokenizer
         if detokenizer is None:
-            results.append(self._pooling_output(state, out))
+            if state.packed is not None:
+                results.extend(self._packed_outputs(state, out))
+            else:
+                results.append(self._pooling_output(state, out))
             del request_states[out.request_id]
             return
         finish_reason, stop_reason = out.finish_reason, out.stop_reason
@@ -364,6 +394,24 @@ class OutputProcessor:
         return PoolingRequestOutput(
             state.request_id, data, state.prompt_token_ids, True, out.error, state.queue_time
         )
+
+    def _packed_outputs(
+        self, state: RequestState, out: EngineCoreOutput
+    ) -> list[PoolingRequestOutput]:
+        """One output per packed input: row i of the pooled results is input i's."""
+        assert state.packed is not None
+        pooled = out.pooled_output
+        if pooled is None:
+            rows: Any = [None] * len(state.packed)
+        elif len(pooled) != len(state.packed):
+            raise ValueError(f"{len(pooled)} pooled rows for {len(state.packed)} packed inputs")
+        else:
+            rows = [PoolingOutput(row) for row in pooled]
+        error, queue_time = out.error, state.queue_time
+        return [
+            PoolingRequestOutput(input_id, data, ids, True, error, queue_time)
+            for (input_id, ids), data in zip(state.packed, rows, strict=True)
+        ]
 
     def _sample_logprobs(self, state: RequestState, start: int) -> SampleLogprobs:
         """The entries of tokens `start`... (a lazy view for a lazy_logprobs request). The new

@@ -16,7 +16,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from v1 import envs
-from v1.config import EngineConfig, make_engine_config
+from v1.config import EngineConfig, make_engine_config, pooling_pack_limits
 from v1.core.queue_depth import PoolingQueueDepth
 from v1.engine.beam_search import (
     BeamSearchOutput,
@@ -429,7 +429,15 @@ class LLM:
         items = list(zip(req_ids, prompts, params, priority or [0] * len(prompts), strict=True))
         pooling = isinstance(params[0], PoolingParams)
         if pooling:
-            feed = _Feed(engine, items, pooling_depth=PoolingQueueDepth.of(self.config))
+            # Inputs of one task with a vector each, and no priorities to order them by, go to
+            # the core packed: several to a core request (EngineCoreRequest.input_lens).
+            packable = priority is None and all(p.task != "encode" for p in params)
+            feed = _Feed(
+                engine,
+                items,
+                pooling_depth=PoolingQueueDepth.of(self.config),
+                pack=pooling_pack_limits(self.config) if packable else None,
+            )
         else:
             # Requests enter a window at a time so that adding them overlaps the device's work
             # (pipelined steps); with priorities every request must compete at once.
@@ -481,7 +489,7 @@ class LLM:
                             feed.finished(out.request_id)
                             bar.update(1)
         except BaseException:
-            self.llm_engine.abort_request(sorted(set(feed.added) - outputs.keys()))
+            self.llm_engine.abort_request(sorted(feed.unfinished))
             raise
         finally:
             bar.close()
@@ -522,14 +530,19 @@ class _Feed:
         window: int | None = None,
         pooling_depth: PoolingQueueDepth | None = None,
         loras: list[LoRARequest | None] | None = None,
+        pack: tuple[int, int] | None = None,
     ) -> None:
         """`items`: (request id, prompt, params, priority) in input order; exactly one of
-        `window` and `pooling_depth`."""
+        `window` and `pooling_depth`. `pack` (pooling): consecutive inputs with equal params
+        go to the core as packed requests of at most (tokens, inputs) each."""
         assert (window is None) != (pooling_depth is None)
         self.engine = engine
         self.items = items
         self.window = window
         self.pooling_depth = pooling_depth
+        self.pack = pack if pack is not None and pack != (1, 1) else None
+        self.pack_of: dict[str, str] = {}
+        """Packed inputs' request ids -> their core request's."""
         self.loras = loras
         """Per item: the LoRA adapter it runs with (None: all run the base model)."""
         self.processed: list[list[Any] | None] = [None] * len(items)
@@ -538,9 +551,9 @@ class _Feed:
         """The prompts as `process_request` takes them (pooling: pretokenized a chunk ahead)."""
         self.num_pretokenized = 0
         self.next = 0
-        self.added: list[str] = []
         self.unfinished: dict[str, int] = {}
-        """Added requests without a final output -> their tokens."""
+        """Added requests (packed ones by their core request id) without a final output ->
+        their tokens."""
         self.unfinished_tokens = 0
         self.max_input_len = 0
         """The most tokens of one added request."""
@@ -554,29 +567,74 @@ class _Feed:
             self._top_up()
 
     def _top_up(self) -> None:
-        engine, items, processed = self.engine, self.items, self.processed
+        engine, items = self.engine, self.items
         while self.next < len(items) and not self._enough():
+            if self.pack is not None:
+                self._add_pack()
+                continue
             i = self.next
-            core_requests = processed[i]
-            if core_requests is None:
-                core_requests = self._process(i)
-            processed[i] = None
+            core_requests = self._take(i)
             req_id, prompt, params, _ = items[i]
-            for request in core_requests:
-                # One call is one client's batch: one fair-share group (the scheduler's fair
-                # shares are between clients, not between the prompts of one batch).
-                request.group_id = items[0][0]
             engine.add_processed_request(req_id, prompt, params, core_requests)
-            self.added.append(req_id)
             self.next = i + 1
-            tokens = sum(len(r.prompt_token_ids) for r in core_requests)
-            self.unfinished[req_id] = tokens
-            self.unfinished_tokens += tokens
-            self.max_input_len = max(self.max_input_len, tokens)
+            self._added(req_id, sum(len(r.prompt_token_ids) for r in core_requests))
+
+    def _take(self, i: int) -> list[Any]:
+        """Item i's core requests (processed now unless they were), in the batch's group."""
+        core_requests = self.processed[i]
+        if core_requests is None:
+            core_requests = self._process(i)
+        self.processed[i] = None
+        for request in core_requests:
+            # One call is one client's batch: one fair-share group (the scheduler's fair
+            # shares are between clients, not between the prompts of one batch).
+            request.group_id = self.items[0][0]
+        return core_requests
+
+    def _add_pack(self) -> None:
+        """Adds the next inputs with equal params as one packed core request, up to the pack's
+        tokens and inputs (one input alone goes as a plain request)."""
+        assert self.pack is not None
+        max_tokens, max_inputs = self.pack
+        items = self.items
+        pack: list[tuple[str, Any]] = []
+        tokens = 0
+        while self.next < len(items) and len(pack) < max_inputs:
+            i = self.next
+            (request,) = self._take(i)
+            n = len(request.prompt_token_ids)
+            if pack and (
+                tokens + n > max_tokens or request.pooling_params != pack[0][1].pooling_params
+            ):
+                self.processed[i] = [request]  # it starts the next pack
+                break
+            pack.append((items[i][0], request))
+            tokens += n
+            self.next = i + 1
+        if len(pack) == 1:
+            req_id, request = pack[0]
+            _, prompt, params, _ = items[self.next - 1]
+            self.engine.add_processed_request(req_id, prompt, params, [request])
+            self._added(req_id, tokens)
+            return
+        core_id = f"{pack[0][0]}+{len(pack)}"
+        self.engine.add_packed_request(core_id, pack)
+        for req_id, _ in pack:
+            self.pack_of[req_id] = core_id
+        self._added(core_id, tokens)
+
+    def _added(self, core_id: str, tokens: int) -> None:
+        self.unfinished[core_id] = tokens
+        self.unfinished_tokens += tokens
+        self.max_input_len = max(self.max_input_len, tokens)
 
     def finished(self, req_id: str) -> None:
-        """`req_id` (added) has its final output."""
-        self.unfinished_tokens -= self.unfinished.pop(req_id)
+        """`req_id` (added) has its final output (a packed core request: at its first
+        input's)."""
+        core_id = self.pack_of.pop(req_id, req_id)
+        tokens = self.unfinished.pop(core_id, None)
+        if tokens is not None:
+            self.unfinished_tokens -= tokens
 
     def _enough(self) -> bool:
         if self.pooling_depth is not None:

@@ -16,7 +16,7 @@ from v1.attention.backend import AttentionType
 from v1.attention.cross_attention import ENCODER_STATES_LAYER, EncoderDecoderAttention
 from v1.attention.layer import Attention
 from v1.attention.selector import AttentionNeeds, select_backend, use_backend
-from v1.config import EngineConfig, attention_types
+from v1.config import EngineConfig, attention_types, pooling_row_tokens
 from v1.core.sched_output import (
     BurstRunnerOutput,
     DeferredRunnerOutput,
@@ -66,7 +66,7 @@ class ModelRunner:
         self.attn_metadata = AttentionMetadataFactory(self.attn_backend, device, self.block_size)
         self.input_batch = InputBatch(
             self.max_num_reqs,
-            self.max_model_len,
+            pooling_row_tokens(config),  # packed encoder-only inputs may pass max_model_len
             config.scheduler_config.max_steps_in_flight if config.use_async_scheduling else 2,
         )
         self.model: Any = None

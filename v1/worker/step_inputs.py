@@ -55,6 +55,12 @@ class StepInputs:
     """[R] index of each request's last scheduled token."""
     reached_end: np.ndarray
     """[R] bool: the step reaches the end of the request's known tokens (a token is sampled)."""
+    input_lens: np.ndarray | None = None
+    """[S] tokens of each sequence when a request packs several inputs (encoder-only: set by
+    the state's `prepare_step`, with `positions` restarting at each); None: one sequence per
+    request, `num_scheduled`."""
+    input_counts: list[int] | None = None
+    """With `input_lens`: per request, its packed inputs' count (0: not packed, one input)."""
     grammar_rows: np.ndarray | None = None
     """[k] batch rows whose next token a grammar constrains (structured outputs)."""
     grammar_bitmask: np.ndarray | None = None
@@ -63,3 +69,17 @@ class StepInputs:
     @property
     def num_tokens(self) -> int:
         return int(self.query_start_loc[-1])
+
+    @property
+    def sequence_lens(self) -> np.ndarray:
+        """[S] tokens of each sequence the step attends within (packed inputs apart)."""
+        return self.num_scheduled if self.input_lens is None else self.input_lens
+
+    @property
+    def input_offsets(self) -> np.ndarray:
+        """[S + 1] token offsets of the sequences of `sequence_lens`."""
+        if self.input_lens is None:
+            return self.query_start_loc
+        offsets = np.zeros(len(self.input_lens) + 1, dtype=np.int64)
+        np.cumsum(self.input_lens, out=offsets[1:])
+        return offsets

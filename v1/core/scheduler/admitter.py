@@ -130,6 +130,11 @@ class Admitter:
         num_new = request.num_tokens - num_cached
         if num_new > plan.tokens and (request.is_pooling or not self.enable_chunked_prefill):
             return False  # pooling inputs run whole; without chunking a prompt waits for room
+        if (
+            request.input_lens is not None
+            and plan.pooled_inputs + len(request.input_lens) > self.max_num_seqs
+        ):
+            return False  # its packed inputs would pass the step's sequences
         num_new = min(num_new, plan.tokens)
         encoder = self._encoder_plan(request, plan)
         if encoder is None:
@@ -163,6 +168,8 @@ class Admitter:
             request.num_cached_tokens = num_cached
         self.running.append(request)
         plan.take(request, num_new)
+        if request.pooling_params is not None:
+            plan.pooled_inputs += request.num_inputs
         return True
 
     def _lora_fits(self, request: Request) -> bool:

@@ -226,6 +226,7 @@ class Scheduler:
                 num_computed_tokens=r.num_computed_tokens,
                 encoder_input=r.encoder_input,
                 token_type_ids=r.token_type_ids,
+                input_lens=r.input_lens,
                 eos_token_id=r.eos_token_id,
                 lora_request=r.lora_request,
             )

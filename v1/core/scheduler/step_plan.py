@@ -24,6 +24,9 @@ class StepPlan:
         """Encoder content hash -> the request whose input the runner encodes this step."""
         self.num_decode_steps = 1
         """Decode steps run back to back (a decode burst when > 1)."""
+        self.pooled_inputs = 0
+        """Inputs of the pooling requests admitted (each packed input counts): at most
+        max_num_seqs, the sequences the runner's step buffers hold."""
 
     def take(self, request: Request, num_tokens: int) -> None:
         self.num_scheduled[request.request_id] = num_tokens

@@ -8,6 +8,7 @@ and the per-step token budget; truncate_prompt_tokens keeps the FIRST tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 from typing import TYPE_CHECKING, Any
 
 from v1.core.admission import checked_id_lists, checked_ids
@@ -176,3 +177,29 @@ class EncoderOnlyInputBuilder(TokenInputBuilder):
                 )
             type_ids = checked
         return self.fit_encoder(ids, type_ids, truncate, pair=pair)
+
+
+def pack_requests(request_id: str, requests: list[EngineCoreRequest]) -> EngineCoreRequest:
+    """Several built pooling requests (one input each, equal params and priority) as one core
+    request `request_id` that runs them apart (EngineCoreRequest.input_lens): their ids and
+    segment ids back to back, the first one's arrival time and fair-share group."""
+    first = requests[0]
+    types = None
+    if any(r.token_type_ids is not None for r in requests):
+        types = list(
+            chain.from_iterable(
+                r.token_type_ids if r.token_type_ids is not None else [0] * len(r.prompt_token_ids)
+                for r in requests
+            )
+        )
+    return EngineCoreRequest(
+        request_id=request_id,
+        prompt_token_ids=list(chain.from_iterable(r.prompt_token_ids for r in requests)),
+        pooling_params=first.pooling_params,
+        token_type_ids=types,
+        input_lens=[len(r.prompt_token_ids) for r in requests],
+        arrival_time=first.arrival_time,
+        priority=first.priority,
+        group_id=first.group_id,
+        streamed=False,
+    )

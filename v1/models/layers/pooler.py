@@ -327,10 +327,32 @@ class PendingPooledOutput:
         else:
             self._host = flat
 
-    def result(self) -> list[np.ndarray]:
-        """float32 numpy arrays, one per request, in launch order."""
+    def result(self, packed: list[int] | None = None) -> list[np.ndarray]:
+        """float32 numpy arrays, one per request, in launch order. `packed` (per request of
+        the step: its packed inputs' count, 0 for an unpacked one): the launch's sequences
+        grouped back into requests, a packed request's results stacked [count, ...] (views of
+        one array when the step's results are in order)."""
+        rows, block = self._rows()
+        if packed is None:
+            return rows
+        out: list[np.ndarray] = []
+        start = 0
+        for k in packed:
+            if not k:
+                out.append(rows[start])
+                start += 1
+                continue
+            end = start + k
+            out.append(block[start:end] if block is not None else np.stack(rows[start:end]))
+            start = end
+        assert start == len(rows), (start, len(rows))
+        return out
+
+    def _rows(self) -> tuple[list[np.ndarray], np.ndarray | None]:
+        """(one array per launched sequence, the [S, ...] array they are the rows of when the
+        step's results are one block in order, else None)."""
         if self._host is None:
-            return []
+            return [], None
         if self._event is not None:
             self._event.synchronize()  # sync: the step's pooled outputs reach the host
         # A copy: the pinned buffer goes back to torch's host cache instead of living as
@@ -348,8 +370,8 @@ class PendingPooledOutput:
                 ends = np.cumsum(sizes).tolist()
                 rows = [values[e - k : e] for k, e in zip(sizes, ends, strict=True)]
             if self._in_order:
-                return rows
+                return rows, values if sizes is None else None
             for i, row in zip(reqs, rows, strict=True):
                 out[i] = row
         assert all(o is not None for o in out)
-        return out  # type: ignore[return-value]
+        return out, None  # type: ignore[return-value]

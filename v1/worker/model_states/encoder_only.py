@@ -32,12 +32,15 @@ class PendingPoolingStep:
 
     req_ids: list[str]
     pooled: PendingPooledOutput
+    packed: list[int] | None = None
+    """Per request: its packed inputs' count, or 0 for an unpacked one (its result stays one
+    row); None: no request of the step packs inputs."""
 
     def get_output(self) -> ModelRunnerOutput:
         return ModelRunnerOutput(
             req_ids=self.req_ids,
             sampled_token_ids=[[] for _ in self.req_ids],
-            pooler_output=self.pooled.result(),
+            pooler_output=self.pooled.result(self.packed),
         )
 
 
@@ -62,6 +65,8 @@ class EncoderOnlyState(ModelState):
         self.has_token_types = np.zeros(self.max_num_reqs, dtype=bool)
         """Per slot: whether its request has a non-zero segment id (a text pair); a step of
         none ships no segment ids (the model adds segment 0's row)."""
+        self.input_lens: list[np.ndarray | None] = [None] * self.max_num_reqs
+        """Per slot: the lengths of its request's packed inputs (None: one input)."""
         self.graphs: EncoderGraphs | None = None
         if not self.config.enforce_eager:
             self.graphs = make_encoder_graphs(
@@ -87,6 +92,8 @@ class EncoderOnlyState(ModelState):
                 )
             if data.token_type_ids is not None:
                 with_types.append((state, data))
+            lens = data.input_lens
+            self.input_lens[state.slot] = None if lens is None else np.array(lens, np.int64)
         slots = np.fromiter((state.slot for state in states), np.int64, len(states))
         self.token_type_ids[slots] = 0
         self.has_token_types[slots] = False
@@ -112,7 +119,23 @@ class EncoderOnlyState(ModelState):
         assert (self.input_batch.num_computed_tokens[step.slots] == 0).all() and (
             step.reached_end.all()
         ), "encoder-only requests run whole in one step"
+        self._split_packed(step)
         self._check_inputs(step)
+
+    def _split_packed(self, step: StepInputs) -> None:
+        """A step with packed requests runs each packed input as its own sequence: the step's
+        `input_lens` list every input, and positions restart at 0 at each one."""
+        lens = [self.input_lens[slot] for slot in step.slots.tolist()]
+        if all(n is None for n in lens):
+            return
+        step.input_lens = np.concatenate(
+            [n if n is not None else step.num_scheduled[i : i + 1] for i, n in enumerate(lens)]
+        )
+        step.input_counts = [0 if n is None else len(n) for n in lens]
+        starts = np.cumsum(step.input_lens) - step.input_lens
+        positions = np.arange(step.num_tokens) - np.repeat(starts, step.input_lens)
+        step.positions_np = positions
+        step.positions[: step.num_tokens].copy_(self.to_device(positions))
 
     def forward(self, step: StepInputs, so: SchedulerOutput) -> torch.Tensor:
         """One bidirectional pass over the packed inputs -> hidden states [T, hidden]. A step
@@ -123,9 +146,9 @@ class EncoderOnlyState(ModelState):
             token_types = self.token_type_ids.reshape(-1).take(step.token_index)
         if self.graphs is not None and self.graphs.fits(step.num_tokens):
             types = None if token_types is None else self.to_device(token_types)
-            return self.graphs.run(step.input_ids, step.positions, types, step.query_start_loc)
+            return self.graphs.run(step.input_ids, step.positions, types, step.input_offsets)
         metadata = self.attn_metadata.uncached(
-            step.num_scheduled, AttentionType.ENCODER_ONLY, self.layer_names
+            step.sequence_lens, AttentionType.ENCODER_ONLY, self.layer_names
         )
         token_type_ids = None
         if token_types is not None:
@@ -140,22 +163,30 @@ class EncoderOnlyState(ModelState):
         self, hidden_states: torch.Tensor, step: StepInputs, so: SchedulerOutput
     ) -> PendingPoolingStep:
         """Enqueues the pooling and the copy of the results; no host sync."""
-        segments = PoolingSegments.from_lengths(step.num_scheduled, self.device)
+        segments = PoolingSegments.from_lengths(step.sequence_lens, self.device)
         pooled = self.pooler.launch(hidden_states, segments, self._pooling_params(step))
-        return PendingPoolingStep(step.req_ids, pooled)
+        return PendingPoolingStep(step.req_ids, pooled, step.input_counts)
 
     def _pooling_params(self, step: StepInputs) -> list[PoolingParams]:
+        """Per sequence (each packed input repeats its request's)."""
         requests = self.input_batch.requests
-        return [requests[r].pooling_params for r in step.req_ids]
+        params = [requests[r].pooling_params for r in step.req_ids]
+        if step.input_counts is None:
+            return params
+        return [p for p, k in zip(params, step.input_counts, strict=True) for _ in range(k or 1)]
 
     def _check_inputs(self, step: StepInputs) -> None:
-        too_long = step.num_scheduled > self.max_input_len
+        lens = step.sequence_lens
+        too_long = lens > self.max_input_len
         if too_long.any():
+            owners = step.req_ids
+            if step.input_counts is not None:
+                owners = [
+                    r for r, k in zip(owners, step.input_counts, strict=True) for _ in range(k or 1)
+                ]
             names = [
                 f"{r} ({n} tokens)"
-                for r, n, bad in zip(
-                    step.req_ids, step.num_scheduled.tolist(), too_long, strict=True
-                )
+                for r, n, bad in zip(owners, lens.tolist(), too_long, strict=True)
                 if bad
             ]
             raise ValueError(

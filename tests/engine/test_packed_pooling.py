@@ -1,0 +1,236 @@
+"""Packed pooling requests: several encoder-only inputs in one core request
+(`EngineCoreRequest.input_lens`), each run and pooled apart. `LLM.embed` / `classify` / `score`
+pack the inputs of a batch; a custom frontend may send packs over the protocol itself."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.entrypoints.test_llm_pooling import _cross_encoder, _record_steps, _token_prompts
+from v1 import LLM, PoolingParams
+from v1.config import pooling_pack_limits, pooling_row_tokens
+from v1.core.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
+from v1.engine.output_processor import OutputProcessor
+
+pytest.importorskip("v1.models.bert")
+
+# max_num_seqs=64: packs of up to 8 inputs (POOLING_PACK_SHARE); 32 tokens a pack.
+PACKING = dict(multiprocess=False, max_num_batched_tokens=256, max_num_seqs=64)
+
+
+@pytest.fixture(scope="module")
+def classifier_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return _cross_encoder(tmp_path_factory.mktemp("classifier"), num_labels=3)
+
+
+@pytest.fixture(scope="module")
+def packer(classifier_dir: str):
+    with LLM(classifier_dir, **PACKING) as llm:
+        yield llm
+
+
+def _core(llm: LLM) -> Any:
+    return llm.llm_engine.engine_core.engine_core
+
+
+def _alone(llm: LLM, prompts: list[Any], task: str = "embed") -> list[np.ndarray]:
+    """Each input's result in a call of its own (nothing packed)."""
+    results = []
+    for p in prompts:
+        if task == "embed":
+            results.append(np.asarray(llm.embed([p], use_tqdm=False)[0].outputs.data))
+        else:
+            results.append(np.asarray(llm.classify([p], use_tqdm=False)[0].outputs.probs))
+    return results
+
+
+def _run_core(llm: LLM, requests: list[EngineCoreRequest]) -> dict[str, EngineCoreOutput]:
+    """Sends core requests as a custom frontend would and steps until each has its output."""
+    core = _core(llm)
+    for r in requests:
+        core.add_request(r)
+    outputs: dict[str, EngineCoreOutput] = {}
+    for _ in range(200):
+        if len(outputs) == len(requests):
+            break
+        for out in llm.llm_engine.engine_core.get_output().outputs:
+            outputs[out.request_id] = out
+    return outputs
+
+
+def test_config_packs_offline_pooling_batches(classifier_dir: str) -> None:
+    llm_config = LLM(classifier_dir, **PACKING).config
+    assert pooling_pack_limits(llm_config) == (32, 8)
+    assert pooling_row_tokens(llm_config) == 256  # max(model limit 64, min(256, 2048))
+
+
+@pytest.mark.parametrize("multiprocess", [False, True])
+def test_embed_packs_inputs_and_gives_each_its_own_result(
+    classifier_dir: str, multiprocess: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch of short inputs reaches the core as far fewer requests than inputs (packs of up
+    to 8 / 32 tokens), and every input gets the result it gets alone, in input order, under
+    its own request id. Over the wire too (multiprocess)."""
+    prompts = _token_prompts(48, seed=7)
+    for p in prompts:  # 3-6 tokens: several fit a 32-token pack
+        p["prompt_token_ids"] = p["prompt_token_ids"][:6]
+    with LLM(classifier_dir, **{**PACKING, "multiprocess": multiprocess}) as llm:
+        seen: list[EngineCoreRequest] = []
+        client = llm.llm_engine.engine_core
+        add = client.add_request
+        monkeypatch.setattr(client, "add_request", lambda r: seen.append(r) or add(r))
+        outputs = llm.embed(prompts, use_tqdm=False)
+        monkeypatch.undo()
+        alone = _alone(llm, prompts)
+        assert not llm.llm_engine.has_unfinished_requests()
+    packs = [r for r in seen if r.input_lens is not None]
+    assert packs and len(seen) < len(prompts) // 3
+    assert all(len(r.input_lens) <= 8 and len(r.prompt_token_ids) <= 32 for r in packs)
+    assert sum(len(r.input_lens or [0]) for r in seen) == len(prompts)
+    assert len({o.request_id for o in outputs}) == len(prompts)
+    for out, prompt, ref in zip(outputs, prompts, alone, strict=True):
+        assert out.error is None and out.finished
+        assert out.prompt_token_ids == prompt["prompt_token_ids"]
+        np.testing.assert_allclose(out.outputs.data, ref, rtol=0, atol=2e-6)
+
+
+def test_classify_packs_texts_and_text_pairs_with_their_segment_ids(
+    packer: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    texts = ["gold", "the quick brown fox", "hello world", "a b c", "dog"] * 3
+    together = packer.classify(texts, use_tqdm=False)
+    for out, ref in zip(together, _alone(packer, texts, "classify"), strict=True):
+        np.testing.assert_allclose(out.outputs.probs, ref, rtol=0, atol=2e-6)
+    seen: list[EngineCoreRequest] = []
+    client = packer.llm_engine.engine_core
+    add = client.add_request
+    monkeypatch.setattr(client, "add_request", lambda r: seen.append(r) or add(r))
+    pairs = [{"text": "gold", "text_pair": t} for t in texts]
+    packed = packer.classify(pairs, use_tqdm=False)
+    monkeypatch.undo()
+    for out, ref in zip(packed, _alone(packer, pairs, "classify"), strict=True):
+        np.testing.assert_allclose(out.outputs.probs, ref, rtol=0, atol=2e-6)
+    # Each pack carries its inputs' segment ids back to back: 0s for "[CLS] gold [SEP]", 1s
+    # for the second text.
+    tokenizer = packer.get_tokenizer()
+    sent = [t for r in seen for t in (r.token_type_ids or [])]
+    expected = [t for p in pairs for t in tokenizer(p["text"], p["text_pair"])["token_type_ids"]]
+    assert any(r.input_lens for r in seen) and sent == expected and 1 in sent
+
+
+def test_a_pack_holds_consecutive_inputs_of_equal_params(
+    packer: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Per-input params split the packs where they change; each input keeps its options."""
+    seen: list[EngineCoreRequest] = []
+    client = packer.llm_engine.engine_core
+    add = client.add_request
+    monkeypatch.setattr(client, "add_request", lambda r: seen.append(r) or add(r))
+    raw, unit = PoolingParams(normalize=False), PoolingParams()
+    texts = ["gold", "dog", "a b c", "hello world", "the quick brown fox", "dog"]
+    params = [raw, raw, unit, unit, unit, raw]
+    outputs = packer.embed(texts, params, use_tqdm=False)
+    monkeypatch.undo()
+    assert [r.input_lens and len(r.input_lens) for r in seen] == [2, 3, None]
+    norms = [np.linalg.norm(o.outputs.embedding) for o in outputs]
+    assert [abs(n - 1.0) < 1e-5 for n in norms] == [p is unit for p in params]
+    for out, text, p in zip(outputs, texts, params, strict=True):
+        (ref,) = packer.embed([text], p, use_tqdm=False)
+        np.testing.assert_allclose(out.outputs.data, ref.outputs.data, rtol=0, atol=2e-6)
+
+
+def _packed(req_id: str, inputs: list[list[int]], **changes: Any) -> EngineCoreRequest:
+    fields: dict[str, Any] = dict(
+        request_id=req_id,
+        prompt_token_ids=[t for ids in inputs for t in ids],
+        pooling_params=PoolingParams(task="embed"),
+        input_lens=[len(ids) for ids in inputs],
+    )
+    fields.update(changes)
+    return EngineCoreRequest(**fields)
+
+
+def test_a_custom_frontend_sends_packs_and_bad_ones_fail_alone(packer: LLM) -> None:
+    """The core's own checks: each malformed pack fails alone with a clear error (the core
+    keeps serving); a good pack's pooled_output stacks one row per input."""
+    a, b, c = [2, 10, 11, 3], [2, 12, 3], [2, 13, 14, 15, 16, 3]
+    bad = {
+        "sum": _packed("sum", [a, b], input_lens=[4, 4]),
+        "zero": _packed("zero", [a, b], input_lens=[7, 0]),
+        "empty": _packed("empty", [a], input_lens=[]),
+        "encode": _packed("encode", [a, b], pooling_params=PoolingParams(task="encode")),
+        "many": _packed("many", [[2, 3]] * 65),
+        "budget": _packed("budget", [[2] + [10] * 60 + [3]] * 5),
+        "long": _packed("long", [[2] + [10] * 70 + [3], a]),
+    }
+    good = _packed("good", [a, b, c])
+    outputs = _run_core(packer, [*bad.values(), good])
+    expected = {
+        "sum": "add up to 8 tokens, but the prompt has 7",
+        "zero": "positive input lengths",
+        "empty": "positive input lengths",
+        "encode": "one vector per input",
+        "many": "65 packed inputs exceed max_num_seqs=64",
+        "budget": "input of 310 tokens exceeds max_num_batched_tokens=256",
+        "long": "exceeds the model's limit",
+    }
+    for name, message in expected.items():
+        out = outputs[name]
+        assert out.finish_reason == FinishReason.ERROR and message in (out.error or ""), name
+    out = outputs["good"]
+    assert out.error is None and out.pooled_output.shape == (3, 32)
+    alone = _alone(packer, [{"prompt_token_ids": ids} for ids in (a, b, c)])
+    np.testing.assert_allclose(out.pooled_output, np.stack(alone), rtol=0, atol=2e-6)
+    stats = packer.llm_engine.get_stats()
+    assert stats["num_running_reqs"] == 0 and stats["num_waiting_reqs"] == 0
+
+
+def test_a_step_runs_at_most_max_num_seqs_inputs(
+    classifier_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Packed inputs count one sequence each against max_num_seqs, the runner's per-step
+    sequence capacity: three packs of 3 with max_num_seqs=8 take two steps."""
+    with LLM(classifier_dir, multiprocess=False, max_num_batched_tokens=256, max_num_seqs=8) as llm:
+        steps = _record_steps(llm, monkeypatch)
+        packs = [_packed(f"p{i}", [[2, 10 + i, 3]] * 3) for i in range(3)]
+        outputs = _run_core(llm, packs)
+    assert [sorted(s) for s in steps] == [["p0", "p1"], ["p2"]]
+    assert all(outputs[p.request_id].pooled_output.shape == (3, 32) for p in packs)
+
+
+def test_an_unreadable_packed_output_fails_every_input() -> None:
+    processor = OutputProcessor(tokenizer=None)
+    request = _packed("x+3", [[2, 3], [2, 4, 3], [2, 5, 3]])
+    inputs = [("x", [2, 3]), ("y", [2, 4, 3]), ("z", [2, 5, 3])]
+    processor.add_packed_request(request, inputs)
+    with pytest.raises(ValueError, match="in use"):
+        processor.add_packed_request(request, inputs)
+    rows = np.zeros((2, 4), np.float32)  # two rows for three inputs
+    done = EngineCoreOutput("x+3", [], pooled_output=rows, finish_reason=FinishReason.STOP)
+    results, to_abort = processor.process_outputs([done])
+    assert [r.request_id for r in results] == ["x", "y", "z"]
+    assert all(r.finished and r.outputs is None and "internal error" in r.error for r in results)
+    assert [r.prompt_token_ids for r in results] == [ids for _, ids in inputs]
+    assert not processor.has_unfinished_requests() and to_abort == ["x+3"]
+    processor.add_packed_request(request, inputs)
+    ok = EngineCoreOutput(
+        "x+3", [], pooled_output=np.eye(3, dtype=np.float32), finish_reason=FinishReason.STOP
+    )
+    results, _ = processor.process_outputs([ok])
+    assert [list(r.outputs.data) for r in results] == np.eye(3).tolist()
+
+
+def test_a_pack_wider_than_a_runner_row_fails_alone(classifier_dir: str) -> None:
+    """With a step budget past POOLING_PACK_TOKENS, a pack is held to the runner's row."""
+    with LLM(
+        classifier_dir, multiprocess=False, max_num_batched_tokens=4096, max_num_seqs=64
+    ) as llm:
+        assert pooling_row_tokens(llm.config) == 2048
+        wide = _packed("wide", [[2] + [10] * 58 + [3]] * 40)  # 2400 tokens
+        fits = _packed("fits", [[2] + [10] * 58 + [3]] * 34)  # 2040 tokens
+        outputs = _run_core(llm, [wide, fits])
+    assert "packed inputs of 2400 tokens exceed 2048 tokens a request" in outputs["wide"].error
+    assert outputs["fits"].error is None and outputs["fits"].pooled_output.shape == (34, 32)
