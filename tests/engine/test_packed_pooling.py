@@ -165,8 +165,12 @@ def test_a_custom_frontend_sends_packs_and_bad_ones_fail_alone(packer: LLM) -> N
         "many": _packed("many", [[2, 3]] * 65),
         "budget": _packed("budget", [[2] + [10] * 60 + [3]] * 5),
         "long": _packed("long", [[2] + [10] * 70 + [3], a]),
+        "floats": _packed("floats", [a, b], prompt_token_ids=np.array(a + b, np.float32)),
+        "2-d": _packed("2-d", [a, a], prompt_token_ids=np.array([a, a])),
+        "vocab": _packed("vocab", [a, b], prompt_token_ids=np.array(a + [10**6, 3, 3])),
+        "unpacked": _packed("unpacked", [a], prompt_token_ids=np.array(a), input_lens=None),
     }
-    good = _packed("good", [a, b, c])
+    good = _packed("good", [a, b, c], prompt_token_ids=np.array(a + b + c, np.int32))
     outputs = _run_core(packer, [*bad.values(), good])
     expected = {
         "sum": "add up to 8 tokens, but the prompt has 7",
@@ -176,6 +180,10 @@ def test_a_custom_frontend_sends_packs_and_bad_ones_fail_alone(packer: LLM) -> N
         "many": "65 packed inputs exceed max_num_seqs=64",
         "budget": "input of 310 tokens exceeds max_num_batched_tokens=256",
         "long": "exceeds the model's limit",
+        "floats": "must be 1-D integers",
+        "2-d": "must be 1-D integers",
+        "vocab": "outside [0, ",
+        "unpacked": "an array only for packed inputs",
     }
     for name, message in expected.items():
         out = outputs[name]

@@ -10,6 +10,7 @@ import functools
 from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
+import numpy as np
 
 from v1.config import EngineConfig, pooling_row_tokens
 from v1.core.protocol import EngineCoreRequest
@@ -76,7 +77,7 @@ def check_request(
     """Raises ValueError for a request the core must not queue: empty, too long for the model
     or the step budgets (so it could never run), or with a number its step tensors cannot
     hold."""
-    if not request.prompt_token_ids:
+    if len(request.prompt_token_ids) == 0:
         raise ValueError("the prompt is empty")
     _check_numbers(request, config, info)
     params = request.sampling_params
@@ -155,7 +156,11 @@ def _check_numbers(request: EngineCoreRequest, config: EngineConfig, info: Model
     """Every id and number inside the range its step tensor holds (the frontend checks these
     too; a request from another frontend, or changed after its checks, fails alone here)."""
     mc = config.model_config
-    _check_ids(request.prompt_token_ids, info.prompt_vocab_size, "prompt_token_ids")
+    ids = request.prompt_token_ids
+    if isinstance(ids, np.ndarray):
+        _check_id_array(ids, request, info.prompt_vocab_size)
+    else:
+        _check_ids(ids, info.prompt_vocab_size, "prompt_token_ids")
     if info.generates and request.output_token_ids:
         _check_ids(request.output_token_ids, mc.vocab_size, "output_token_ids")
     if not info.generates and request.token_type_ids is not None:
@@ -181,6 +186,16 @@ def _check_numbers(request: EngineCoreRequest, config: EngineConfig, info: Model
         params.validate_for_model(mc.vocab_size)
     elif request.pooling_params is not None:
         request.pooling_params.__post_init__()  # the same checks as on construction
+
+
+def _check_id_array(ids: np.ndarray, request: EngineCoreRequest, limit: int) -> None:
+    """An array of prompt ids (packed pooling inputs only): 1-D integers in [0, limit)."""
+    if request.input_lens is None:
+        raise ValueError("prompt_token_ids may be an array only for packed inputs (input_lens)")
+    if ids.ndim != 1 or ids.dtype.kind not in "iu":
+        raise ValueError(f"prompt_token_ids must be 1-D integers, got {ids.dtype} {ids.shape}")
+    if int(ids.min()) < 0 or int(ids.max()) >= limit:
+        raise ValueError(f"prompt_token_ids hold ids outside [0, {limit})")
 
 
 def _in_range(value: object, limit: int) -> bool:

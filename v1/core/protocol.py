@@ -49,8 +49,11 @@ class EncoderInput(msgspec.Struct, omit_defaults=True, kw_only=True):
 
 class EngineCoreRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
     request_id: str
-    prompt_token_ids: list[int]
-    """Decoder prompt (decoder-only and encoder-decoder) or the input (encoder-only)."""
+    prompt_token_ids: list[int] | Any
+    """Decoder prompt (decoder-only and encoder-decoder) or the input (encoder-only): a list
+    of ints; a packed pooling request (`input_lens`) may send a 1-D integer numpy array, whose
+    bytes cross the wire as one frame and which the core checks vectorized (a list of 2,048
+    ids costs ~60 ns an id to decode and ~45 ns to check). The core checks the type."""
     sampling_params: SamplingParams | None = None
     pooling_params: PoolingParams | None = None
     encoder_input: EncoderInput | None = None

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from itertools import chain
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from v1.core.admission import checked_id_lists, checked_ids
 from v1.core.protocol import EngineCoreRequest, now
 from v1.engine.inputs.base import TokenInputBuilder, check_keys, check_text, opt_list
@@ -192,12 +194,18 @@ def pack_requests(request_id: str, requests: list[EngineCoreRequest]) -> EngineC
                 for r in requests
             )
         )
+    lens = [len(r.prompt_token_ids) for r in requests]
+    # An array: one frame on the wire, one row copy in the runner, a vectorized check in the
+    # core (a list costs each of them per id).
+    ids = np.fromiter(
+        chain.from_iterable(r.prompt_token_ids for r in requests), np.int32, sum(lens)
+    )
     return EngineCoreRequest(
         request_id=request_id,
-        prompt_token_ids=list(chain.from_iterable(r.prompt_token_ids for r in requests)),
+        prompt_token_ids=ids,
         pooling_params=first.pooling_params,
         token_type_ids=types,
-        input_lens=[len(r.prompt_token_ids) for r in requests],
+        input_lens=lens,
         arrival_time=first.arrival_time,
         priority=first.priority,
         group_id=first.group_id,
