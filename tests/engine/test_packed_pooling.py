@@ -134,12 +134,40 @@ def test_a_pack_holds_consecutive_inputs_of_equal_params(
     params = [raw, raw, unit, unit, unit, raw]
     outputs = packer.embed(texts, params, use_tqdm=False)
     monkeypatch.undo()
-    assert [r.input_lens and len(r.input_lens) for r in seen] == [2, 3, None]
+    assert [len(r.input_lens) for r in seen] == [2, 3, 1]
     norms = [np.linalg.norm(o.outputs.embedding) for o in outputs]
     assert [abs(n - 1.0) < 1e-5 for n in norms] == [p is unit for p in params]
     for out, text, p in zip(outputs, texts, params, strict=True):
         (ref,) = packer.embed([text], p, use_tqdm=False)
         np.testing.assert_allclose(out.outputs.data, ref.outputs.data, rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        ([2, 10**6, 3], "vocabulary"),
+        ([2, 5.0, 3], "must be ints"),
+        ([True, False], "must be ints"),
+        ([2, [5], 3], "must be ints"),
+        ([2, -1, 3], "vocabulary"),
+    ],
+)
+def test_bad_token_ids_in_a_packed_batch_name_their_prompt(
+    packer: LLM, bad: list[Any], match: str
+) -> None:
+    """Packed token ids are checked in the pass that builds the pack's array; a pack that
+    fails is checked input by input, so the error names the prompt, as unpacked."""
+    prompts = _token_prompts(60, seed=2)
+    prompts[45] = {"prompt_token_ids": bad}
+    with pytest.raises(ValueError, match=rf"prompt 45: .*{match}"):
+        packer.embed(prompts, use_tqdm=False)
+    stats = packer.llm_engine.get_stats()
+    assert stats["num_running_reqs"] == 0 and stats["num_waiting_reqs"] == 0
+    assert not packer.llm_engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match=rf"prompt 1: .*{match}"):  # truncation checks first
+        packer.embed(prompts[44:46], truncate_prompt_tokens=2, use_tqdm=False)
+    (ok,) = packer.embed(prompts[:1], use_tqdm=False)
+    assert ok.error is None and len(ok.outputs.embedding) == 32
 
 
 def _packed(req_id: str, inputs: list[list[int]], **changes: Any) -> EngineCoreRequest:

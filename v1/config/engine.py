@@ -230,7 +230,7 @@ sequences (max_num_seqs), so a step still fills to within about that share of it
 
 def pooling_pack_limits(config: EngineConfig) -> tuple[int, int]:
     """(tokens, inputs) of the packed requests an offline batch builds (see
-    POOLING_PACK_TOKENS); (1, 1) would pack nothing."""
+    POOLING_PACK_TOKENS); one input a pack: the batch goes unpacked."""
     sc = config.scheduler_config
     tokens = min(pooling_row_tokens(config), sc.max_num_batched_tokens // POOLING_PACK_SHARE)
     return max(tokens, 1), max(sc.max_num_seqs // POOLING_PACK_SHARE, 1)

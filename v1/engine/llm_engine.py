@@ -16,7 +16,6 @@ from v1.config import EngineConfig
 from v1.core.protocol import EngineCoreOutput, EngineCoreRequest
 from v1.engine.core_client import build_frontend, make_frontend_and_client
 from v1.engine.input_processor import Params
-from v1.engine.inputs.encoder_only import pack_requests
 from v1.engine.output_processor import AnyRequestOutput, ParentRequest
 from v1.lora_request import LoRARequest
 from v1.outputs import RequestOutputKind
@@ -65,11 +64,12 @@ class LLMEngine:
             request_id, prompt, params, priority=priority, lora_request=lora_request
         )
 
-    def pretokenize(self, prompts: list[Any]) -> list[Any]:
+    def pretokenize(self, prompts: list[Any], *, check_ids: bool = True) -> list[Any]:
         """`prompts` with the texts the model's input builder tokenizes tokenized in one call
         (a fast tokenizer runs a batch on its threads); `process_request` takes each result as
-        it takes the prompt it came from."""
-        return self.input_processor.builder.pretokenize(prompts)
+        it takes the prompt it came from. `check_ids=False`: token ids are left for
+        `add_packed_request` to check (pooling prompts that go packed)."""
+        return self.input_processor.builder.pretokenize(prompts, check_ids=check_ids)
 
     def add_request(
         self,
@@ -128,18 +128,28 @@ class LLMEngine:
             request.streamed = output_kind != RequestOutputKind.FINAL_ONLY
             self.engine_core.add_request(request)
 
+    def pooling_input(self, prompt: Any, params: Any) -> tuple[list[int], list[int] | None]:
+        """Validates one pooling prompt that goes packed (`add_packed_request`): its (input ids,
+        segment ids or None). Raises ValueError on invalid input."""
+        return self.input_processor.builder.pooling_input(prompt, params)
+
     def add_packed_request(
-        self, request_id: str, inputs: list[tuple[str, EngineCoreRequest]]
+        self,
+        request_id: str,
+        inputs: list[tuple[str, list[int], list[int] | None]],
+        params: Any,
+        group_id: str | None = None,
     ) -> None:
-        """Queues several processed pooling inputs (user request id, the one core request
-        `process_request` returned; equal params and priority) as ONE core request that runs
-        them apart (EngineCoreRequest.input_lens): each input's output comes back under its
-        own user id. For batches of short inputs: the frontend and the core handle one
-        request instead of each input."""
-        packed = pack_requests(request_id, [r for _, r in inputs])
-        self.output_processor.add_packed_request(
-            packed, [(user_id, r.prompt_token_ids) for user_id, r in inputs]
+        """Queues several pooling inputs of equal params ((user request id, input ids, segment
+        ids) from `pooling_input`) as ONE core request that runs them apart
+        (EngineCoreRequest.input_lens): each input's output comes back under its own user id.
+        For batches of short inputs: the frontend and the core handle one request instead of
+        each input. Raises UncheckedIdsError (nothing queued) when an input's ids, unchecked
+        by `pretokenize(check_ids=False)`, are not token ids."""
+        packed = self.input_processor.builder.pack(
+            request_id, [(ids, types) for _, ids, types in inputs], params, group_id
         )
+        self.output_processor.add_packed_request(packed, [(u, ids) for u, ids, _ in inputs])
         self.engine_core.add_request(packed)
 
     @property

@@ -25,6 +25,7 @@ from v1.engine.beam_search import (
     make_beam_search,
     run_beam_search,
 )
+from v1.engine.inputs.encoder_only import UncheckedIdsError
 from v1.engine.llm_engine import LLMEngine
 from v1.gc_policy import deferred_full_collections, paused_collections
 from v1.lora_request import LoRARequest
@@ -540,7 +541,7 @@ class _Feed:
         self.items = items
         self.window = window
         self.pooling_depth = pooling_depth
-        self.pack = pack if pack is not None and pack != (1, 1) else None
+        self.pack = pack if pack is not None and pack[1] > 1 else None
         self.pack_of: dict[str, str] = {}
         """Packed inputs' request ids -> their core request's."""
         self.loras = loras
@@ -593,35 +594,55 @@ class _Feed:
 
     def _add_pack(self) -> None:
         """Adds the next inputs with equal params as one packed core request, up to the pack's
-        tokens and inputs (one input alone goes as a plain request)."""
+        tokens and inputs."""
         assert self.pack is not None
         max_tokens, max_inputs = self.pack
-        items = self.items
-        pack: list[tuple[str, Any]] = []
+        items, processed = self.items, self.processed
+        first = self.next
+        params = items[first][2]
+        pack: list[tuple[str, list[int], list[int] | None]] = []
         tokens = 0
         while self.next < len(items) and len(pack) < max_inputs:
             i = self.next
-            (request,) = self._take(i)
-            n = len(request.prompt_token_ids)
-            if pack and (
-                tokens + n > max_tokens or request.pooling_params != pack[0][1].pooling_params
-            ):
-                self.processed[i] = [request]  # it starts the next pack
+            entry = processed[i]
+            if entry is None:
+                entry = self._pooling_input(i)
+            processed[i] = None
+            n = len(entry[0])
+            other = items[i][2]
+            if pack and (tokens + n > max_tokens or (other is not params and other != params)):
+                processed[i] = entry  # it starts the next pack
                 break
-            pack.append((items[i][0], request))
+            pack.append((items[i][0], *entry))
             tokens += n
             self.next = i + 1
-        if len(pack) == 1:
-            req_id, request = pack[0]
-            _, prompt, params, _ = items[self.next - 1]
-            self.engine.add_processed_request(req_id, prompt, params, [request])
-            self._added(req_id, tokens)
-            return
         core_id = f"{pack[0][0]}+{len(pack)}"
-        self.engine.add_packed_request(core_id, pack)
-        for req_id, _ in pack:
+        try:
+            # One call is one client's batch: one fair-share group.
+            self.engine.add_packed_request(core_id, pack, params, group_id=items[0][0])
+        except UncheckedIdsError:
+            for i in range(first, self.next):  # the first that fails names itself
+                self.to_build[i] = items[i][1]
+                self._process(i, check_ids=True)
+            raise
+        for req_id, _, _ in pack:
             self.pack_of[req_id] = core_id
         self._added(core_id, tokens)
+
+    def _pooling_input(self, i: int) -> Any:
+        """Item i's (input ids, segment ids), for a pack."""
+        if i >= self.num_pretokenized:
+            end = min(i + PRETOKENIZE_CHUNK, len(self.items))
+            self.to_build[i:end] = self.engine.pretokenize(self.to_build[i:end], check_ids=False)
+            self.num_pretokenized = end
+        try:
+            entry = self.engine.pooling_input(self.to_build[i], self.items[i][2])
+        except ValueError as e:
+            if len(self.items) == 1:
+                raise
+            raise ValueError(f"prompt {i}: {e}") from e
+        self.to_build[i] = None  # its tokens live on in the entry
+        return entry
 
     def _added(self, core_id: str, tokens: int) -> None:
         self.unfinished[core_id] = tokens
@@ -643,9 +664,11 @@ class _Feed:
             )
         return len(self.unfinished) >= self.window
 
-    def _process(self, i: int) -> list[Any]:
+    def _process(self, i: int, *, check_ids: bool = False) -> list[Any]:
+        """Item i's core requests (pooling prompts are pretokenized a chunk ahead).
+        `check_ids`: the prompt as given, checked alone (a pack failed its check)."""
         req_id, _, params, priority = self.items[i]
-        if self.pooling_depth is not None and i >= self.num_pretokenized:
+        if self.pooling_depth is not None and i >= self.num_pretokenized and not check_ids:
             end = min(i + PRETOKENIZE_CHUNK, len(self.items))
             self.to_build[i:end] = self.engine.pretokenize(self.to_build[i:end])
             self.num_pretokenized = end

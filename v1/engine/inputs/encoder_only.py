@@ -26,12 +26,19 @@ if TYPE_CHECKING:
 @dataclass(slots=True)
 class TokenizedText:
     """A text (or text pair) prompt as `pretokenize` tokenized it with others, or a token-id
-    prompt whose ids it checked with others."""
+    prompt whose ids it checked with others (or left to `pack` to check)."""
 
     input_ids: list[int]
     token_type_ids: list[int] | None
     pair: tuple[str, str] | None
     """The text pair (truncation tokenizes it again); None for one text."""
+    checked: bool = True
+    """False: the caller's own id list, unchecked; `pack` checks it with its pack's others."""
+
+
+class UncheckedIdsError(ValueError):
+    """Some input of a pack holds token ids that are not ids of the vocabulary (`pack`): the
+    caller checks its inputs one by one to name the culprit."""
 
 
 _TOKEN_IDS_ONLY = {"prompt_token_ids"}
@@ -122,15 +129,21 @@ class EncoderOnlyInputBuilder(TokenInputBuilder):
     def decoder_prompt_len(self, prompt: Any, truncate_prompt_tokens: int | None = None) -> int:
         return 0  # no decoder: the input runs once and is pooled
 
-    def pretokenize(self, prompts: list[Any]) -> list[Any]:
+    def pretokenize(self, prompts: list[Any], *, check_ids: bool = True) -> list[Any]:
         """Texts and text pairs (those `input_ids` would tokenize without an error first) become
         TokenizedText, two tokenizer calls for all: what one call per prompt would give.
         Token-id prompts ({"prompt_token_ids": non-empty list}) have their ids checked in one
         pass for all and become TokenizedText too; if any fails, each keeps its own check
-        (which names the culprit)."""
+        (which names the culprit). `check_ids=False` (prompts that go to `pack`): token-id
+        prompts become TokenizedText of the caller's own lists, unchecked; `pack` checks them
+        in the same pass that builds its id array."""
         out = list(prompts)
         ids_only, texts, pairs = _prompt_kinds(prompts)
-        if len(ids_only) > 1:
+        if not check_ids:
+            for i in ids_only:
+                ids = prompts[i]["prompt_token_ids"]
+                out[i] = TokenizedText(ids if type(ids) is list else list(ids), None, None, False)
+        elif len(ids_only) > 1:
             lists = [prompts[i]["prompt_token_ids"] for i in ids_only]
             checked = checked_id_lists(lists, self.encoder_vocab_size)
             if checked is not None:
@@ -158,6 +171,9 @@ class EncoderOnlyInputBuilder(TokenInputBuilder):
             ids, type_ids, pair = prompt.input_ids, prompt.token_type_ids, prompt.pair
             if not ids:
                 raise ValueError("the input is empty after tokenization")
+            if not prompt.checked and (truncate is not None or len(ids) > self.max_encoder_len):
+                # Truncation reads the ids themselves: checked first, as a prompt alone is.
+                return self.input_ids({"prompt_token_ids": ids}, truncate)
         elif isinstance(prompt, dict) and "text" in prompt:
             check_keys(prompt)
             pair = (check_text(prompt["text"]), check_text(prompt.get("text_pair")))
@@ -180,34 +196,50 @@ class EncoderOnlyInputBuilder(TokenInputBuilder):
             type_ids = checked
         return self.fit_encoder(ids, type_ids, truncate, pair=pair)
 
+    def pooling_input(
+        self, prompt: Any, params: PoolingParams
+    ) -> tuple[list[int], list[int] | None]:
+        """(input ids, segment ids or None) of one prompt that goes packed (`pack`): the checks
+        and tokenization of `build` without building its request."""
+        self.check_params(params)
+        return self.input_ids(prompt, params.truncate_prompt_tokens)
 
-def pack_requests(request_id: str, requests: list[EngineCoreRequest]) -> EngineCoreRequest:
-    """Several built pooling requests (one input each, equal params and priority) as one core
-    request `request_id` that runs them apart (EngineCoreRequest.input_lens): their ids and
-    segment ids back to back, the first one's arrival time and fair-share group."""
-    first = requests[0]
-    types = None
-    if any(r.token_type_ids is not None for r in requests):
-        types = list(
-            chain.from_iterable(
-                r.token_type_ids if r.token_type_ids is not None else [0] * len(r.prompt_token_ids)
-                for r in requests
+    def pack(
+        self,
+        request_id: str,
+        inputs: list[tuple[list[int], list[int] | None]],
+        params: PoolingParams,
+        group_id: str | None = None,
+    ) -> EngineCoreRequest:
+        """Inputs of equal params (`pooling_input`'s (ids, segment ids)) as one core request
+        `request_id` that runs them apart (EngineCoreRequest.input_lens): their ids as one
+        int32 array (one frame on the wire, one row copy in the runner, a vectorized check in
+        the core: a list costs each of them per id), their segment ids back to back. The array
+        is built in one pass that also checks the ids `pretokenize(check_ids=False)` left
+        unchecked: UncheckedIdsError when any is not an int id of the vocabulary."""
+        lens = [len(ids) for ids, _ in inputs]
+        try:
+            ids = np.array(list(chain.from_iterable(ids for ids, _ in inputs)))
+        except (ValueError, TypeError, OverflowError) as e:  # nested, ragged or huge values
+            raise UncheckedIdsError(str(e)) from e
+        if ids.dtype.kind not in "iu" or ids.ndim != 1:
+            raise UncheckedIdsError(f"token ids of dtype {ids.dtype}")
+        if int(ids.min()) < 0 or int(ids.max()) >= self.encoder_vocab_size:
+            raise UncheckedIdsError("token ids outside the vocabulary")
+        types = None
+        if any(t is not None for _, t in inputs):
+            types = list(
+                chain.from_iterable(
+                    t if t is not None else [0] * n for (_, t), n in zip(inputs, lens, strict=True)
+                )
             )
+        return EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=ids.astype(np.int32),
+            pooling_params=params,
+            token_type_ids=types,
+            input_lens=lens,
+            arrival_time=now(),
+            group_id=group_id,
+            streamed=False,
         )
-    lens = [len(r.prompt_token_ids) for r in requests]
-    # An array: one frame on the wire, one row copy in the runner, a vectorized check in the
-    # core (a list costs each of them per id).
-    ids = np.fromiter(
-        chain.from_iterable(r.prompt_token_ids for r in requests), np.int32, sum(lens)
-    )
-    return EngineCoreRequest(
-        request_id=request_id,
-        prompt_token_ids=ids,
-        pooling_params=first.pooling_params,
-        token_type_ids=types,
-        input_lens=lens,
-        arrival_time=first.arrival_time,
-        priority=first.priority,
-        group_id=first.group_id,
-        streamed=False,
-    )
