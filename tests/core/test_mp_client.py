@@ -363,13 +363,19 @@ def test_malformed_frames_are_dropped_and_the_core_keeps_running(client: SyncMPC
         [add, b"\xc1\xc1\xc1"],  # not msgpack
         [add],  # no payload
         [add, msgspec.msgpack.encode([1, 2, 3])],  # wrong shape
-        [add, msgspec.msgpack.encode({"request_id": "badreq", "prompt_token_ids": "x"})],
+        [
+            add,
+            msgspec.msgpack.encode(
+                {"request_id": "badreq", "prompt_token_ids": [1], "priority": "x"}
+            ),
+        ],
+        [add, msgspec.msgpack.encode({"request_id": "badids", "prompt_token_ids": "x"})],
         [add, bad_array],  # array frame missing
         [
             EngineCoreRequestType.ADD_MANY.value,  # one bad request fails the whole message
             msgspec.msgpack.encode(
                 [
-                    {"request_id": "many-bad", "prompt_token_ids": "x"},
+                    {"request_id": "many-bad", "prompt_token_ids": [1], "priority": "x"},
                     msgspec.msgpack.decode(
                         msgspec.msgpack.encode({"request_id": "many-ok", "prompt_token_ids": [1]})
                     ),
@@ -381,7 +387,7 @@ def test_malformed_frames_are_dropped_and_the_core_keeps_running(client: SyncMPC
     ):
         send_raw(client, frames)
     client.add_request(request("after-garbage", max_tokens=3))
-    got = collect(client, {"after-garbage", "badreq", "badarr", "many-bad", "many-ok"})
+    got = collect(client, {"after-garbage", "badreq", "badids", "badarr", "many-bad", "many-ok"})
     for req_id in ("many-bad", "many-ok"):
         assert got[req_id][-1].finish_reason == FinishReason.ERROR
         assert "malformed" in got[req_id][-1].error
@@ -389,6 +395,9 @@ def test_malformed_frames_are_dropped_and_the_core_keeps_running(client: SyncMPC
     assert got["badreq"][-1].finish_reason == FinishReason.ERROR
     assert "malformed" in got["badreq"][-1].error
     assert "refers to frame 1" in got["badarr"][-1].error
+    # prompt ids are typed loosely on the wire (lists, or arrays for packed inputs): the core's
+    # admission names a wrong type
+    assert "prompt_token_ids must be a list of ints, got str" in got["badids"][-1].error
     assert len(tokens(got["after-garbage"])) == 3
     assert client.wait_for_exit(timeout=0) is None and client.call_utility("is_healthy")
 

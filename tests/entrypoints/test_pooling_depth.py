@@ -12,7 +12,13 @@ import pytest
 from tests.entrypoints.test_llm_pooling import _cross_encoder, _record_steps, _token_prompts
 from tests.utils import WHISPER_BASE, make_tiny_llama_dir
 from v1 import LLM, PoolingParams
-from v1.config import POOLING_STEPS_IN_FLIGHT, EngineConfig, make_engine_config
+from v1.config import (
+    AUTO_MAX_NUM_SEQS_POOLING,
+    AUTO_POOLING_BATCHED_TOKENS,
+    POOLING_STEPS_IN_FLIGHT,
+    EngineConfig,
+    make_engine_config,
+)
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +46,30 @@ def test_pooling_models_on_gpu_default_to_three_steps(scorer_dir: str, tmp_path:
         assert _depth(make_engine_config(whisper, device="cuda", offline=True)) == 2
     with pytest.raises(ValueError, match="max_steps_in_flight"):
         make_engine_config(scorer_dir, max_steps_in_flight=5)
+
+
+def test_pooling_models_on_gpu_default_to_the_tuned_batch(scorer_dir: str, tmp_path: Path) -> None:
+    """An encoder-only model on a GPU runs steps of 32,768 tokens and up to 512 inputs unless
+    told otherwise (the tuned BERT rows' settings); elsewhere 4,096 tokens and 128 requests.
+    Resolved once: a config crossing processes carries the ints."""
+
+    def budget(config: EngineConfig) -> tuple[int | None, int | None]:
+        sc = config.scheduler_config
+        return sc.max_num_batched_tokens, sc.max_num_seqs
+
+    gpu = make_engine_config(scorer_dir, device="cuda", offline=True)
+    assert budget(gpu) == (AUTO_POOLING_BATCHED_TOKENS, AUTO_MAX_NUM_SEQS_POOLING) == (32768, 512)
+    assert budget(EngineConfig.from_json(gpu.to_json())) == (32768, 512)
+    assert budget(make_engine_config(scorer_dir, device="cuda")) == (32768, 512)  # the server
+    assert budget(make_engine_config(scorer_dir, device="cpu")) == (4096, 128)
+    mine = make_engine_config(
+        scorer_dir, device="cuda", max_num_batched_tokens=2048, max_num_seqs=64
+    )
+    assert budget(mine) == (2048, 64)
+    llama = make_tiny_llama_dir(tmp_path / "llama")
+    assert budget(make_engine_config(llama, device="cuda", offline=True))[0] == 4096
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be >= 1"):
+        make_engine_config(scorer_dir, max_num_batched_tokens=0)
 
 
 def test_three_steps_in_flight_embed_the_whole_batch_queued(

@@ -88,6 +88,8 @@ class EngineConfig:
         if sc.max_num_seqs is None:
             resolved["max_num_seqs"] = resolve_max_num_seqs(self)
             object.__setattr__(self, "auto_max_num_seqs", True)
+        if sc.max_num_batched_tokens is None:
+            resolved["max_num_batched_tokens"] = resolve_max_num_batched_tokens(self)
         if sc.num_scheduler_steps is None:
             resolved["num_scheduler_steps"] = resolve_num_scheduler_steps(self)
             object.__setattr__(self, "auto_num_scheduler_steps", True)
@@ -169,7 +171,15 @@ AUTO_MAX_NUM_SEQS_ABSORBED = 512
 turbo, 512 clips, H100: 6,336-6,382 RTFx at max_num_seqs 512 against 6,013-6,220 at 256
 (RESULTS.md, session 13); a request holds ~3.1 MiB of KV (fp8) there."""
 AUTO_MAX_NUM_SEQS = 128
-"""max_num_seqs elsewhere (CPU, decoder-only, encoder-only, per-layer cross-attention)."""
+"""max_num_seqs elsewhere (CPU, decoder-only, per-layer cross-attention, encoder-only on CPU)."""
+AUTO_MAX_NUM_SEQS_POOLING = 512
+"""max_num_seqs for an encoder-only model on a GPU: it bounds the inputs a step runs (packed or
+not) and holds no KV; the tuned BERT rows' value (a 32K-token MiniLM step holds ~240 inputs)."""
+AUTO_POOLING_BATCHED_TOKENS = 32768
+"""max_num_batched_tokens for an encoder-only model on a GPU: the tuned BERT rows' value. With
+the engine's 4,096 a BERT batch runs 8x the steps, each a host step and a small GEMM batch."""
+DEFAULT_BATCHED_TOKENS = 4096
+"""max_num_batched_tokens elsewhere."""
 AUTO_NUM_SCHEDULER_STEPS = 8
 """num_scheduler_steps on a GPU, for requests nobody reads token by token: offline batches
 (turbo, 512 clips, H100: 6,142 -> 6,382 RTFx; machines B and D: +3-5%; RESULTS.md, session 13)
@@ -194,7 +204,21 @@ def resolve_max_num_seqs(config: EngineConfig) -> int:
         and config.cross_attention_mode == "absorbed"
     ):
         return AUTO_MAX_NUM_SEQS_ABSORBED
+    if _pooling_on_gpu(config):
+        return AUTO_MAX_NUM_SEQS_POOLING
     return AUTO_MAX_NUM_SEQS
+
+
+def resolve_max_num_batched_tokens(config: EngineConfig) -> int:
+    """The rule behind max_num_batched_tokens=None."""
+    return AUTO_POOLING_BATCHED_TOKENS if _pooling_on_gpu(config) else DEFAULT_BATCHED_TOKENS
+
+
+def _pooling_on_gpu(config: EngineConfig) -> bool:
+    return (
+        config.model_config.kind == ModelKind.ENCODER_ONLY
+        and config.device_config.device_type == "cuda"
+    )
 
 
 def resolve_num_scheduler_steps(config: EngineConfig) -> int:
@@ -245,10 +269,7 @@ pooling row is ever wasted (each request ends in its one step)."""
 def resolve_max_steps_in_flight(config: EngineConfig) -> int:
     """The rule behind max_steps_in_flight=None: 3 for encoder-only models on a GPU, else 2
     (docs/decisions.md: depth 3 gained nothing for Whisper, whose host was the slower side)."""
-    if (
-        config.model_config.kind == ModelKind.ENCODER_ONLY
-        and config.device_config.device_type == "cuda"
-    ):
+    if _pooling_on_gpu(config):
         return POOLING_STEPS_IN_FLIGHT
     return 2
 

@@ -12,10 +12,13 @@ class SchedulerConfig:
     max_num_seqs: int | None = None
     """Most requests in one step. None (auto): EngineConfig resolves it once
     (`resolve_max_num_seqs`, docs/decisions.md): 512 for an encoder-decoder model with absorbed
-    cross-attention on a GPU (a Whisper request holds ~3 MiB of KV there), else 128; the engine
-    core then lowers an auto value to the requests its KV cache holds at a typical length."""
-    max_num_batched_tokens: int = 4096
-    """Most decoder (or encoder-only) tokens in one step."""
+    cross-attention on a GPU (a Whisper request holds ~3 MiB of KV there) and for an
+    encoder-only model on a GPU (no KV at all), else 128; the engine core then lowers an auto
+    value to the requests its KV cache holds at a typical length."""
+    max_num_batched_tokens: int | None = None
+    """Most decoder (or encoder-only) tokens in one step. None (auto): 32,768 for an
+    encoder-only model on a GPU (`AUTO_POOLING_BATCHED_TOKENS`), else 4,096; EngineConfig
+    resolves it once (`resolve_max_num_batched_tokens`)."""
     max_num_encoder_input_tokens: int | None = None
     """Encoder positions one step may run (default: max(max_num_batched_tokens, the model's max
     encoder length)). Distinct from the model's max encoder length of one request."""
@@ -59,7 +62,7 @@ class SchedulerConfig:
             )
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
             )

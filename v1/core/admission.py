@@ -77,7 +77,10 @@ def check_request(
     """Raises ValueError for a request the core must not queue: empty, too long for the model
     or the step budgets (so it could never run), or with a number its step tensors cannot
     hold."""
-    if len(request.prompt_token_ids) == 0:
+    ids = request.prompt_token_ids
+    if not isinstance(ids, (list, np.ndarray)):  # the wire types it loosely (arrays)
+        raise ValueError(f"prompt_token_ids must be a list of ints, got {type(ids).__name__}")
+    if len(ids) == 0:
         raise ValueError("the prompt is empty")
     _check_numbers(request, config, info)
     params = request.sampling_params
