@@ -195,14 +195,23 @@ def _run_variant(
         triton_backend._CUDNN_VARLEN_OK[0] = True  # a refusal is per engine: try again
     llm = None
     try:
+        # --defaults: what a user who knows no settings gets (issue 35 item 1).
+        tuned = {} if args.defaults else dict(max_num_seqs=512)
+        if not args.defaults:
+            tuned["max_num_batched_tokens"] = args.max_num_batched_tokens
         llm = LLM(
             path,
             dtype=str(dtype).removeprefix("torch."),
             device=device.name,
             multiprocess=args.multiprocess,
-            max_num_seqs=512,
-            max_num_batched_tokens=args.max_num_batched_tokens,
+            **tuned,
             **extra,
+        )
+        sc = llm.config.scheduler_config
+        print(
+            f"engine: max_num_seqs={sc.max_num_seqs}, "
+            f"max_num_batched_tokens={sc.max_num_batched_tokens}",
+            flush=True,
         )
         depth = llm.config.scheduler_config.max_steps_in_flight
         run = _embed_converting_at_end if label == "before" else _embed
@@ -349,6 +358,11 @@ def main() -> int:
     p.add_argument("--hf-batches", default="128,256")
     p.add_argument("--max-num-batched-tokens", type=int, default=32768)
     p.add_argument("--multiprocess", action="store_true", help="EngineCore in its own process")
+    p.add_argument(
+        "--defaults",
+        action="store_true",
+        help="LLM's own max_num_seqs and max_num_batched_tokens (default: 512 and the flag's)",
+    )
     p.add_argument("--no-profile", action="store_true", help="skip the device-time runs")
     p.add_argument("--variants", default="before,after", help=f"comma list of {list(VARIANTS)}")
     p.add_argument("--json", default=None, help="also write the results here")
