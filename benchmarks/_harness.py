@@ -318,7 +318,7 @@ class EngineProbe:
     def __enter__(self) -> EngineProbe:
         engine, client = self.engine, self.client
         add, step, get_output = engine.add_processed_request, engine.step, client.get_output
-        add_core = engine.add_core_requests
+        add_core, add_packed = engine.add_core_requests, engine.add_packed_request
 
         def add_core_requests(requests: list[Any]) -> None:
             # Beam search steps (ids "<window>-beam<step>.<j>"): a window's output size is the
@@ -334,6 +334,11 @@ class EngineProbe:
         def add_processed_request(request_id: str, *args: Any, **kwargs: Any) -> None:
             self.order.append(request_id)
             add(request_id, *args, **kwargs)
+
+        def add_packed_request(request_id: str, inputs: list[Any], *args: Any, **kw: Any) -> None:
+            # Packed pooling inputs (user id, ids, segment ids): each gets its own output.
+            self.order.extend(user_id for user_id, _, _ in inputs)
+            add_packed(request_id, inputs, *args, **kw)
 
         def step_and_count() -> list[Any]:
             outputs = step()
@@ -356,6 +361,7 @@ class EngineProbe:
 
         engine.add_processed_request = add_processed_request
         engine.add_core_requests = add_core_requests
+        engine.add_packed_request = add_packed_request
         engine.step = step_and_count
         client.get_output = get_output_and_stats
         return self
@@ -364,6 +370,7 @@ class EngineProbe:
         for obj, name in (
             (self.engine, "add_processed_request"),
             (self.engine, "add_core_requests"),
+            (self.engine, "add_packed_request"),
             (self.engine, "step"),
             (self.client, "get_output"),
         ):
