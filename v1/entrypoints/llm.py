@@ -484,7 +484,12 @@ class LLM:
                         raise RuntimeError(f"requests {missing} ended without an output")
                     for out in self.llm_engine.step():
                         if out.finished and out.request_id in req_ids:
-                            if convert is not None and out.error is None:
+                            # Packed embeddings come as EmbeddingRequestOutputs already.
+                            if (
+                                convert is not None
+                                and out.error is None
+                                and type(out) is PoolingRequestOutput
+                            ):
                                 out = convert(out)
                             outputs[out.request_id] = out
                             feed.finished(out.request_id)
