@@ -128,10 +128,11 @@ class LLMEngine:
             request.streamed = output_kind != RequestOutputKind.FINAL_ONLY
             self.engine_core.add_request(request)
 
-    def pooling_input(self, prompt: Any, params: Any) -> tuple[list[int], list[int] | None]:
-        """Validates one pooling prompt that goes packed (`add_packed_request`): its (input ids,
-        segment ids or None). Raises ValueError on invalid input."""
-        return self.input_processor.builder.pooling_input(prompt, params)
+    def pooling_inputs(self, prompts: list[Any], params: list[Any]) -> list[Any]:
+        """Validates pooling prompts that go packed (`add_packed_request`), prompt i with
+        params[i]: each one's (input ids, segment ids or None), or the ValueError it fails
+        with."""
+        return self.input_processor.builder.pooling_inputs(prompts, params)
 
     def add_packed_request(
         self,
@@ -141,7 +142,7 @@ class LLMEngine:
         group_id: str | None = None,
     ) -> None:
         """Queues several pooling inputs of equal params ((user request id, input ids, segment
-        ids) from `pooling_input`) as ONE core request that runs them apart
+        ids) from `pooling_inputs`) as ONE core request that runs them apart
         (EngineCoreRequest.input_lens): each input's output comes back under its own user id.
         For batches of short inputs: the frontend and the core handle one request instead of
         each input. Raises UncheckedIdsError (nothing queued) when an input's ids, unchecked

@@ -635,18 +635,18 @@ class _Feed:
         self._added(core_id, tokens)
 
     def _pooling_input(self, i: int) -> Any:
-        """Item i's (input ids, segment ids), for a pack."""
+        """Item i's (input ids, segment ids), for a pack (validated a chunk ahead)."""
         if i >= self.num_pretokenized:
             end = min(i + PRETOKENIZE_CHUNK, len(self.items))
-            self.to_build[i:end] = self.engine.pretokenize(self.to_build[i:end], check_ids=False)
+            params = [item[2] for item in self.items[i:end]]
+            self.to_build[i:end] = self.engine.pooling_inputs(self.to_build[i:end], params)
             self.num_pretokenized = end
-        try:
-            entry = self.engine.pooling_input(self.to_build[i], self.items[i][2])
-        except ValueError as e:
-            if len(self.items) == 1:
-                raise
-            raise ValueError(f"prompt {i}: {e}") from e
+        entry = self.to_build[i]
         self.to_build[i] = None  # its tokens live on in the entry
+        if isinstance(entry, ValueError):
+            if len(self.items) == 1:
+                raise entry
+            raise ValueError(f"prompt {i}: {entry}") from entry
         return entry
 
     def _added(self, core_id: str, tokens: int) -> None:

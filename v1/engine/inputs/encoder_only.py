@@ -196,13 +196,31 @@ class EncoderOnlyInputBuilder(TokenInputBuilder):
             type_ids = checked
         return self.fit_encoder(ids, type_ids, truncate, pair=pair)
 
-    def pooling_input(
-        self, prompt: Any, params: PoolingParams
-    ) -> tuple[list[int], list[int] | None]:
-        """(input ids, segment ids or None) of one prompt that goes packed (`pack`): the checks
-        and tokenization of `build` without building its request."""
-        self.check_params(params)
-        return self.input_ids(prompt, params.truncate_prompt_tokens)
+    def pooling_inputs(self, prompts: list[Any], params: list[PoolingParams]) -> list[Any]:
+        """The (input ids, segment ids or None) of prompts that go packed (`pack`), prompt i
+        with params[i]: `build`'s checks and tokenization without building requests, texts
+        tokenized together and token ids left for `pack` to check (`pretokenize(check_ids=
+        False)`). A prompt that fails holds its ValueError instead."""
+        out: list[Any] = []
+        limit = self.max_encoder_len
+        valid = None
+        for prompt, p in zip(self.pretokenize(prompts, check_ids=False), params, strict=True):
+            try:
+                if p is not valid:  # a batch shares one params object
+                    self.check_params(p)
+                    valid = p
+                if (
+                    type(prompt) is TokenizedText
+                    and not prompt.checked
+                    and p.truncate_prompt_tokens is None
+                    and len(prompt.input_ids) <= limit
+                ):
+                    out.append((prompt.input_ids, None))  # what input_ids would return
+                else:
+                    out.append(self.input_ids(prompt, p.truncate_prompt_tokens))
+            except ValueError as e:
+                out.append(e)
+        return out
 
     def pack(
         self,
@@ -211,7 +229,7 @@ class EncoderOnlyInputBuilder(TokenInputBuilder):
         params: PoolingParams,
         group_id: str | None = None,
     ) -> EngineCoreRequest:
-        """Inputs of equal params (`pooling_input`'s (ids, segment ids)) as one core request
+        """Inputs of equal params (`pooling_inputs`' (ids, segment ids)) as one core request
         `request_id` that runs them apart (EngineCoreRequest.input_lens): their ids as one
         int32 array (one frame on the wire, one row copy in the runner, a vectorized check in
         the core: a list costs each of them per id), their segment ids back to back. The array
