@@ -170,6 +170,22 @@ def test_bad_token_ids_in_a_packed_batch_name_their_prompt(
     assert ok.error is None and len(ok.outputs.embedding) == 32
 
 
+def test_a_packed_batch_holds_each_input_to_the_model_limit(packer: LLM) -> None:
+    """Token ids taken as given for the pack still meet the model's limit: too long fails
+    naming the prompt, truncate_prompt_tokens keeps the first tokens and the last [SEP]."""
+    prompts = _token_prompts(20, seed=5)
+    prompts[7] = {"prompt_token_ids": [2, *range(10, 110), 3]}  # 102 tokens, the limit is 64
+    with pytest.raises(ValueError, match=r"prompt 7: .*limit of 64"):
+        packer.embed(prompts, use_tqdm=False)
+    outputs = packer.embed(prompts, truncate_prompt_tokens=8, use_tqdm=False)
+    assert outputs[7].prompt_token_ids == [2, *range(10, 16), 3]
+    assert [len(o.prompt_token_ids) for o in outputs] == [
+        min(len(p["prompt_token_ids"]), 8) for p in prompts
+    ]
+    (alone,) = packer.embed([{"prompt_token_ids": outputs[7].prompt_token_ids}], use_tqdm=False)
+    np.testing.assert_allclose(outputs[7].outputs.data, alone.outputs.data, rtol=0, atol=2e-6)
+
+
 def _packed(req_id: str, inputs: list[list[int]], **changes: Any) -> EngineCoreRequest:
     fields: dict[str, Any] = dict(
         request_id=req_id,
