@@ -286,3 +286,72 @@ def test_a_pack_wider_than_a_runner_row_fails_alone(classifier_dir: str) -> None
         outputs = _run_core(llm, [wide, fits])
     assert "packed inputs of 2400 tokens exceed 2048 tokens a request" in outputs["wide"].error
     assert outputs["fits"].error is None and outputs["fits"].pooled_output.shape == (34, 32)
+
+
+# ---- AsyncLLM (the server's engine): one client request's inputs packed ----
+def test_async_llm_packs_a_requests_inputs(
+    classifier_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`AsyncLLM.encode_packed`: a few core requests for many inputs, each input's output
+    under `{request_id}-{i}` equal to its own `encode`; a bad input names itself and queues
+    nothing; a cancelled call (the client gone) aborts its packs and leaves nothing behind."""
+    import asyncio
+
+    from v1.engine.async_llm import AsyncLLM
+
+    llm = AsyncLLM(classifier_dir, device="cpu", max_num_batched_tokens=256, max_num_seqs=64)
+    prompts = _token_prompts(30, seed=9)
+    for p in prompts:  # 3-6 tokens: several fit a 32-token pack
+        p["prompt_token_ids"] = p["prompt_token_ids"][:6]
+    seen: list[EngineCoreRequest] = []
+    add = llm.engine_core.add_request_async
+
+    async def recording(request: EngineCoreRequest) -> None:
+        seen.append(request)
+        await add(request)
+
+    monkeypatch.setattr(llm.engine_core, "add_request_async", recording)
+
+    async def alone(prompt: Any, i: int) -> np.ndarray:
+        async for out in llm.encode(prompt, PoolingParams(task="embed"), f"alone-{i}"):
+            final = out
+        return np.asarray(final.outputs.data)
+
+    async def run() -> None:
+        outputs = await llm.encode_packed(prompts, PoolingParams(task="embed"), "r1")
+        assert [o.request_id for o in outputs] == [f"r1-{i}" for i in range(len(prompts))]
+        packs = [r for r in seen if r.input_lens is not None]
+        assert 1 < len(packs) < len(prompts) // 3 and all(r.group_id == "r1" for r in packs)
+        for i, (out, prompt) in enumerate(zip(outputs, prompts, strict=True)):
+            assert out.prompt_token_ids == prompt["prompt_token_ids"]
+            ref = await alone(prompt, i)
+            np.testing.assert_allclose(out.outputs.data, ref, rtol=0, atol=2e-6)
+        bad = [*prompts[:3], {"prompt_token_ids": [2, 10**6, 3]}]
+        seen.clear()
+        with pytest.raises(ValueError, match="input 3: .*vocabulary"):
+            await llm.encode_packed(bad, PoolingParams(task="embed"), "r2")
+        assert not seen
+        with pytest.raises(ValueError, match="input 1: .*empty"):
+            await llm.encode_packed(["gold", ""], PoolingParams(task="embed"), "r3")
+        task = asyncio.ensure_future(
+            llm.encode_packed(prompts * 4, PoolingParams(task="embed"), "r4")
+        )
+        while not any(r.request_id.startswith("r4-") for r in seen):
+            await asyncio.sleep(0.001)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert not llm._queues and not llm.output_processor.has_unfinished_requests()
+        for _ in range(200):
+            stats = await llm.get_stats()
+            if stats["num_running_reqs"] == 0 and stats["num_waiting_reqs"] == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert stats["num_running_reqs"] == 0 and stats["num_waiting_reqs"] == 0
+        (again,) = await llm.encode_packed(prompts[:1], PoolingParams(task="embed"), "r4")
+        assert again.error is None
+
+    try:
+        asyncio.run(run())
+    finally:
+        llm.shutdown()

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
-from v1.config import EngineConfig, make_engine_config
+from v1.config import EngineConfig, make_engine_config, pooling_pack_limits
 from v1.core.errors import EngineDeadError
 from v1.core.protocol import EngineCoreOutput, EngineCoreRequest
 from v1.engine.beam_search import (
@@ -28,11 +28,12 @@ from v1.engine.beam_search import (
 )
 from v1.engine.core_client import build_frontend, make_frontend_and_client
 from v1.engine.input_processor import Params
+from v1.engine.inputs.encoder_only import UncheckedIdsError, pack_spans
 from v1.engine.output_processor import AnyRequestOutput, ParentRequest
 from v1.logger import init_logger
 from v1.lora_request import LoRARequest
 from v1.outputs import PoolingRequestOutput, RequestOutput, RequestOutputKind
-from v1.pooling_params import PoolingParams
+from v1.pooling_params import PoolingParams, PoolingParamsError
 from v1.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -230,6 +231,80 @@ class AsyncLLM:
             request_id, prompt, pooling_params, priority, RequestOutputKind.FINAL_ONLY
         ):
             yield out
+
+    async def encode_packed(
+        self, prompts: list[Any], pooling_params: PoolingParams, request_id: str
+    ) -> list[PoolingRequestOutput]:
+        """The pooled outputs of one client request's inputs, in order (input i's output is
+        named `{request_id}-{i}`), sent to the core packed: a few core requests of several
+        inputs each (EngineCoreRequest.input_lens, the offline `LLM`'s limits), so a request
+        of many inputs costs the core a few requests. Tasks with one vector per input (not
+        encode). ValueError (naming the input) on invalid input; a cancelled call (the client
+        gone) aborts what it queued."""
+        if not isinstance(pooling_params, PoolingParams) or pooling_params.task == "encode":
+            raise ValueError("encode_packed() needs PoolingParams of task embed, classify or score")
+        if "embed" not in self.model_info.supported_tasks:
+            raise ValueError(f"{self.model_config.model} is not a pooling (encoder-only) model")
+        self._check_running()
+        self._ensure_output_handler()
+        builder = self.input_processor.builder
+        entries = await self.run_input_work(
+            builder.pooling_inputs, prompts, [pooling_params] * len(prompts)
+        )
+        for i, entry in enumerate(entries):
+            if isinstance(entry, PoolingParamsError):
+                raise entry  # the params', not this input's (the server names the param)
+            if isinstance(entry, ValueError):
+                raise ValueError(f"input {i}: {entry}") from entry
+        input_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        if any(r in self._queues or r in self.output_processor.request_states for r in input_ids):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        group = request_group.get() or request_id
+        max_tokens, max_inputs = pooling_pack_limits(self.config)
+        spans = pack_spans([len(ids) for ids, _ in entries], max_tokens, max(max_inputs, 1))
+        packs = []
+        for j, (a, b) in enumerate(spans):
+            try:
+                packs.append(
+                    builder.pack(f"{request_id}-pack{j}", entries[a:b], pooling_params, group)
+                )
+            except UncheckedIdsError:
+                for i in range(a, b):  # checked one by one: the first that fails names itself
+                    try:
+                        builder.input_ids({"prompt_token_ids": entries[i][0]}, None)
+                    except ValueError as e:
+                        raise ValueError(f"input {i}: {e}") from e
+                raise
+        q: asyncio.Queue[_Item | None] = asyncio.Queue()
+        for input_id in input_ids:
+            self._queues[input_id] = q  # every input's output comes to this call
+        observer = request_observer.get()
+        outputs: dict[str, PoolingRequestOutput] = {}
+        try:
+            for packed, (a, b) in zip(packs, spans, strict=True):
+                self.output_processor.add_packed_request(
+                    packed, [(input_ids[i], entries[i][0]) for i in range(a, b)]
+                )
+                await self.engine_core.add_request_async(packed)
+            while len(outputs) < len(input_ids):
+                item = q.get_nowait() if not q.empty() else await q.get()
+                if item is None:
+                    raise asyncio.CancelledError  # aborted
+                if isinstance(item, BaseException):
+                    raise item
+                if observer is not None:
+                    observer.on_output(item, RequestOutputKind.FINAL_ONLY)
+                outputs[item.request_id] = item
+        finally:
+            for input_id in input_ids:
+                if self._queues.get(input_id) is q:
+                    del self._queues[input_id]
+            if len(outputs) < len(input_ids):
+                core_ids = self.output_processor.abort_requests(p.request_id for p in packs)
+                if core_ids:
+                    with contextlib.suppress(EngineDeadError):
+                        self.engine_core.abort_requests_nowait(core_ids)
+        return [outputs[r] for r in input_ids]
 
     async def transcribe(
         self,

@@ -69,6 +69,19 @@ def test_token_id_inputs(minilm: openai.OpenAI) -> None:
     assert many.usage.prompt_tokens == len(ids[0]) + len(ids[1])
 
 
+def test_a_request_of_many_inputs_gives_each_its_own_vector(minilm: openai.OpenAI) -> None:
+    """A request's inputs go to the core packed (`AsyncLLM.encode_packed`): each vector is the
+    one the input gets in a request of its own, in input order."""
+    texts = [f"{MOVIE[i % 3]} number {i}" for i in range(40)]
+    together = minilm.embeddings.create(model="minilm", input=texts, encoding_format="float")
+    assert [d.index for d in together.data] == list(range(40))
+    for i in (0, 7, 21, 39):
+        (alone,) = minilm.embeddings.create(
+            model="minilm", input=texts[i], encoding_format="float"
+        ).data
+        np.testing.assert_allclose(together.data[i].embedding, alone.embedding, atol=1e-5)
+
+
 def test_dimensions_refused_on_minilm(minilm: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         minilm.embeddings.create(model="minilm", input="hi", dimensions=128)

@@ -45,6 +45,21 @@ _TOKEN_IDS_ONLY = {"prompt_token_ids"}
 _TEXT_PAIR = {"text", "text_pair"}
 
 
+def pack_spans(lens: list[int], max_tokens: int, max_inputs: int) -> list[tuple[int, int]]:
+    """Consecutive [start, end) spans of inputs of these lengths, each at most `max_inputs`
+    inputs and `max_tokens` tokens (an input longer than that alone)."""
+    spans: list[tuple[int, int]] = []
+    start, tokens = 0, 0
+    for i, n in enumerate(lens):
+        if i > start and (tokens + n > max_tokens or i - start >= max_inputs):
+            spans.append((start, i))
+            start, tokens = i, 0
+        tokens += n
+    if lens:
+        spans.append((start, len(lens)))
+    return spans
+
+
 def _prompt_kinds(prompts: list[Any]) -> tuple[list[int], list[int], list[int]]:
     """Indices of the prompts `pretokenize` handles together, in one pass: (token-id prompts
     with a non-empty list or tuple, non-empty texts, text pairs of two non-empty texts)."""

@@ -110,18 +110,12 @@ class ServingPooling(ServingBase):
         """The outputs of every prompt, in order; the client leaving aborts them all. The
         prompts' tokens count against --max-tokens-per-request (400 naming `param`)."""
         self.check_token_budget(sum(len(p["prompt_token_ids"]) for p in prompts), param)
-
-        async def one(i: int, prompt: dict[str, Any]) -> PoolingRequestOutput | None:
-            final = None
-            async for out in self.engine.encode(prompt, params, f"{request_id}-{i}"):
-                final = out
-            return final
-
-        outputs = await map_input_errors(
-            run_until_disconnected(
-                request, gather_or_cancel([one(i, p) for i, p in enumerate(prompts)])
-            )
-        )
+        if len(prompts) > 1 and params.task != "encode":
+            # One client request's inputs go to the core packed (a few core requests).
+            packed = self.engine.encode_packed(prompts, params, request_id)
+            outputs: list[Any] = await map_input_errors(run_until_disconnected(request, packed))
+        else:
+            outputs = await self._one_by_one(request, prompts, params, request_id)
         for out in outputs:
             if out is None or out.outputs is None:
                 error = out.error if out is not None else "no output"
@@ -130,7 +124,26 @@ class ServingPooling(ServingBase):
                 raise APIError(
                     500, f"the engine failed the request: {out.error}", code="engine_error"
                 )
-        return outputs  # type: ignore[return-value]
+        return outputs
+
+    async def _one_by_one(
+        self,
+        request: Request,
+        prompts: list[dict[str, Any]],
+        params: PoolingParams,
+        request_id: str,
+    ) -> list[PoolingRequestOutput | None]:
+        async def one(i: int, prompt: dict[str, Any]) -> PoolingRequestOutput | None:
+            final = None
+            async for out in self.engine.encode(prompt, params, f"{request_id}-{i}"):
+                final = out
+            return final
+
+        return await map_input_errors(
+            run_until_disconnected(
+                request, gather_or_cancel([one(i, p) for i, p in enumerate(prompts)])
+            )
+        )
 
 
 class ServingEmbeddings(ServingPooling):
