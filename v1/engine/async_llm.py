@@ -268,13 +268,8 @@ class AsyncLLM:
                 packs.append(
                     builder.pack(f"{request_id}-pack{j}", entries[a:b], pooling_params, group)
                 )
-            except UncheckedIdsError:
-                for i in range(a, b):  # checked one by one: the first that fails names itself
-                    try:
-                        builder.input_ids({"prompt_token_ids": entries[i][0]}, None)
-                    except ValueError as e:
-                        raise ValueError(f"input {i}: {e}") from e
-                raise
+            except UncheckedIdsError as e:
+                raise ValueError(f"input {a + e.index}: {e}") from e
         q: asyncio.Queue[_Item | None] = asyncio.Queue()
         for input_id in input_ids:
             self._queues[input_id] = q  # every input's output comes to this call

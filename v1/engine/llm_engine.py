@@ -64,12 +64,11 @@ class LLMEngine:
             request_id, prompt, params, priority=priority, lora_request=lora_request
         )
 
-    def pretokenize(self, prompts: list[Any], *, check_ids: bool = True) -> list[Any]:
+    def pretokenize(self, prompts: list[Any]) -> list[Any]:
         """`prompts` with the texts the model's input builder tokenizes tokenized in one call
         (a fast tokenizer runs a batch on its threads); `process_request` takes each result as
-        it takes the prompt it came from. `check_ids=False`: token ids are left for
-        `add_packed_request` to check (pooling prompts that go packed)."""
-        return self.input_processor.builder.pretokenize(prompts, check_ids=check_ids)
+        it takes the prompt it came from."""
+        return self.input_processor.builder.pretokenize(prompts)
 
     def add_request(
         self,
@@ -145,8 +144,8 @@ class LLMEngine:
         ids) from `pooling_inputs`) as ONE core request that runs them apart
         (EngineCoreRequest.input_lens): each input's output comes back under its own user id.
         For batches of short inputs: the frontend and the core handle one request instead of
-        each input. Raises UncheckedIdsError (nothing queued) when an input's ids, unchecked
-        by `pretokenize(check_ids=False)`, are not token ids."""
+        each input. Raises UncheckedIdsError (naming the input, nothing queued) when an
+        input's ids, left unchecked by `pooling_inputs`, are not token ids."""
         packed = self.input_processor.builder.pack(
             request_id, [(ids, types) for _, ids, types in inputs], params, group_id
         )

@@ -579,23 +579,18 @@ class _Feed:
                 self._add_pack()
                 continue
             i = self.next
-            core_requests = self._take(i)
+            core_requests = self.processed[i]
+            if core_requests is None:
+                core_requests = self._process(i)
+            self.processed[i] = None
+            for request in core_requests:
+                # One call is one client's batch: one fair-share group (the scheduler's fair
+                # shares are between clients, not between the prompts of one batch).
+                request.group_id = items[0][0]
             req_id, prompt, params, _ = items[i]
             engine.add_processed_request(req_id, prompt, params, core_requests)
             self.next = i + 1
             self._added(req_id, sum(len(r.prompt_token_ids) for r in core_requests))
-
-    def _take(self, i: int) -> list[Any]:
-        """Item i's core requests (processed now unless they were), in the batch's group."""
-        core_requests = self.processed[i]
-        if core_requests is None:
-            core_requests = self._process(i)
-        self.processed[i] = None
-        for request in core_requests:
-            # One call is one client's batch: one fair-share group (the scheduler's fair
-            # shares are between clients, not between the prompts of one batch).
-            request.group_id = self.items[0][0]
-        return core_requests
 
     def _add_pack(self) -> None:
         """Adds the next inputs with equal params as one packed core request, up to the pack's
@@ -625,11 +620,10 @@ class _Feed:
         try:
             # One call is one client's batch: one fair-share group.
             self.engine.add_packed_request(core_id, pack, params, group_id=items[0][0])
-        except UncheckedIdsError:
-            for i in range(first, self.next):  # the first that fails names itself
-                self.to_build[i] = items[i][1]
-                self._process(i, check_ids=True)
-            raise
+        except UncheckedIdsError as e:
+            if len(items) == 1:
+                raise
+            raise ValueError(f"prompt {first + e.index}: {e}") from e
         for req_id, _, _ in pack:
             self.pack_of[req_id] = core_id
         self._added(core_id, tokens)
@@ -669,11 +663,9 @@ class _Feed:
             )
         return len(self.unfinished) >= self.window
 
-    def _process(self, i: int, *, check_ids: bool = False) -> list[Any]:
-        """Item i's core requests (pooling prompts are pretokenized a chunk ahead).
-        `check_ids`: the prompt as given, checked alone (a pack failed its check)."""
+    def _process(self, i: int) -> list[Any]:
         req_id, _, params, priority = self.items[i]
-        if self.pooling_depth is not None and i >= self.num_pretokenized and not check_ids:
+        if self.pooling_depth is not None and i >= self.num_pretokenized:
             end = min(i + PRETOKENIZE_CHUNK, len(self.items))
             self.to_build[i:end] = self.engine.pretokenize(self.to_build[i:end])
             self.num_pretokenized = end

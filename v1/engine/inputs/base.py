@@ -82,10 +82,9 @@ class InputBuilder(ABC):
         """Another n > 1 child of the prompt `first` was built from (`params`: its seed)."""
         return self.build(request_id, prompt, params, priority=priority)
 
-    def pretokenize(self, prompts: list[Any], *, check_ids: bool = True) -> list[Any]:
+    def pretokenize(self, prompts: list[Any]) -> list[Any]:
         """`prompts` for `build`, with the texts this builder tokenizes one by one tokenized in
-        one call (a fast tokenizer runs a batch on its own threads). The default: unchanged.
-        `check_ids=False`: token ids may be left for `pack` to check (encoder-only)."""
+        one call (a fast tokenizer runs a batch on its own threads). The default: unchanged."""
         return prompts
 
     def prompt_texts(self, prompt: Any) -> tuple[str | None, str | None]:

@@ -37,8 +37,12 @@ class TokenizedText:
 
 
 class UncheckedIdsError(ValueError):
-    """Some input of a pack holds token ids that are not ids of the vocabulary (`pack`): the
-    caller checks its inputs one by one to name the culprit."""
+    """An input of a pack holds token ids that are not ids of the vocabulary (`pack`): the
+    message is the one that input gets alone; `index` is its place in the pack."""
+
+    def __init__(self, message: str, index: int) -> None:
+        super().__init__(message)
+        self.index = index
 
 
 _TOKEN_IDS_ONLY = {"prompt_token_ids"}
@@ -249,16 +253,17 @@ class EncoderOnlyInputBuilder(TokenInputBuilder):
         int32 array (one frame on the wire, one row copy in the runner, a vectorized check in
         the core: a list costs each of them per id), their segment ids back to back. The array
         is built in one pass that also checks the ids `pretokenize(check_ids=False)` left
-        unchecked: UncheckedIdsError when any is not an int id of the vocabulary."""
+        unchecked: UncheckedIdsError, naming the first input whose ids are not int ids of the
+        vocabulary."""
         lens = [len(ids) for ids, _ in inputs]
         try:
             ids = np.array(list(chain.from_iterable(ids for ids, _ in inputs)))
-        except (ValueError, TypeError, OverflowError) as e:  # nested, ragged or huge values
-            raise UncheckedIdsError(str(e)) from e
-        if ids.dtype.kind not in "iu" or ids.ndim != 1:
-            raise UncheckedIdsError(f"token ids of dtype {ids.dtype}")
-        if int(ids.min()) < 0 or int(ids.max()) >= self.encoder_vocab_size:
-            raise UncheckedIdsError("token ids outside the vocabulary")
+            valid = ids.dtype.kind in "iu" and ids.ndim == 1
+            valid = valid and int(ids.min()) >= 0 and int(ids.max()) < self.encoder_vocab_size
+        except (ValueError, TypeError, OverflowError):  # nested, ragged or huge values
+            valid = False
+        if not valid:
+            self._name_bad_input(inputs)
         types = None
         if any(t is not None for _, t in inputs):
             types = list(
@@ -276,3 +281,13 @@ class EncoderOnlyInputBuilder(TokenInputBuilder):
             group_id=group_id,
             streamed=False,
         )
+
+    def _name_bad_input(self, inputs: list[tuple[list[int], list[int] | None]]) -> None:
+        """Raises UncheckedIdsError for the first input whose ids fail the check a prompt alone
+        gets (a pack failed `pack`'s one-pass check)."""
+        for index, (ids, _) in enumerate(inputs):
+            try:
+                self.input_ids({"prompt_token_ids": ids}, None)
+            except ValueError as e:
+                raise UncheckedIdsError(str(e), index) from e
+        raise AssertionError("a pack failed its check but each of its inputs passes alone")

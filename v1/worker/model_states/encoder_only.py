@@ -67,6 +67,9 @@ class EncoderOnlyState(ModelState):
         none ships no segment ids (the model adds segment 0's row)."""
         self.input_lens: list[np.ndarray | None] = [None] * self.max_num_reqs
         """Per slot: the lengths of its request's packed inputs (None: one input)."""
+        self.num_packed = np.zeros(self.max_num_reqs, dtype=np.int64)
+        """Per slot: its request's packed inputs (0: not packed), so a step of none is told
+        by one vectorized read."""
         self.graphs: EncoderGraphs | None = None
         if not self.config.enforce_eager:
             self.graphs = make_encoder_graphs(
@@ -94,6 +97,7 @@ class EncoderOnlyState(ModelState):
                 with_types.append((state, data))
             lens = data.input_lens
             self.input_lens[state.slot] = None if lens is None else np.array(lens, np.int64)
+            self.num_packed[state.slot] = 0 if lens is None else len(lens)
         slots = np.fromiter((state.slot for state in states), np.int64, len(states))
         self.token_type_ids[slots] = 0
         self.has_token_types[slots] = False
@@ -125,13 +129,14 @@ class EncoderOnlyState(ModelState):
     def _split_packed(self, step: StepInputs) -> None:
         """A step with packed requests runs each packed input as its own sequence: the step's
         `input_lens` list every input, and positions restart at 0 at each one."""
-        lens = [self.input_lens[slot] for slot in step.slots.tolist()]
-        if all(n is None for n in lens):
+        counts = self.num_packed[step.slots]
+        if not counts.any():
             return
+        lens = [self.input_lens[slot] for slot in step.slots.tolist()]
         step.input_lens = np.concatenate(
             [n if n is not None else step.num_scheduled[i : i + 1] for i, n in enumerate(lens)]
         )
-        step.input_counts = [0 if n is None else len(n) for n in lens]
+        step.input_counts = counts.tolist()
         starts = np.cumsum(step.input_lens) - step.input_lens
         positions = np.arange(step.num_tokens) - np.repeat(starts, step.input_lens)
         step.positions_np = positions
