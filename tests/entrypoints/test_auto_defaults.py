@@ -11,9 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.core.fakes import make_request
 from tests.utils import WHISPER_BASE, make_tiny_llama_dir, make_tiny_whisper_dir
 from v1 import LLM, SamplingParams
 from v1.config import EngineConfig, kv_bounded_max_num_seqs, make_engine_config
+from v1.core.scheduler import Scheduler
+from v1.kv_cache.sizing import get_kv_cache_config
 
 
 @pytest.fixture(scope="module")
@@ -46,17 +49,45 @@ def test_offline_whisper_on_gpu_gets_the_tuned_values(whisper_dir: str) -> None:
     assert _steps(per_layer) == (128, 8)
 
 
-def test_offline_whisper_on_gpu_encodes_twice_the_windows_a_step(whisper_dir: str) -> None:
-    """The tuned rows' 32 windows a step offline on a GPU; the server and CPU keep the model's
-    16 (a first token waits for its window's step); an explicit budget wins."""
-    windows = lambda config: config.encoder_budget // config.model_config.max_encoder_len  # noqa: E731
-    assert windows(make_engine_config(whisper_dir, device="cuda", offline=True)) == 32
-    assert windows(make_engine_config(whisper_dir, device="cuda")) == 16
-    assert windows(make_engine_config(whisper_dir, device="cpu", offline=True)) == 16
-    explicit = make_engine_config(
-        whisper_dir, device="cuda", offline=True, max_num_encoder_input_tokens=1500 * 4
-    )
-    assert windows(explicit) == 4
+def test_whisper_on_gpu_encodes_up_to_twice_the_windows_a_step(whisper_dir: str) -> None:
+    """The tuned rows' 32 windows a step offline on a GPU; the server is sized for 32 too but
+    runs the model's 16 while few windows wait (a first token waits for its window's step); CPU
+    keeps 16; an explicit budget wins everywhere."""
+    windows = lambda budget, config: budget // config.model_config.max_encoder_len  # noqa: E731
+
+    def budgets(config: EngineConfig) -> tuple[int, int]:
+        return (
+            windows(config.encoder_budget, config),
+            windows(config.encoder_step_budget, config),
+        )
+
+    assert budgets(make_engine_config(whisper_dir, device="cuda", offline=True)) == (32, 32)
+    assert budgets(make_engine_config(whisper_dir, device="cuda")) == (32, 16)
+    assert budgets(make_engine_config(whisper_dir, device="cpu", offline=True)) == (16, 16)
+    assert budgets(make_engine_config(whisper_dir, device="cpu")) == (16, 16)
+    for offline in (True, False):
+        explicit = make_engine_config(
+            whisper_dir, device="cuda", offline=offline, max_num_encoder_input_tokens=1500 * 4
+        )
+        assert budgets(explicit) == (4, 4)
+
+
+def test_server_widens_its_encoder_step_under_a_backlog(whisper_dir: str) -> None:
+    """The server's scheduler encodes 16 windows a step while at most 16 wait and 32 while more
+    do (those would wait a step each); the sizes the runner and cache get are the 32."""
+    server = make_engine_config(whisper_dir, device="cuda")
+    window = server.model_config.max_encoder_len
+    assert server.encoder_cache_size == 2 * 32 * window
+
+    def widths(config: EngineConfig, num_waiting: int) -> int:
+        scheduler = Scheduler(config, get_kv_cache_config({}, num_blocks=1))
+        for i in range(num_waiting):
+            scheduler.waiting.add(make_request(f"r{i}", encoder_len=window))
+        return scheduler._encoder_tokens() // window
+
+    assert widths(server, 0) == 16 and widths(server, 16) == 16
+    assert widths(server, 17) == 32 and widths(server, 300) == 32
+    assert widths(make_engine_config(whisper_dir, device="cuda", offline=True), 1) == 32
 
 
 def test_cpu_and_decoder_only_keep_small_values(whisper_dir: str, llama_dir: str) -> None:

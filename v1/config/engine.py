@@ -114,14 +114,30 @@ class EngineConfig:
 
     @property
     def encoder_budget(self) -> int:
+        """Encoder positions one step may run at most: what the runner, its profiling pass and
+        the encoder cache are sized for."""
         sc = self.scheduler_config
         if sc.max_num_encoder_input_tokens is not None:
             return sc.max_num_encoder_input_tokens
         mc = self.model_config
         inputs = mc.spec.encoder_inputs_per_step
-        if self.offline and self.device_config.device_type == "cuda":
-            inputs *= OFFLINE_ENCODER_INPUTS_FACTOR
+        if self.device_config.device_type == "cuda":
+            inputs *= BACKLOG_ENCODER_INPUTS_FACTOR
         return max(sc.max_num_batched_tokens, inputs * mc.max_encoder_len)
+
+    @property
+    def encoder_step_budget(self) -> int:
+        """Encoder positions a step runs while few inputs wait. Offline batches (and a user's
+        max_num_encoder_input_tokens) always take the whole `encoder_budget`; the server takes
+        the model's default share, so a first token does not wait for a wide encoder step, and
+        the scheduler widens to `encoder_budget` while more inputs wait than that share holds
+        (`Scheduler._encoder_tokens`): those would otherwise wait a whole step each."""
+        sc = self.scheduler_config
+        if self.offline or sc.max_num_encoder_input_tokens is not None:
+            return self.encoder_budget
+        mc = self.model_config
+        inputs = mc.spec.encoder_inputs_per_step
+        return min(self.encoder_budget, max(sc.max_num_batched_tokens, inputs * mc.max_encoder_len))
 
     @property
     def encoder_cache_size(self) -> int:
@@ -184,12 +200,14 @@ AUTO_NUM_SCHEDULER_STEPS = 8
 """num_scheduler_steps on a GPU, for requests nobody reads token by token: offline batches
 (turbo, 512 clips, H100: 6,142 -> 6,382 RTFx; machines B and D: +3-5%; RESULTS.md, session 13)
 and the server's non-streamed transcriptions (session 19)."""
-OFFLINE_ENCODER_INPUTS_FACTOR = 2
-"""Offline batches on a GPU run twice the model's default encoder inputs a step (Whisper: 32
-windows, the tuned rows' 1500 * 32): fewer mixed steps, so a deep decoder runs fewer decode
-steps at partial batches. whisper-large-v3, 256 clips, H200: defaults 2,197 RTFx against 2,422
-tuned (RESULTS.md, session 19). The server keeps 16: a request's first token waits for its
-window's encoder step."""
+BACKLOG_ENCODER_INPUTS_FACTOR = 2
+"""On a GPU a step may encode twice the model's default encoder inputs (Whisper: 32 windows,
+the tuned rows' 1500 * 32): fewer mixed steps, so a deep decoder runs fewer decode steps at
+partial batches. whisper-large-v3, 256 clips, H200: defaults 2,197 RTFx against 2,422 tuned
+(RESULTS.md, session 19). Offline batches always do; the server only while a backlog of
+inputs waits (`EngineConfig.encoder_step_budget`): a request's first token waits for its
+window's encoder step, and 16 windows were a quarter of the server's gap to offline (session
+20, call 15)."""
 TYPICAL_DECODER_TOKENS = 256
 """Decoder tokens of a typical request when the core sizes an auto max_num_seqs by its KV cache
 (capped by max_model_len); an encoder-decoder request adds its whole encoder input."""

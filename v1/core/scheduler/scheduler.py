@@ -44,6 +44,8 @@ class Scheduler:
         self.policy = sc.policy
         self.max_model_len = config.model_config.effective_max_model_len
         self.encoder_budget = config.encoder_budget
+        self.encoder_step_budget = config.encoder_step_budget
+        self.encoder_input_len = config.model_config.max_encoder_len
         self.kv_cache_config = kv_cache_config
         self.kv_cache_manager = KVCacheManager(
             kv_cache_config,
@@ -117,9 +119,18 @@ class Scheduler:
         return self.resources.finished_req_ids
 
     # ---- scheduling ----
+    def _encoder_tokens(self) -> int:
+        """This step's encoder budget: the whole `encoder_budget` while more inputs wait than
+        `encoder_step_budget` holds (they would wait a step each otherwise), else the latter."""
+        if self.encoder_step_budget == self.encoder_budget:
+            return self.encoder_budget
+        if len(self.waiting) * self.encoder_input_len > self.encoder_step_budget:
+            return self.encoder_budget
+        return self.encoder_step_budget
+
     def schedule(self) -> SchedulerOutput:
         self.num_steps += 1
-        plan = StepPlan(self.max_num_batched_tokens, self.encoder_budget)
+        plan = StepPlan(self.max_num_batched_tokens, self._encoder_tokens())
         capped: frozenset[str] = frozenset()
         shares = self.fair_share.state(self.running, self.waiting)
         if shares is not None:
