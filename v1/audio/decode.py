@@ -23,7 +23,7 @@ from v1 import envs
 if TYPE_CHECKING:
     import soundfile as sf
 
-# The decoders (soundfile, PyAV, soxr, librosa) are imported where they are used, so a text-only
+# The decoders (soundfile, PyAV, soxr) are imported where they are used, so a text-only
 # server (and a GPU image without them) never loads them.
 
 SAMPLE_RATE = 16_000
@@ -362,17 +362,21 @@ class _MonoCollector:
         num_out = int(np.ceil(self.num_frames * (float(SAMPLE_RATE) / self.sample_rate)))
         if self._sink is not None:
             return self._finish_sink(num_out)
-        import librosa
-
-        return librosa.util.fix_length(np.concatenate(self._chunks), size=num_out)
+        return _fix_length(np.concatenate(self._chunks), num_out)
 
     def _finish_sink(self, num_out: int) -> np.ndarray:
-        import librosa
-
         rest = np.concatenate(self._chunks) if self._chunks else np.zeros(0, np.float32)
-        self._chunks = [librosa.util.fix_length(rest, size=max(num_out - self._num_out, 0))]
+        self._chunks = [_fix_length(rest, max(num_out - self._num_out, 0))]
         self._hand_over(final=True)
         return np.zeros(0, np.float32)  # the waveform went to the sink
+
+
+def _fix_length(samples: np.ndarray, size: int) -> np.ndarray:
+    """`librosa.util.fix_length` for 1-D audio (cut, or zero-padded at the end), without
+    importing librosa (and numba) on a server's decoding thread."""
+    if samples.shape[0] >= size:
+        return samples[:size]
+    return np.pad(samples, (0, size - samples.shape[0]))
 
 
 # ----------------------------------------------------------------------------------------------
