@@ -53,12 +53,20 @@ STUCK_STEP_S = 5.0
 
 @dataclass(frozen=True)
 class CoreAddresses:
-    """ZMQ endpoints the frontend bound; the core connects to both."""
+    """ZMQ endpoints the frontend bound; the core connects to both. A core shared by several
+    frontends (API server processes) gets one pair each: `extra_frontends`, frontend 1 on."""
 
     input: str
     """Frontend PUSH -> core PULL: requests, aborts, utility calls, shutdown."""
     output: str
     """Core PUSH -> frontend PULL: the ready handshake, then EngineCoreOutputs."""
+    extra_frontends: tuple[tuple[str, str], ...] = ()
+    """(input, output) of frontends 1, 2, ...: one PULL socket takes every frontend's input
+    (fair-queued); each output goes to the frontend whose `client_index` sent the request."""
+
+    @property
+    def outputs(self) -> list[str]:
+        return [self.output, *(out for _, out in self.extra_frontends)]
 
 
 class _Shutdown:
@@ -87,10 +95,18 @@ class EngineCoreProc:
         self.zmq_ctx = zmq.Context()
         self.input_socket = self.zmq_ctx.socket(zmq.PULL)
         self.input_socket.connect(addresses.input)
-        self.output_socket = self.zmq_ctx.socket(zmq.PUSH)
-        self.output_socket.setsockopt(zmq.SNDHWM, 0)
-        self.output_socket.setsockopt(zmq.LINGER, 2000)  # flush the dead sentinel on exit
-        self.output_socket.connect(addresses.output)
+        for input_address, _ in addresses.extra_frontends:
+            self.input_socket.connect(input_address)
+        self.output_sockets: list[zmq.Socket] = []
+        """One per frontend, in client_index order."""
+        for output_address in addresses.outputs:
+            sock = self.zmq_ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.LINGER, 2000)  # flush the dead sentinel on exit
+            sock.connect(output_address)
+            self.output_sockets.append(sock)
+        self.output_socket = self.output_sockets[0]
+        self.router = OutputRouter(len(self.output_sockets))
         self.input_queue: queue.Queue[Any] = queue.Queue()
         self.output_queue: queue.Queue[EngineCoreOutputs | None] = queue.Queue()
         # Aborts the input thread saw, tagged with their sequence number (see _apply_eager_aborts).
@@ -170,12 +186,15 @@ class EngineCoreProc:
         if self.input_thread.ident is None:
             self.input_socket.close(linger=0)
         # else: the input thread closes its own socket (term() below wakes it from recv).
-        self.output_socket.close()  # keeps LINGER: queued messages still go out
+        for sock in self.output_sockets:
+            sock.close()  # keeps LINGER: queued messages still go out
         self.zmq_ctx.term()
 
     def _send_direct(self, message: msgspec.Struct) -> None:
-        """Sends on the output socket from this thread (only before the output thread runs)."""
-        self.output_socket.send_multipart(MsgpackEncoder().encode(message), copy=False)
+        """Sends to every frontend from this thread (only before the output thread runs)."""
+        frames = MsgpackEncoder().encode(message)
+        for sock in self.output_sockets:
+            sock.send_multipart(frames)
 
     # ---- busy loop ----
     def _busy_loop(self) -> None:
@@ -217,6 +236,7 @@ class EngineCoreProc:
                     self.engine_core.add_request(request)
             elif kind is EngineCoreRequestType.ABORT:
                 self.engine_core.abort_requests(payload)
+                self.router.forget(payload)
             elif kind is EngineCoreRequestType.UTILITY:
                 self._call_utility(payload)
             else:  # an error output for a message that could not be decoded
@@ -239,9 +259,12 @@ class EngineCoreProc:
     def _call_utility(self, call: UtilityRequest) -> None:
         try:
             result = self.engine_core.call_utility(call.method, list(call.args))
-            out = UtilityOutput(call.call_id, result=result)
+            out = UtilityOutput(call.call_id, result=result, client_index=call.client_index)
         except Exception as e:  # noqa: BLE001 - a failed call is the caller's error, not ours
-            out = UtilityOutput(call.call_id, failure_message=f"{type(e).__name__}: {e}")
+            message = f"{type(e).__name__}: {e}"
+            out = UtilityOutput(
+                call.call_id, failure_message=message, client_index=call.client_index
+            )
         self.output_queue.put(EngineCoreOutputs(utility_output=out, timestamp=now()))
 
     # ---- I/O threads ----
@@ -280,10 +303,13 @@ class EngineCoreProc:
                 if kind is EngineCoreRequestType.ABORT:
                     with self._abort_lock:
                         self._eager_aborts.append((seq, payload))
-                elif kind is EngineCoreRequestType.ADD and payload.encoder_input is not None:
-                    _hash_audio(payload.encoder_input)
+                elif kind is EngineCoreRequestType.ADD:
+                    self.router.add(payload)
+                    if payload.encoder_input is not None:
+                        _hash_audio(payload.encoder_input)
                 elif kind is EngineCoreRequestType.ADD_MANY:
                     for request in payload:
+                        self.router.add(request)
                         if request.encoder_input is not None:
                             _hash_audio(request.encoder_input)
                 self.input_queue.put((seq, kind, payload))
@@ -302,14 +328,77 @@ class EngineCoreProc:
                 outputs = self.output_queue.get()
                 if outputs is None:
                     return
-                try:
-                    frames = encoder.encode(outputs)
-                except (TypeError, ValueError, OverflowError) as e:
-                    frames = encoder.encode(_unencodable(outputs, f"{type(e).__name__}: {e}"))
-                self.output_socket.send_multipart(frames, copy=False)
+                for index, routed in self.router.split(outputs):
+                    try:
+                        frames = encoder.encode(routed)
+                    except (TypeError, ValueError, OverflowError) as e:
+                        frames = encoder.encode(_unencodable(routed, f"{type(e).__name__}: {e}"))
+                    self.output_sockets[index].send_multipart(frames, copy=False)
         except Exception as e:  # noqa: BLE001 - outputs can no longer leave: stop the core
             logger.exception("EngineCore output thread failed")
             self.input_queue.put(_Fatal(f"output thread failed: {type(e).__name__}: {e}"))
+
+
+class OutputRouter:
+    """Which frontend each output goes to, for a core shared by `num_frontends` frontends:
+    a request's outputs go to the frontend that sent it (EngineCoreRequest.client_index, kept
+    until its final output), a utility answer to the one that called, the dead sentinel and
+    outputs of requests it does not know (errors for undecodable messages) to every one.
+    Written by the input thread (`add`), read by the output thread (`split`)."""
+
+    def __init__(self, num_frontends: int) -> None:
+        self.num_frontends = num_frontends
+        self._client_of: dict[str, int] = {}
+
+    def add(self, request: EngineCoreRequest) -> None:
+        if self.num_frontends > 1:
+            index = request.client_index
+            self._client_of[request.request_id] = index if 0 <= index < self.num_frontends else 0
+
+    def split(self, outputs: EngineCoreOutputs) -> list[tuple[int, EngineCoreOutputs]]:
+        if self.num_frontends == 1:
+            return [(0, outputs)]
+        if outputs.engine_dead:
+            return [(i, outputs) for i in range(self.num_frontends)]
+        per_client: dict[int, list[EngineCoreOutput]] = {}
+        unrouted: list[EngineCoreOutput] = []
+        for out in outputs.outputs:
+            index = (
+                self._client_of.pop(out.request_id, None)
+                if out.finish_reason is not None
+                else self._client_of.get(out.request_id)
+            )
+            if index is None:
+                unrouted.append(out)
+            else:
+                per_client.setdefault(index, []).append(out)
+        utility = outputs.utility_output
+        if utility is not None:
+            per_client.setdefault(utility.client_index, [])
+        routed = []
+        for index in range(self.num_frontends):
+            mine = per_client.get(index)
+            if mine is None and not unrouted:
+                continue
+            routed.append(
+                (
+                    index,
+                    EngineCoreOutputs(
+                        outputs=(mine or []) + unrouted,
+                        timestamp=outputs.timestamp,
+                        scheduler_stats=outputs.scheduler_stats,
+                        utility_output=utility
+                        if utility is not None and utility.client_index == index
+                        else None,
+                    ),
+                )
+            )
+        return routed
+
+    def forget(self, request_ids: list[str]) -> None:
+        """Aborted requests (their frontend gave them up: no final output is owed)."""
+        for req_id in request_ids:
+            self._client_of.pop(req_id, None)
 
 
 def _hash_audio(enc: EncoderInput) -> None:
@@ -343,7 +432,8 @@ def _answer_undecodable(
         return EngineCoreOutputs(outputs=outs, timestamp=now()) if outs else None
     call_id = raw[0] if isinstance(raw, list) and raw else None
     if kind is EngineCoreRequestType.UTILITY and type(call_id) is int:
-        out = UtilityOutput(call_id, failure_message=error)
+        index = raw[3] if len(raw) > 3 and type(raw[3]) is int else 0
+        out = UtilityOutput(call_id, failure_message=error, client_index=index)
         return EngineCoreOutputs(utility_output=out, timestamp=now())
     return None
 
@@ -351,9 +441,12 @@ def _answer_undecodable(
 def _unencodable(outputs: EngineCoreOutputs, error: str) -> EngineCoreOutputs:
     """What to send instead of outputs that cannot be encoded: a failed utility call, else the
     dead sentinel (a request output the wire cannot carry is an engine bug)."""
-    if outputs.utility_output is not None and not outputs.outputs:
-        call_id = outputs.utility_output.call_id
-        return EngineCoreOutputs(utility_output=UtilityOutput(call_id, failure_message=error))
+    utility = outputs.utility_output
+    if utility is not None and not outputs.outputs:
+        failed = UtilityOutput(
+            utility.call_id, failure_message=error, client_index=utility.client_index
+        )
+        return EngineCoreOutputs(utility_output=failed)
     logger.error("cannot encode EngineCoreOutputs: %s", error)
     return EngineCoreOutputs(engine_dead=True, error=f"cannot encode outputs: {error}")
 
@@ -424,9 +517,11 @@ def run_engine_core(
     output_address: str,
     choose_executor: Callable[[EngineConfig], ExecutorFactory],
     options: CoreOptions | None = None,
+    extra_frontends: tuple[tuple[str, str], ...] = (),
 ) -> None:
     """Process entry point: build the core with the executor `choose_executor` picks for the
-    config (the program above the core decides), answer the handshake, serve until shutdown."""
+    config (the program above the core decides), answer the handshake, serve until shutdown.
+    `extra_frontends`: (input, output) addresses of frontends 1, 2, ... sharing the core."""
     options = options or CoreOptions()
     # Ctrl-C in a terminal reaches the whole process group; the frontend decides what happens.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -438,13 +533,14 @@ def run_engine_core(
     parent_pid = os.getppid() if options.parent_pid is None else options.parent_pid
     watch = _ParentWatch(parent_pid, options.watch_stdin, options.ipc_dir)
     watch.start()  # before the (possibly long) model load
-    addresses = CoreAddresses(input_address, output_address)
+    addresses = CoreAddresses(input_address, output_address, tuple(extra_frontends))
     try:
         config = EngineConfig.from_json(config_json)
         factory = choose_executor(config)
     except Exception as e:
         logger.exception("bad EngineCore arguments")
-        _send_failed_handshake(output_address, f"{type(e).__name__}: {e}")
+        for address in addresses.outputs:
+            _send_failed_handshake(address, f"{type(e).__name__}: {e}")
         sys.exit(1)
     try:
         proc = EngineCoreProc(config, addresses, factory)

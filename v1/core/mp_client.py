@@ -58,6 +58,60 @@ class _Dead:
 _DEAD = _Dead()
 
 
+@dataclass(frozen=True)
+class AttachedCore:
+    """A core another frontend started, which this client shares (`v1 serve
+    --api-server-count`): it binds the addresses that frontend named for it (its
+    `frontend_addresses[client_index - 1]`) and never starts or stops the core."""
+
+    pid: int
+    input_address: str
+    output_address: str
+    client_index: int
+
+
+class ForeignProcess:
+    """A core process this client did not start: the part of `CoreProcess`'s interface the
+    client uses, watched by pid (its exit code belongs to the process that started it)."""
+
+    owned = False
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def is_alive(self) -> bool:
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        # A zombie its parent has not reaped yet is gone too.
+        with contextlib.suppress(OSError), open(f"/proc/{self.pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+        return True
+
+    def join(self, timeout: float | None = None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.is_alive() and (deadline is None or time.monotonic() < deadline):
+            time.sleep(_POLL_MS / 1000)
+
+    @property
+    def exitcode(self) -> int | None:
+        return None if self.is_alive() else -1
+
+    def wait_exit(self) -> None:
+        self.join()
+
+    def terminate(self) -> None:
+        pass  # not ours to stop
+
+    kill = terminate
+
+    def close_stdin(self) -> None:
+        pass
+
+
 class CoreProcess:
     """The EngineCore program as a child process, with the part of `multiprocessing.Process`'s
     interface the client uses. Its stdin is a pipe that only this process writes (the config,
@@ -78,6 +132,7 @@ class CoreProcess:
             dict.fromkeys([*filter(None, sys.path), *env.get("PYTHONPATH", "").split(os.pathsep)])
         ).strip(os.pathsep)
         env.update(env_overrides or {})  # e.g. a data-parallel core's CUDA_VISIBLE_DEVICES
+        self.owned = True
         self._popen = subprocess.Popen(
             [sys.executable, "-m", program, *args],
             stdin=subprocess.PIPE,
@@ -142,7 +197,7 @@ def _release(res: _Resources) -> None:
     ipc directory. Idempotent through weakref.finalize."""
     res.stop.set()
     proc = res.proc
-    if proc is not None:
+    if proc is not None and proc.owned:
         with res.proc_lock:
             _stop_process(res, proc)
         proc.close_stdin()
@@ -200,6 +255,8 @@ class MPClient(EngineCoreClient):
         ready_timeout_s: float | None = None,
         core_env: dict[str, str] | None = None,
         abort_start: threading.Event | None = None,
+        extra_frontends: int = 0,
+        attach: AttachedCore | None = None,
     ) -> None:
         """`program`: the module run as the core process (`python -m program`; it picks the
         executor and calls `v1.core.engine_core_proc.run_engine_core`). `input_address`/`output_address`: explicit endpoints to bind (both or neither; e.g.
@@ -207,8 +264,16 @@ class MPClient(EngineCoreClient):
         import path `module:Name` the core builds its executor with (tests). `core_env`:
         environment variables set for the core process only (a data-parallel core's devices).
         `abort_start`: set by another thread to give up waiting for the handshake (the core is
-        stopped and EngineCoreStartError raised), e.g. when the frontend built meanwhile failed."""
+        stopped and EngineCoreStartError raised), e.g. when the frontend built meanwhile failed.
+        `extra_frontends`: the core also serves this many other frontends (API server
+        processes), each on an ipc pair named in `frontend_addresses` that it binds itself.
+        `attach`: share a core another client started instead of starting one."""
+        if extra_frontends and (attach is not None or input_address is not None):
+            raise ValueError("extra_frontends needs a core of its own on ipc:// addresses")
         self.config = config
+        self.client_index = attach.client_index if attach is not None else 0
+        self.frontend_addresses: list[tuple[str, str]] = []
+        """(input, output) of each extra frontend, client_index 1, 2, ..."""
         self._core_env = core_env
         self._program = program
         self._lock = threading.Lock()
@@ -217,10 +282,23 @@ class MPClient(EngineCoreClient):
         self._utility_futures: dict[int, Future] = {}
         self._call_ids = itertools.count(1)
         self._encoder = MsgpackEncoder()
+        if attach is not None:
+            input_address, output_address = attach.input_address, attach.output_address
         self._res = self._bind(input_address, output_address)
         self._finalizer = weakref.finalize(self, _release, self._res)
+        if self._res.ipc_dir is not None:
+            self.frontend_addresses = [
+                (
+                    f"ipc://{self._res.ipc_dir}/input-{i}.sock",
+                    f"ipc://{self._res.ipc_dir}/output-{i}.sock",
+                )
+                for i in range(1, extra_frontends + 1)
+            ]
         try:
-            self._start_process(executor_factory)
+            if attach is not None:
+                self._res.proc = ForeignProcess(attach.pid)
+            else:
+                self._start_process(executor_factory)
             ready = self._wait_ready(
                 envs.V1_ENGINE_READY_TIMEOUT_S if ready_timeout_s is None else ready_timeout_s,
                 abort_start,
@@ -274,6 +352,8 @@ class MPClient(EngineCoreClient):
             args += ["--executor-factory", executor_factory]
         if self._res.ipc_dir is not None:
             args += ["--ipc-dir", self._res.ipc_dir]
+        for input_address, output_address in self.frontend_addresses:
+            args += ["--frontend", input_address, output_address]
         self._res.proc = CoreProcess(self._program, args, self.config.to_json(), self._core_env)
 
     def _wait_ready(self, timeout_s: float, abort: threading.Event | None = None) -> ReadyMessage:
@@ -376,6 +456,12 @@ class MPClient(EngineCoreClient):
             raise EngineDeadError(self._dead_error)
 
     def _send(self, kind: EngineCoreRequestType, payload: Any) -> None:
+        if self.client_index:  # a shared core routes the outputs back by it
+            if kind is EngineCoreRequestType.ADD:
+                payload.client_index = self.client_index
+            elif kind is EngineCoreRequestType.ADD_MANY:
+                for request in payload:
+                    request.client_index = self.client_index
         with self._res.send_lock:
             self._send_frames_locked([kind.value, *self._encoder.encode(payload)])
 
@@ -405,7 +491,8 @@ class MPClient(EngineCoreClient):
             call_id = next(self._call_ids)
             self._utility_futures[call_id] = fut
         try:
-            self._send(EngineCoreRequestType.UTILITY, UtilityRequest(call_id, method, list(args)))
+            call = UtilityRequest(call_id, method, list(args), self.client_index)
+            self._send(EngineCoreRequestType.UTILITY, call)
         except BaseException:
             with self._lock:
                 self._utility_futures.pop(call_id, None)

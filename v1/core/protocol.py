@@ -93,6 +93,9 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
     """The LoRA adapter the request runs with (None: the base model). The core keys the
     request's encoder input and prefix-cache blocks by `lora_int_id`, so no two adapters share
     an encoder output, cross K/V or cached prefix."""
+    client_index: int = 0
+    """Which of the core's frontends sent it (several API server processes share one core:
+    `v1 serve --api-server-count`): its outputs go back on that frontend's output socket."""
     streamed: bool = True
     """The frontend reads this request's tokens step by step (a streamed response). False: only
     its final output is read (offline batches, non-streamed responses, beam steps), so an auto
@@ -162,6 +165,8 @@ class UtilityOutput(msgspec.Struct, omit_defaults=True):
     call_id: int
     result: Any = None
     failure_message: str | None = None
+    client_index: int = 0
+    """The frontend that called (UtilityRequest.client_index)."""
 
 
 class EngineCoreOutputs(msgspec.Struct, omit_defaults=True, array_like=True, gc=False):
@@ -191,6 +196,8 @@ class UtilityRequest(msgspec.Struct, array_like=True):
     method: str
     """One of EngineCore.UTILITY_METHODS."""
     args: list[Any] = []
+    client_index: int = 0
+    """The frontend that asked (see EngineCoreRequest.client_index): the answer goes to it."""
 
 
 class ReadyMessage(msgspec.Struct, omit_defaults=True):

@@ -50,6 +50,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", required=True, help="EngineConfig JSON file (to_json), or -")
     parser.add_argument("--input", required=True, help="address the frontend PUSHes to")
     parser.add_argument("--output", required=True, help="address the frontend PULLs from")
+    parser.add_argument(
+        "--frontend",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("INPUT", "OUTPUT"),
+        help="the addresses of one more frontend sharing the core (client_index 1, 2, ...)",
+    )
     parser.add_argument("--executor-factory", default=None, help="package.module:Name (tests)")
     parser.add_argument("--parent-pid", type=int, default=None, help="the frontend's pid")
     parser.add_argument(
@@ -68,7 +76,8 @@ def main(argv: list[str] | None = None) -> None:
             config_json = f.read()
     options = CoreOptions(args.parent_pid, args.watch_stdin, args.ipc_dir)
     chooser = executor_chooser(args.executor_factory)
-    run_engine_core(config_json, args.input, args.output, chooser, options)
+    extra = tuple((i, o) for i, o in args.frontend)
+    run_engine_core(config_json, args.input, args.output, chooser, options, extra)
 
 
 if __name__ == "__main__":
