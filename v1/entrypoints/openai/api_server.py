@@ -672,14 +672,43 @@ def _reject_unsupported_audio(include: list[str] | None, chunking_strategy: str 
 def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     """Starts the engine, then serves it with uvicorn on uvloop until SIGINT / SIGTERM (a
     drain, then 0) or the engine's death (1, unless --keep-alive-on-engine-death). Returns the
-    process exit code."""
-    import uvicorn
-
+    process exit code. With --api-server-count N > 1 this process starts the engine core for
+    N frontends, binds the port with SO_REUSEPORT (the kernel spreads connections over the
+    processes) and starts N - 1 more API server processes (`api_server_proc`) that share both;
+    one of them exiting ends the server (code 1)."""
+    from v1.config import make_engine_config
     from v1.engine.async_llm import AsyncLLM
+
+    count = getattr(args, "api_server_count", 1)
+    if count == 1:
+        return serve_engine(args, AsyncLLM(args.model, **engine_kwargs))
+    from v1.entrypoints.openai.api_server_proc import ApiServerProcesses, reuse_port_socket
+
+    config = make_engine_config(args.model, **engine_kwargs)
+    engine = AsyncLLM.from_engine_config(config, extra_frontends=count - 1)
+    try:
+        sock = reuse_port_socket(args.host, args.port)
+        children = ApiServerProcesses(args, engine, port=sock.getsockname()[1])
+    except BaseException:
+        engine.shutdown()
+        raise
+    try:
+        return serve_engine(args, engine, sock, children)
+    finally:
+        children.stop(timeout=getattr(args, "shutdown_timeout", 30.0) + 5)
+        engine.shutdown()
+
+
+def serve_engine(
+    args: argparse.Namespace, engine: Any, sock: Any = None, children: Any = None
+) -> int:
+    """Serves `engine` (an AsyncLLM) on `args.host:args.port`, or on the bound `sock`, until
+    a drain or the engine's death; `children`: the other API server processes, watched (and
+    drained with this one) by the lifecycle. Returns the process exit code."""
+    import uvicorn
 
     settings = settings_from_args(args)
     limits = http_limits_from_args(args)
-    engine = AsyncLLM(args.model, **engine_kwargs)
     try:
         app = build_app(engine, settings)
     except BaseException:
@@ -697,10 +726,12 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
         timeout_graceful_shutdown=2,  # after our own drain (ServerLifecycle)
     )
     lifecycle: ServerLifecycle = app.state.lifecycle
-    server = DrainingServer(config, lifecycle, engine)
+    server = DrainingServer(config, lifecycle, engine, children)
     try:
-        server.run()
+        server.run(sockets=None if sock is None else [sock])
     finally:
+        if children is not None:  # their drains end before the core they share goes
+            children.stop(timeout=settings.shutdown_timeout + 5)
         engine.shutdown()  # idempotent; covers a failed bind, where lifespan never ran
     if not server.started and lifecycle.exit_code == 0:
         print("v1 serve: error: the server did not start (see the log above)", file=sys.stderr)

@@ -87,6 +87,27 @@ class ServerLifecycle:
         await self._wait_in_flight(_FAIL_GRACE_S)  # they are failing already
         self._request_exit()
 
+    # ---- the other API server processes ----
+    def watch_children(self, children: Any) -> None:
+        """Exits the server (code 1) once another API server process exits on its own: its
+        share of the connections would be refused, so the server as a whole is down."""
+        self._spawn(self._watch_children(children))
+
+    async def _watch_children(self, children: Any) -> None:
+        while True:
+            exited = children.exited()
+            if exited is not None:
+                break
+            await asyncio.sleep(0.2)
+        if self.draining:
+            return
+        logger.error("API server process %d exited with code %s; exiting", *exited)
+        self.draining = True
+        self.exit_code = ENGINE_DEATH_EXIT_CODE
+        children.drain()
+        await self._wait_in_flight(self.shutdown_timeout)
+        self._request_exit()
+
     # ---- helpers ----
     async def _fail_remaining(self, engine: Any) -> None:
         engine.shutdown()  # every pending request ends with an error
@@ -111,16 +132,26 @@ class DrainingServer(uvicorn.Server):
     """uvicorn.Server whose first SIGTERM / SIGINT starts a drain instead of closing the
     listener; a second one exits at once."""
 
-    def __init__(self, config: uvicorn.Config, lifecycle: ServerLifecycle, engine: Any) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        lifecycle: ServerLifecycle,
+        engine: Any,
+        children: Any = None,
+    ) -> None:
+        """`children`: the other API server processes (`ApiServerProcesses`), or None."""
         super().__init__(config)
         self.lifecycle = lifecycle
         self.engine = engine
+        self.children = children
         self._loop: asyncio.AbstractEventLoop | None = None
         lifecycle.bind(self._exit)
 
     async def serve(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
         self.lifecycle.watch_engine(self.engine)
+        if self.children is not None:
+            self.lifecycle.watch_children(self.children)
         try:
             await super().serve(sockets)
         finally:
@@ -134,4 +165,6 @@ class DrainingServer(uvicorn.Server):
             super().handle_exit(sig, frame)  # second signal: uvicorn's own (forced) exit
             return
         logger.info("got %s", signal.Signals(sig).name)
+        if self.children is not None:
+            self.children.drain()  # each drains its own requests
         self._loop.call_soon_threadsafe(self.lifecycle.start_drain, self.engine)

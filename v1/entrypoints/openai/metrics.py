@@ -2,10 +2,17 @@
 
 Counters and latency histograms are updated as requests run; the engine gauges (waiting, running,
 KV cache usage) are refreshed from `AsyncLLM.get_stats()` on every scrape of /metrics.
+
+Several API server processes (`v1 serve --api-server-count N`) run prometheus_client's
+multiprocess mode (PROMETHEUS_MULTIPROC_DIR, set by `v1 serve` before this module is imported):
+each process writes its values to that folder and /metrics, whichever process answers, sums
+the counters and histograms of all of them, and the requests in flight of the live ones; the
+engine gauges are those of the latest scrape.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -17,12 +24,15 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from v1.core.errors import EngineDeadError
 from v1.logger import init_logger
 from v1.outputs import RequestOutput, RequestOutputKind
 
 logger = init_logger(__name__)
+
+MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5, 5)
@@ -48,7 +58,10 @@ class ServerMetrics:
             registry=r,
         )
         self.in_flight = Gauge(
-            "v1_http_requests_in_flight", "Inference requests the server holds now.", registry=r
+            "v1_http_requests_in_flight",
+            "Inference requests the server holds now.",
+            registry=r,
+            multiprocess_mode="livesum",
         )
         self.rejected = Counter(
             "v1_http_requests_rejected",
@@ -56,7 +69,10 @@ class ServerMetrics:
             registry=r,
         )
         self.engine_healthy = Gauge(
-            "v1_engine_healthy", "1 while the engine core is alive.", registry=r
+            "v1_engine_healthy",
+            "1 while the engine core is alive.",
+            registry=r,
+            multiprocess_mode="mostrecent",
         )
         self.e2e = Histogram(
             "v1_e2e_request_latency_seconds",
@@ -147,6 +163,8 @@ class ServerMetrics:
         """A factory of `kind` metrics bound to this server's model_name label."""
 
         def make(name: str, documentation: str, **kwargs: Any) -> Any:
+            if kind is Gauge:  # the engine's own figures: the latest scrape's, one series
+                kwargs.setdefault("multiprocess_mode", "mostrecent")
             metric = kind(name, documentation, ["model_name"], registry=self.registry, **kwargs)
             return metric.labels(model_name=self.model_name)
 
@@ -184,7 +202,17 @@ class ServerMetrics:
         if not healthy:
             self.running.set(0)
             self.waiting.set(0)
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        return generate_latest(self._exported()), CONTENT_TYPE_LATEST
+
+    def _exported(self) -> CollectorRegistry:
+        """This process's registry, or, with several API server processes, every process's
+        values gathered from the multiprocess folder."""
+        folder = os.environ.get(MULTIPROC_DIR_ENV)
+        if not folder:
+            return self.registry
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, path=folder)
+        return registry
 
     def _set_engine_stats(self, stats: dict[str, Any]) -> None:
         self.waiting.set(stats.get("num_waiting_reqs", 0))

@@ -1,0 +1,118 @@
+"""`v1 serve --api-server-count N`: N HTTP server processes on one port and one engine core.
+Concurrent requests spread over the processes all get their own answers (greedy: the same as
+one process gives); /metrics sums every process's counters whichever one answers; SIGTERM
+drains every process and exits 0 with none left behind; one process dying ends the server
+with code 1; bad combinations are refused before anything starts."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tests.entrypoints.openai.conftest import (
+    CHAT_TEMPLATE,
+    RemoteServer,
+    _children,
+    make_chat_llama_dir,
+    v1_command,
+)
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+PROMPTS = [f"story number {i} begins" for i in range(24)]
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_chat_llama_dir(tmp_path_factory.mktemp("llama"), CHAT_TEMPLATE)
+
+
+def api_servers(server: RemoteServer) -> list[int]:
+    """The other API server processes under the first one."""
+    out = []
+    for pid in _children(server.proc.pid):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"api_server_proc" in cmdline:
+            out.append(pid)
+    return out
+
+
+def complete(server: RemoteServer, prompt: str) -> tuple[int, str]:
+    with server.http(timeout=120) as http:
+        r = http.post(
+            "/v1/completions",
+            json={"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True},
+        )
+    return r.status_code, r.json()["choices"][0]["text"] if r.status_code == 200 else r.text
+
+
+def test_three_processes_answer_like_one_then_drain(llama_dir: str, tmp_path: Path) -> None:
+    one = RemoteServer("one", llama_dir, ["--num-kv-blocks", "128"], tmp_path)
+    three = RemoteServer(
+        "three", llama_dir, ["--num-kv-blocks", "128", "--api-server-count", "3"], tmp_path
+    )
+    try:
+        one.wait_ready()
+        three.wait_ready()
+        children = api_servers(three)
+        assert len(children) == 2
+        expected = [complete(one, p) for p in PROMPTS]
+        assert all(status == 200 for status, _ in expected)
+        with ThreadPoolExecutor(12) as pool:
+            got = list(pool.map(lambda p: complete(three, p), PROMPTS))
+        assert got == expected
+        # Whichever process answers the scrape, the counters are every process's.
+        for _ in range(4):
+            assert three.metric('v1_http_requests_total{endpoint="/v1/completions"') == len(PROMPTS)
+        three.proc.send_signal(signal.SIGTERM)
+        assert three.proc.wait(timeout=60) == 0
+        for pid in children:
+            assert not Path(f"/proc/{pid}").exists() or _is_zombie(pid)
+    finally:
+        one.stop()
+        three.stop()
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_a_dying_api_server_process_ends_the_server(llama_dir: str, tmp_path: Path) -> None:
+    server = RemoteServer(
+        "dying", llama_dir, ["--num-kv-blocks", "64", "--api-server-count", "2"], tmp_path
+    )
+    try:
+        server.wait_ready()
+        (child,) = api_servers(server)
+        os.kill(child, signal.SIGKILL)
+        assert server.proc.wait(timeout=60) == 1
+        assert "API server process" in server.log_tail()
+    finally:
+        server.stop()
+
+
+def test_bad_counts_are_refused(llama_dir: str) -> None:
+    for flags, message in (
+        (["--api-server-count", "0"], "at least 1"),
+        (["--api-server-count", "2", "--data-parallel-size", "2"], "data-parallel"),
+    ):
+        done = subprocess.run(
+            [*v1_command(), "serve", llama_dir, "--device", "cpu", *flags],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 2 and message in done.stderr, done.stderr
+    time.sleep(0)

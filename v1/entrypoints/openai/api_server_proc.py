@@ -1,0 +1,166 @@
+"""More API server processes on one engine core (`v1 serve --api-server-count N`).
+
+One Python process parses every upload, decodes its audio and handles its outputs under one
+GIL: ~6-10 ms of CPU a Whisper request on an H200 host, so 256 concurrent transcriptions kept
+the process busy for longer than the engine needed for them (server at 0.64 of offline,
+RESULTS.md session 22). N processes split that work. The first `v1 serve` process starts the
+engine core with N frontends (`MPClient(extra_frontends=N - 1)`), binds the port with
+SO_REUSEPORT and starts the others as `python -m v1.entrypoints.openai.api_server_proc` (their
+spec, JSON, on stdin: no pickle); each binds the same port and attaches to the core
+(`AttachedCore`), which routes every request's outputs back to the process that sent it. The
+kernel spreads new connections over the processes.
+
+A child drains on SIGTERM like the first process (which forwards its own), exits when the core
+dies, and exits when the first process is gone (its stdin, a pipe only the first process
+holds, reaches end-of-file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from v1.logger import init_logger
+
+logger = init_logger(__name__)
+
+PROGRAM = "v1.entrypoints.openai.api_server_proc"
+LISTEN_BACKLOG = 2048
+"""uvicorn's own default backlog."""
+
+
+def reuse_port_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port that other processes may bind too (SO_REUSEPORT)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+        sock.listen(LISTEN_BACKLOG)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _json_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The parsed `v1 serve` arguments a child needs (all of them are plain values)."""
+    out = {}
+    for name, value in vars(args).items():
+        with contextlib.suppress(TypeError, ValueError):
+            json.dumps(value)
+            out[name] = value
+    return out
+
+
+class ApiServerProcesses:
+    """The API server processes after the first: started once the engine core is ready, each
+    with its frontend's addresses and client index."""
+
+    def __init__(self, args: argparse.Namespace, engine: Any, port: int) -> None:
+        client = engine.engine_core
+        self.procs: list[subprocess.Popen] = []
+        self._stopping = False
+        serve_args = {**_json_args(args), "port": port}
+        try:
+            for index, (input_address, output_address) in enumerate(client.frontend_addresses, 1):
+                spec = {
+                    "args": serve_args,
+                    "config": engine.config.to_json(),
+                    "core_pid": client.pid,
+                    "input": input_address,
+                    "output": output_address,
+                    "client_index": index,
+                }
+                proc = subprocess.Popen([sys.executable, "-m", PROGRAM], stdin=subprocess.PIPE)
+                assert proc.stdin is not None
+                proc.stdin.write(json.dumps(spec).encode() + b"\n")
+                proc.stdin.flush()  # stays open: its end-of-file tells the child we are gone
+                self.procs.append(proc)
+        except BaseException:
+            self.stop(timeout=5)
+            raise
+        logger.info("started %d more API server processes on port %d", len(self.procs), port)
+
+    def exited(self) -> tuple[int, int] | None:
+        """(pid, exit code) of a process that exited, or None while all of them run."""
+        for proc in self.procs:
+            code = proc.poll()
+            if code is not None:
+                return proc.pid, code
+        return None
+
+    def drain(self) -> None:
+        """SIGTERM to each (it drains its requests, then exits)."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout: float) -> None:
+        """Drains them and waits up to `timeout` s for them to exit, then kills the rest
+        (idempotent)."""
+        if self._stopping:
+            return
+        self._stopping = True
+        self.drain()
+        deadline = time.monotonic() + timeout
+        for proc in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(max(deadline - time.monotonic(), 0.1))
+            if proc.poll() is None:
+                logger.warning("API server process %d did not exit; killing it", proc.pid)
+                proc.kill()
+                proc.wait()
+            if proc.stdin is not None:
+                with contextlib.suppress(OSError):
+                    proc.stdin.close()
+            _forget_metrics(proc.pid)
+
+
+def _forget_metrics(pid: int) -> None:
+    """Drops an exited process's live gauges (requests in flight) from /metrics."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(pid)
+
+
+def _exit_when_parent_gone(stdin_fd: int) -> None:
+    """The first process holds our stdin's other end: end-of-file means it is gone."""
+    while os.read(stdin_fd, 65536):
+        pass
+    logger.error("the first API server process is gone; exiting")
+    os._exit(1)
+
+
+def main() -> int:
+    """A child API server: reads its spec from stdin, attaches to the core, serves."""
+    from v1.config import EngineConfig
+    from v1.core.mp_client import AttachedCore
+    from v1.engine.async_llm import AsyncLLM
+    from v1.entrypoints.openai.api_server import serve_engine
+
+    spec = json.loads(sys.stdin.buffer.readline())
+    threading.Thread(
+        target=_exit_when_parent_gone, args=(sys.stdin.fileno(),), name="ParentWatch", daemon=True
+    ).start()
+    args = argparse.Namespace(**spec["args"])
+    attach = AttachedCore(spec["core_pid"], spec["input"], spec["output"], spec["client_index"])
+    engine = AsyncLLM.from_engine_config(EngineConfig.from_json(spec["config"]), attach=attach)
+    sock = reuse_port_socket(args.host, args.port)
+    return serve_engine(args, engine, sock)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
