@@ -700,11 +700,16 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
 
 
 def serve_engine(
-    args: argparse.Namespace, engine: Any, sock: Any = None, children: Any = None
+    args: argparse.Namespace,
+    engine: Any,
+    sock: Any = None,
+    children: Any = None,
+    on_started: Any = None,
 ) -> int:
     """Serves `engine` (an AsyncLLM) on `args.host:args.port`, or on the bound `sock`, until
     a drain or the engine's death; `children`: the other API server processes, watched (and
-    drained with this one) by the lifecycle. Returns the process exit code."""
+    drained with this one) by the lifecycle; `on_started()`: called once it serves. Returns
+    the process exit code."""
     import uvicorn
 
     settings = settings_from_args(args)
@@ -726,7 +731,7 @@ def serve_engine(
         timeout_graceful_shutdown=2,  # after our own drain (ServerLifecycle)
     )
     lifecycle: ServerLifecycle = app.state.lifecycle
-    server = DrainingServer(config, lifecycle, engine, children)
+    server = DrainingServer(config, lifecycle, engine, children, on_started)
     try:
         server.run(sockets=None if sock is None else [sock])
     finally:

@@ -29,6 +29,7 @@ import threading
 import time
 from typing import Any
 
+from v1 import envs
 from v1.logger import init_logger
 
 logger = init_logger(__name__)
@@ -71,9 +72,13 @@ class ApiServerProcesses:
         client = engine.engine_core
         self.procs: list[subprocess.Popen] = []
         self._stopping = False
+        self._ready_fds: list[int] = []
+        """Read ends of the pipes each child writes a byte to once it serves."""
         serve_args = {**_json_args(args), "port": port}
         try:
             for index, (input_address, output_address) in enumerate(client.frontend_addresses, 1):
+                ready_read, ready_write = os.pipe()
+                self._ready_fds.append(ready_read)
                 spec = {
                     "args": serve_args,
                     "config": engine.config.to_json(),
@@ -81,16 +86,42 @@ class ApiServerProcesses:
                     "input": input_address,
                     "output": output_address,
                     "client_index": index,
+                    "ready_fd": ready_write,
                 }
-                proc = subprocess.Popen([sys.executable, "-m", PROGRAM], stdin=subprocess.PIPE)
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", PROGRAM], stdin=subprocess.PIPE, pass_fds=[ready_write]
+                )
+                os.close(ready_write)
                 assert proc.stdin is not None
                 proc.stdin.write(json.dumps(spec).encode() + b"\n")
                 proc.stdin.flush()  # stays open: its end-of-file tells the child we are gone
                 self.procs.append(proc)
+            self._wait_ready(envs.V1_ENGINE_READY_TIMEOUT_S)
         except BaseException:
             self.stop(timeout=5)
             raise
         logger.info("started %d more API server processes on port %d", len(self.procs), port)
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        """Until every child serves (else new connections all reach the first process while
+        the others still import and attach)."""
+        import select
+
+        waiting = dict(zip(self._ready_fds, self.procs, strict=True))
+        deadline = time.monotonic() + timeout_s
+        while waiting:
+            ready, _, _ = select.select(list(waiting), [], [], 0.2)
+            for fd in ready:
+                if not os.read(fd, 1):
+                    proc = waiting[fd]
+                    proc.wait()
+                    raise RuntimeError(
+                        f"API server process {proc.pid} exited with code {proc.returncode} "
+                        "before it served (see the log above)"
+                    )
+                del waiting[fd]
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"API server processes not serving after {timeout_s:.0f} s")
 
     def exited(self) -> tuple[int, int] | None:
         """(pid, exit code) of a process that exited, or None while all of them run."""
@@ -126,6 +157,10 @@ class ApiServerProcesses:
                 with contextlib.suppress(OSError):
                     proc.stdin.close()
             _forget_metrics(proc.pid)
+        for fd in self._ready_fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._ready_fds = []
 
 
 def _forget_metrics(pid: int) -> None:
@@ -159,7 +194,13 @@ def main() -> int:
     attach = AttachedCore(spec["core_pid"], spec["input"], spec["output"], spec["client_index"])
     engine = AsyncLLM.from_engine_config(EngineConfig.from_json(spec["config"]), attach=attach)
     sock = reuse_port_socket(args.host, args.port)
-    return serve_engine(args, engine, sock)
+    ready_fd = spec["ready_fd"]
+
+    def tell_ready() -> None:
+        os.write(ready_fd, b"1")
+        os.close(ready_fd)
+
+    return serve_engine(args, engine, sock, on_started=tell_ready)
 
 
 if __name__ == "__main__":

@@ -138,12 +138,15 @@ class DrainingServer(uvicorn.Server):
         lifecycle: ServerLifecycle,
         engine: Any,
         children: Any = None,
+        on_started: Callable[[], None] | None = None,
     ) -> None:
-        """`children`: the other API server processes (`ApiServerProcesses`), or None."""
+        """`children`: the other API server processes (`ApiServerProcesses`), or None;
+        `on_started()`: called once the server listens."""
         super().__init__(config)
         self.lifecycle = lifecycle
         self.engine = engine
         self.children = children
+        self.on_started = on_started
         self._loop: asyncio.AbstractEventLoop | None = None
         lifecycle.bind(self._exit)
 
@@ -156,6 +159,11 @@ class DrainingServer(uvicorn.Server):
             await super().serve(sockets)
         finally:
             self.lifecycle.cancel()
+
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets)
+        if self.on_started is not None and self.started:
+            self.on_started()
 
     def _exit(self) -> None:
         self.should_exit = True
