@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -115,4 +114,23 @@ def test_bad_counts_are_refused(llama_dir: str) -> None:
             timeout=120,
         )
         assert done.returncode == 2 and message in done.stderr, done.stderr
-    time.sleep(0)
+
+
+def test_the_default_count(llama_dir: str, tmp_path: Path) -> None:
+    """Unset: 4 processes for a speech model on a GPU (at most a quarter of the CPUs), else 1
+    (CPU, a text model, data parallelism)."""
+    from tests.utils import WHISPER_BASE, make_tiny_whisper_dir
+    from v1.config import make_engine_config
+    from v1.entrypoints.openai.api_server_proc import auto_api_server_count
+
+    if not WHISPER_BASE.is_dir():
+        pytest.skip(f"needs {WHISPER_BASE}")
+    whisper = make_tiny_whisper_dir(tmp_path / "whisper")
+    gpu = make_engine_config(whisper, device="cuda")
+    assert auto_api_server_count(gpu, cpu_count=16) == 4
+    assert auto_api_server_count(gpu, cpu_count=8) == 2
+    assert auto_api_server_count(gpu, cpu_count=2) == 1
+    assert auto_api_server_count(make_engine_config(whisper, device="cpu"), cpu_count=64) == 1
+    assert auto_api_server_count(make_engine_config(llama_dir, device="cuda"), cpu_count=64) == 1
+    dp = make_engine_config(whisper, device="cuda", data_parallel_size=2)
+    assert auto_api_server_count(dp, cpu_count=64) == 1

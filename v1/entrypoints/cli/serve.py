@@ -61,10 +61,11 @@ def add_serve_parser(sub: Any) -> None:
     serve.add_argument(
         "--api-server-count",
         type=int,
-        default=1,
+        default=None,
         help="HTTP server processes sharing the port and the engine core (one core; each "
         "process parses uploads, decodes audio and handles outputs for its connections: "
-        "more processes carry more concurrent requests; default: %(default)s)",
+        "more processes carry more concurrent requests; default: 4 for a speech model on a "
+        "GPU, at most a quarter of the CPUs, else 1)",
     )
     _add_server_limits(serve)
     serve.add_argument(
@@ -190,34 +191,14 @@ def _add_server_limits(serve: argparse.ArgumentParser) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    if args.api_server_count < 1:
-        raise ValueError(f"--api-server-count must be at least 1, got {args.api_server_count}")
-    if args.api_server_count > 1 and engine_kwargs(args).get("data_parallel_size", 1) > 1:
+    count = args.api_server_count
+    if count is not None and count < 1:
+        raise ValueError(f"--api-server-count must be at least 1, got {count}")
+    if count is not None and count > 1 and engine_kwargs(args).get("data_parallel_size", 1) > 1:
         raise ValueError(
             "--api-server-count > 1 shares one engine core; it does not combine with "
             "--data-parallel-size > 1 yet"
         )
-    if args.api_server_count > 1:
-        _use_multiprocess_metrics()
     from v1.entrypoints.openai.api_server import run_server
 
     return run_server(args, engine_kwargs(args))
-
-
-def _use_multiprocess_metrics() -> None:
-    """prometheus_client's multiprocess mode for several API server processes: a private
-    folder in PROMETHEUS_MULTIPROC_DIR (the other processes inherit it), removed at exit.
-    prometheus_client picks its value store when imported (this parser's imports already
-    did): it is picked again here, before any metric exists."""
-    import atexit
-    import os
-    import shutil
-    import tempfile
-
-    from prometheus_client import values
-
-    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        folder = tempfile.mkdtemp(prefix="v1-metrics-")
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = folder
-        atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    values.ValueClass = values.get_value_class()

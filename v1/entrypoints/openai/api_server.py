@@ -678,17 +678,20 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     one of them exiting ends the server (code 1)."""
     from v1.config import make_engine_config
     from v1.engine.async_llm import AsyncLLM
-
-    count = getattr(args, "api_server_count", 1)
-    if count == 1:
-        return serve_engine(args, AsyncLLM(args.model, **engine_kwargs))
-    from v1.entrypoints.openai.api_server_proc import ApiServerProcesses, reuse_port_socket
+    from v1.entrypoints.openai import api_server_proc
 
     config = make_engine_config(args.model, **engine_kwargs)
+    count = getattr(args, "api_server_count", None)
+    if count is None:
+        count = api_server_proc.auto_api_server_count(config)
+    if count == 1:
+        return serve_engine(args, AsyncLLM.from_engine_config(config))
+    logger.info("%d API server processes", count)
+    api_server_proc.use_multiprocess_metrics()
     engine = AsyncLLM.from_engine_config(config, extra_frontends=count - 1)
     try:
-        sock = reuse_port_socket(args.host, args.port)
-        children = ApiServerProcesses(args, engine, port=sock.getsockname()[1])
+        sock = api_server_proc.reuse_port_socket(args.host, args.port)
+        children = api_server_proc.ApiServerProcesses(args, engine, port=sock.getsockname()[1])
     except BaseException:
         engine.shutdown()
         raise

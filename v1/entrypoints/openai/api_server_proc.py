@@ -39,6 +39,44 @@ LISTEN_BACKLOG = 2048
 """uvicorn's own default backlog."""
 
 
+AUTO_API_SERVERS = 4
+"""API server processes of a speech model's server on a GPU when --api-server-count is not
+given: a busy Whisper server reached 0.67 of offline with one, 0.91 with 4 and 0.92 with 8
+(RESULTS.md, session 22). At most a quarter of the host's CPUs."""
+
+
+def auto_api_server_count(config: Any, cpu_count: int | None = None) -> int:
+    """--api-server-count left unset: AUTO_API_SERVERS for a speech model on a GPU with one
+    engine core (uploads and audio decoding are the per-request work that outgrows one
+    process), else 1."""
+    if (
+        config.device_config.device_type != "cuda"
+        or config.parallel_config.data_parallel_size > 1
+        or "transcription" not in config.model_config.info.supported_tasks
+    ):
+        return 1
+    cpus = os.cpu_count() if cpu_count is None else cpu_count
+    return max(1, min(AUTO_API_SERVERS, (cpus or 1) // 4))
+
+
+def use_multiprocess_metrics() -> None:
+    """prometheus_client's multiprocess mode for several API server processes: a private
+    folder in PROMETHEUS_MULTIPROC_DIR (the other processes inherit it), removed at exit.
+    prometheus_client picks its value store when imported (the CLI parser's imports already
+    did): it is picked again here, before any metric exists."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from prometheus_client import values
+
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        folder = tempfile.mkdtemp(prefix="v1-metrics-")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = folder
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    values.ValueClass = values.get_value_class()
+
+
 def reuse_port_socket(host: str, port: int) -> socket.socket:
     """A listening TCP socket on host:port that other processes may bind too (SO_REUSEPORT)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
