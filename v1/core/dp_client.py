@@ -26,7 +26,7 @@ from blake3 import blake3
 from v1.config import EngineConfig
 from v1.core.client import EngineCoreClient, HeldAdds
 from v1.core.errors import EngineCoreStartError, EngineDeadError
-from v1.core.mp_client import _DEAD, LoopOutputQueue, MPClient, _Dead
+from v1.core.mp_client import _DEAD, AttachedCore, LoopOutputQueue, MPClient, _Dead
 from v1.core.protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -247,30 +247,43 @@ class DPClient(EngineCoreClient):
         ready_timeout_s: float | None = None,
         input_address: str | None = None,
         output_address: str | None = None,
+        extra_frontends: int = 0,
+        attach: Sequence[AttachedCore] | None = None,
     ) -> None:
         """`program`, `executor_factory`, `ready_timeout_s`: as MPClient's, for every core. Each core binds
-        its own private ipc:// sockets, so explicit addresses are refused."""
+        its own private ipc:// sockets, so explicit addresses are refused. `extra_frontends`:
+        every core also serves that many other frontends (`frontend_addresses`, per core);
+        `attach`: share cores another DP client started, one `AttachedCore` per core."""
         if input_address is not None or output_address is not None:
             raise ValueError("a data-parallel engine binds one private ipc:// pair per core")
+        num_cores = config.parallel_config.data_parallel_size
+        if attach is not None and len(attach) != num_cores:
+            raise ValueError(f"attach names {len(attach)} cores; data_parallel_size={num_cores}")
         self.config = config
         self._lock = threading.Lock()
         self._held = HeldAdds(dict, self._send_held)
         self._dead_error: str | None = None
         self._closing = False
-        num_cores = config.parallel_config.data_parallel_size
         self.balancer = CoreLoadBalancer(num_cores)
         envs = core_device_envs(config)
         kwargs = {
             "program": program,
             "executor_factory": executor_factory,
             "ready_timeout_s": ready_timeout_s,
+            "extra_frontends": extra_frontends,
         }
         self.cores: list[_CoreClient] = []
         # Start the cores side by side: each spends its start-up loading the model.
         with ThreadPoolExecutor(num_cores, thread_name_prefix="v1-dp-start") as pool:
             futures = [
                 pool.submit(
-                    _CoreClient, config, i, self._on_core_output, core_env=envs[i], **kwargs
+                    _CoreClient,
+                    config,
+                    i,
+                    self._on_core_output,
+                    core_env=envs[i],
+                    attach=None if attach is None else attach[i],
+                    **kwargs,
                 )
                 for i in range(num_cores)
             ]
@@ -385,6 +398,11 @@ class DPClient(EngineCoreClient):
     @property
     def pids(self) -> list[int]:
         return [core.pid for core in self.cores]
+
+    @property
+    def frontend_addresses(self) -> list[list[tuple[str, str]]]:
+        """Per core, its extra frontends' (input, output) addresses (`extra_frontends`)."""
+        return [core.frontend_addresses for core in self.cores]
 
     def core_of(self, request_id: str) -> int | None:
         """The index of the core that holds `request_id` (None once it finished or aborted)."""

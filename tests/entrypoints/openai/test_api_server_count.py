@@ -2,7 +2,7 @@
 Concurrent requests spread over the processes all get their own answers (greedy: the same as
 one process gives); /metrics sums every process's counters whichever one answers; SIGTERM
 drains every process and exits 0 with none left behind; one process dying ends the server
-with code 1; bad combinations are refused before anything starts."""
+with code 1; with data parallelism every process routes over every core."""
 
 from __future__ import annotations
 
@@ -102,23 +102,45 @@ def test_a_dying_api_server_process_ends_the_server(llama_dir: str, tmp_path: Pa
         server.stop()
 
 
-def test_bad_counts_are_refused(llama_dir: str) -> None:
-    for flags, message in (
-        (["--api-server-count", "0"], "at least 1"),
-        (["--api-server-count", "2", "--data-parallel-size", "2"], "data-parallel"),
-    ):
-        done = subprocess.run(
-            [*v1_command(), "serve", llama_dir, "--device", "cpu", *flags],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert done.returncode == 2 and message in done.stderr, done.stderr
+def test_two_processes_over_two_data_parallel_cores(llama_dir: str, tmp_path: Path) -> None:
+    """Each API server process routes over every core (its own load count); every core sends
+    each process its own outputs."""
+    one = RemoteServer("dp_one", llama_dir, ["--num-kv-blocks", "128"], tmp_path)
+    both = RemoteServer(
+        "dp_both",
+        llama_dir,
+        ["--num-kv-blocks", "128", "--data-parallel-size", "2", "--api-server-count", "2"],
+        tmp_path,
+    )
+    try:
+        one.wait_ready()
+        both.wait_ready()
+        assert len(api_servers(both)) == 1
+        prompts = PROMPTS[:12]
+        expected = [complete(one, p) for p in prompts]
+        with ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(lambda p: complete(both, p), prompts))
+        assert got == expected
+        both.proc.send_signal(signal.SIGTERM)
+        assert both.proc.wait(timeout=60) == 0
+    finally:
+        one.stop()
+        both.stop()
+
+
+def test_a_bad_count_is_refused(llama_dir: str) -> None:
+    done = subprocess.run(
+        [*v1_command(), "serve", llama_dir, "--device", "cpu", "--api-server-count", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and "at least 1" in done.stderr, done.stderr
 
 
 def test_the_default_count(llama_dir: str, tmp_path: Path) -> None:
     """Unset: 4 processes for a speech model on a GPU (at most a quarter of the CPUs), else 1
-    (CPU, a text model, data parallelism)."""
+    (CPU, a text model)."""
     from tests.utils import WHISPER_BASE, make_tiny_whisper_dir
     from v1.config import make_engine_config
     from v1.entrypoints.openai.api_server_proc import auto_api_server_count
@@ -133,4 +155,4 @@ def test_the_default_count(llama_dir: str, tmp_path: Path) -> None:
     assert auto_api_server_count(make_engine_config(whisper, device="cpu"), cpu_count=64) == 1
     assert auto_api_server_count(make_engine_config(llama_dir, device="cuda"), cpu_count=64) == 1
     dp = make_engine_config(whisper, device="cuda", data_parallel_size=2)
-    assert auto_api_server_count(dp, cpu_count=64) == 1
+    assert auto_api_server_count(dp, cpu_count=64) == 4

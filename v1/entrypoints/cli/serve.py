@@ -194,11 +194,6 @@ def run_serve(args: argparse.Namespace) -> int:
     count = args.api_server_count
     if count is not None and count < 1:
         raise ValueError(f"--api-server-count must be at least 1, got {count}")
-    if count is not None and count > 1 and engine_kwargs(args).get("data_parallel_size", 1) > 1:
-        raise ValueError(
-            "--api-server-count > 1 shares one engine core; it does not combine with "
-            "--data-parallel-size > 1 yet"
-        )
     from v1.entrypoints.openai.api_server import run_server
 
     return run_server(args, engine_kwargs(args))

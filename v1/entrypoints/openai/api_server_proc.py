@@ -46,12 +46,10 @@ given: a busy Whisper server reached 0.67 of offline with one, 0.91 with 4 and 0
 
 
 def auto_api_server_count(config: Any, cpu_count: int | None = None) -> int:
-    """--api-server-count left unset: AUTO_API_SERVERS for a speech model on a GPU with one
-    engine core (uploads and audio decoding are the per-request work that outgrows one
-    process), else 1."""
+    """--api-server-count left unset: AUTO_API_SERVERS for a speech model on a GPU (uploads
+    and audio decoding are the per-request work that outgrows one process), else 1."""
     if (
         config.device_config.device_type != "cuda"
-        or config.parallel_config.data_parallel_size > 1
         or "transcription" not in config.model_config.info.supported_tasks
     ):
         return 1
@@ -108,21 +106,20 @@ class ApiServerProcesses:
 
     def __init__(self, args: argparse.Namespace, engine: Any, port: int) -> None:
         client = engine.engine_core
+        cores = getattr(client, "cores", None) or [client]  # data parallelism: one per core
         self.procs: list[subprocess.Popen] = []
         self._stopping = False
         self._ready_fds: list[int] = []
         """Read ends of the pipes each child writes a byte to once it serves."""
         serve_args = {**_json_args(args), "port": port}
         try:
-            for index, (input_address, output_address) in enumerate(client.frontend_addresses, 1):
+            for index in range(1, len(cores[0].frontend_addresses) + 1):
                 ready_read, ready_write = os.pipe()
                 self._ready_fds.append(ready_read)
                 spec = {
                     "args": serve_args,
                     "config": engine.config.to_json(),
-                    "core_pid": client.pid,
-                    "input": input_address,
-                    "output": output_address,
+                    "cores": [[core.pid, *core.frontend_addresses[index - 1]] for core in cores],
                     "client_index": index,
                     "ready_fd": ready_write,
                 }
@@ -229,8 +226,10 @@ def main() -> int:
         target=_exit_when_parent_gone, args=(sys.stdin.fileno(),), name="ParentWatch", daemon=True
     ).start()
     args = argparse.Namespace(**spec["args"])
-    attach = AttachedCore(spec["core_pid"], spec["input"], spec["output"], spec["client_index"])
-    engine = AsyncLLM.from_engine_config(EngineConfig.from_json(spec["config"]), attach=attach)
+    cores = [AttachedCore(pid, i, o, spec["client_index"]) for pid, i, o in spec["cores"]]
+    config = EngineConfig.from_json(spec["config"])
+    attach = cores if config.parallel_config.data_parallel_size > 1 else cores[0]
+    engine = AsyncLLM.from_engine_config(config, attach=attach)
     sock = reuse_port_socket(args.host, args.port)
     ready_fd = spec["ready_fd"]
 
