@@ -163,7 +163,11 @@ def test_wire_layout_matches_docs():
         3,
         "m",
         [],
+        0,
     ]
+    # A frontend of one core may leave client_index out (docs/protocol.md, UTILITY).
+    short = msgspec.msgpack.encode([3, "m", []])
+    assert MsgpackDecoder(UtilityRequest).decode([short]) == UtilityRequest(3, "m", [], 0)
 
 
 def test_decoded_arrays_are_views_of_the_received_zmq_frames():
