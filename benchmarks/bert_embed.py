@@ -152,6 +152,12 @@ experimental cuDNN ragged attention. Not switchable, so in all three: steps of t
 segment ids, and the pooling builds no per-token request index unless a mode needs it."""
 
 
+def _prompt_ids(seq: np.ndarray, args: argparse.Namespace) -> Any:
+    """One input's prompt_token_ids: the same int array transformers' side gets, or (with
+    --id-lists, and for the `before` code, which takes lists only) a list."""
+    return seq.tolist() if args.id_lists or "before" in args.variants.split(",") else seq
+
+
 def _embed(llm: Any, batch: list[dict[str, Any]]) -> Any:
     return llm.embed(batch, use_tqdm=False)
 
@@ -217,7 +223,7 @@ def _run_variant(
         run = _embed_converting_at_end if label == "before" else _embed
 
         def embed(input_set: int) -> Any:
-            batch = [{"prompt_token_ids": s.tolist()} for s in inputs(input_set)]
+            batch = [{"prompt_token_ids": _prompt_ids(s, args)} for s in inputs(input_set)]
             return timed(device, lambda: run(llm, batch))
 
         _, out = embed(0)  # warm-up, full size
@@ -260,7 +266,7 @@ def _run_variant(
             line += f"; cosine to transformers min {cos.min():.5f}"
         print(line, flush=True)
         if not args.no_profile and device.is_cuda:
-            batch = [{"prompt_token_ids": s.tolist()} for s in inputs(args.repeats + 1)]
+            batch = [{"prompt_token_ids": _prompt_ids(s, args)} for s in inputs(args.repeats + 1)]
             dev = _device_seconds(device, lambda: run(llm, batch))
             entry["device_s"] = dev
             print(
@@ -362,6 +368,12 @@ def main() -> int:
         "--defaults",
         action="store_true",
         help="LLM's own max_num_seqs and max_num_batched_tokens (default: 512 and the flag's)",
+    )
+    p.add_argument(
+        "--id-lists",
+        action="store_true",
+        help="hand our engine the token ids as Python lists (default: the numpy arrays "
+        "transformers gets)",
     )
     p.add_argument("--no-profile", action="store_true", help="skip the device-time runs")
     p.add_argument("--variants", default="before,after", help=f"comma list of {list(VARIANTS)}")

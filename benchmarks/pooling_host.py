@@ -74,14 +74,19 @@ def build(tokenizer: str, hidden_size: int = 32) -> str:
     return path
 
 
+ARRAYS = False
+"""--arrays: prompt_token_ids as 1-D int64 numpy arrays instead of lists."""
+
+
 def inputs(num: int, seed: int, max_len: int = 512) -> list[dict[str, Any]]:
     """`num` token-id prompts of 16-`max_len` tokens (in random order, as bert_embed.py
-    hands them to `LLM.embed`)."""
+    hands them to `LLM.embed`): lists, or with --arrays numpy arrays."""
     rng = np.random.default_rng(seed)
-    return [
-        {"prompt_token_ids": [101, *rng.integers(1000, 29000, size=n - 2).tolist(), 102]}
-        for n in rng.integers(16, max_len + 1, size=num)
-    ]
+    out = []
+    for n in rng.integers(16, max_len + 1, size=num):
+        ids = np.concatenate([[101], rng.integers(1000, 29000, size=n - 2), [102]])
+        out.append({"prompt_token_ids": ids if ARRAYS else ids.tolist()})
+    return out
 
 
 def instrument(llm: Any, timings: dict[str, list[float]]) -> None:
@@ -177,7 +182,12 @@ def main() -> None:
     parser.add_argument(
         "--max-len", type=int, default=None, help="longest input (default 512, a --model's limit)"
     )
+    parser.add_argument(
+        "--arrays", action="store_true", help="token ids as numpy arrays (default: lists)"
+    )
     args = parser.parse_args()
+    global ARRAYS
+    ARRAYS = args.arrays
     torch.set_num_threads(1)
     from v1 import LLM
 

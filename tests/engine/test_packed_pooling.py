@@ -355,3 +355,67 @@ def test_async_llm_packs_a_requests_inputs(
         asyncio.run(run())
     finally:
         llm.shutdown()
+
+
+def test_token_id_arrays_embed_as_lists_do(packer: LLM) -> None:
+    """1-D integer numpy arrays as prompt_token_ids (what a tokenizer's return_tensors="np"
+    or a dataset gives): packs concatenate them (no per-id Python), every input gets what its
+    list gets, packed or alone, truncated or not; outputs keep the caller's ids."""
+    lists = _token_prompts(40, seed=11)
+    arrays = [
+        {"prompt_token_ids": np.asarray(p["prompt_token_ids"], dtype=dtype)}
+        for p, dtype in zip(lists, [np.int64, np.int32, np.uint16, np.int16] * 10, strict=True)
+    ]
+    ref = packer.embed(lists, use_tqdm=False)
+    got = packer.embed(arrays, use_tqdm=False)
+    mixed = packer.embed(
+        [a if i % 2 else p for i, (a, p) in enumerate(zip(arrays, lists, strict=True))],
+        use_tqdm=False,
+    )
+    for r, g, m, a in zip(ref, got, mixed, arrays, strict=True):
+        np.testing.assert_allclose(g.outputs.data, r.outputs.data, rtol=0, atol=2e-6)
+        np.testing.assert_allclose(m.outputs.data, r.outputs.data, rtol=0, atol=2e-6)
+        np.testing.assert_array_equal(g.prompt_token_ids, a["prompt_token_ids"])
+    (alone,) = packer.embed(arrays[:1], use_tqdm=False)
+    np.testing.assert_allclose(alone.outputs.data, ref[0].outputs.data, rtol=0, atol=2e-6)
+    cut_ref = packer.embed(lists[:6], truncate_prompt_tokens=3, use_tqdm=False)
+    cut = packer.embed(arrays[:6], truncate_prompt_tokens=3, use_tqdm=False)
+    for r, g in zip(cut_ref, cut, strict=True):
+        np.testing.assert_allclose(g.outputs.data, r.outputs.data, rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        (np.array([1.0, 2.0]), "1-D integer array, got dtype float64"),
+        (np.array([[1, 2], [3, 4]]), r"1-D integer array, got dtype int64 and shape \(2, 2\)"),
+        (np.array([5, 10**6]), "token id 1000000 in the input is outside the vocabulary"),
+        (np.array([-3, 5]), "token id -3 in the input is outside"),
+        (np.array([], dtype=np.int64), "empty"),
+        (np.array([True, False]), "1-D integer array, got dtype bool"),
+    ],
+)
+def test_bad_token_id_arrays_name_their_prompt(packer: LLM, bad: Any, match: str) -> None:
+    prompts: list[Any] = [
+        {"prompt_token_ids": np.asarray(p["prompt_token_ids"])} for p in _token_prompts(30)
+    ]
+    prompts[21] = {"prompt_token_ids": bad}
+    with pytest.raises(ValueError, match=rf"prompt 21: .*{match}"):
+        packer.embed(prompts, use_tqdm=False)
+    with pytest.raises(ValueError, match=match):
+        packer.embed([prompts[21]], use_tqdm=False)
+    assert not packer.llm_engine.has_unfinished_requests()
+
+
+def test_a_generative_model_takes_token_id_arrays(tmp_path: Any) -> None:
+    from tests.utils import make_tiny_llama_dir
+    from v1 import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with LLM(make_tiny_llama_dir(tmp_path), multiprocess=False) as llm:
+        ref = llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
+        got = llm.generate([{"prompt_token_ids": np.array([5, 6, 7])}], params, use_tqdm=False)
+        assert got[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
+        assert got[0].prompt_token_ids == [5, 6, 7]
+        with pytest.raises(ValueError, match="1-D integer array"):
+            llm.generate([{"prompt_token_ids": np.array([5.0])}], params, use_tqdm=False)

@@ -204,8 +204,13 @@ class TokenInputBuilder(InputBuilder):
         )
 
     def _check_token_ids(self, ids: Any, what: str, vocab_size: int) -> list[int]:
+        if isinstance(ids, np.ndarray):
+            return self._check_id_array(ids, what, vocab_size).tolist()
         if not isinstance(ids, (list, tuple)):
-            raise ValueError(f"prompt_token_ids of the {what} must be a list of ints")
+            raise ValueError(
+                f"prompt_token_ids of the {what} must be a list of ints (or a 1-D integer "
+                "numpy array)"
+            )
         if not ids:
             raise ValueError(f"the {what} is empty (prompt_token_ids=[])")
         checked = checked_ids(ids, vocab_size)
@@ -220,6 +225,24 @@ class TokenInputBuilder(InputBuilder):
                     f"[0, {vocab_size})"
                 )
         return list(ids)
+
+    def _check_id_array(self, ids: np.ndarray, what: str, vocab_size: int) -> np.ndarray:
+        """A token-id array checked as a list would be: 1-D, integer, ids of the vocabulary."""
+        if ids.ndim != 1 or ids.dtype.kind not in "iu":
+            raise ValueError(
+                f"prompt_token_ids of the {what} must be a 1-D integer array, got dtype "
+                f"{ids.dtype} and shape {ids.shape}"
+            )
+        if ids.size == 0:
+            raise ValueError(f"the {what} is empty (prompt_token_ids=[])")
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= vocab_size:
+            bad = low if low < 0 else high
+            raise ValueError(
+                f"token id {bad} in the {what} is outside the {self._vocab_name(vocab_size)} "
+                f"[0, {vocab_size})"
+            )
+        return ids
 
     def _vocab_name(self, vocab_size: int) -> str:
         if self.encoder_vocab_size == self.vocab_size:

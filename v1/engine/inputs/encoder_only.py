@@ -28,12 +28,14 @@ class TokenizedText:
     """A text (or text pair) prompt as `pretokenize` tokenized it with others, or a token-id
     prompt whose ids it checked with others (or left to `pack` to check)."""
 
-    input_ids: list[int]
+    input_ids: list[int] | np.ndarray
+    """A list, or (unchecked token-id prompts only) the caller's 1-D integer array."""
     token_type_ids: list[int] | None
     pair: tuple[str, str] | None
     """The text pair (truncation tokenizes it again); None for one text."""
     checked: bool = True
-    """False: the caller's own id list, unchecked; `pack` checks it with its pack's others."""
+    """False: the caller's own ids (list or array), unchecked; `pack` checks them with its
+    pack's others."""
 
 
 class UncheckedIdsError(ValueError):
@@ -47,6 +49,11 @@ class UncheckedIdsError(ValueError):
 
 _TOKEN_IDS_ONLY = {"prompt_token_ids"}
 _TEXT_PAIR = {"text", "text_pair"}
+
+
+def _as_list(ids: Any) -> Any:
+    """An integer array's ids as a list (for the one-pass check of many prompts' lists)."""
+    return ids.tolist() if type(ids) is np.ndarray and ids.dtype.kind in "iu" else ids
 
 
 def pack_spans(lens: list[int], max_tokens: int, max_inputs: int) -> list[tuple[int, int]]:
@@ -66,7 +73,8 @@ def pack_spans(lens: list[int], max_tokens: int, max_inputs: int) -> list[tuple[
 
 def _prompt_kinds(prompts: list[Any]) -> tuple[list[int], list[int], list[int]]:
     """Indices of the prompts `pretokenize` handles together, in one pass: (token-id prompts
-    with a non-empty list or tuple, non-empty texts, text pairs of two non-empty texts)."""
+    with a non-empty list, tuple or 1-D array, non-empty texts, text pairs of two non-empty
+    texts)."""
     ids_only: list[int] = []
     texts: list[int] = []
     pairs: list[int] = []
@@ -78,7 +86,8 @@ def _prompt_kinds(prompts: list[Any]) -> tuple[list[int], list[int], list[int]]:
             keys = p.keys()
             if keys == _TOKEN_IDS_ONLY:
                 ids = p["prompt_token_ids"]
-                if isinstance(ids, (list, tuple)) and ids:
+                is_list = isinstance(ids, (list, tuple)) and len(ids) > 0
+                if is_list or (isinstance(ids, np.ndarray) and ids.ndim == 1 and ids.size):
                     ids_only.append(i)
             elif keys == _TEXT_PAIR and all(isinstance(t, str) and t for t in p.values()):
                 pairs.append(i)
@@ -161,9 +170,11 @@ class EncoderOnlyInputBuilder(TokenInputBuilder):
         if not check_ids:
             for i in ids_only:
                 ids = prompts[i]["prompt_token_ids"]
-                out[i] = TokenizedText(ids if type(ids) is list else list(ids), None, None, False)
+                if type(ids) is not list and type(ids) is not np.ndarray:
+                    ids = list(ids)
+                out[i] = TokenizedText(ids, None, None, False)
         elif len(ids_only) > 1:
-            lists = [prompts[i]["prompt_token_ids"] for i in ids_only]
+            lists = [_as_list(prompts[i]["prompt_token_ids"]) for i in ids_only]
             checked = checked_id_lists(lists, self.encoder_vocab_size)
             if checked is not None:
                 for i, ids in zip(ids_only, checked, strict=True):
@@ -188,7 +199,7 @@ class EncoderOnlyInputBuilder(TokenInputBuilder):
         pair: tuple[str, str] | None = None
         if isinstance(prompt, TokenizedText):
             ids, type_ids, pair = prompt.input_ids, prompt.token_type_ids, prompt.pair
-            if not ids:
+            if len(ids) == 0:
                 raise ValueError("the input is empty after tokenization")
             if not prompt.checked and (truncate is not None or len(ids) > self.max_encoder_len):
                 # Truncation reads the ids themselves: checked first, as a prompt alone is.
@@ -257,7 +268,14 @@ class EncoderOnlyInputBuilder(TokenInputBuilder):
         vocabulary."""
         lens = [len(ids) for ids, _ in inputs]
         try:
-            ids = np.array(list(chain.from_iterable(ids for ids, _ in inputs)))
+            parts = [ids for ids, _ in inputs]
+            if all(type(part) is np.ndarray for part in parts):  # the caller's arrays
+                # Each array's own dtype: concatenating would turn bools into ints.
+                if not all(part.dtype.kind in "iu" and part.ndim == 1 for part in parts):
+                    raise ValueError("an array that is not 1-D integer ids")
+                ids = np.concatenate(parts)
+            else:
+                ids = np.array(list(chain.from_iterable(parts)))
             valid = ids.dtype.kind in "iu" and ids.ndim == 1
             valid = valid and int(ids.min()) >= 0 and int(ids.max()) < self.encoder_vocab_size
         except (ValueError, TypeError, OverflowError):  # nested, ragged or huge values
