@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -30,6 +32,18 @@ PROMPTS = [f"story number {i} begins" for i in range(24)]
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return make_chat_llama_dir(tmp_path_factory.mktemp("llama"), CHAT_TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def one(llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
+    """The reference: the same model served by one process."""
+    server = RemoteServer(
+        "one", llama_dir, ["--num-kv-blocks", "128"], tmp_path_factory.mktemp("one")
+    )
+    try:
+        yield server.wait_ready()
+    finally:
+        server.stop()
 
 
 def api_servers(server: RemoteServer) -> list[int]:
@@ -54,13 +68,13 @@ def complete(server: RemoteServer, prompt: str) -> tuple[int, str]:
     return r.status_code, r.json()["choices"][0]["text"] if r.status_code == 200 else r.text
 
 
-def test_three_processes_answer_like_one_then_drain(llama_dir: str, tmp_path: Path) -> None:
-    one = RemoteServer("one", llama_dir, ["--num-kv-blocks", "128"], tmp_path)
+def test_three_processes_answer_like_one_then_drain(
+    llama_dir: str, one: RemoteServer, tmp_path: Path
+) -> None:
     three = RemoteServer(
         "three", llama_dir, ["--num-kv-blocks", "128", "--api-server-count", "3"], tmp_path
     )
     try:
-        one.wait_ready()
         three.wait_ready()
         children = api_servers(three)
         assert len(children) == 2
@@ -77,7 +91,6 @@ def test_three_processes_answer_like_one_then_drain(llama_dir: str, tmp_path: Pa
         for pid in children:
             assert not Path(f"/proc/{pid}").exists() or _is_zombie(pid)
     finally:
-        one.stop()
         three.stop()
 
 
@@ -102,10 +115,33 @@ def test_a_dying_api_server_process_ends_the_server(llama_dir: str, tmp_path: Pa
         server.stop()
 
 
-def test_two_processes_over_two_data_parallel_cores(llama_dir: str, tmp_path: Path) -> None:
+def test_the_first_process_killed_takes_the_others_and_the_core(
+    llama_dir: str, tmp_path: Path
+) -> None:
+    """SIGKILL leaves no orphans: the other API server processes see their stdin close, the
+    core sees its parent go."""
+    server = RemoteServer(
+        "killed", llama_dir, ["--num-kv-blocks", "64", "--api-server-count", "3"], tmp_path
+    )
+    try:
+        server.wait_ready()
+        left = [*api_servers(server), server.find_core_pid()]
+        assert len(left) == 3
+        server.proc.kill()
+        server.proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while any(Path(f"/proc/{pid}").exists() and not _is_zombie(pid) for pid in left):
+            assert time.monotonic() < deadline, "a process outlived the killed server"
+            time.sleep(0.1)
+    finally:
+        server.stop()
+
+
+def test_two_processes_over_two_data_parallel_cores(
+    llama_dir: str, one: RemoteServer, tmp_path: Path
+) -> None:
     """Each API server process routes over every core (its own load count); every core sends
     each process its own outputs."""
-    one = RemoteServer("dp_one", llama_dir, ["--num-kv-blocks", "128"], tmp_path)
     both = RemoteServer(
         "dp_both",
         llama_dir,
@@ -113,7 +149,6 @@ def test_two_processes_over_two_data_parallel_cores(llama_dir: str, tmp_path: Pa
         tmp_path,
     )
     try:
-        one.wait_ready()
         both.wait_ready()
         assert len(api_servers(both)) == 1
         prompts = PROMPTS[:12]
@@ -124,7 +159,6 @@ def test_two_processes_over_two_data_parallel_cores(llama_dir: str, tmp_path: Pa
         both.proc.send_signal(signal.SIGTERM)
         assert both.proc.wait(timeout=60) == 0
     finally:
-        one.stop()
         both.stop()
 
 
