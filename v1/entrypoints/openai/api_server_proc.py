@@ -123,8 +123,13 @@ class ApiServerProcesses:
                     "client_index": index,
                     "ready_fd": ready_write,
                 }
+                # Its own session: a terminal's Ctrl-C reaches the first process only, which
+                # forwards one SIGTERM (a second signal would cut a child's drain short).
                 proc = subprocess.Popen(
-                    [sys.executable, "-m", PROGRAM], stdin=subprocess.PIPE, pass_fds=[ready_write]
+                    [sys.executable, "-m", PROGRAM],
+                    stdin=subprocess.PIPE,
+                    pass_fds=[ready_write],
+                    start_new_session=True,
                 )
                 os.close(ready_write)
                 assert proc.stdin is not None
