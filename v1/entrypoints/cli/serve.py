@@ -194,6 +194,6 @@ def run_serve(args: argparse.Namespace) -> int:
     count = args.api_server_count
     if count is not None and count < 1:
         raise ValueError(f"--api-server-count must be at least 1, got {count}")
-    from v1.entrypoints.openai.api_server import run_server
+    from v1.entrypoints.openai.api_server_proc import run_server
 
     return run_server(args, engine_kwargs(args))

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP server: `build_app(engine, args)` and `run_server(args)`.
+"""The OpenAI-compatible HTTP server: `build_app(engine, args)` and `serve_engine(args, engine)`
+(`api_server_proc.run_server` starts the engine and the server processes).
 
 Routes /v1/models, /health, /metrics, /version and the endpoint families (serving_*.py) over one
 AsyncLLM; a pure-ASGI middleware checks the API key, bounds requests in flight (503), caps body
@@ -667,39 +668,6 @@ def _reject_unsupported_audio(include: list[str] | None, chunking_strategy: str 
             "is not supported",
             param="chunking_strategy",
         )
-
-
-def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
-    """Starts the engine, then serves it with uvicorn on uvloop until SIGINT / SIGTERM (a
-    drain, then 0) or the engine's death (1, unless --keep-alive-on-engine-death). Returns the
-    process exit code. With --api-server-count N > 1 this process starts the engine core for
-    N frontends, binds the port with SO_REUSEPORT (the kernel spreads connections over the
-    processes) and starts N - 1 more API server processes (`api_server_proc`) that share both;
-    one of them exiting ends the server (code 1)."""
-    from v1.config import make_engine_config
-    from v1.engine.async_llm import AsyncLLM
-    from v1.entrypoints.openai import api_server_proc
-
-    config = make_engine_config(args.model, **engine_kwargs)
-    count = getattr(args, "api_server_count", None)
-    if count is None:
-        count = api_server_proc.auto_api_server_count(config)
-    if count == 1:
-        return serve_engine(args, AsyncLLM.from_engine_config(config))
-    logger.info("%d API server processes", count)
-    api_server_proc.use_multiprocess_metrics()
-    engine = AsyncLLM.from_engine_config(config, extra_frontends=count - 1)
-    try:
-        sock = api_server_proc.reuse_port_socket(args.host, args.port)
-        children = api_server_proc.ApiServerProcesses(args, engine, port=sock.getsockname()[1])
-    except BaseException:
-        engine.shutdown()
-        raise
-    try:
-        return serve_engine(args, engine, sock, children)
-    finally:
-        children.stop(timeout=getattr(args, "shutdown_timeout", 30.0) + 5)
-        engine.shutdown()
 
 
 def serve_engine(

@@ -1,4 +1,5 @@
-"""More API server processes on one engine core (`v1 serve --api-server-count N`).
+"""`v1 serve`'s processes: `run_server` starts the engine and serves it from this process, and
+with `--api-server-count N` from N - 1 more API server processes on the same engine core.
 
 One Python process parses every upload, decodes its audio and handles its outputs under one
 GIL: ~6-10 ms of CPU a Whisper request on an H200 host, so 256 concurrent transcriptions kept
@@ -201,6 +202,39 @@ class ApiServerProcesses:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self._ready_fds = []
+
+
+def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
+    """Starts the engine, then serves it with uvicorn on uvloop until SIGINT / SIGTERM (a
+    drain, then 0) or the engine's death (1, unless --keep-alive-on-engine-death). Returns the
+    process exit code. With --api-server-count N > 1 this process starts the engine core for
+    N frontends, binds the port with SO_REUSEPORT (the kernel spreads connections over the
+    processes) and starts N - 1 more API server processes (`api_server_proc`) that share both;
+    one of them exiting ends the server (code 1)."""
+    from v1.config import make_engine_config
+    from v1.engine.async_llm import AsyncLLM
+    from v1.entrypoints.openai.api_server import serve_engine
+
+    config = make_engine_config(args.model, **engine_kwargs)
+    count = getattr(args, "api_server_count", None)
+    if count is None:
+        count = auto_api_server_count(config)
+    if count == 1:
+        return serve_engine(args, AsyncLLM.from_engine_config(config))
+    logger.info("%d API server processes", count)
+    use_multiprocess_metrics()
+    engine = AsyncLLM.from_engine_config(config, extra_frontends=count - 1)
+    try:
+        sock = reuse_port_socket(args.host, args.port)
+        children = ApiServerProcesses(args, engine, port=sock.getsockname()[1])
+    except BaseException:
+        engine.shutdown()
+        raise
+    try:
+        return serve_engine(args, engine, sock, children)
+    finally:
+        children.stop(timeout=getattr(args, "shutdown_timeout", 30.0) + 5)
+        engine.shutdown()
 
 
 def _forget_metrics(pid: int) -> None:
