@@ -45,6 +45,21 @@ V1_MAX_PENDING_REQUESTS: int = _int("V1_MAX_PENDING_REQUESTS", 1024)
 """Inference requests the API server holds at once; more are answered 503 (`--max-pending`)."""
 
 
+PROMETHEUS_MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"
+"""prometheus_client's multiprocess folder; `v1 serve --api-server-count` > 1 sets it."""
+
+
+def prometheus_multiproc_dir() -> str | None:
+    """PROMETHEUS_MULTIPROC_DIR as it is now (None when unset or empty): set at run time, by
+    the first API server process, before its metrics exist."""
+    return os.environ.get(PROMETHEUS_MULTIPROC_DIR) or None
+
+
+def set_prometheus_multiproc_dir(folder: str) -> None:
+    """Sets it for this process and the processes it starts."""
+    os.environ[PROMETHEUS_MULTIPROC_DIR] = folder
+
+
 def cuda_visible_devices() -> list[str] | None:
     """The CUDA_VISIBLE_DEVICES list as it is now (None when unset). Read on each call, not at
     import: a data-parallel frontend gives each EngineCore a slice of it."""

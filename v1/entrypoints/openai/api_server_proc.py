@@ -69,9 +69,9 @@ def use_multiprocess_metrics() -> None:
 
     from prometheus_client import values
 
-    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    if envs.prometheus_multiproc_dir() is None:
         folder = tempfile.mkdtemp(prefix="v1-metrics-")
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = folder
+        envs.set_prometheus_multiproc_dir(folder)
         atexit.register(shutil.rmtree, folder, ignore_errors=True)
     values.ValueClass = values.get_value_class()
 
@@ -239,7 +239,7 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
 
 def _forget_metrics(pid: int) -> None:
     """Drops an exited process's live gauges (requests in flight) from /metrics."""
-    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    if envs.prometheus_multiproc_dir() is not None:
         from prometheus_client import multiprocess
 
         multiprocess.mark_process_dead(pid)

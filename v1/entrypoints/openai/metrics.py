@@ -4,7 +4,7 @@ Counters and latency histograms are updated as requests run; the engine gauges (
 KV cache usage) are refreshed from `AsyncLLM.get_stats()` on every scrape of /metrics.
 
 Several API server processes (`v1 serve --api-server-count N`) run prometheus_client's
-multiprocess mode (PROMETHEUS_MULTIPROC_DIR, set by `v1 serve` before this module is imported):
+multiprocess mode (PROMETHEUS_MULTIPROC_DIR, set by `v1 serve` before any metric exists):
 each process writes its values to that folder and /metrics, whichever process answers, sums
 the counters and histograms of all of them, and the requests in flight of the live ones; the
 engine gauges are those of the latest scrape.
@@ -12,7 +12,6 @@ engine gauges are those of the latest scrape.
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
@@ -26,13 +25,12 @@ from prometheus_client import (
 )
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from v1 import envs
 from v1.core.errors import EngineDeadError
 from v1.logger import init_logger
 from v1.outputs import RequestOutput, RequestOutputKind
 
 logger = init_logger(__name__)
-
-MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5, 5)
@@ -207,7 +205,7 @@ class ServerMetrics:
     def _exported(self) -> CollectorRegistry:
         """This process's registry, or, with several API server processes, every process's
         values gathered from the multiprocess folder."""
-        folder = os.environ.get(MULTIPROC_DIR_ENV)
+        folder = envs.prometheus_multiproc_dir()
         if not folder:
             return self.registry
         registry = CollectorRegistry()
