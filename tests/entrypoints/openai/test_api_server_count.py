@@ -34,16 +34,34 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return make_chat_llama_dir(tmp_path_factory.mktemp("llama"), CHAT_TEMPLATE)
 
 
+SERVERS: dict[str, list[str]] = {
+    "one": [],
+    "three": ["--api-server-count", "3"],
+    "dp": ["--data-parallel-size", "2", "--api-server-count", "2"],
+    "dying": ["--api-server-count", "2"],
+    "killed": ["--api-server-count", "3"],
+}
+"""Each test's server (`one`: the reference, one process); each test but the reference's
+users stops or kills its own."""
+
+
 @pytest.fixture(scope="module")
-def one(llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
-    """The reference: the same model served by one process."""
-    server = RemoteServer(
-        "one", llama_dir, ["--num-kv-blocks", "128"], tmp_path_factory.mktemp("one")
-    )
+def servers(
+    llama_dir: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, RemoteServer]]:
+    """Every server of this module, launched at once: a start-up is mostly single-threaded
+    imports and model loads, so side by side they use every CPU."""
+    root = tmp_path_factory.mktemp("servers")
+    launched: dict[str, RemoteServer] = {}
     try:
-        yield server.wait_ready()
+        for name, flags in SERVERS.items():
+            launched[name] = RemoteServer(name, llama_dir, ["--num-kv-blocks", "128", *flags], root)
+        for server in launched.values():
+            server.wait_ready()
+        yield launched
     finally:
-        server.stop()
+        for server in launched.values():
+            server.stop()
 
 
 def api_servers(server: RemoteServer) -> list[int]:
@@ -68,30 +86,22 @@ def complete(server: RemoteServer, prompt: str) -> tuple[int, str]:
     return r.status_code, r.json()["choices"][0]["text"] if r.status_code == 200 else r.text
 
 
-def test_three_processes_answer_like_one_then_drain(
-    llama_dir: str, one: RemoteServer, tmp_path: Path
-) -> None:
-    three = RemoteServer(
-        "three", llama_dir, ["--num-kv-blocks", "128", "--api-server-count", "3"], tmp_path
-    )
-    try:
-        three.wait_ready()
-        children = api_servers(three)
-        assert len(children) == 2
-        expected = [complete(one, p) for p in PROMPTS]
-        assert all(status == 200 for status, _ in expected)
-        with ThreadPoolExecutor(12) as pool:
-            got = list(pool.map(lambda p: complete(three, p), PROMPTS))
-        assert got == expected
-        # Whichever process answers the scrape, the counters are every process's.
-        for _ in range(4):
-            assert three.metric('v1_http_requests_total{endpoint="/v1/completions"') == len(PROMPTS)
-        three.proc.send_signal(signal.SIGTERM)
-        assert three.proc.wait(timeout=60) == 0
-        for pid in children:
-            assert not Path(f"/proc/{pid}").exists() or _is_zombie(pid)
-    finally:
-        three.stop()
+def test_three_processes_answer_like_one_then_drain(servers: dict[str, RemoteServer]) -> None:
+    one, three = servers["one"], servers["three"]
+    children = api_servers(three)
+    assert len(children) == 2
+    expected = [complete(one, p) for p in PROMPTS]
+    assert all(status == 200 for status, _ in expected)
+    with ThreadPoolExecutor(12) as pool:
+        got = list(pool.map(lambda p: complete(three, p), PROMPTS))
+    assert got == expected
+    # Whichever process answers the scrape, the counters are every process's.
+    for _ in range(4):
+        assert three.metric('v1_http_requests_total{endpoint="/v1/completions"') == len(PROMPTS)
+    three.proc.send_signal(signal.SIGTERM)
+    assert three.proc.wait(timeout=60) == 0
+    for pid in children:
+        assert not Path(f"/proc/{pid}").exists() or _is_zombie(pid)
 
 
 def _is_zombie(pid: int) -> bool:
@@ -101,65 +111,42 @@ def _is_zombie(pid: int) -> bool:
         return True
 
 
-def test_a_dying_api_server_process_ends_the_server(llama_dir: str, tmp_path: Path) -> None:
-    server = RemoteServer(
-        "dying", llama_dir, ["--num-kv-blocks", "64", "--api-server-count", "2"], tmp_path
-    )
-    try:
-        server.wait_ready()
-        (child,) = api_servers(server)
-        os.kill(child, signal.SIGKILL)
-        assert server.proc.wait(timeout=60) == 1
-        assert "API server process" in server.log_tail()
-    finally:
-        server.stop()
+def test_a_dying_api_server_process_ends_the_server(servers: dict[str, RemoteServer]) -> None:
+    server = servers["dying"]
+    (child,) = api_servers(server)
+    os.kill(child, signal.SIGKILL)
+    assert server.proc.wait(timeout=60) == 1
+    assert "API server process" in server.log_tail()
 
 
 def test_the_first_process_killed_takes_the_others_and_the_core(
-    llama_dir: str, tmp_path: Path
+    servers: dict[str, RemoteServer],
 ) -> None:
     """SIGKILL leaves no orphans: the other API server processes see their stdin close, the
     core sees its parent go."""
-    server = RemoteServer(
-        "killed", llama_dir, ["--num-kv-blocks", "64", "--api-server-count", "3"], tmp_path
-    )
-    try:
-        server.wait_ready()
-        left = [*api_servers(server), server.find_core_pid()]
-        assert len(left) == 3
-        server.proc.kill()
-        server.proc.wait(timeout=30)
-        deadline = time.monotonic() + 30
-        while any(Path(f"/proc/{pid}").exists() and not _is_zombie(pid) for pid in left):
-            assert time.monotonic() < deadline, "a process outlived the killed server"
-            time.sleep(0.1)
-    finally:
-        server.stop()
+    server = servers["killed"]
+    left = [*api_servers(server), server.find_core_pid()]
+    assert len(left) == 3
+    server.proc.kill()
+    server.proc.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while any(Path(f"/proc/{pid}").exists() and not _is_zombie(pid) for pid in left):
+        assert time.monotonic() < deadline, "a process outlived the killed server"
+        time.sleep(0.1)
 
 
-def test_two_processes_over_two_data_parallel_cores(
-    llama_dir: str, one: RemoteServer, tmp_path: Path
-) -> None:
+def test_two_processes_over_two_data_parallel_cores(servers: dict[str, RemoteServer]) -> None:
     """Each API server process routes over every core (its own load count); every core sends
     each process its own outputs."""
-    both = RemoteServer(
-        "dp_both",
-        llama_dir,
-        ["--num-kv-blocks", "128", "--data-parallel-size", "2", "--api-server-count", "2"],
-        tmp_path,
-    )
-    try:
-        both.wait_ready()
-        assert len(api_servers(both)) == 1
-        prompts = PROMPTS[:12]
-        expected = [complete(one, p) for p in prompts]
-        with ThreadPoolExecutor(8) as pool:
-            got = list(pool.map(lambda p: complete(both, p), prompts))
-        assert got == expected
-        both.proc.send_signal(signal.SIGTERM)
-        assert both.proc.wait(timeout=60) == 0
-    finally:
-        both.stop()
+    one, both = servers["one"], servers["dp"]
+    assert len(api_servers(both)) == 1
+    prompts = PROMPTS[:12]
+    expected = [complete(one, p) for p in prompts]
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda p: complete(both, p), prompts))
+    assert got == expected
+    both.proc.send_signal(signal.SIGTERM)
+    assert both.proc.wait(timeout=60) == 0
 
 
 def test_a_bad_count_is_refused(llama_dir: str) -> None:
