@@ -1,19 +1,8 @@
-"""`v1 serve`'s processes: `run_server` starts the engine and serves it from this process, and
-with `--api-server-count N` from N - 1 more API server processes on the same engine core.
-
-One Python process parses every upload, decodes its audio and handles its outputs under one
-GIL: ~6-10 ms of CPU a Whisper request on an H200 host, so 256 concurrent transcriptions kept
-the process busy for longer than the engine needed for them (server at 0.64 of offline,
-RESULTS.md session 22). N processes split that work. The first `v1 serve` process starts the
-engine core with N frontends (`MPClient(extra_frontends=N - 1)`), binds the port with
-SO_REUSEPORT and starts the others as `python -m v1.entrypoints.openai.api_server_proc` (their
-spec, JSON, on stdin: no pickle); each binds the same port and attaches to the core
-(`AttachedCore`), which routes every request's outputs back to the process that sent it. The
-kernel spreads new connections over the processes.
-
-A child drains on SIGTERM like the first process (which forwards its own), exits when the core
-dies, and exits when the first process is gone (its stdin, a pipe only the first process
-holds, reaches end-of-file).
+"""`v1 serve`'s processes: `run_server` starts the engine and serves it, and with
+`--api-server-count N` starts N - 1 more API server processes (`python -m` this module, spec as
+JSON on stdin) that bind the same port (SO_REUSEPORT) and attach to the same engine core, which
+routes each request's outputs back to its process. One process's GIL carried ~6-10 ms of CPU a
+Whisper request: 0.64 of offline under load (RESULTS.md, session 22).
 """
 
 from __future__ import annotations
@@ -103,7 +92,10 @@ def _json_args(args: argparse.Namespace) -> dict[str, Any]:
 
 class ApiServerProcesses:
     """The API server processes after the first: started once the engine core is ready, each
-    with its frontend's addresses and client index."""
+    with its frontend's addresses and client index. A child drains on SIGTERM (the first
+    process forwards its own; children run in their own session, so a terminal's Ctrl-C
+    reaches the first only), exits when the core dies, and exits when the first process is
+    gone (its stdin, a pipe only the first process holds, reaches end-of-file)."""
 
     def __init__(self, args: argparse.Namespace, engine: Any, port: int) -> None:
         client = engine.engine_core
