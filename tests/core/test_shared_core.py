@@ -21,7 +21,8 @@ from tests.core.test_mp_client import (
 )
 from v1.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from v1.core.errors import EngineDeadError
-from v1.core.mp_client import AttachedCore, SyncMPClient
+from v1.core.mp_client import SyncMPClient
+from v1.core.process_handles import AttachedCore
 from v1.core.protocol import EngineCoreOutputs, EngineCoreRequest, FinishReason
 from v1.engine.core_client import CORE_PROGRAM
 

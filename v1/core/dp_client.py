@@ -26,7 +26,8 @@ from blake3 import blake3
 from v1.config import EngineConfig
 from v1.core.client import EngineCoreClient, HeldAdds
 from v1.core.errors import EngineCoreStartError, EngineDeadError
-from v1.core.mp_client import _DEAD, AttachedCore, LoopOutputQueue, MPClient, _Dead
+from v1.core.mp_client import _DEAD, LoopOutputQueue, MPClient, _Dead
+from v1.core.process_handles import AttachedCore
 from v1.core.protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,

@@ -248,7 +248,7 @@ def _exit_when_parent_gone(stdin_fd: int) -> None:
 def main() -> int:
     """A child API server: reads its spec from stdin, attaches to the core, serves."""
     from v1.config import EngineConfig
-    from v1.core.mp_client import AttachedCore
+    from v1.core.process_handles import AttachedCore
     from v1.engine.async_llm import AsyncLLM
     from v1.entrypoints.openai.api_server import serve_engine
 
