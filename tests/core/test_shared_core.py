@@ -130,7 +130,7 @@ def test_an_attached_frontend_leaving_keeps_the_core_and_the_owner_leaving_ends_
     while not staying.is_dead:
         assert time.monotonic() < deadline, "the attached frontend never saw the core go"
         time.sleep(0.05)
-    with pytest.raises(EngineDeadError):
+    with pytest.raises(EngineDeadError, match="shared EngineCore process .* is gone"):
         staying.add_request(request("late"))
     staying.shutdown()
 

@@ -303,6 +303,9 @@ class MPClient(EngineCoreClient):
         deadline = time.monotonic() + _SENTINEL_GRACE_S
         while self._dead_error is None and time.monotonic() < deadline:
             time.sleep(0.02)
+        if not proc.owned:  # its exit code is its starter's to read
+            self._set_dead(f"the shared EngineCore process (pid {proc.pid}) is gone")
+            return
         code = self.wait_for_exit(timeout=_SENTINEL_GRACE_S)
         self._set_dead(f"the EngineCore process (pid {proc.pid}) exited with code {code}")
 
