@@ -109,14 +109,18 @@ def factory_path(cls: type) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
-@pytest.fixture(scope="module")
-def config(tiny_llama_dir: str) -> EngineConfig:
+def scripted_config(model_dir: str) -> EngineConfig:
     """The scripted executor loads no weights: only the model's config.json is read."""
     return EngineConfig(
-        model_config=ModelConfig(model=tiny_llama_dir),
+        model_config=ModelConfig(model=model_dir),
         cache_config=CacheConfig(block_size=4, num_kv_blocks=128),
         scheduler_config=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=256),
     )
+
+
+@pytest.fixture(scope="module")
+def config(tiny_llama_dir: str) -> EngineConfig:
+    return scripted_config(tiny_llama_dir)
 
 
 def start_client(config: EngineConfig, **kwargs: Any) -> SyncMPClient:

@@ -17,9 +17,10 @@ from tests.core.test_mp_client import (
     collect,
     factory_path,
     request,
+    scripted_config,
     tokens,
 )
-from v1.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from v1.config import EngineConfig
 from v1.core.errors import EngineDeadError
 from v1.core.mp_client import SyncMPClient
 from v1.core.process_handles import AttachedCore
@@ -59,12 +60,7 @@ def drain(client: SyncMPClient, seconds: float) -> list[str]:
 
 @pytest.fixture(scope="module")
 def config(tiny_llama_dir: str) -> EngineConfig:
-    """The scripted executor loads no weights: only the model's config.json is read."""
-    return EngineConfig(
-        model_config=ModelConfig(model=tiny_llama_dir),
-        cache_config=CacheConfig(block_size=4, num_kv_blocks=128),
-        scheduler_config=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=256),
-    )
+    return scripted_config(tiny_llama_dir)
 
 
 def test_each_frontend_gets_its_own_outputs_and_answers(config: EngineConfig) -> None:

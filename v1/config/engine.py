@@ -119,11 +119,8 @@ class EngineConfig:
         sc = self.scheduler_config
         if sc.max_num_encoder_input_tokens is not None:
             return sc.max_num_encoder_input_tokens
-        mc = self.model_config
-        inputs = mc.spec.encoder_inputs_per_step
-        if self.device_config.device_type == "cuda":
-            inputs *= BACKLOG_ENCODER_INPUTS_FACTOR
-        return max(sc.max_num_batched_tokens, inputs * mc.max_encoder_len)
+        on_gpu = self.device_config.device_type == "cuda"
+        return self._encoder_inputs_budget(BACKLOG_ENCODER_INPUTS_FACTOR if on_gpu else 1)
 
     @property
     def encoder_step_budget(self) -> int:
@@ -132,12 +129,16 @@ class EngineConfig:
         the model's default share, so a first token does not wait for a wide encoder step, and
         the scheduler widens to `encoder_budget` while more inputs wait than that share holds
         (`Scheduler._encoder_tokens`): those would otherwise wait a whole step each."""
-        sc = self.scheduler_config
-        if self.offline or sc.max_num_encoder_input_tokens is not None:
+        if self.offline or self.scheduler_config.max_num_encoder_input_tokens is not None:
             return self.encoder_budget
+        return min(self.encoder_budget, self._encoder_inputs_budget(1))
+
+    def _encoder_inputs_budget(self, factor: int) -> int:
+        """Encoder positions of `factor` times the model's encoder inputs a step (at least a
+        step's token budget)."""
         mc = self.model_config
-        inputs = mc.spec.encoder_inputs_per_step
-        return min(self.encoder_budget, max(sc.max_num_batched_tokens, inputs * mc.max_encoder_len))
+        inputs = mc.spec.encoder_inputs_per_step * factor
+        return max(self.scheduler_config.max_num_batched_tokens, inputs * mc.max_encoder_len)
 
     @property
     def encoder_cache_size(self) -> int:

@@ -105,7 +105,6 @@ class EngineCoreProc:
             sock.setsockopt(zmq.LINGER, 2000)  # flush the dead sentinel on exit
             sock.connect(output_address)
             self.output_sockets.append(sock)
-        self.output_socket = self.output_sockets[0]
         self.router = OutputRouter(len(self.output_sockets))
         self.input_queue: queue.Queue[Any] = queue.Queue()
         self.output_queue: queue.Queue[EngineCoreOutputs | None] = queue.Queue()
@@ -236,7 +235,6 @@ class EngineCoreProc:
                     self.engine_core.add_request(request)
             elif kind is EngineCoreRequestType.ABORT:
                 self.engine_core.abort_requests(payload)
-                self.router.forget(payload)
             elif kind is EngineCoreRequestType.UTILITY:
                 self._call_utility(payload)
             else:  # an error output for a message that could not be decoded
@@ -301,6 +299,7 @@ class EngineCoreProc:
                         self.input_queue.put((seq, None, answer))
                     continue
                 if kind is EngineCoreRequestType.ABORT:
+                    self.router.forget(payload)  # here: in arrival order with the ADDs
                     with self._abort_lock:
                         self._eager_aborts.append((seq, payload))
                 elif kind is EngineCoreRequestType.ADD:
@@ -352,8 +351,11 @@ class OutputRouter:
 
     def add(self, request: EngineCoreRequest) -> None:
         if self.num_frontends > 1:
-            index = request.client_index
-            self._client_of[request.request_id] = index if 0 <= index < self.num_frontends else 0
+            self._client_of[request.request_id] = self._index(request.client_index)
+
+    def _index(self, client_index: int) -> int:
+        """A frontend's index; one out of range (a custom frontend's) is frontend 0's."""
+        return client_index if 0 <= client_index < self.num_frontends else 0
 
     def split(self, outputs: EngineCoreOutputs) -> list[tuple[int, EngineCoreOutputs]]:
         if self.num_frontends == 1:
@@ -363,36 +365,31 @@ class OutputRouter:
         per_client: dict[int, list[EngineCoreOutput]] = {}
         unrouted: list[EngineCoreOutput] = []
         for out in outputs.outputs:
-            index = (
-                self._client_of.pop(out.request_id, None)
-                if out.finish_reason is not None
-                else self._client_of.get(out.request_id)
-            )
+            if out.finish_reason is not None:  # its last output: forget it
+                index = self._client_of.pop(out.request_id, None)
+            else:
+                index = self._client_of.get(out.request_id)
             if index is None:
                 unrouted.append(out)
             else:
                 per_client.setdefault(index, []).append(out)
         utility = outputs.utility_output
-        if utility is not None:
-            per_client.setdefault(utility.client_index, [])
+        utility_index = None if utility is None else self._index(utility.client_index)
         routed = []
         for index in range(self.num_frontends):
-            mine = per_client.get(index)
-            if mine is None and not unrouted:
-                continue
-            routed.append(
-                (
-                    index,
-                    EngineCoreOutputs(
-                        outputs=(mine or []) + unrouted,
-                        timestamp=outputs.timestamp,
-                        scheduler_stats=outputs.scheduler_stats,
-                        utility_output=utility
-                        if utility is not None and utility.client_index == index
-                        else None,
-                    ),
+            mine = per_client.get(index, []) + unrouted
+            if mine or index == utility_index:
+                routed.append(
+                    (
+                        index,
+                        EngineCoreOutputs(
+                            outputs=mine,
+                            timestamp=outputs.timestamp,
+                            scheduler_stats=outputs.scheduler_stats,
+                            utility_output=utility if index == utility_index else None,
+                        ),
+                    )
                 )
-            )
         return routed
 
     def forget(self, request_ids: list[str]) -> None:

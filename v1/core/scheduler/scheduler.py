@@ -122,8 +122,6 @@ class Scheduler:
     def _encoder_tokens(self) -> int:
         """This step's encoder budget: the whole `encoder_budget` while more inputs wait than
         `encoder_step_budget` holds (they would wait a step each otherwise), else the latter."""
-        if self.encoder_step_budget == self.encoder_budget:
-            return self.encoder_budget
         if len(self.waiting) * self.encoder_input_len > self.encoder_step_budget:
             return self.encoder_budget
         return self.encoder_step_budget

@@ -267,16 +267,15 @@ class EncoderOnlyInputBuilder(TokenInputBuilder):
         unchecked: UncheckedIdsError, naming the first input whose ids are not int ids of the
         vocabulary."""
         lens = [len(ids) for ids, _ in inputs]
+        parts = [ids for ids, _ in inputs]
         try:
-            parts = [ids for ids, _ in inputs]
             if all(type(part) is np.ndarray for part in parts):  # the caller's arrays
                 # Each array's own dtype: concatenating would turn bools into ints.
-                if not all(part.dtype.kind in "iu" and part.ndim == 1 for part in parts):
-                    raise ValueError("an array that is not 1-D integer ids")
-                ids = np.concatenate(parts)
+                valid = all(part.dtype.kind in "iu" and part.ndim == 1 for part in parts)
+                ids = np.concatenate(parts) if valid else None
             else:
                 ids = np.array(list(chain.from_iterable(parts)))
-            valid = ids.dtype.kind in "iu" and ids.ndim == 1
+                valid = ids.dtype.kind in "iu" and ids.ndim == 1
             valid = valid and int(ids.min()) >= 0 and int(ids.max()) < self.encoder_vocab_size
         except (ValueError, TypeError, OverflowError):  # nested, ragged or huge values
             valid = False

@@ -673,37 +673,34 @@ def _reject_unsupported_audio(include: list[str] | None, chunking_strategy: str 
 def serve_engine(
     args: argparse.Namespace,
     engine: Any,
+    *,
     sock: Any = None,
     children: Any = None,
     on_started: Any = None,
 ) -> int:
     """Serves `engine` (an AsyncLLM) on `args.host:args.port`, or on the bound `sock`, until
-    a drain or the engine's death; `children`: the other API server processes, watched (and
-    drained with this one) by the lifecycle; `on_started()`: called once it serves. Returns
-    the process exit code."""
+    a drain or the engine's death, then shuts it down; `children`: the other API server
+    processes, watched (and drained with this one) by the lifecycle, stopped before the
+    engine; `on_started()`: called once it serves. The caller checked the server's arguments
+    (`check_server_args`) before it started the engine. Returns the process exit code."""
     import uvicorn
 
     settings = settings_from_args(args)
-    limits = http_limits_from_args(args)
     try:
         app = build_app(engine, settings)
-    except BaseException:
-        engine.shutdown()
-        raise
-    config = uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
-        loop="uvloop",
-        http=limited_protocol(limits),
-        log_level=getattr(args, "uvicorn_log_level", "info"),
-        access_log=False,
-        timeout_keep_alive=int(getattr(args, "keep_alive_timeout", 5)),
-        timeout_graceful_shutdown=2,  # after our own drain (ServerLifecycle)
-    )
-    lifecycle: ServerLifecycle = app.state.lifecycle
-    server = DrainingServer(config, lifecycle, engine, children, on_started)
-    try:
+        config = uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            loop="uvloop",
+            http=limited_protocol(http_limits_from_args(args)),
+            log_level=getattr(args, "uvicorn_log_level", "info"),
+            access_log=False,
+            timeout_keep_alive=int(getattr(args, "keep_alive_timeout", 5)),
+            timeout_graceful_shutdown=2,  # after our own drain (ServerLifecycle)
+        )
+        lifecycle: ServerLifecycle = app.state.lifecycle
+        server = DrainingServer(config, lifecycle, engine, children, on_started)
         server.run(sockets=None if sock is None else [sock])
     finally:
         if children is not None:  # their drains end before the core they share goes
@@ -713,3 +710,9 @@ def serve_engine(
         print("v1 serve: error: the server did not start (see the log above)", file=sys.stderr)
         return 1
     return lifecycle.exit_code
+
+
+def check_server_args(args: argparse.Namespace) -> None:
+    """The server's own arguments checked (ValueError), before an engine starts for them."""
+    settings_from_args(args)
+    http_limits_from_args(args)

@@ -205,8 +205,9 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     one of them exiting ends the server (code 1)."""
     from v1.config import make_engine_config
     from v1.engine.async_llm import AsyncLLM
-    from v1.entrypoints.openai.api_server import serve_engine
+    from v1.entrypoints.openai.api_server import check_server_args, serve_engine
 
+    check_server_args(args)
     config = make_engine_config(args.model, **engine_kwargs)
     count = getattr(args, "api_server_count", None)
     if count is None:
@@ -222,11 +223,7 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     except BaseException:
         engine.shutdown()
         raise
-    try:
-        return serve_engine(args, engine, sock, children)
-    finally:
-        children.stop(timeout=getattr(args, "shutdown_timeout", 30.0) + 5)
-        engine.shutdown()
+    return serve_engine(args, engine, sock=sock, children=children)
 
 
 def _forget_metrics(pid: int) -> None:
@@ -268,7 +265,7 @@ def main() -> int:
         os.write(ready_fd, b"1")
         os.close(ready_fd)
 
-    return serve_engine(args, engine, sock, on_started=tell_ready)
+    return serve_engine(args, engine, sock=sock, on_started=tell_ready)
 
 
 if __name__ == "__main__":

@@ -94,10 +94,7 @@ class ServerLifecycle:
         self._spawn(self._watch_children(children))
 
     async def _watch_children(self, children: Any) -> None:
-        while True:
-            exited = children.exited()
-            if exited is not None:
-                break
+        while (exited := children.exited()) is None:
             await asyncio.sleep(0.2)
         if self.draining:
             return
