@@ -356,6 +356,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", action="append", default=[], help="a real BERT-family folder")
     p.add_argument("--no-bert-base", action="store_true", help="skip the random BERT-base")
+    p.add_argument(
+        "--no-real", action="store_true", help="no real checkpoint (bert-base alone; --tokenizer)"
+    )
     p.add_argument("--tokenizer", default=None, help="tokenizer folder for bert-base")
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="CPU smoke run: few short inputs")
@@ -402,7 +405,7 @@ def main() -> int:
         f"{transformers.__version__}; {' '.join(sys.argv[1:])}",
         flush=True,
     )
-    models = args.model or [asset("all-MiniLM-L6-v2")]
+    models = [] if args.no_real else args.model or [asset("all-MiniLM-L6-v2")]
     tokenizer = args.tokenizer or models[0]
     root = tempfile.mkdtemp(prefix="bert-embed-")
     results = []

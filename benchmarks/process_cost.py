@@ -3,7 +3,9 @@ Whisper (issue 35 item 1): `LLM.transcribe` on engines that all live at once, ti
 (round-robin, so drift hits every engine alike), on one set of random large-v3-turbo weights,
 30 s clips x forced tokens, fresh clips every run. `--modes` picks the engines: `in` / `mp`
 the tuned settings with the core in this process / its own process (LLM's default);
-`defaults-in` / `defaults-mp` `LLM(path, dtype=...)` with nothing else but a fixed KV pool.
+`defaults-in` / `defaults-mp` `LLM(path, dtype=...)` with nothing else but a fixed KV pool;
+`defaults-mp-whole` as `defaults-mp` with the run's whole first step budget sent in its first
+message (as before `offline.FIRST_FILES`).
 With `--py-spy DIR` (py-spy on PATH), one more run of each is sampled by py-spy (non-blocking,
 both processes, per thread), and the busiest frames of each process and thread are printed.
 With `--trace DIR`, every core writes its step trace (V1_STEP_TRACE, `v1.core.step_trace`) and
@@ -77,9 +79,11 @@ def main() -> int:
                 path,
                 dtype=dtype,
                 device=args.device,
-                multiprocess=mode.endswith("mp"),
+                multiprocess="mp" in mode.split("-"),
                 **(defaults if mode.startswith("defaults") else kwargs),
             )
+            if mode.endswith("whole"):  # the whole first step budget in the first message
+                engines[mode].transcriber.first_files = 1 << 30
             if args.trace:
                 (traces[mode],) = _trace.files(args.trace) - before
         try:
@@ -137,6 +141,7 @@ MODES = {
     "mp": "tuned, core in its own process",
     "defaults-in": "defaults, core in this process",
     "defaults-mp": "defaults, core in its own process (LLM's default)",
+    "defaults-mp-whole": "defaults, own process, first budget in one message (before FIRST_FILES)",
 }
 
 

@@ -489,6 +489,53 @@ def test_a_core_that_runs_ahead_gets_two_step_budgets_queued(tiny_llm: LLM) -> N
     ]
 
 
+def test_a_core_that_runs_ahead_starts_on_a_few_files_sent_alone(tiny_llm: LLM) -> None:
+    """For a core in its own process the run's first message holds `first_files` files alone
+    (FIRST_FILES per core by default): the core's first encoder step starts on them while the
+    rest of the first budget, then the lead's top-up, follow in messages of their own; every
+    window is decoded as with one first message."""
+    from contextlib import contextmanager
+
+    from v1.engine.transcription.offline import FIRST_FILES
+
+    rng = np.random.default_rng(12)
+    waves = [(0.1 * rng.standard_normal(3 * SR)).astype(np.float32) for _ in range(20)]
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+
+    class MessageEngine(CountingEngine):
+        core_runs_ahead = True
+
+        def __init__(self, engine: Any) -> None:
+            super().__init__(engine)
+            self.messages: list[int] = []
+
+        @contextmanager
+        def batched_adds(self) -> Any:
+            before = len(self.added)
+            with self.engine.batched_adds():
+                yield
+            if len(self.added) > before:
+                self.messages.append(len(self.added) - before)
+
+    engine = MessageEngine(tiny_llm.llm_engine)
+    ahead = Transcriber(engine)
+    assert ahead.first_files == FIRST_FILES == 8  # not fewer than a budget + 1 (7) here
+    assert Transcriber(RecordingEngine(tiny_llm.llm_engine)).first_files > 1000  # this process
+    ahead.first_files = 2
+    results = ahead.transcribe(
+        [(w, SR) for w in waves], sampling_params=params, language="en", temperature=0.0
+    )
+    # 2 alone, the other 5 of the first budget (6 + 1), then up to the lead of 12 queued.
+    assert engine.messages[:3] == [2, 5, 5]
+    assert engine.adds_at_step[0] == 12
+    plain = Transcriber(tiny_llm.llm_engine).transcribe(
+        [(w, SR) for w in waves], sampling_params=params, language="en", temperature=0.0
+    )
+    assert [s.tokens for r in results for s in r.segments] == [
+        s.tokens for r in plain for s in r.segments
+    ]
+
+
 def test_data_parallel_engines_admit_a_budget_of_files_per_core(tiny_llm: LLM) -> None:
     """Under data_parallel_size=N each core steps on its own: N step budgets of files start
     between two engine steps, and twice max_num_seqs per core may be active."""

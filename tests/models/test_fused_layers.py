@@ -131,9 +131,22 @@ def test_gelu_epilogue_matches_unfused(dtype: torch.dtype) -> None:
     torch.testing.assert_close(fused, exact, rtol=step, atol=step)
 
 
+def test_power_of_two_parts() -> None:
+    from v1.attention.backend import power_of_two_parts
+
+    assert power_of_two_parts(25) == [16, 8, 1]
+    assert power_of_two_parts(32) == [32]
+    assert power_of_two_parts(7) == [4, 2, 1]
+    assert power_of_two_parts(1) == [1]
+    assert all(sum(power_of_two_parts(n)) == n for n in range(1, 300))
+
+
 @requires_cuda
 @pytest.mark.gpu
-def test_equal_length_encoder_batch_takes_cudnn_attention(monkeypatch) -> None:
+@pytest.mark.parametrize("b", [4, 7])
+def test_equal_length_encoder_batch_takes_cudnn_attention(monkeypatch, b: int) -> None:
+    """Equal-length windows go to cuDNN's dense attention in power-of-two parts (7: 4, 2, 1),
+    matching the reference."""
     from v1.attention.backend import AttentionType, CommonAttentionMetadata
     from v1.attention.backends import triton as triton_backend
 
@@ -141,7 +154,15 @@ def test_equal_length_encoder_batch_takes_cudnn_attention(monkeypatch) -> None:
         raise AssertionError("equal-length batch went to flash varlen")
 
     monkeypatch.setattr(triton_backend.TritonImpl, "_varlen_forward", no_varlen)
-    b, length, heads, dim = 4, 1500, 20, 64
+    sizes = []
+    dense = triton_backend._cudnn_dense
+
+    def counted(q, k, v, batch, length, scale):
+        sizes.append(batch)
+        return dense(q, k, v, batch, length, scale)
+
+    monkeypatch.setattr(triton_backend, "_cudnn_dense", counted)
+    length, heads, dim = 1500, 20, 64
     qsl = torch.arange(0, (b + 1) * length, length, dtype=torch.int32)
     common = CommonAttentionMetadata(
         query_start_loc=qsl.cuda(),
@@ -164,6 +185,7 @@ def test_equal_length_encoder_batch_takes_cudnn_attention(monkeypatch) -> None:
     dense = [t.view(b, length, heads, dim).transpose(1, 2).float() for t in (q, k, v)]
     ref = F.scaled_dot_product_attention(*dense).transpose(1, 2).reshape(b * length, heads, dim)
     torch.testing.assert_close(out.float(), ref, rtol=5e-3, atol=5e-3)
+    assert sizes == [4] if b == 4 else [4, 2, 1]
 
 
 @requires_cuda

@@ -202,3 +202,9 @@ class AttentionBackend(ABC):
         num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
     ) -> tuple[int, ...]:
         return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+
+def power_of_two_parts(n: int) -> list[int]:
+    """n as descending powers of two (25 -> [16, 8, 1]): batch parts of a kernel that builds
+    a plan per batch size (cuDNN's dense attention), so few sizes are ever built."""
+    return [1 << b for b in range(n.bit_length() - 1, -1, -1) if n >> b & 1]
