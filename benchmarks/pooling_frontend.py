@@ -18,6 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import pooling_host  # noqa: E402
 import torch  # noqa: E402
 from _context import asset  # noqa: E402
 from pooling_host import build, inputs  # noqa: E402
@@ -28,7 +29,14 @@ def main() -> None:
     parser.add_argument("--tokenizer", default=asset("all-MiniLM-L6-v2"))
     parser.add_argument("--inputs", type=int, default=4096)
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument(
+        "--arrays", action="store_true", help="token ids as numpy arrays (default: lists)"
+    )
+    parser.add_argument(
+        "--cprofile", action="store_true", help="then one more run under cProfile (frontend)"
+    )
     args = parser.parse_args()
+    pooling_host.ARRAYS = args.arrays
     torch.set_num_threads(1)
     import v1
     from v1 import LLM
@@ -50,6 +58,16 @@ def main() -> None:
             llm.embed(batch, use_tqdm=False)
             walls.append(time.perf_counter() - wall)
             cpus.append(time.process_time() - cpu)
+        if args.cprofile:
+            import cProfile
+            import pstats
+
+            batch = inputs(args.inputs, args.runs + 1, 256)
+            profiler = cProfile.Profile()
+            profiler.enable()
+            llm.embed(batch, use_tqdm=False)
+            profiler.disable()
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
     finally:
         llm.shutdown()
     print(
