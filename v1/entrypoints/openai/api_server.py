@@ -323,6 +323,11 @@ def _add_inference_routes(
     async def detokenize(body: DetokenizeRequest) -> Response:
         return await tokenization.detokenize(body)
 
+    _add_audio_routes(app, audio)
+
+
+def _add_audio_routes(app: FastAPI, audio: ServingTranscriptions) -> None:
+    """The multipart upload routes: transcriptions and translations."""
     upload_limits: dict[str, Any] = {
         "form_limits": {"max_files": 1, "max_fields": 40, "max_part_size": 64 << 10},
         "dependencies": [Depends(check_form_fields)],  # unknown form fields are a 400
