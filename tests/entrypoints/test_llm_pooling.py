@@ -209,7 +209,7 @@ def _record_steps(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
 
 def _steps_by_input(steps: list[list[str]], outputs: list[Any]) -> list[list[tuple[int, int]]]:
     """Recorded steps as (first input, inputs) per core request: a packed one is named
-    "<first input's id>+<inputs>" (`LLM._Feed`)."""
+    "<first input's id>+<inputs>" (`RequestFeed`)."""
     index = {o.request_id: i for i, o in enumerate(outputs)}
     by_input = []
     for step in steps:
