@@ -585,33 +585,11 @@ class TranscriptionPlanner:
         hallucination-like segment with silence (or hallucinations) on both sides ends the
         window there (it and what follows are dropped)."""
         threshold = self.options.hallucination_silence_threshold
-        times = attempt.token_times
         assert threshold is not None
-        if not times:
+        if not attempt.token_times:
             return spans, next_seek, None, False
         offset = seek / FRAMES_PER_SECOND
-        eos = self.tokens.eos
-        decode = self.builder.tokenizer.decode
-        probs = attempt.text_probs
-        seg_words: list[list[TranscriptionWord]] = []
-        cursor = 0
-        for _, _, text_ids in spans:
-            n = len(text_ids)
-            if n and cursor + n < len(times):
-                seg_words.append(
-                    timed_words(
-                        text_ids,
-                        times[cursor : cursor + n + 1],
-                        offset,
-                        decode,
-                        language,
-                        eos,
-                        probs[cursor : cursor + n] if probs else None,
-                    )
-                )
-            else:
-                seg_words.append([])
-            cursor += n
+        seg_words = self._span_words(spans, attempt, offset, language)
         # The end of the last word decoded so far (faster-whisper's last_speech_timestamp).
         last_speech = next(
             (w.last_word_end for w in reversed(windows) if w.last_word_end is not None), 0.0
@@ -657,6 +635,38 @@ class TranscriptionPlanner:
                     )
             last_end = words[-1].end
         return spans, next_seek, word_ends[-1] if word_ends else None, False
+
+    def _span_words(
+        self,
+        spans: list[tuple[float, float, list[int]]],
+        attempt: Attempt,
+        offset: float,
+        language: str,
+    ) -> list[list[TranscriptionWord]]:
+        """Each span's timed words (empty where the attempt's token times do not cover it)."""
+        times, probs = attempt.token_times, attempt.text_probs
+        assert times is not None
+        decode = self.builder.tokenizer.decode
+        seg_words: list[list[TranscriptionWord]] = []
+        cursor = 0
+        for _, _, text_ids in spans:
+            n = len(text_ids)
+            if n and cursor + n < len(times):
+                seg_words.append(
+                    timed_words(
+                        text_ids,
+                        times[cursor : cursor + n + 1],
+                        offset,
+                        decode,
+                        language,
+                        self.tokens.eos,
+                        probs[cursor : cursor + n] if probs else None,
+                    )
+                )
+            else:
+                seg_words.append([])
+            cursor += n
+        return seg_words
 
     # ---- engine requests ----
     def _decoder_prompt(
