@@ -123,6 +123,12 @@ class EngineConfig:
         return self._encoder_inputs_budget(BACKLOG_ENCODER_INPUTS_FACTOR if on_gpu else 1)
 
     @property
+    def encoder_budget_inputs(self) -> int:
+        """Full-length encoder inputs (Whisper's 30 s windows) `encoder_budget` holds (at least
+        one)."""
+        return max(1, self.encoder_budget // self.model_config.max_encoder_len)
+
+    @property
     def encoder_step_budget(self) -> int:
         """Encoder positions a step runs while few inputs wait. Offline batches (and a user's
         max_num_encoder_input_tokens) always take the whole `encoder_budget`; the server takes

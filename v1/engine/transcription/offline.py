@@ -113,9 +113,7 @@ class Transcriber:
             max_active_files = 2 * max_num_seqs * num_cores
         self.max_active_files = max(1, max_active_files)
         self.files_per_step = num_cores * (
-            max(1, config.encoder_budget // config.model_config.max_encoder_len)
-            if config is not None
-            else 16
+            config.encoder_budget_inputs if config is not None else 16
         )
         """Files started between two engine steps: one step's encoder budget of windows per
         engine core (data parallelism: each core steps on its own)."""

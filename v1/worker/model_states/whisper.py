@@ -89,7 +89,7 @@ class WhisperState(EncoderDecoderState):
         its row count picks (one load took 170 ms): without this, the first steps of each new
         size stalled (0.65 s in a timed 256-clip run)."""
         start = time.perf_counter()
-        max_windows = max(1, self.config.encoder_budget // self.model_config.max_encoder_len)
+        max_windows = self.config.encoder_budget_inputs
         length = self.model_config.max_encoder_len
         n = 1
         while n <= max_windows:
@@ -294,7 +294,9 @@ class WhisperState(EncoderDecoderState):
         """The decoder's max-size step, then the encoder on as many silent windows as one
         step's encoder budget holds (attention skipped, as in every profiling pass)."""
         super().dummy_run(num_tokens)
-        num_windows = max(1, self.config.encoder_budget // self.model_config.max_encoder_len)
-        silence = [torch.zeros(16_000, device=self.device) for _ in range(num_windows)]
+        silence = [
+            torch.zeros(16_000, device=self.device)
+            for _ in range(self.config.encoder_budget_inputs)
+        ]
         with set_forward_context(ForwardContext(profiling=True)):
             self.model.encode(silence)
