@@ -1,7 +1,8 @@
 """The Whisper large-v3 encoder's GEMMs and attention alone (CUDA): torch._scaled_mm on fp8
 operands with row-wise scales and a bias (what an fp8 Linear ran before session 11), row-wise
 without the bias, tensor-wise (what `Fp8Product` layers run) and the fp16 matmul, at 48,000 rows
-(one 32-clip encoder step); then the SDPA backends on one step's attention shape.
+(one 32-clip encoder step), the 16-bit Linear with and without its bias and GELU epilogues;
+then the SDPA backends on one step's attention shape.
 
     python3 benchmarks/encoder_micro.py
 """
@@ -40,7 +41,28 @@ def gemm_variants(m: int, n: int, k: int) -> dict[str, Callable[[], torch.Tensor
     }
 
 
+def fp16_variants(m: int, n: int, k: int) -> dict[str, Callable[[], torch.Tensor]]:
+    """The 16-bit forms of a Linear: its GEMM alone, with the bias epilogue (F.linear), with
+    cuBLASLt's bias + GELU epilogue (`linear_act`), and the GEMM then one GELU pass."""
+    half = torch.float16
+    x = torch.randn(m, k, device="cuda", dtype=half)
+    w = torch.randn(n, k, device="cuda", dtype=half) / k**0.5
+    bias = torch.randn(n, device="cuda", dtype=half)
+    return {
+        "mm": lambda: x @ w.t(),
+        "linear + bias": lambda: F.linear(x, w, bias),
+        "bias + GELU epilogue": lambda: torch._addmm_activation(bias, x, w.t(), use_gelu=True),
+        "linear + bias, then GELU": lambda: F.gelu(F.linear(x, w, bias), approximate="tanh"),
+    }
+
+
 def main() -> None:
+    for name, n, k in SHAPES[:4]:
+        cells = []
+        for label, fn in fp16_variants(ROWS, n, k).items():
+            us = median_us(fn)
+            cells.append(f"{label} {us:.0f} us ({2 * ROWS * n * k / us / 1e6:.0f} TFLOP/s)")
+        print(f"fp16 {name} M={ROWS} N={n} K={k}: " + "; ".join(cells), flush=True)
     for name, n, k in SHAPES:
         m = 8192 if name == "8192^3" else ROWS
         cells = []

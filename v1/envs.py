@@ -80,6 +80,12 @@ through cuDNN's ragged fused attention instead of flash varlen, on CUDA in 16 bi
 to flash varlen (logged) where cuDNN refuses. Off by default until measured on a GPU. With it,
 encoder-only steps run eagerly (no CUDA graphs: the op cannot be stream-captured)."""
 
+V1_FA4: str = os.environ.get("V1_FA4", "auto").strip().lower() or "auto"
+"""FlashAttention-4 (the optional `flash-attn-4` package) for equal-length encoder batches of
+8+ sequences (Whisper's windows), on CUDA in 16 bits, where it is installed: "auto" on Hopper
+(compute capability 9.x), "1" on any GPU the package supports, "0" never (cuDNN attention; see
+v1/attention/ops/fa4.py)."""
+
 V1_GELU_EPILOGUE: bool = _bool("V1_GELU_EPILOGUE", True)
 """On CUDA in 16 bits, run a Linear's GELU as its GEMM's epilogue (tanh form; see
 v1/models/layers/activation.py); 0 keeps the separate exact activation."""

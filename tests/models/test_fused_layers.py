@@ -9,6 +9,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -141,13 +142,37 @@ def test_power_of_two_parts() -> None:
     assert all(sum(power_of_two_parts(n)) == n for n in range(1, 300))
 
 
+def _uniform_common(b: int, length: int, device: str) -> Any:
+    from v1.attention.backend import CommonAttentionMetadata
+
+    qsl = torch.arange(0, (b + 1) * length, length, dtype=torch.int32)
+    return CommonAttentionMetadata(
+        query_start_loc=qsl.to(device),
+        query_start_loc_cpu=qsl,
+        seq_lens=torch.full((b,), length, dtype=torch.int32, device=device),
+        seq_lens_cpu=torch.full((b,), length, dtype=torch.int32),
+        num_reqs=b,
+        num_actual_tokens=b * length,
+        max_query_len=length,
+        max_seq_len=length,
+        causal=False,
+    )
+
+
+def _fa4_reference(q, k, v, softmax_scale):  # flash_attn_func's layout: [B, L, H, D]
+    out = F.scaled_dot_product_attention(
+        *(t.transpose(1, 2).float() for t in (q, k, v)), scale=softmax_scale
+    )
+    return out.transpose(1, 2).to(q.dtype), None
+
+
 @requires_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("b", [4, 7])
 def test_equal_length_encoder_batch_takes_cudnn_attention(monkeypatch, b: int) -> None:
     """Equal-length windows go to cuDNN's dense attention in power-of-two parts (7: 4, 2, 1),
     matching the reference."""
-    from v1.attention.backend import AttentionType, CommonAttentionMetadata
+    from v1.attention.backend import AttentionType
     from v1.attention.backends import triton as triton_backend
 
     def no_varlen(*args, **kwargs):
@@ -163,20 +188,8 @@ def test_equal_length_encoder_batch_takes_cudnn_attention(monkeypatch, b: int) -
 
     monkeypatch.setattr(triton_backend, "_cudnn_dense", counted)
     length, heads, dim = 1500, 20, 64
-    qsl = torch.arange(0, (b + 1) * length, length, dtype=torch.int32)
-    common = CommonAttentionMetadata(
-        query_start_loc=qsl.cuda(),
-        query_start_loc_cpu=qsl,
-        seq_lens=torch.full((b,), length, dtype=torch.int32, device="cuda"),
-        seq_lens_cpu=torch.full((b,), length, dtype=torch.int32),
-        num_reqs=b,
-        num_actual_tokens=b * length,
-        max_query_len=length,
-        max_seq_len=length,
-        causal=False,
-    )
     builder = triton_backend.TritonMetadataBuilder(AttentionType.ENCODER, torch.device("cuda"), 16)
-    metadata = builder.build(common)
+    metadata = builder.build(_uniform_common(b, length, "cuda"))
     assert metadata.uniform_query_len == length
     impl = triton_backend.TritonImpl(heads, dim, dim**-0.5, heads, AttentionType.ENCODER)
     qkv = torch.randn(b * length, 3, heads, dim, device="cuda", dtype=torch.float16)
@@ -186,6 +199,79 @@ def test_equal_length_encoder_batch_takes_cudnn_attention(monkeypatch, b: int) -
     ref = F.scaled_dot_product_attention(*dense).transpose(1, 2).reshape(b * length, heads, dim)
     torch.testing.assert_close(out.float(), ref, rtol=5e-3, atol=5e-3)
     assert sizes == [4] if b == 4 else [4, 2, 1]
+
+
+def test_fa4_takes_batches_of_eight_or_more_as_dense_views(monkeypatch) -> None:
+    """With FlashAttention-4 loaded, an equal-length batch of 8+ sequences goes to it whole, as
+    [B, L, H, D] views of the packed (strided) rows with the layer's scale; fewer, or 32-bit,
+    stay with the caller (None: cuDNN's turn); a failing call hands back to cuDNN for the rest
+    of the process. (The Triton backend's use of it: the GPU test below.)"""
+    from v1.attention.ops import fa4
+
+    calls = []
+
+    def fake(q, k, v, softmax_scale):
+        calls.append((tuple(q.shape), q.stride(), softmax_scale))
+        return _fa4_reference(q, k, v, softmax_scale)
+
+    monkeypatch.setattr(fa4, "_DENSE", [fake])
+    length, heads, dim = 6, 2, 8
+    qkv = torch.randn(8 * length, 3 * heads * dim, dtype=torch.float16)
+    q, k, v = (t.view(-1, heads, dim) for t in qkv.split(heads * dim, dim=1))
+    out = fa4.dense_attention(q, k, v, 8, length, 0.3)
+    row = 3 * heads * dim
+    assert calls == [((8, length, heads, dim), (length * row, row, dim, 1), 0.3)]
+    dense = [t.view(8, length, heads, dim) for t in (q, k, v)]
+    torch.testing.assert_close(out, _fa4_reference(*dense, 0.3)[0].flatten(0, 1))
+    assert fa4.dense_attention(q[:42], k[:42], v[:42], 7, length, 0.3) is None
+    assert fa4.dense_attention(q.float(), k.float(), v.float(), 8, length, 0.3) is None
+    assert len(calls) == 1
+
+    def broken(q, k, v, softmax_scale):
+        raise RuntimeError("no kernel for this shape")
+
+    monkeypatch.setattr(fa4, "_DENSE", [broken])
+    assert fa4.dense_attention(q, k, v, 8, length, 0.3) is None
+    assert fa4._DENSE == [None]  # never tried again in this process
+
+
+def test_fa4_is_wanted_on_hopper_by_default() -> None:
+    from v1.attention.ops.fa4 import wanted
+
+    assert wanted("auto", (9, 0)) and not wanted("auto", (8, 0)) and not wanted("auto", (10, 0))
+    assert wanted("1", (8, 0)) and wanted("1", (10, 0)) and not wanted("1", (7, 5))
+    assert not wanted("0", (9, 0))
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("b", [8, 11])
+def test_equal_length_encoder_batch_takes_fa4_on_hopper(monkeypatch, b: int) -> None:
+    """Where FlashAttention-4 is installed (on a Hopper GPU), 8 and 11 Whisper-sized windows
+    (1500 positions, 20 heads of 64) go to it, not to cuDNN, and match the fp32 reference."""
+    pytest.importorskip("flash_attn.cute", reason="needs the flash-attn-4 package")
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("FA4 is used by default on Hopper only")
+    from v1.attention.backend import AttentionType
+    from v1.attention.backends import triton as triton_backend
+    from v1.attention.ops import fa4
+
+    def no_cudnn(*args, **kwargs):
+        raise AssertionError("a batch of 8+ windows went to cuDNN")
+
+    monkeypatch.setattr(triton_backend, "_cudnn_dense", no_cudnn)
+    monkeypatch.setattr(fa4, "_DENSE", [])
+    length, heads, dim = 1500, 20, 64
+    builder = triton_backend.TritonMetadataBuilder(AttentionType.ENCODER, torch.device("cuda"), 16)
+    metadata = builder.build(_uniform_common(b, length, "cuda"))
+    impl = triton_backend.TritonImpl(heads, dim, dim**-0.5, heads, AttentionType.ENCODER)
+    qkv = torch.randn(b * length, 3 * heads * dim, device="cuda", dtype=torch.float16)
+    q, k, v = (t.view(-1, heads, dim) for t in qkv.split(heads * dim, dim=1))
+    out = impl.forward(q, k, v, torch.empty(0), metadata)
+    assert fa4._DENSE and fa4._DENSE[0] is not None
+    dense = [t.view(b, length, heads, dim).transpose(1, 2).float() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*dense).transpose(1, 2).reshape(b * length, heads, dim)
+    torch.testing.assert_close(out.float(), ref, rtol=5e-3, atol=5e-3)
 
 
 @requires_cuda

@@ -24,6 +24,7 @@ from v1.attention.backend import (
     RelativePositionBias,
     power_of_two_parts,
 )
+from v1.attention.ops import fa4
 from v1.attention.ops import triton_attention as ops
 from v1.logger import init_logger
 
@@ -195,18 +196,23 @@ class TritonImpl(AttentionImpl):
         common: CommonAttentionMetadata,
         metadata: TritonMetadata,
     ) -> torch.Tensor | None:
-        """Equal-length bidirectional sequences as dense batches through cuDNN's fused
+        """Equal-length bidirectional sequences as dense batches: FlashAttention-4 where it is
+        installed and the batch holds 8+ sequences (`fa4.dense_attention`), else cuDNN's fused
         attention: on an H100, 32 Whisper windows (1500 positions, 20 heads of 64) took 956 us
-        against 1,353 us in flash varlen. The batch runs in power-of-two parts (25 windows: 16,
-        8, 1), so a process builds at most log2(max batch) + 1 cuDNN plans: each new batch size
-        costs a plan build of ~67 ms (H200), and encoder steps come in every size from 1 to
-        the step budget. None when cuDNN refuses (varlen runs instead)."""
+        against 1,353 us in flash varlen. cuDNN runs the batch in power-of-two parts (25
+        windows: 16, 8, 1), so a process builds at most log2(max batch) + 1 cuDNN plans: each
+        new batch size costs a plan build of ~67 ms (H200), and encoder steps come in every
+        size from 1 to the step budget. None when cuDNN refuses (varlen runs instead)."""
         length = metadata.uniform_query_len
         assert length is not None
         num_reqs = common.num_reqs
         num_tokens = num_reqs * length
         if num_tokens != common.num_actual_tokens:
             return None
+        rows = slice(0, num_tokens)
+        out = fa4.dense_attention(query[rows], key[rows], value[rows], num_reqs, length, self.scale)
+        if out is not None:
+            return self._pad_rows(out, query.shape[0])
         parts = []
         first = 0
         for size in power_of_two_parts(num_reqs):
@@ -217,8 +223,13 @@ class TritonImpl(AttentionImpl):
                 return None
             parts.append(out)
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
-        if query.shape[0] > num_tokens:  # padded batch: pad rows are zeros
-            out = torch.cat([out, out.new_zeros(query.shape[0] - num_tokens, *out.shape[1:])])
+        return self._pad_rows(out, query.shape[0])
+
+    @staticmethod
+    def _pad_rows(out: torch.Tensor, rows: int) -> torch.Tensor:
+        """A padded batch's output: its pad rows are zeros."""
+        if rows > out.shape[0]:
+            out = torch.cat([out, out.new_zeros(rows - out.shape[0], *out.shape[1:])])
         return out
 
     def _varlen_forward(
@@ -234,10 +245,7 @@ class TritonImpl(AttentionImpl):
         if not common.causal and envs.V1_CUDNN_VARLEN and _CUDNN_VARLEN_OK[0]:
             out = self._cudnn_varlen_forward(q, key[:num_tokens], value[:num_tokens], common)
             if out is not None:
-                if query.shape[0] > num_tokens:  # padded batch: pad rows are zeros
-                    pad = out.new_zeros(query.shape[0] - num_tokens, *out.shape[1:])
-                    out = torch.cat([out, pad])
-                return out
+                return self._pad_rows(out, query.shape[0])
         kwargs = {}
         if _FLASH_FORWARD is not None:
             # The aten op varlen_attn wraps, called directly: 20 us of host time per call
@@ -255,9 +263,7 @@ class TritonImpl(AttentionImpl):
                 False,
                 scale=self.scale,
             )[0]
-            if query.shape[0] > num_tokens:  # padded batch: pad rows are zeros
-                out = torch.cat([out, out.new_zeros(query.shape[0] - num_tokens, *out.shape[1:])])
-            return out
+            return self._pad_rows(out, query.shape[0])
         if _VARLEN_TAKES_SCALE:
             kwargs["scale"] = self.scale
         else:  # older torch: fold the scale into q (flash uses 1/sqrt(D))
@@ -272,9 +278,7 @@ class TritonImpl(AttentionImpl):
             common.max_query_len,
             **kwargs,
         )
-        if query.shape[0] > num_tokens:  # padded batch: pad rows are zeros
-            out = torch.cat([out, out.new_zeros(query.shape[0] - num_tokens, *out.shape[1:])])
-        return out
+        return self._pad_rows(out, query.shape[0])
 
     def _cudnn_varlen_forward(
         self,
