@@ -276,9 +276,11 @@ def test_equal_length_encoder_batch_takes_fa4_on_hopper(monkeypatch, b: int) -> 
 
 @requires_cuda
 @pytest.mark.gpu
-def test_whisper_encoder_with_fused_paths_matches_transformers() -> None:
+@pytest.mark.parametrize("windows", [4, 8])
+def test_whisper_encoder_with_fused_paths_matches_transformers(windows: int) -> None:
     """Four 30 s windows (6,000 rows: the fused add + LayerNorm, the GELU epilogue and cuDNN
-    attention all run) through our fp16 encoder and transformers' on the same weights."""
+    attention all run; at 8 windows FlashAttention-4 where installed on Hopper) through our
+    fp16 encoder and transformers' on the same weights."""
     from transformers import WhisperForConditionalGeneration as HFWhisper
 
     from v1.attention.selector import use_backend
@@ -292,16 +294,24 @@ def test_whisper_encoder_with_fused_paths_matches_transformers() -> None:
     with use_backend("triton"):
         ours = load_model_from_weights(cfg, hf.state_dict().items(), "cuda", torch.float16)
     rng = torch.Generator().manual_seed(1)
-    clips = [(torch.randn(480_000, generator=rng) * 0.1).numpy() for _ in range(4)]
+    clips = [(torch.randn(480_000, generator=rng) * 0.1).numpy() for _ in range(windows)]
     audio = _audio_to_device(clips, torch.device("cuda"))
-    context = uniform_encoder_context(ours, 4, 1500)
+    context = uniform_encoder_context(ours, windows, 1500)
     assert len(context.attn_metadata) == 4  # one entry per encoder layer
     with torch.inference_mode(), set_forward_context(context):
-        features = ours.mel(audio)  # [4, 80, 3000] float32
+        features = ours.mel(audio)  # [windows, 80, 3000] float32
         out = ours.model.encoder(features).float()
-        expected = hf.model.encoder(features.half()).last_hidden_state.reshape(6000, -1).float()
+        expected = (
+            hf.model.encoder(features.half()).last_hidden_state.reshape(windows * 1500, -1).float()
+        )
     err = (out - expected).norm() / expected.norm()
     assert err < 5e-3, err
+    if windows >= 8 and torch.cuda.get_device_capability()[0] == 9:
+        from v1 import envs
+        from v1.attention.ops import fa4
+
+        wanted = importlib.util.find_spec("flash_attn") is not None and envs.V1_FA4 != "0"
+        assert (fa4._DENSE[0] is not None) == wanted  # FA4 ran these windows where installed
 
 
 # --- Llama's elementwise layers: RMSNorm (+ residual add), SiluAndMul, RoPE -----------------
