@@ -22,6 +22,30 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 HALF = torch.float16
+SCALE = 0.125
+
+
+def aten_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, longest: int):
+    """aten's flash varlen forward (what the engine runs for packed bidirectional rows)."""
+    return torch.ops.aten._flash_attention_forward(
+        q, k, v, cu, cu, longest, longest, 0.0, False, False, scale=SCALE
+    )[0]
+
+
+def fa4_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, longest: int):
+    from flash_attn.cute import flash_attn_varlen_func
+
+    out = flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        cu_seqlens_q=cu,
+        cu_seqlens_k=cu,
+        max_seqlen_q=longest,
+        max_seqlen_k=longest,
+        softmax_scale=SCALE,
+    )
+    return out[0] if isinstance(out, tuple) else out
 
 
 def device_ms(fn: Callable[[], object], repeats: int = 7, inner: int = 5) -> tuple[float, float]:
@@ -48,7 +72,9 @@ def offsets(lengths: list[int]) -> torch.Tensor:
     return torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), device="cuda", dtype=torch.int32)
 
 
-def whisper(fa4: Callable[..., object], batches: list[int]) -> None:
+def whisper(batches: list[int]) -> None:
+    from flash_attn.cute import flash_attn_func
+
     heads, head, length = 20, 64, 1500
     print(f"Whisper encoder attention ({heads} heads x {head}, {length} positions), device ms")
     for batch in batches:
@@ -61,32 +87,12 @@ def whisper(fa4: Callable[..., object], batches: list[int]) -> None:
                 return x.unflatten(0, (batch, length)).transpose(1, 2)
 
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                out = F.scaled_dot_product_attention(dense(q), dense(k), dense(v), scale=0.125)
+                out = F.scaled_dot_product_attention(dense(q), dense(k), dense(v), scale=SCALE)
             return out.transpose(1, 2).reshape(batch * length, heads, head)
 
-        def aten(q=q, k=k, v=v, cu=cu) -> torch.Tensor:
-            return torch.ops.aten._flash_attention_forward(
-                q, k, v, cu, cu, length, length, 0.0, False, False, scale=0.125
-            )[0]
-
-        def fa4_varlen(q=q, k=k, v=v, cu=cu) -> torch.Tensor:
-            out = fa4(
-                q,
-                k,
-                v,
-                cu_seqlens_q=cu,
-                cu_seqlens_k=cu,
-                max_seqlen_q=length,
-                max_seqlen_k=length,
-                softmax_scale=0.125,
-            )
-            return out[0] if isinstance(out, tuple) else out
-
         def fa4_dense(q=q, k=k, v=v, batch=batch) -> torch.Tensor:
-            from flash_attn.cute import flash_attn_func
-
             views = [x.unflatten(0, (batch, length)) for x in (q, k, v)]
-            out = flash_attn_func(*views, softmax_scale=0.125)
+            out = flash_attn_func(*views, softmax_scale=SCALE)
             out = out[0] if isinstance(out, tuple) else out
             return out.flatten(0, 1)
 
@@ -94,8 +100,8 @@ def whisper(fa4: Callable[..., object], batches: list[int]) -> None:
         row = [f"  batch {batch:>2}:"]
         for name, fn in (
             ("cuDNN", cudnn),
-            ("aten flash", aten),
-            ("FA4 varlen", fa4_varlen),
+            ("aten flash", lambda q=q, k=k, v=v, cu=cu: aten_varlen(q, k, v, cu, length)),
+            ("FA4 varlen", lambda q=q, k=k, v=v, cu=cu: fa4_varlen(q, k, v, cu, length)),
             ("FA4 dense", fa4_dense),
         ):
             try:
@@ -114,7 +120,7 @@ def whisper(fa4: Callable[..., object], batches: list[int]) -> None:
         print("\n    ".join(row))
 
 
-def bert(fa4: Callable[..., object]) -> None:
+def bert() -> None:
     heads, head, step_tokens, step_inputs = 12, 64, 32768, 512
     lengths = np.random.default_rng(0).integers(16, 513, size=4096)
     orders = {
@@ -128,49 +134,15 @@ def bert(fa4: Callable[..., object]) -> None:
             if sum(steps[-1]) + n > step_tokens or len(steps[-1]) == step_inputs:
                 steps.append([])
             steps[-1].append(n)
-        calls = []
-        for step in steps:
-            q, k, v = packed_qkv(sum(step), heads, head)
-            cu, longest = offsets(step), max(step)
-            calls.append((q, k, v, cu, longest))
+        calls = [(*packed_qkv(sum(step), heads, head), offsets(step), max(step)) for step in steps]
 
-        def run_aten(calls=calls) -> None:
-            for q, k, v, cu, longest in calls:
-                torch.ops.aten._flash_attention_forward(
-                    q, k, v, cu, cu, longest, longest, 0.0, False, False, scale=0.125
-                )
+        def run(kernel: Callable[..., torch.Tensor], calls=calls) -> None:
+            for call in calls:
+                kernel(*call)
 
-        def run_fa4(calls=calls) -> None:
-            for q, k, v, cu, longest in calls:
-                fa4(
-                    q,
-                    k,
-                    v,
-                    cu_seqlens_q=cu,
-                    cu_seqlens_k=cu,
-                    max_seqlen_q=longest,
-                    max_seqlen_k=longest,
-                    softmax_scale=0.125,
-                )
-
-        q, k, v, cu, longest = calls[0]
-        ref = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu, cu, longest, longest, 0.0, False, False, scale=0.125
-        )[0]
-        out = fa4(
-            q,
-            k,
-            v,
-            cu_seqlens_q=cu,
-            cu_seqlens_k=cu,
-            max_seqlen_q=longest,
-            max_seqlen_k=longest,
-            softmax_scale=0.125,
-        )
-        out = out[0] if isinstance(out, tuple) else out
-        diff = (out.float() - ref.float()).abs().max().item()
-        aten_ms, aten_spread = device_ms(run_aten, inner=1)
-        fa4_ms, fa4_spread = device_ms(run_fa4, inner=1)
+        diff = (fa4_varlen(*calls[0]).float() - aten_varlen(*calls[0]).float()).abs().max().item()
+        aten_ms, aten_spread = device_ms(lambda: run(aten_varlen), inner=1)
+        fa4_ms, fa4_spread = device_ms(lambda: run(fa4_varlen), inner=1)
         print(
             f"  {name}: {len(steps)} steps; aten flash varlen {12 * aten_ms:.1f} "
             f"(+-{12 * aten_spread:.1f}); FA4 varlen {12 * fa4_ms:.1f} (+-{12 * fa4_spread:.1f});"
@@ -182,17 +154,7 @@ def bert(fa4: Callable[..., object]) -> None:
     out = torch.empty_like(q)
 
     def graphed_call() -> None:
-        res = fa4(
-            q,
-            k,
-            v,
-            cu_seqlens_q=cu,
-            cu_seqlens_k=cu,
-            max_seqlen_q=512,
-            max_seqlen_k=512,
-            softmax_scale=0.125,
-        )
-        out.copy_(res[0] if isinstance(res, tuple) else res)
+        out.copy_(fa4_varlen(q, k, v, cu, 512))
 
     try:
         graphed_call()
@@ -203,13 +165,9 @@ def bert(fa4: Callable[..., object]) -> None:
         q.normal_()
         graph.replay()
         torch.cuda.synchronize()
-        ref = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu, cu, 512, 512, 0.0, False, False, scale=0.125
-        )[0]
-        print(
-            f"  FA4 in a CUDA graph, replayed on new q: max|diff| "
-            f"{(out.float() - ref.float()).abs().max().item():.1e}"
-        )
+        ref = aten_varlen(q, k, v, cu, 512)
+        diff = (out.float() - ref.float()).abs().max().item()
+        print(f"  FA4 in a CUDA graph, replayed on new q: max|diff| {diff:.1e}")
     except Exception as e:  # noqa: BLE001
         print(f"  FA4 in a CUDA graph failed: {type(e).__name__}: {str(e)[:300]}")
 
@@ -217,14 +175,13 @@ def bert(fa4: Callable[..., object]) -> None:
 def main() -> None:
     started = time.perf_counter()
     import flash_attn.cute as cute_pkg
-    from flash_attn.cute import flash_attn_varlen_func
 
     print(
         f"flash_attn.cute {cute_pkg.__version__} imported in {time.perf_counter() - started:.1f} s"
         f"; {torch.cuda.get_device_name()}, torch {torch.__version__}"
     )
-    whisper(flash_attn_varlen_func, [1, 2, 8, 32])
-    bert(flash_attn_varlen_func)
+    whisper([1, 2, 8, 32])
+    bert()
 
 
 if __name__ == "__main__":
