@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
-import queue
 import threading
 from abc import abstractmethod
 from collections import OrderedDict
@@ -26,7 +25,7 @@ from blake3 import blake3
 from v1.config import EngineConfig
 from v1.core.client import EngineCoreClient, HeldAdds
 from v1.core.errors import EngineCoreStartError, EngineDeadError
-from v1.core.mp_client import _DEAD, LoopOutputQueue, MPClient, _Dead
+from v1.core.mp_client import _DEAD, BlockingOutputQueue, LoopOutputQueue, MPClient, _Dead
 from v1.core.process_handles import AttachedCore
 from v1.core.protocol import (
     EngineCoreOutputs,
@@ -422,15 +421,12 @@ class DPClient(EngineCoreClient):
         self._stop_cores()
 
 
-class SyncDPClient(DPClient):
+class SyncDPClient(BlockingOutputQueue, DPClient):
     """Blocking data-parallel client (LLM): the SyncMPClient interface."""
 
     def __init__(self, config: EngineConfig, **kwargs: Any) -> None:
-        self._outputs: queue.Queue[EngineCoreOutputs | _Dead] = queue.Queue()
+        self._init_blocking_queue()
         super().__init__(config, **kwargs)
-
-    def _deliver(self, item: EngineCoreOutputs | _Dead) -> None:
-        self._outputs.put(item)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self._send_add(request)
@@ -444,17 +440,6 @@ class SyncDPClient(DPClient):
         if request_ids:
             self._held.flush()
             self._send_abort(list(request_ids))
-
-    def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
-        self._check_alive()
-        try:
-            item = self._outputs.get(timeout=timeout)
-        except queue.Empty:
-            raise TimeoutError(f"no EngineCore output within {timeout}s") from None
-        if isinstance(item, _Dead):
-            self._outputs.put(item)  # wake the next waiter too
-            raise EngineDeadError(self._dead_error)
-        return item
 
     def call_utility(self, method: str, *args: Any) -> Any:
         self._held.flush()

@@ -18,7 +18,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -416,17 +416,41 @@ class MPClient(EngineCoreClient):
         self._finalizer()
 
 
-class SyncMPClient(MPClient):
+class BlockingOutputQueue:
+    """Outputs handed from a client's reader threads to blocking `get_output` calls, from any
+    thread. The host class sets `_dead_error` (str or None) and has `_check_alive`."""
+
+    _dead_error: str | None
+    _check_alive: Callable[[], None]
+
+    def _init_blocking_queue(self) -> None:
+        self._outputs: queue.Queue[EngineCoreOutputs | _Dead] = queue.Queue()
+
+    def _deliver(self, item: EngineCoreOutputs | _Dead) -> None:
+        self._outputs.put(item)
+
+    def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
+        """The next EngineCoreOutputs; TimeoutError after `timeout` seconds if given;
+        EngineDeadError (for every waiter) once the death marker came."""
+        self._check_alive()
+        try:
+            item = self._outputs.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"no EngineCore output within {timeout}s") from None
+        if isinstance(item, _Dead):
+            self._outputs.put(item)  # wake the next waiter too
+            raise EngineDeadError(self._dead_error)
+        return item
+
+
+class SyncMPClient(BlockingOutputQueue, MPClient):
     """Blocking client: `add_request` / `abort_requests` / `get_output` / `call_utility`,
     safe to call from several threads."""
 
     def __init__(self, config: EngineConfig, **kwargs: Any) -> None:
-        self._outputs: queue.Queue[EngineCoreOutputs | _Dead] = queue.Queue()
+        self._init_blocking_queue()
         self._held = HeldAdds(list, self.send_adds)
         super().__init__(config, **kwargs)
-
-    def _deliver(self, item: EngineCoreOutputs | _Dead) -> None:
-        self._outputs.put(item)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         if self._held.requests is not None:
@@ -442,18 +466,6 @@ class SyncMPClient(MPClient):
         if request_ids:
             self._held.flush()
             self._send(EngineCoreRequestType.ABORT, list(request_ids))
-
-    def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
-        """The next EngineCoreOutputs; TimeoutError after `timeout` seconds if given."""
-        self._check_alive()
-        try:
-            item = self._outputs.get(timeout=timeout)
-        except queue.Empty:
-            raise TimeoutError(f"no EngineCore output within {timeout}s") from None
-        if isinstance(item, _Dead):
-            self._outputs.put(item)  # wake the next waiter too
-            raise EngineDeadError(self._dead_error)
-        return item
 
     def call_utility(self, method: str, *args: Any) -> Any:
         self._held.flush()
