@@ -29,7 +29,7 @@ from v1.engine.beam_search import (
 from v1.engine.core_client import build_frontend, make_frontend_and_client
 from v1.engine.input_processor import Params
 from v1.engine.inputs.encoder_only import UncheckedIdsError, pack_spans
-from v1.engine.output_processor import AnyRequestOutput, ParentRequest
+from v1.engine.output_processor import AnyRequestOutput
 from v1.logger import init_logger
 from v1.lora_request import LoRARequest
 from v1.outputs import PoolingRequestOutput, RequestOutput, RequestOutputKind
@@ -468,19 +468,13 @@ class AsyncLLM:
         group = request_group.get() or request_id
         for r in core_requests:
             r.group_id = group
-        prompt_text, encoder_text = self.input_processor.prompt_texts(prompt)
-        parent = None
-        if isinstance(params, SamplingParams) and params.n > 1:
-            parent = ParentRequest(request_id, params)
-        for index, request in enumerate(core_requests):
-            self.output_processor.add_request(
-                request,
-                prompt_text,
-                parent,
-                index,
-                output_kind=output_kind,
-                encoder_prompt=encoder_text,
-            )
+        self.output_processor.add_user_request(
+            request_id,
+            core_requests,
+            params,
+            self.input_processor.prompt_texts(prompt),
+            output_kind=output_kind,
+        )
         try:
             for request in core_requests:
                 request.streamed = streamed

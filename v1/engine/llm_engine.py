@@ -16,10 +16,9 @@ from v1.config import EngineConfig
 from v1.core.protocol import EngineCoreOutput, EngineCoreRequest
 from v1.engine.core_client import build_frontend, make_frontend_and_client
 from v1.engine.input_processor import Params
-from v1.engine.output_processor import AnyRequestOutput, ParentRequest
+from v1.engine.output_processor import AnyRequestOutput
 from v1.lora_request import LoRARequest
 from v1.outputs import RequestOutputKind
-from v1.sampling_params import SamplingParams
 
 
 class LLMEngine:
@@ -110,20 +109,15 @@ class LLMEngine:
             len(core_requests) > 1 and any(r.request_id in states for r in core_requests)
         ):
             raise ValueError(f"request id {request_id!r} is already in use")
-        prompt_text, encoder_text = self.input_processor.prompt_texts(prompt)
-        parent = None
-        if isinstance(params, SamplingParams) and params.n > 1:
-            parent = ParentRequest(request_id, params)
-        for index, request in enumerate(core_requests):
-            self.output_processor.add_request(
-                request,
-                prompt_text,
-                parent,
-                index,
-                output_kind=output_kind,
-                encoder_prompt=encoder_text,
-                lazy_logprobs=lazy_logprobs,
-            )
+        self.output_processor.add_user_request(
+            request_id,
+            core_requests,
+            params,
+            self.input_processor.prompt_texts(prompt),
+            output_kind=output_kind,
+            lazy_logprobs=lazy_logprobs,
+        )
+        for request in core_requests:
             request.streamed = output_kind != RequestOutputKind.FINAL_ONLY
             self.engine_core.add_request(request)
 

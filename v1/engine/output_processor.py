@@ -193,6 +193,32 @@ class OutputProcessor:
         self._decoded_tokens: dict[int, str] = {}
 
     # ---- bookkeeping ----
+    def add_user_request(
+        self,
+        request_id: str,
+        core_requests: list[EngineCoreRequest],
+        params: Any,
+        texts: tuple[str | None, str | None],
+        *,
+        output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
+        lazy_logprobs: bool = False,
+    ) -> None:
+        """Tracks one user request's core requests: its n > 1 samples under one
+        `ParentRequest`. `texts`: (prompt, encoder prompt) as the outputs report them."""
+        parent = None
+        if isinstance(params, SamplingParams) and params.n > 1:
+            parent = ParentRequest(request_id, params)
+        for index, request in enumerate(core_requests):
+            self.add_request(
+                request,
+                texts[0],
+                parent,
+                index,
+                output_kind=output_kind,
+                encoder_prompt=texts[1],
+                lazy_logprobs=lazy_logprobs,
+            )
+
     def add_request(
         self,
         request: EngineCoreRequest,
