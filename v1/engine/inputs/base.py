@@ -293,3 +293,15 @@ def describe(value: Any) -> str:
     if isinstance(value, dict):
         return f"a dict with keys {sorted(value)}"
     return type(value).__name__
+
+
+class GenerationInputBuilder(TokenInputBuilder):
+    """Token prompts of a generating model (decoder-only or text encoder-decoder): sampling
+    parameters, their unset fields filled from the model's generation config (`defaults`)."""
+
+    def __init__(self, model_config: ModelConfig, tokenizer: Any, info: ModelInfo | None = None):
+        super().__init__(model_config, tokenizer, info)
+        self.defaults = self.info.generation_defaults(tokenizer.eos_token_id)
+
+    def check_params(self, params: Any) -> None:
+        self.check_sampling_params(params)

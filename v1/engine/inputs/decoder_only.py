@@ -9,23 +9,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from v1.core.protocol import EngineCoreRequest, now
-from v1.engine.inputs.base import TokenInputBuilder
+from v1.engine.inputs.base import GenerationInputBuilder
 
 if TYPE_CHECKING:
-    from v1.config import ModelConfig
-    from v1.model_info import ModelInfo
     from v1.sampling_params import SamplingParams
 
 
-class DecoderOnlyInputBuilder(TokenInputBuilder):
+class DecoderOnlyInputBuilder(GenerationInputBuilder):
     prompt_is_decoder_prompt = True
-
-    def __init__(self, model_config: ModelConfig, tokenizer: Any, info: ModelInfo | None = None):
-        super().__init__(model_config, tokenizer, info)
-        self.defaults = self.info.generation_defaults(tokenizer.eos_token_id)
-
-    def check_params(self, params: Any) -> None:
-        self.check_sampling_params(params)
 
     def build(
         self,

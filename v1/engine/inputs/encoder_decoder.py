@@ -10,22 +10,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from v1.core.protocol import EngineCoreRequest, now
-from v1.engine.inputs.base import TokenInputBuilder, check_keys, make_encoder_input, text_of
+from v1.engine.inputs.base import GenerationInputBuilder, check_keys, make_encoder_input, text_of
 
 if TYPE_CHECKING:
-    from v1.config import ModelConfig
-    from v1.model_info import ModelInfo
     from v1.sampling_params import SamplingParams
 
 
-class EncoderDecoderInputBuilder(TokenInputBuilder):
-    def __init__(self, model_config: ModelConfig, tokenizer: Any, info: ModelInfo | None = None):
-        super().__init__(model_config, tokenizer, info)
-        self.defaults = self.info.generation_defaults(tokenizer.eos_token_id)
-
-    def check_params(self, params: Any) -> None:
-        self.check_sampling_params(params)
-
+class EncoderDecoderInputBuilder(GenerationInputBuilder):
     def build(
         self,
         request_id: str,
