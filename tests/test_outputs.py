@@ -39,3 +39,20 @@ def test_embedding_request_output_from_base() -> None:
     out = EmbeddingRequestOutput.from_base(base)
     assert out.request_id == "r" and out.prompt_token_ids == [1, 2] and out.finished
     assert out.outputs.embedding == [1.0] * 4
+
+
+def test_pooling_request_outputs_keep_every_field_when_converted() -> None:
+    """The typed outputs of embed / classify / score keep the error and the queue time (the
+    queue time was dropped by the conversion before)."""
+    from v1.outputs import ClassificationRequestOutput, ScoringRequestOutput
+
+    for cls, data in (
+        (EmbeddingRequestOutput, np.ones(2, np.float32)),
+        (ClassificationRequestOutput, np.array([0.25, 0.75], np.float32)),
+        (ScoringRequestOutput, np.array([0.5], np.float32)),
+    ):
+        base = PoolingRequestOutput("r", PoolingOutput(data), [7], True, "bad input", 0.25)
+        out = cls.from_base(base)
+        assert type(out) is cls and type(out.outputs) is cls.output_type
+        assert (out.request_id, out.prompt_token_ids, out.finished) == ("r", [7], True)
+        assert (out.error, out.queue_time, out.finish_reason) == ("bad input", 0.25, "error")

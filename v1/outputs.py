@@ -6,9 +6,10 @@ Names and fields follow vLLM. A request the engine could not serve ends with
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import numpy as np
 
@@ -184,44 +185,30 @@ class PoolingRequestOutput(Generic[T]):
     def finish_reason(self) -> str:
         return "error" if self.error is not None else "stop"
 
+    output_type: ClassVar[Any] = None
+    """What a subclass's `outputs` are (a class with `from_base(PoolingOutput)`)."""
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput[Any]) -> Any:
+        """`output` as this subclass: every field kept, `outputs` converted to `output_type`."""
+        fields = {f.name: getattr(output, f.name) for f in dataclasses.fields(output)}
+        fields["outputs"] = cls.output_type.from_base(output.outputs)
+        return cls(**fields)
+
 
 @dataclass
 class EmbeddingRequestOutput(PoolingRequestOutput[EmbeddingOutput]):
-    @staticmethod
-    def from_base(output: PoolingRequestOutput[Any]) -> EmbeddingRequestOutput:
-        return EmbeddingRequestOutput(
-            output.request_id,
-            EmbeddingOutput.from_base(output.outputs),
-            output.prompt_token_ids,
-            output.finished,
-            output.error,
-        )
+    output_type: ClassVar[Any] = EmbeddingOutput
 
 
 @dataclass
 class ClassificationRequestOutput(PoolingRequestOutput[ClassificationOutput]):
-    @staticmethod
-    def from_base(output: PoolingRequestOutput[Any]) -> ClassificationRequestOutput:
-        return ClassificationRequestOutput(
-            output.request_id,
-            ClassificationOutput.from_base(output.outputs),
-            output.prompt_token_ids,
-            output.finished,
-            output.error,
-        )
+    output_type: ClassVar[Any] = ClassificationOutput
 
 
 @dataclass
 class ScoringRequestOutput(PoolingRequestOutput[ScoringOutput]):
-    @staticmethod
-    def from_base(output: PoolingRequestOutput[Any]) -> ScoringRequestOutput:
-        return ScoringRequestOutput(
-            output.request_id,
-            ScoringOutput.from_base(output.outputs),
-            output.prompt_token_ids,
-            output.finished,
-            output.error,
-        )
+    output_type: ClassVar[Any] = ScoringOutput
 
 
 @dataclass
