@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 from v1.core.errors import EngineDeadError
 from v1.entrypoints.openai.completions.job import _Ends, _engine_failed, _Job, _Usage
@@ -30,125 +31,81 @@ class CompletionStreams:
         self.metrics = responses.metrics
         self.logprobs = responses.logprobs
 
-    async def completion(
+    def completion(
         self, job: _Job, streams: list[AsyncIterator[RequestOutput]], timer: RequestTimer
     ) -> AsyncIterator[str]:
-        usage = _Usage()
+        tally = _Tally(_Ends(self.metrics, job.endpoint, len(job.prompts) * job.n), timer)
+        chunks = self._completion_chunks(job, tally.outputs(streams))
+        return _framed(job, chunks, CompletionStreamResponse, tally)
+
+    def chat(
+        self, job: _Job, streams: list[AsyncIterator[RequestOutput]], timer: RequestTimer
+    ) -> AsyncIterator[str]:
+        tally = _Tally(_Ends(self.metrics, job.endpoint, job.n), timer)
+        chunks = self._chat_stream(job, tally.outputs(streams))
+        return _framed(job, chunks, ChatCompletionStreamResponse, tally)
+
+    async def _completion_chunks(
+        self, job: _Job, outputs: AsyncIterator[tuple[int, RequestOutput]]
+    ) -> AsyncIterator[str]:
         offsets: dict[int, int] = {}
         echoed: set[int] = set()
         prompt_sent: set[int] = set()
-        ends = _Ends(self.metrics, job.endpoint, len(job.prompts) * job.n)
-        try:
-            async for i, out in merge_streams(streams):
-                if out.error is not None:
-                    ends.error()
-                    yield sse_error(_engine_failed(out.error))
-                    return
-                ends.add(out.outputs)
-                usage.add_prompt(i, out)
-                num_new = sum(len(c.token_ids) for c in out.outputs)
-                usage.completion_tokens += num_new
-                timer.tokens(num_new)
-                choices = []
-                for c in out.outputs:
-                    index = i * job.n + c.index
-                    text = c.text
-                    prompt_lp = None
-                    if job.echo and index not in echoed:
-                        echoed.add(index)
-                        text = (job.prompts[i].text or "") + text
-                        prompt_lp = self.responses.echo_logprobs(job, out, offsets, index)
-                    if not text and c.finish_reason is None:
-                        continue
-                    logprobs = None
-                    if c.logprobs is not None:
-                        logprobs = self.logprobs.completion(c, offsets, index)
-                    if prompt_lp is not None:
-                        logprobs = join(prompt_lp, logprobs)
-                    prompt_entries = None
-                    if index not in prompt_sent and out.prompt_logprobs is not None:
-                        prompt_sent.add(index)  # with the choice's first chunk
-                        prompt_entries = self.responses.prompt_entries(job, out)
-                    choices.append(
-                        CompletionChoice(
-                            index=index,
-                            text=text,
-                            logprobs=logprobs,
-                            finish_reason=c.finish_reason,
-                            stop_reason=c.stop_reason,
-                            prompt_logprobs=prompt_entries,
-                        )
-                    )
-                if choices:
-                    yield sse_model(
-                        CompletionStreamResponse(
-                            id=job.request_id, model=job.model, choices=choices
-                        )
-                    )
-            if job.include_usage:
-                yield sse_model(
-                    CompletionStreamResponse(
-                        id=job.request_id, model=job.model, choices=[], usage=usage.info()
+        async for i, out in outputs:
+            choices = []
+            for c in out.outputs:
+                index = i * job.n + c.index
+                text = c.text
+                prompt_lp = None
+                if job.echo and index not in echoed:
+                    echoed.add(index)
+                    text = (job.prompts[i].text or "") + text
+                    prompt_lp = self.responses.echo_logprobs(job, out, offsets, index)
+                if not text and c.finish_reason is None:
+                    continue
+                logprobs = None
+                if c.logprobs is not None:
+                    logprobs = self.logprobs.completion(c, offsets, index)
+                if prompt_lp is not None:
+                    logprobs = join(prompt_lp, logprobs)
+                prompt_entries = None
+                if index not in prompt_sent and out.prompt_logprobs is not None:
+                    prompt_sent.add(index)  # with the choice's first chunk
+                    prompt_entries = self.responses.prompt_entries(job, out)
+                choices.append(
+                    CompletionChoice(
+                        index=index,
+                        text=text,
+                        logprobs=logprobs,
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                        prompt_logprobs=prompt_entries,
                     )
                 )
-            yield SSE_DONE
-        except EngineDeadError as e:
-            ends.error()
-            yield sse_error(engine_dead_error(e))
-        except ValueError as e:
-            ends.error()
-            yield sse_error(bad_request(str(e)))
-        finally:
-            ends.abort_rest()
-            timer.finish(sum(usage.prompt_tokens.values()))
+            if choices:
+                yield sse_model(
+                    CompletionStreamResponse(id=job.request_id, model=job.model, choices=choices)
+                )
 
-    async def chat(
-        self, job: _Job, streams: list[AsyncIterator[RequestOutput]], timer: RequestTimer
+    async def _chat_stream(
+        self, job: _Job, outputs: AsyncIterator[tuple[int, RequestOutput]]
     ) -> AsyncIterator[str]:
-        usage = _Usage()
         started: set[int] = set()
         prompt_sent = False
-        ends = _Ends(self.metrics, job.endpoint, job.n)
-        try:
-            async for _, out in merge_streams(streams):
-                if out.error is not None:
-                    ends.error()
-                    yield sse_error(_engine_failed(out.error))
-                    return
-                ends.add(out.outputs)
-                usage.add_prompt(0, out)
-                num_new = sum(len(c.token_ids) for c in out.outputs)
-                usage.completion_tokens += num_new
-                timer.tokens(num_new)
-                for choice in self._chat_chunks(job, out.outputs, started):
-                    prompt_entries = None
-                    if not prompt_sent and out.prompt_logprobs is not None:
-                        prompt_sent = True  # with the first chunk
-                        prompt_entries = self.responses.prompt_entries(job, out)
-                    yield sse_model(
-                        ChatCompletionStreamResponse(
-                            id=job.request_id,
-                            model=job.model,
-                            choices=[choice],
-                            prompt_logprobs=prompt_entries,
-                        )
-                    )
-            if job.include_usage:
+        async for _, out in outputs:
+            for choice in self._chat_chunks(job, out.outputs, started):
+                prompt_entries = None
+                if not prompt_sent and out.prompt_logprobs is not None:
+                    prompt_sent = True  # with the first chunk
+                    prompt_entries = self.responses.prompt_entries(job, out)
                 yield sse_model(
                     ChatCompletionStreamResponse(
-                        id=job.request_id, model=job.model, choices=[], usage=usage.info()
+                        id=job.request_id,
+                        model=job.model,
+                        choices=[choice],
+                        prompt_logprobs=prompt_entries,
                     )
                 )
-            yield SSE_DONE
-        except EngineDeadError as e:
-            ends.error()
-            yield sse_error(engine_dead_error(e))
-        except ValueError as e:
-            ends.error()
-            yield sse_error(bad_request(str(e)))
-        finally:
-            ends.abort_rest()
-            timer.finish(sum(usage.prompt_tokens.values()))
 
     def _chat_chunks(
         self, job: _Job, outputs: list[CompletionOutput], started: set[int]
@@ -174,3 +131,61 @@ class CompletionStreams:
                     )
                 )
         return chunks
+
+
+class _StreamFailed(Exception):
+    """An output carried the engine's error for its request: the stream ends with it."""
+
+
+class _Tally:
+    """What a stream counts as its outputs pass: the finish and error metrics (`ends`), the
+    token usage and the request's timer."""
+
+    def __init__(self, ends: _Ends, timer: RequestTimer) -> None:
+        self.ends = ends
+        self.timer = timer
+        self.usage = _Usage()
+
+    async def outputs(
+        self, streams: list[AsyncIterator[RequestOutput]]
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) as they come, counted; _StreamFailed at an engine error."""
+        async for i, out in merge_streams(streams):
+            if out.error is not None:
+                raise _StreamFailed(out.error)
+            self.ends.add(out.outputs)
+            self.usage.add_prompt(i, out)
+            num_new = sum(len(c.token_ids) for c in out.outputs)
+            self.usage.completion_tokens += num_new
+            self.timer.tokens(num_new)
+            yield i, out
+
+
+async def _framed(
+    job: _Job,
+    chunks: AsyncIterator[str],
+    response: type[CompletionStreamResponse] | type[ChatCompletionStreamResponse],
+    tally: _Tally,
+) -> AsyncIterator[str]:
+    """An SSE answer: the endpoint's chunks, the usage chunk if asked for, then [DONE]; an
+    engine failure or an input error ends it with an error event instead."""
+    try:
+        async with aclosing(chunks):
+            async for chunk in chunks:
+                yield chunk
+        if job.include_usage:
+            usage = tally.usage.info()
+            yield sse_model(response(id=job.request_id, model=job.model, choices=[], usage=usage))
+        yield SSE_DONE
+    except _StreamFailed as e:
+        tally.ends.error()
+        yield sse_error(_engine_failed(e.args[0]))
+    except EngineDeadError as e:
+        tally.ends.error()
+        yield sse_error(engine_dead_error(e))
+    except ValueError as e:
+        tally.ends.error()
+        yield sse_error(bad_request(str(e)))
+    finally:
+        tally.ends.abort_rest()
+        tally.timer.finish(sum(tally.usage.prompt_tokens.values()))
