@@ -327,13 +327,9 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: PromptLogprobsOut | None = None
 
 
-class CompletionStreamResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=now_s)
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
+class CompletionStreamResponse(CompletionResponse):
+    """A streamed completion chunk: OpenAI's chunks are `text_completion` objects with the
+    same fields as the whole answer."""
 
 
 class ChatCompletionStreamResponse(BaseModel):
