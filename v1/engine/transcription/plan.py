@@ -22,6 +22,7 @@ from v1.core.protocol import EngineCoreRequest, now
 from v1.engine.beam_search import BeamSearchParams
 from v1.engine.inputs.whisper import WhisperInputBuilder, WhisperInputError
 from v1.engine.output_processor import ParentRequest
+from v1.engine.transcription.hallucination import Span, WindowPlace, skip_hallucinations
 from v1.engine.transcription.options import TranscriptionOptions
 from v1.engine.transcription.seek import (
     FRAMES_PER_SECOND,
@@ -41,7 +42,6 @@ from v1.engine.transcription.segments import (
     TranscriptionError,
     TranscriptionResult,
     TranscriptionSegment,
-    is_anomaly,
 )
 from v1.engine.transcription.words import TranscriptionWord, timed_words
 from v1.sampling_params import SamplingParams
@@ -408,8 +408,9 @@ class TranscriptionPlanner:
                 last_word_end = None
                 kept = segments
                 if self.options.hallucination_silence_threshold is not None:
+                    place = WindowPlace(seek, size, num_frames)
                     spans, next_seek, last_word_end, again = self._skip_hallucinations(
-                        spans, attempt, seek, size, next_seek, language, windows, num_frames
+                        spans, attempt, place, next_seek, language, windows
                     )
                     if again:
                         # A hallucination after a long silence: decoded again from after the
@@ -568,77 +569,38 @@ class TranscriptionPlanner:
 
     def _skip_hallucinations(
         self,
-        spans: list[tuple[float, float, list[int]]],
+        spans: list[Span],
         attempt: Attempt,
-        seek: int,
-        size: int,
+        place: WindowPlace,
         next_seek: int,
         language: str,
         windows: list[DecodedWindow],
-        num_frames: int,
-    ) -> tuple[list[tuple[float, float, list[int]]], int, float | None, bool]:
-        """hallucination_silence_threshold, as faster-whisper's `generate_segments` applies
-        it (openai-whisper's rule): (kept spans, next seek, end of the last kept word, whether
-        the window is decoded again). A window not ending on a single timestamp seeks to its
-        last word's end; one whose first worded segment looks hallucinated after a silence
-        longer than the threshold is decoded again from after that silence; a
-        hallucination-like segment with silence (or hallucinations) on both sides ends the
-        window there (it and what follows are dropped)."""
+    ) -> tuple[list[Span], int, float | None, bool]:
+        """hallucination_silence_threshold on one window (`skip_hallucinations`): (kept spans,
+        next seek, end of the last kept word, whether the window is decoded again)."""
         threshold = self.options.hallucination_silence_threshold
         assert threshold is not None
         if not attempt.token_times:
             return spans, next_seek, None, False
-        offset = seek / FRAMES_PER_SECOND
-        seg_words = self._span_words(spans, attempt, offset, language)
+        seg_words = self._span_words(spans, attempt, place.seek / FRAMES_PER_SECOND, language)
         # The end of the last word decoded so far (faster-whisper's last_speech_timestamp).
         last_speech = next(
             (w.last_word_end for w in reversed(windows) if w.last_word_end is not None), 0.0
         )
-        content = attempt.content
-        tb = self.tokens.timestamp_begin
-        single_ending = len(content) >= 2 and content[-2] < tb <= content[-1]
-        word_ends = [words[-1].end for words in seg_words if words]
-        if not single_ending and word_ends and word_ends[-1] > offset:
-            next_seek = round(word_ends[-1] * FRAMES_PER_SECOND)
-        window_end = (seek + WINDOW_FRAMES) / FRAMES_PER_SECOND
-        first = next((words for words in seg_words if words), None)
-        if first is not None and is_anomaly(first):
-            gap = first[0].start - offset
-            if gap > threshold:
-                return [], seek + round(gap * FRAMES_PER_SECOND), None, True
-        last_end = last_speech
-        for si, words in enumerate(seg_words):
-            if not words:
-                continue
-            if is_anomaly(words):
-                following = next((w for w in seg_words[si + 1 :] if w), None)
-                next_start = following[0].start if following else offset + size / FRAMES_PER_SECOND
-                start, end = words[0].start, words[-1].end
-                silence_before = (
-                    start - last_end > threshold or start < threshold or start - offset < 2.0
-                )
-                silence_after = (
-                    next_start - end > threshold
-                    or (following is not None and is_anomaly(following))
-                    or window_end - end < 2.0
-                )
-                if silence_before and silence_after:
-                    new_seek = round(max(offset + 1, start) * FRAMES_PER_SECOND)
-                    if num_frames / FRAMES_PER_SECOND - end < threshold:
-                        new_seek = num_frames
-                    kept_ends = [w[-1].end for w in seg_words[:si] if w]
-                    return (
-                        spans[:si],
-                        max(new_seek, seek + 1),
-                        kept_ends[-1] if kept_ends else None,
-                        False,
-                    )
-            last_end = words[-1].end
-        return spans, next_seek, word_ends[-1] if word_ends else None, False
+        content, tb = attempt.content, self.tokens.timestamp_begin
+        return skip_hallucinations(
+            spans,
+            seg_words,
+            place,
+            next_seek,
+            threshold=threshold,
+            last_speech=last_speech,
+            single_ending=len(content) >= 2 and content[-2] < tb <= content[-1],
+        )
 
     def _span_words(
         self,
-        spans: list[tuple[float, float, list[int]]],
+        spans: list[Span],
         attempt: Attempt,
         offset: float,
         language: str,

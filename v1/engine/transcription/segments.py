@@ -1,5 +1,5 @@
 """One file's decoded windows -> its timed segments and result (`SegmentAssembler`), with the
-segment and result types and openai-whisper's hallucination score of a segment's words."""
+segment and result types."""
 
 from __future__ import annotations
 
@@ -169,24 +169,6 @@ class SegmentAssembler:
             segments=segments,
             words=[w for s in segments for w in s.words or []] if self.clock else None,
         )
-
-
-def is_anomaly(words: list[TranscriptionWord]) -> bool:
-    """openai-whisper's hallucination score of a segment's first 8 words (very short, very
-    long or improbable words)."""
-    import string
-
-    scored = [w for w in words if w.word.strip() not in string.punctuation][:8]
-    score = 0.0
-    for w in scored:
-        if (w.probability if w.probability is not None else 1.0) < 0.15:
-            score += 1.0
-        duration = w.end - w.start
-        if duration < 0.133:
-            score += (0.133 - duration) * 15
-        if duration > 2.0:
-            score += duration - 2.0
-    return score >= 3 or score + 0.01 >= len(scored)
 
 
 def restore_times(seg: TranscriptionSegment, speech_map: SpeechMap) -> None:
