@@ -11,13 +11,11 @@ writes OpenAI's server events. A malformed event gets an `error` event; the sess
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import contextlib
 import hmac
 import json
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
@@ -31,7 +29,6 @@ from v1.engine.realtime import (
     Committed,
     RealtimeError,
     RealtimeSession,
-    ServerVad,
     SessionConfig,
     SessionEvent,
     SessionLimits,
@@ -47,6 +44,13 @@ from v1.entrypoints.openai.errors import (
     bounded,
     error_response,
     internal_error_message,
+)
+from v1.entrypoints.openai.realtime_session import (
+    audio_bytes,
+    beta_session,
+    ga_session,
+    model_field,
+    session_config,
 )
 from v1.entrypoints.openai.serving_engine import ServerSettings
 from v1.logger import init_logger
@@ -173,8 +177,8 @@ class _Connection:
     async def run(self) -> None:
         sender = asyncio.ensure_future(self._send_loop())
         try:
-            self._send("session.created", session=self._ga_session())
-            self._send("transcription_session.created", session=self._beta_session())
+            self._send("session.created", session=self._session_object(beta=False))
+            self._send("transcription_session.created", session=self._session_object(beta=True))
             await self._receive_loop()
         finally:
             await self.session.close()  # aborts every engine request of the session
@@ -234,7 +238,7 @@ class _Connection:
             if kind in ("session.update", "transcription_session.update"):
                 await self._update(event, beta=kind.startswith("transcription_session"))
             elif kind == "input_audio_buffer.append":
-                self.session.append(_audio_bytes(event))
+                self.session.append(audio_bytes(event))
             elif kind == "input_audio_buffer.commit":
                 self.session.commit()
             elif kind == "input_audio_buffer.clear":
@@ -255,8 +259,8 @@ class _Connection:
         if not isinstance(session, dict):
             raise RealtimeError("session must be an object", "invalid_value", "session")
         current = self.session.config
-        config = _beta_config(session, current) if beta else _ga_config(session, current)
-        model = _model_field(session, beta)
+        config = session_config(session, current, beta)
+        model = model_field(session, beta)
         if model is not None and model not in self.server.settings.served_model_names:
             raise RealtimeError(
                 f"the model {model!r} is not served here; this server serves "
@@ -268,9 +272,9 @@ class _Connection:
             await check_session_options(self.server.transcriber, config)
         self.session.update(config)
         if beta:
-            self._send("transcription_session.updated", session=self._beta_session())
+            self._send("transcription_session.updated", session=self._session_object(beta=True))
         else:
-            self._send("session.updated", session=self._ga_session())
+            self._send("session.updated", session=self._session_object(beta=False))
 
     # ---- server events ----
     def _on_session_event(self, event: SessionEvent) -> None:
@@ -356,240 +360,10 @@ class _Connection:
             except (WebSocketDisconnect, RuntimeError, OSError):
                 return  # the receive loop sees the disconnect and ends the session
 
-    def _ga_session(self) -> dict[str, Any]:
-        config = self.session.config
-        return {
-            "type": "transcription",
-            "id": self.session.session_id,
-            "object": "realtime.transcription_session",
-            "audio": {
-                "input": {
-                    "format": {"type": "audio/pcm", "rate": config.input_sample_rate},
-                    "transcription": self._transcription(config),
-                    "turn_detection": _turn_detection(config.turn_detection),
-                    "noise_reduction": None,
-                }
-            },
-            "include": [],
-        }
-
-    def _beta_session(self) -> dict[str, Any]:
-        config = self.session.config
-        return {
-            "id": self.session.session_id,
-            "object": "realtime.transcription_session",
-            "input_audio_format": "pcm16",
-            "input_audio_sample_rate": config.input_sample_rate,
-            "input_audio_transcription": self._transcription(config),
-            "turn_detection": _turn_detection(config.turn_detection),
-            "input_audio_noise_reduction": None,
-            "modalities": ["text"],
-            "include": [],
-        }
-
-    def _transcription(self, config: SessionConfig) -> dict[str, Any]:
-        return {
-            "model": self.server.settings.model_name,
-            "language": config.language,
-            "prompt": config.prompt or "",
-        }
-
-
-# ---- session objects in, SessionConfig out ----
-def _ga_config(session: dict[str, Any], current: SessionConfig) -> SessionConfig:
-    kind = session.get("type", "transcription")
-    if kind != "transcription":
-        raise RealtimeError(
-            f"session.type must be 'transcription' on this server, got {kind!r}",
-            "invalid_value",
-            "session.type",
-        )
-    _reject_unknown(session, {"type", "audio", "include", "id", "object"}, "session")
-    if session.get("include"):
-        raise RealtimeError("include is not supported (no logprobs)", "invalid_value", "include")
-    audio = _object(session.get("audio"), "session.audio")
-    audio_input = _object(audio.get("input"), "session.audio.input")
-    config = current
-    if "format" in audio_input:
-        config = replace(config, input_sample_rate=_format_rate(audio_input["format"], "format"))
-    if "transcription" in audio_input:
-        config = _with_transcription(config, audio_input["transcription"], "transcription")
-    if "turn_detection" in audio_input:
-        config = replace(config, turn_detection=_turn_detection_of(audio_input["turn_detection"]))
-    _no_noise_reduction(audio_input.get("noise_reduction"), "audio.input.noise_reduction")
-    return config
-
-
-def _beta_config(session: dict[str, Any], current: SessionConfig) -> SessionConfig:
-    known = {
-        "input_audio_format",
-        "input_audio_sample_rate",
-        "input_audio_transcription",
-        "turn_detection",
-        "input_audio_noise_reduction",
-        "modalities",
-        "include",
-        "client_secret",
-        "id",
-        "object",
-    }
-    _reject_unknown(session, known, "session")
-    if session.get("include"):
-        raise RealtimeError("include is not supported (no logprobs)", "invalid_value", "include")
-    config = current
-    if "input_audio_format" in session:
-        config = replace(
-            config,
-            input_sample_rate=_format_rate(session["input_audio_format"], "input_audio_format"),
-        )
-    rate = session.get("input_audio_sample_rate")
-    if rate is not None:
-        if isinstance(rate, bool) or not isinstance(rate, int):
-            raise RealtimeError(
-                f"input_audio_sample_rate must be an integer, got {rate!r}",
-                "invalid_value",
-                "input_audio_sample_rate",
-            )
-        config = replace(config, input_sample_rate=rate)
-    if "input_audio_transcription" in session:
-        config = _with_transcription(
-            config, session["input_audio_transcription"], "input_audio_transcription"
-        )
-    if "turn_detection" in session:
-        config = replace(config, turn_detection=_turn_detection_of(session["turn_detection"]))
-    _no_noise_reduction(session.get("input_audio_noise_reduction"), "input_audio_noise_reduction")
-    return config
-
-
-def _format_rate(value: Any, param: str) -> int:
-    """OpenAI's audio formats: 'pcm16' (beta; 24 kHz) or {type: 'audio/pcm', rate}."""
-    if value == "pcm16":
-        return 24_000
-    if isinstance(value, dict) and value.get("type", "audio/pcm") == "audio/pcm":
-        rate = value.get("rate", 24_000)
-        if isinstance(rate, bool) or not isinstance(rate, int):
-            raise RealtimeError(
-                f"{param}.rate must be an integer, got {rate!r}", "invalid_value", param
-            )
-        return rate
-    raise RealtimeError(
-        f"{param} must be 'pcm16' or {{'type': 'audio/pcm', 'rate': 16000 | 24000}} (PCM16 "
-        f"mono little-endian; G.711 is not supported), got {value!r}",
-        "invalid_value",
-        param,
-    )
-
-
-def _with_transcription(config: SessionConfig, value: Any, param: str) -> SessionConfig:
-    if value is None:
-        return replace(config, language=None, prompt=None)
-    value = _object(value, param)
-    _reject_unknown(value, {"model", "language", "prompt"}, param)
-    updates: dict[str, Any] = {}
-    for name in ("language", "prompt"):
-        if name in value:
-            item = value[name]
-            if item is not None and not isinstance(item, str):
-                raise RealtimeError(
-                    f"{param}.{name} must be a string, got {item!r}",
-                    "invalid_value",
-                    f"{param}.{name}",
-                )
-            updates[name] = item or None
-    return replace(config, **updates)
-
-
-def _model_field(session: dict[str, Any], beta: bool) -> str | None:
-    if beta:
-        transcription = session.get("input_audio_transcription")
-    else:
-        transcription = ((session.get("audio") or {}).get("input") or {}).get("transcription")
-    model = transcription.get("model") if isinstance(transcription, dict) else None
-    if model is not None and not isinstance(model, str):
-        raise RealtimeError(f"model must be a string, got {model!r}", "invalid_value", "model")
-    return model
-
-
-def _turn_detection_of(value: Any) -> ServerVad | None:
-    if value is None:
-        return None
-    value = _object(value, "turn_detection")
-    kind = value.get("type", "server_vad")
-    if kind != "server_vad":
-        raise RealtimeError(
-            f"turn_detection.type must be 'server_vad' (or turn_detection null for manual "
-            f"commits), got {kind!r}",
-            "invalid_value",
-            "turn_detection.type",
-        )
-    _reject_unknown(
-        value,
-        {"type", "threshold", "prefix_padding_ms", "silence_duration_ms", "create_response"},
-        "turn_detection",
-    )
-    fields: dict[str, Any] = {}
-    for name, kinds in (
-        ("threshold", (int, float)),
-        ("prefix_padding_ms", (int,)),
-        ("silence_duration_ms", (int,)),
-    ):
-        item = value.get(name)
-        if item is None:
-            continue
-        if isinstance(item, bool) or not isinstance(item, kinds):
-            raise RealtimeError(
-                f"turn_detection.{name} must be a number, got {item!r}",
-                "invalid_value",
-                f"turn_detection.{name}",
-            )
-        fields[name] = item
-    return ServerVad(**fields)
-
-
-def _turn_detection(vad: ServerVad | None) -> dict[str, Any] | None:
-    if vad is None:
-        return None
-    return {
-        "type": "server_vad",
-        "threshold": vad.threshold,
-        "prefix_padding_ms": vad.prefix_padding_ms,
-        "silence_duration_ms": vad.silence_duration_ms,
-    }
-
-
-def _no_noise_reduction(value: Any, param: str) -> None:
-    if value is not None:
-        raise RealtimeError("noise reduction is not supported; send null", "invalid_value", param)
-
-
-def _object(value: Any, param: str) -> dict[str, Any]:
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise RealtimeError(f"{param} must be an object, got {value!r}", "invalid_value", param)
-    return value
-
-
-def _reject_unknown(value: dict[str, Any], known: set[str], param: str) -> None:
-    unknown = sorted(set(value) - known)
-    if unknown:
-        raise RealtimeError(
-            f"{param} has unsupported fields {unknown}; known: {sorted(known)}",
-            "unknown_parameter",
-            f"{param}.{unknown[0]}",
-        )
-
-
-def _audio_bytes(event: dict[str, Any]) -> bytes:
-    audio = event.get("audio")
-    if not isinstance(audio, str):
-        raise RealtimeError(
-            "audio must be a base64 string of PCM16 audio", "invalid_value", "audio"
-        )
-    try:
-        return base64.b64decode(audio, validate=True)
-    except (binascii.Error, ValueError) as e:
-        raise RealtimeError(f"audio is not valid base64: {e}", "invalid_value", "audio") from e
+    def _session_object(self, beta: bool) -> dict[str, Any]:
+        """The session as OpenAI's server events carry it, in the session's dialect."""
+        write = beta_session if beta else ga_session
+        return write(self.session.session_id, self.session.config, self.server.settings.model_name)
 
 
 # ---- the handshake ----
