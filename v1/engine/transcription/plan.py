@@ -43,6 +43,7 @@ from v1.engine.transcription.segments import (
     TranscriptionResult,
     TranscriptionSegment,
 )
+from v1.engine.transcription.window_params import window_params
 from v1.engine.transcription.words import TranscriptionWord, timed_words
 from v1.sampling_params import SamplingParams
 
@@ -131,75 +132,13 @@ class TranscriptionPlanner:
         self.prompt_ids = builder.text_prompt_ids(options.prompt) if options.prompt else []
         if not isinstance(options.word_timestamps, bool):
             raise ValueError(f"word_timestamps must be a boolean, got {options.word_timestamps!r}")
-        self.params = self._window_params(options.sampling_params, stream_text)
-        if options.word_timestamps:
-            builder.check_alignment_heads()
-            self.params = self.params.clone(word_timestamps=True)
-        self.params = self._option_rules(self.params)
+        self.params = window_params(builder, options, stream_text)
         self.fallback = options.fallback(self.params)
         keep = builder.max_prompt_text_tokens
         self.prefix_ids = builder.text_prompt_ids(options.prefix)[:keep] if options.prefix else []
         self.hotword_ids = (
             builder.text_prompt_ids(options.hotwords)[:keep] if options.hotwords else []
         )
-
-    def _option_rules(self, params: SamplingParams) -> SamplingParams:
-        """faster-whisper's suppress_tokens, suppress_blank, max_initial_timestamp,
-        repetition_penalty and no_repeat_ngram_size as the window requests' sampling rules."""
-        options, tokens, builder = self.options, self.tokens, self.builder
-        changes: dict[str, Any] = {}
-        vocab = self.builder.model_config.vocab_size
-        if options.suppress_tokens != (-1,):
-            ids = set()
-            for t in options.suppress_tokens or ():
-                if t == -1:
-                    ids.update(builder.suppress_tokens)
-                elif t >= vocab:
-                    raise ValueError(f"suppress_tokens: {t} is outside the vocabulary ({vocab})")
-                else:
-                    ids.add(t)
-            # As faster-whisper: the task and special prompt tokens are never sampled.
-            ids.update(tokens.task_ids.values())
-            ids.update(t for t in (tokens.sot, tokens.prev, tokens.no_speech) if t < vocab)
-            changes["suppress_tokens"] = sorted(ids)
-        begin: list[int] | None = None
-        if not options.suppress_blank:
-            begin = []
-        index = round(options.max_initial_timestamp / 0.02)
-        limit = tokens.max_initial_timestamp_index
-        if limit is not None and index > limit:
-            raise ValueError(
-                f"max_initial_timestamp must be at most the model's {limit * 0.02:.2f} s, "
-                f"got {options.max_initial_timestamp}"
-            )
-        if limit is None or index < limit:
-            if begin is None:
-                begin = list(builder.begin_suppress_tokens)
-            begin += range(tokens.timestamp_begin + index + 1, vocab)
-        if begin is not None:
-            changes["begin_suppress_tokens"] = begin
-        if options.repetition_penalty != 1.0:
-            changes["repetition_penalty"] = float(options.repetition_penalty)
-        if options.no_repeat_ngram_size:
-            changes["no_repeat_ngram_size"] = options.no_repeat_ngram_size
-        return params.clone(**changes) if changes else params
-
-    def _window_params(self, params: SamplingParams | None, stream_text: bool) -> SamplingParams:
-        if params is None:
-            params = SamplingParams(temperature=0.0, max_tokens=None)
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
-        if params.n != 1:
-            raise ValueError(
-                f"transcription samples one sequence per window (n=1), got n={params.n}"
-            )
-        params.validate_for_model(self.builder.model_config.vocab_size)
-        if params.structured_outputs is not None:
-            params.structured_outputs.validate()
-        logprobs = 0 if params.logprobs is None else params.logprobs
-        # Windows are read as token ids (text comes from the assembled segments), so the
-        # engine's detokenizer runs only where stop strings or a text stream need the text.
-        return params.clone(logprobs=logprobs, detokenize=stream_text or bool(params.stop))
 
     def continued(self, language: str, request_prefix: str) -> TranscriptionPlanner:
         """This planner for audio that follows audio it transcribed (the server's next chunk):
