@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -67,7 +68,10 @@ def test_tiny_run_of_every_workload(
     assert "GenerationMixin.generate" in whisper_notes and "model.generate" in whisper_notes
     assert "features" in whisper_notes
     step = next(r for name, r in rows.items() if name.startswith("whisper-turbo decode step"))
-    assert step["unit"] == "ms/step" and step["ours"]["median"] > 0 and step["floor"] > 0
+    # A difference of two timings (6 tokens - 1 token): for the tiny CPU model it is inside
+    # the machine's noise and may come out negative; the smoke run checks it is measured.
+    assert step["unit"] == "ms/step" and math.isfinite(step["ours"]["median"])
+    assert len(step["ours"]["seconds"]) == 2 and step["floor"] > 0
     overhead = [r for name, r in rows.items() if name.startswith("host overhead")]
     assert len(overhead) == 2
 

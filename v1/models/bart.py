@@ -120,6 +120,12 @@ def _clamp_fp16(hidden_states: torch.Tensor) -> torch.Tensor:
     return hidden_states if limit is None else hidden_states.clamp(-limit, limit)
 
 
+BART_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
+"""The PEFT target names of BART-layout layers (BART, mBART, Marian, Whisper)."""
+BART_LORA_ENCODER_MODULES = r"^model\.encoder\.|\.encoder_attn\.kv_proj$"
+"""Their Linears fed encoder rows: the encoder and the cross-attention K/V projections."""
+
+
 class LearnedPositions(VocabEmbedding):
     """BART/mBART learned positions: position i reads row i + 2 (fairseq's padding offset)."""
 
@@ -394,16 +400,9 @@ class BartForConditionalGeneration(nn.Module):
         r"^model\.(encoder|decoder)\.version$",  # fairseq leftovers in old checkpoints
         r"^model\.shared\.weight$",  # present in untied checkpoints too; read in load_weights
     )
-    lora_target_modules: ClassVar[tuple[str, ...]] = (
-        "q_proj",
-        "k_proj",
-        "v_proj",
-        "out_proj",
-        "fc1",
-        "fc2",
-    )
+    lora_target_modules: ClassVar[tuple[str, ...]] = BART_LORA_TARGETS
     """PEFT target names an adapter may use (v1/lora applies them from outside)."""
-    lora_encoder_modules: ClassVar[str | None] = r"^model\.encoder\.|\.encoder_attn\.kv_proj$"
+    lora_encoder_modules: ClassVar[str | None] = BART_LORA_ENCODER_MODULES
     """Regex of our Linears fed encoder rows (the encoder, the cross K/V projections)."""
 
     def __init__(self, hf_config: Any, prefix: str = "") -> None:

@@ -16,7 +16,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from v1.audio.features import LogMelSpectrogram
-from v1.models.bart import MBART, BartDecoderLayer, BartEncoderLayer, finish_stack
+from v1.models.bart import (
+    BART_LORA_ENCODER_MODULES,
+    BART_LORA_TARGETS,
+    MBART,
+    BartDecoderLayer,
+    BartEncoderLayer,
+    finish_stack,
+)
 from v1.models.layers.embedding import LMHead, VocabEmbedding
 from v1.models.layers.norm import LayerNorm, fp16_clamp_limit
 from v1.models.utils import load_weights_into, lora_target_of
@@ -117,16 +124,9 @@ class WhisperForConditionalGeneration(nn.Module):
     }
     # Some conversions store the tied head; it is the decoder's embedding either way.
     ignore_unexpected_patterns: ClassVar[tuple[str, ...]] = (r"^proj_out\.weight$",)
-    lora_target_modules: ClassVar[tuple[str, ...]] = (
-        "q_proj",
-        "k_proj",
-        "v_proj",
-        "out_proj",
-        "fc1",
-        "fc2",
-    )
+    lora_target_modules: ClassVar[tuple[str, ...]] = BART_LORA_TARGETS
     """PEFT target names an adapter may use (v1/lora applies them from outside)."""
-    lora_encoder_modules: ClassVar[str | None] = r"^model\.encoder\.|\.encoder_attn\.kv_proj$"
+    lora_encoder_modules: ClassVar[str | None] = BART_LORA_ENCODER_MODULES
     """Regex of our Linears fed encoder rows (the encoder, the cross K/V projections)."""
     fp8_keep: ClassVar[tuple[str, ...]] = (
         "model.encoder.layers.0",
