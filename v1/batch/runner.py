@@ -134,29 +134,7 @@ class RayBatchProcessor:
 
 
 def _run_ray(job: BatchJob, shards: dict[int, list[dict[str, Any]]], progress: tqdm) -> list[str]:
-    try:
-        import ray
-        import ray.data
-    except ImportError:
-        raise ValueError("--ray needs Ray Data: pip install 'v1-engine[ray]'") from None
-    if not ray.is_initialized():
-        try:
-            ray.init(address=job.ray_address)
-        except ConnectionError as e:
-            reason = str(e).splitlines()[0] if str(e) else "no answer"
-            raise ValueError(
-                f"--ray {job.ray_address}: no running Ray cluster ({reason.rstrip('.')}); start "
-                "one with `ray start --head` (or give its address), or leave out --ray to run "
-                "in this process"
-            ) from None
-    resources = ray.cluster_resources()
-    use_gpu = job.engine_kwargs.get("device", "auto") != "cpu" and resources.get("GPU", 0) >= 1
-    num_actors = job.num_actors or max(
-        1,
-        int(resources.get("GPU", 0))
-        if use_gpu
-        else int(resources.get("CPU", 1) // job.cpus_per_actor),
-    )
+    ray, use_gpu, num_actors = _ray_cluster(job)
     done: dict[int, list[tuple[int, dict[str, Any]]]] = {k: [] for k in shards}
     todo = []
     for k, shard in shards.items():
@@ -166,24 +144,13 @@ def _run_ray(job: BatchJob, shards: dict[int, list[dict[str, Any]]], progress: t
                 progress.update(1)
             else:
                 todo.append(row)
-    written = []
+    written: list[str] = []
     for k in list(done):
         if len(done[k]) == len(shards[k]):
             _write_done(job, k, done, written)
     if not todo:
         return sorted(written)
-    if job.task == "transcribe":
-        # Ray reads the files where the actors run (no shared file system needed).
-        # Reading is I/O: its tasks take no CPU slot, or actors holding every CPU would starve
-        # the read (and wait for it forever).
-        # A file listed twice (JSONL) is read and transcribed once, its result used for both.
-        indices_of_path: dict[str, list[int]] = {}
-        for r in todo:
-            indices_of_path.setdefault(_norm(r["path"]), []).append(r["index"])
-        paths = list(dict.fromkeys(r["path"] for r in todo))
-        ds = ray.data.read_binary_files(paths, include_paths=True, num_cpus=0)
-    else:
-        ds = ray.data.from_items([{"index": r["index"], "text": r["text"]} for r in todo])
+    ds, indices_of_path = _ray_inputs(ray, job, todo)
     ds = ds.map_batches(
         RayBatchProcessor,
         fn_constructor_kwargs={
@@ -217,6 +184,53 @@ def _run_ray(job: BatchJob, shards: dict[int, list[dict[str, Any]]], progress: t
     if done:
         raise RuntimeError(f"Ray returned no rows for shards {sorted(done)}")
     return sorted(written)
+
+
+def _ray_cluster(job: BatchJob) -> tuple[Any, bool, int]:
+    """(ray, whether the actors take a GPU each, how many actors): Ray joined at
+    `job.ray_address` (or started), its resources read once."""
+    try:
+        import ray
+        import ray.data
+    except ImportError:
+        raise ValueError("--ray needs Ray Data: pip install 'v1-engine[ray]'") from None
+    if not ray.is_initialized():
+        try:
+            ray.init(address=job.ray_address)
+        except ConnectionError as e:
+            reason = str(e).splitlines()[0] if str(e) else "no answer"
+            raise ValueError(
+                f"--ray {job.ray_address}: no running Ray cluster ({reason.rstrip('.')}); start "
+                "one with `ray start --head` (or give its address), or leave out --ray to run "
+                "in this process"
+            ) from None
+    resources = ray.cluster_resources()
+    use_gpu = job.engine_kwargs.get("device", "auto") != "cpu" and resources.get("GPU", 0) >= 1
+    num_actors = job.num_actors or max(
+        1,
+        int(resources.get("GPU", 0))
+        if use_gpu
+        else int(resources.get("CPU", 1) // job.cpus_per_actor),
+    )
+    return ray, use_gpu, num_actors
+
+
+def _ray_inputs(
+    ray: Any, job: BatchJob, todo: list[dict[str, Any]]
+) -> tuple[Any, dict[str, list[int]]]:
+    """The rows to run as a Ray dataset, and (transcriptions) the row indices of each file."""
+    indices_of_path: dict[str, list[int]] = {}
+    if job.task != "transcribe":
+        items = [{"index": r["index"], "text": r["text"]} for r in todo]
+        return ray.data.from_items(items), indices_of_path
+    # Ray reads the files where the actors run (no shared file system needed). Reading is
+    # I/O: its tasks take no CPU slot, or actors holding every CPU would starve the read (and
+    # wait for it forever). A file listed twice (JSONL) is read and transcribed once, its
+    # result used for both.
+    for r in todo:
+        indices_of_path.setdefault(_norm(r["path"]), []).append(r["index"])
+    paths = list(dict.fromkeys(r["path"] for r in todo))
+    return ray.data.read_binary_files(paths, include_paths=True, num_cpus=0), indices_of_path
 
 
 def _write_done(
