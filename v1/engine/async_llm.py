@@ -468,12 +468,9 @@ class AsyncLLM:
         group = request_group.get() or request_id
         for r in core_requests:
             r.group_id = group
+        texts = self.input_processor.prompt_texts(prompt)
         self.output_processor.add_user_request(
-            request_id,
-            core_requests,
-            params,
-            self.input_processor.prompt_texts(prompt),
-            output_kind=output_kind,
+            request_id, core_requests, params, texts, output_kind=output_kind
         )
         try:
             for request in core_requests:

@@ -109,11 +109,12 @@ class LLMEngine:
             len(core_requests) > 1 and any(r.request_id in states for r in core_requests)
         ):
             raise ValueError(f"request id {request_id!r} is already in use")
+        texts = self.input_processor.prompt_texts(prompt)
         self.output_processor.add_user_request(
             request_id,
             core_requests,
             params,
-            self.input_processor.prompt_texts(prompt),
+            texts,
             output_kind=output_kind,
             lazy_logprobs=lazy_logprobs,
         )
