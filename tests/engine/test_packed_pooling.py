@@ -14,6 +14,7 @@ from v1 import LLM, PoolingParams
 from v1.config import pooling_pack_limits, pooling_row_tokens
 from v1.core.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
 from v1.engine.output_processor import OutputProcessor
+from v1.entrypoints.request_feed import longest_first
 
 pytest.importorskip("v1.models.bert")
 
@@ -117,7 +118,8 @@ def test_classify_packs_texts_and_text_pairs_with_their_segment_ids(
     # for the second text.
     tokenizer = packer.get_tokenizer()
     sent = [t for r in seen for t in (r.token_type_ids or [])]
-    expected = [t for p in pairs for t in tokenizer(p["text"], p["text_pair"])["token_type_ids"]]
+    in_order = [pairs[i] for i in longest_first(pairs)]  # as classify feeds them
+    expected = [t for p in in_order for t in tokenizer(p["text"], p["text_pair"])["token_type_ids"]]
     assert any(r.input_lens for r in seen) and sent == expected and 1 in sent
 
 
@@ -148,6 +150,7 @@ def test_a_pack_holds_consecutive_inputs_of_equal_params(
         ([2, 10**6, 3], "vocabulary"),
         ([2, 5.0, 3], "must be ints"),
         ([True, False], "must be ints"),
+        ([2, True, 3], "must be ints"),  # packed among ints: an int array would take it as 1
         ([2, [5], 3], "must be ints"),
         ([2, -1, 3], "vocabulary"),
     ],

@@ -19,6 +19,7 @@ from v1.config import (
     EngineConfig,
     make_engine_config,
 )
+from v1.entrypoints.request_feed import longest_first
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +78,7 @@ def test_three_steps_in_flight_embed_the_whole_batch_queued(
 ) -> None:
     """Depth 3 on CPU (pipelined on request): the feed keeps enough requests queued for the
     two steps in flight, so every step holds what it holds with the whole batch queued, and
-    the embeddings are those, to the bit, in input order; nothing is left in the core."""
+    the embeddings are those (the batch queued longest first), to the bit, in input order; nothing is left in the core."""
     prompts = _token_prompts(60, seed=3)
     args = dict(
         multiprocess=False,
@@ -90,8 +91,8 @@ def test_three_steps_in_flight_embed_the_whole_batch_queued(
         engine = llm.llm_engine
         assert engine.engine_core.engine_core.max_steps_in_flight == 3
         steps = _record_steps(llm, monkeypatch)
-        for i, prompt in enumerate(prompts):
-            engine.add_request(f"ref-{i}", prompt, PoolingParams(task="embed"))
+        for i in longest_first(prompts):  # as embed orders a batch
+            engine.add_request(f"ref-{i}", prompts[i], PoolingParams(task="embed"))
         reference: dict[int, np.ndarray] = {}
         while engine.has_unfinished_requests():
             for out in engine.step():
@@ -139,8 +140,8 @@ def test_embeddings_are_converted_as_their_steps_finish(
         )
         outputs = llm.embed(prompts, use_tqdm=False)
         monkeypatch.undo()
-        for i, prompt in enumerate(prompts):  # the reference: raw pooling outputs
-            engine.add_request(f"ref-{i}", prompt, PoolingParams(task="embed"))
+        for i in longest_first(prompts):  # the reference: raw pooling outputs, embed's order
+            engine.add_request(f"ref-{i}", prompts[i], PoolingParams(task="embed"))
         reference: dict[int, np.ndarray] = {}
         while engine.has_unfinished_requests():
             for out in engine.step():

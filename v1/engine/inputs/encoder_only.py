@@ -268,17 +268,18 @@ class EncoderOnlyInputBuilder(TokenInputBuilder):
         vocabulary."""
         lens = [len(ids) for ids, _ in inputs]
         parts = [ids for ids, _ in inputs]
-        try:
-            if all(type(part) is np.ndarray for part in parts):  # the caller's arrays
-                # Each array's own dtype: concatenating would turn bools into ints.
-                valid = all(part.dtype.kind in "iu" and part.ndim == 1 for part in parts)
-                ids = np.concatenate(parts) if valid else None
-            else:
-                ids = np.array(list(chain.from_iterable(parts)))
-                valid = ids.dtype.kind in "iu" and ids.ndim == 1
-            valid = valid and int(ids.min()) >= 0 and int(ids.max()) < self.encoder_vocab_size
-        except (ValueError, TypeError, OverflowError):  # nested, ragged or huge values
-            valid = False
+        vocab = self.encoder_vocab_size
+        if all(type(part) is np.ndarray for part in parts):  # the caller's arrays
+            # Each array's own dtype: concatenating would turn bools into ints.
+            valid = all(part.dtype.kind in "iu" and part.ndim == 1 for part in parts)
+            ids = np.concatenate(parts) if valid else None
+            valid = valid and int(ids.min()) >= 0 and int(ids.max()) < vocab
+        else:
+            # The check a prompt alone gets, for all in one msgspec pass (an int array would
+            # take a bool among ints as 0 or 1), then the array from the checked ids.
+            checked = checked_id_lists([_as_list(part) for part in parts], vocab)
+            valid = checked is not None
+            ids = np.fromiter(chain.from_iterable(checked), np.int64, sum(lens)) if valid else None
         if not valid:
             self._name_bad_input(inputs)
         types = None
