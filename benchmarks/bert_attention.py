@@ -2,21 +2,27 @@
 64, fp16), cut into steps of 32,768 tokens / 512 inputs as the engine packs them, inputs in
 random or length-sorted order: flash varlen on the packed rows against cuDNN's dense attention
 on each step padded to its longest input (with and without the key-padding mask; without it
-the result is wrong, an upper bound). Device time of the 12 layers' calls, median of 5.
+the result is wrong, an upper bound). Flash varlen also as the engine's encoder CUDA graphs
+launch it (`encoder_graphs.graph_offsets`: the step padded to a multiple of 1024 tokens, 544
+sequence slots, the grid sized for 512 tokens whatever the step holds), and with that grid
+sized for the step's longest input rounded up to a power of two (graphs per length bucket).
+Device time of the 12 layers' calls, median of 5.
 
     python3 benchmarks/bert_attention.py
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-HEADS, HEAD_SIZE, STEP_TOKENS, STEP_INPUTS, LAYERS = 12, 64, 32768, 512, 12
+HEADS, HEAD_SIZE, STEP_TOKENS, STEP_INPUTS, LAYERS, MAX_LEN = 12, 64, 32768, 512, 12, 512
 
 
 def steps(lengths: np.ndarray) -> list[list[int]]:
@@ -28,10 +34,62 @@ def steps(lengths: np.ndarray) -> list[list[int]]:
     return out
 
 
-def flash(step: list[int]) -> Callable[[], object]:
-    q = torch.randn(sum(step), HEADS, HEAD_SIZE, device="cuda", dtype=torch.float16)
-    cu = torch.tensor(np.concatenate([[0], np.cumsum(step)]), device="cuda", dtype=torch.int32)
-    longest = max(step)
+def step_offsets(step: list[int], graph_len: int | None, size: int | None = None) -> np.ndarray:
+    """The step's varlen offsets; with `graph_len`, as the engine's graph replays it
+    (`graph_offsets`: padded to `size`, default the next multiple of 1024 tokens)."""
+    offsets = np.concatenate([[0], np.cumsum(step)])
+    if graph_len is None:
+        return offsets
+    from v1.worker.encoder_graphs import GRAPH_TOKEN_STEP, graph_offsets
+
+    size = size or -(-int(offsets[-1]) // GRAPH_TOKEN_STEP) * GRAPH_TOKEN_STEP
+    slots = STEP_INPUTS + -(-GRAPH_TOKEN_STEP // graph_len)
+    return graph_offsets(offsets, size, slots, graph_len)
+
+
+def fa4(step: list[int], graph_len: int | None = None) -> Callable[[], object]:
+    """FA4 varlen (flash_attn.cute) over the same rows (`graph_len` as in `flash`)."""
+    from fa4_attention import fa4_varlen
+
+    offsets = step_offsets(step, graph_len)
+    q = torch.randn(int(offsets[-1]), HEADS, HEAD_SIZE, device="cuda", dtype=torch.float16)
+    cu = torch.tensor(offsets, device="cuda", dtype=torch.int32)
+    longest = graph_len or max(step)
+    return lambda: fa4_varlen(q, q, q, cu, longest)
+
+
+def fa4_graph_replays(cut: list[list[int]]) -> str:
+    """FA4 varlen captured in a CUDA graph on one step's offsets, then replayed after other
+    steps' offsets were copied into its buffer (as the engine's encoder graphs replay):
+    max|diff| to aten flash on those offsets."""
+    from fa4_attention import aten_varlen, fa4_varlen
+
+    size = STEP_TOKENS + 1024
+    cu = torch.tensor(step_offsets(cut[0], MAX_LEN, size), device="cuda", dtype=torch.int32)
+    q = torch.randn(size, HEADS, HEAD_SIZE, device="cuda", dtype=torch.float16)
+    out = torch.empty_like(q)
+    out.copy_(fa4_varlen(q, q, q, cu, MAX_LEN))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(fa4_varlen(q, q, q, cu, MAX_LEN))
+    worst = 0.0
+    for step in cut[1:6]:
+        cu.copy_(torch.from_numpy(step_offsets(step, MAX_LEN, size)))
+        q.normal_()
+        graph.replay()
+        ref = aten_varlen(q, q, q, cu, MAX_LEN)
+        worst = max(worst, (out.float() - ref.float()).abs().max().item())
+    return f"max|diff| {worst:.1e} over 5 replays on other offsets"
+
+
+def flash(step: list[int], graph_len: int | None = None) -> Callable[[], object]:
+    """aten's flash varlen over the step's rows; `graph_len`: as the engine's graph replays
+    it, the grid sized for that length (at least the step's longest input)."""
+    offsets = step_offsets(step, graph_len)
+    longest = graph_len or max(step)
+    q = torch.randn(int(offsets[-1]), HEADS, HEAD_SIZE, device="cuda", dtype=torch.float16)
+    cu = torch.tensor(offsets, device="cuda", dtype=torch.int32)
     return lambda: torch.ops.aten._flash_attention_forward(
         q, q, q, cu, cu, longest, longest, 0.0, False, False, scale=0.125
     )
@@ -67,6 +125,13 @@ def device_ms(fns: list[Callable[[], object]], repeats: int = 5) -> float:
 
 
 def main() -> None:
+    sys.path.insert(0, str(Path(__file__).parent))
+    try:
+        import flash_attn.cute  # noqa: F401
+
+        has_fa4 = True
+    except ImportError:
+        has_fa4 = False
     lengths = np.random.default_rng(0).integers(16, 513, size=4096)
     orders = {
         "random": np.random.default_rng(1).permutation(len(lengths)),
@@ -75,6 +140,17 @@ def main() -> None:
     for name, order in orders.items():
         cut = steps(lengths[order])
         print(f"{name}: {len(cut)} steps; flash varlen {device_ms([flash(s) for s in cut]):.1f} ms")
+        graph = device_ms([flash(s, MAX_LEN) for s in cut])
+        print(f"   flash varlen, the engine's graph grid (512 tokens, 544 slots): {graph:.1f} ms")
+        bucket = device_ms([flash(s, min(MAX_LEN, 1 << (max(s) - 1).bit_length())) for s in cut])
+        print(f"   flash varlen, that grid for the longest input's power of two: {bucket:.1f} ms")
+        if has_fa4:
+            exact, graph = (
+                device_ms([fa4(s) for s in cut]),
+                device_ms([fa4(s, MAX_LEN) for s in cut]),
+            )
+            print(f"   FA4 varlen {exact:.1f} ms; on the engine's graph grid {graph:.1f} ms")
+            print(f"   FA4 varlen in a CUDA graph: {fa4_graph_replays(cut)}")
         for mask in (False, True):
             ms = device_ms([dense(s, mask) for s in cut])
             print(f"   cuDNN dense, padded, mask={mask}: {ms:.1f} ms")

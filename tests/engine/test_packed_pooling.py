@@ -14,7 +14,6 @@ from v1 import LLM, PoolingParams
 from v1.config import pooling_pack_limits, pooling_row_tokens
 from v1.core.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
 from v1.engine.output_processor import OutputProcessor
-from v1.entrypoints.request_feed import longest_first
 
 pytest.importorskip("v1.models.bert")
 
@@ -118,8 +117,7 @@ def test_classify_packs_texts_and_text_pairs_with_their_segment_ids(
     # for the second text.
     tokenizer = packer.get_tokenizer()
     sent = [t for r in seen for t in (r.token_type_ids or [])]
-    in_order = [pairs[i] for i in longest_first(pairs)]  # as classify feeds them
-    expected = [t for p in in_order for t in tokenizer(p["text"], p["text_pair"])["token_type_ids"]]
+    expected = [t for p in pairs for t in tokenizer(p["text"], p["text_pair"])["token_type_ids"]]
     assert any(r.input_lens for r in seen) and sent == expected and 1 in sent
 
 

@@ -296,39 +296,6 @@ def test_embed_starts_the_device_before_processing_the_whole_batch(
     assert 0 < at_first_step[0] <= 20
 
 
-def test_a_pooling_batch_reaches_the_core_longest_first_and_returns_in_input_order(
-    scorer: LLM, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """As sentence-transformers' encode orders a batch: token prompts by tokens, texts by
-    characters; every output still comes back at its input's place."""
-    engine = scorer.llm_engine
-    queued: list[int] = []  # input lengths in the order the core gets them
-    add_packed, add_processed = engine.add_packed_request, engine.add_processed_request
-
-    def packed(request_id: str, inputs: list[Any], *args: Any, **kwargs: Any) -> None:
-        queued.extend(len(ids) for _, ids, _ in inputs)
-        add_packed(request_id, inputs, *args, **kwargs)
-
-    def processed(request_id: str, prompt: Any, params: Any, core_requests: list[Any]) -> None:
-        queued.extend(len(r.prompt_token_ids) for r in core_requests)
-        add_processed(request_id, prompt, params, core_requests)
-
-    monkeypatch.setattr(engine, "add_packed_request", packed)
-    monkeypatch.setattr(engine, "add_processed_request", processed)
-    prompts = _token_prompts(60, seed=3)
-    lengths = [len(p["prompt_token_ids"]) for p in prompts]
-    assert lengths != sorted(lengths, reverse=True)  # the batch itself is not ordered
-    outputs = scorer.embed(prompts, use_tqdm=False)
-    assert queued == sorted(lengths, reverse=True)
-    assert [o.prompt_token_ids for o in outputs] == [p["prompt_token_ids"] for p in prompts]
-    alone = scorer.embed(prompts[7], use_tqdm=False)[0].outputs.embedding
-    assert outputs[7].outputs.embedding == pytest.approx(alone, abs=1e-5)
-    queued.clear()
-    texts = ["gold", "the quick brown fox jumps", "hello world"]  # characters: 4, 25, 11
-    outputs = scorer.embed(texts, use_tqdm=False)
-    assert [len(o.prompt_token_ids) for o in outputs] == [queued[2], queued[0], queued[1]]
-
-
 def test_invalid_prompt_in_a_pooling_batch_aborts_the_queued_ones(scorer: LLM) -> None:
     prompts = [*_token_prompts(40, seed=2), {"prompt_token_ids": [2, 10**6, 3]}]
     with pytest.raises(ValueError, match=r"prompt 40: .*vocabulary"):

@@ -5,6 +5,7 @@ the batch fed as the steps go still runs the steps of the whole batch queued (to
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -19,7 +20,6 @@ from v1.config import (
     EngineConfig,
     make_engine_config,
 )
-from v1.entrypoints.request_feed import longest_first
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,7 @@ def test_three_steps_in_flight_embed_the_whole_batch_queued(
 ) -> None:
     """Depth 3 on CPU (pipelined on request): the feed keeps enough requests queued for the
     two steps in flight, so every step holds what it holds with the whole batch queued, and
-    the embeddings are those (the batch queued longest first), to the bit, in input order; nothing is left in the core."""
+    the embeddings are those, to the bit, in input order; nothing is left in the core."""
     prompts = _token_prompts(60, seed=3)
     args = dict(
         multiprocess=False,
@@ -91,8 +91,8 @@ def test_three_steps_in_flight_embed_the_whole_batch_queued(
         engine = llm.llm_engine
         assert engine.engine_core.engine_core.max_steps_in_flight == 3
         steps = _record_steps(llm, monkeypatch)
-        for i in longest_first(prompts):  # as embed orders a batch
-            engine.add_request(f"ref-{i}", prompts[i], PoolingParams(task="embed"))
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"ref-{i}", prompt, PoolingParams(task="embed"))
         reference: dict[int, np.ndarray] = {}
         while engine.has_unfinished_requests():
             for out in engine.step():
@@ -107,6 +107,57 @@ def test_three_steps_in_flight_embed_the_whole_batch_queued(
     for i, out in enumerate(outputs):
         assert out.prompt_token_ids == prompts[i]["prompt_token_ids"]
         np.testing.assert_array_equal(np.asarray(out.outputs.embedding), reference[i])
+
+
+def test_the_first_pooling_step_starts_on_one_budget_of_the_batch(
+    scorer_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In this process the feed adds, before the first step, only what that step's scheduling
+    needs (no step is in flight yet), not the full pipeline's three budgets, so the device
+    starts sooner; the steps, hence the embeddings to the bit, are those of the full depth
+    (which a core in its own process, running ahead of the feed, still gets)."""
+    prompts = _token_prompts(120, seed=4)
+    args = dict(
+        multiprocess=False,
+        max_num_batched_tokens=256,
+        max_num_seqs=64,
+        async_scheduling=True,
+        max_steps_in_flight=3,
+    )
+    with LLM(scorer_dir, **args) as llm:
+        engine = llm.llm_engine
+        added: list[int] = []  # tokens of each input the core was given
+        add_packed, add_processed = engine.add_packed_request, engine.add_processed_request
+
+        def packed(request_id: str, inputs: list[Any], *args: Any, **kwargs: Any) -> None:
+            added.extend(len(ids) for _, ids, _ in inputs)
+            add_packed(request_id, inputs, *args, **kwargs)
+
+        def processed(req_id: str, prompt: Any, params: Any, core_requests: list[Any]) -> None:
+            added.extend(len(r.prompt_token_ids) for r in core_requests)
+            add_processed(req_id, prompt, params, core_requests)
+
+        monkeypatch.setattr(engine, "add_packed_request", packed)
+        monkeypatch.setattr(engine, "add_processed_request", processed)
+        scheduler = engine.engine_core.engine_core.scheduler
+        schedule = scheduler.schedule
+        at_schedule: list[int] = []
+        monkeypatch.setattr(
+            scheduler, "schedule", lambda: at_schedule.append(sum(added)) or schedule()
+        )
+        ramped = llm.embed(prompts, use_tqdm=False)
+        ramped_first = at_schedule[0]
+        at_schedule.clear()
+        added.clear()
+        with monkeypatch.context() as m:
+            m.setattr(type(engine), "core_runs_ahead", property(lambda self: True))
+            full = llm.embed(prompts, use_tqdm=False)
+        full_first = at_schedule[0]
+    # Three budgets less one and two: 2 * 256 tokens fewer before the first step, give or
+    # take the input that crosses the line.
+    assert ramped_first >= 256 and ramped_first + 2 * 256 - 64 <= full_first
+    for a, b in zip(ramped, full, strict=True):
+        assert a.outputs.embedding == b.outputs.embedding
 
 
 def test_embeddings_are_converted_as_their_steps_finish(
@@ -140,8 +191,8 @@ def test_embeddings_are_converted_as_their_steps_finish(
         )
         outputs = llm.embed(prompts, use_tqdm=False)
         monkeypatch.undo()
-        for i in longest_first(prompts):  # the reference: raw pooling outputs, embed's order
-            engine.add_request(f"ref-{i}", prompts[i], PoolingParams(task="embed"))
+        for i, prompt in enumerate(prompts):  # the reference: raw pooling outputs
+            engine.add_request(f"ref-{i}", prompt, PoolingParams(task="embed"))
         reference: dict[int, np.ndarray] = {}
         while engine.has_unfinished_requests():
             for out in engine.step():

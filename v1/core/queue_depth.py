@@ -40,11 +40,20 @@ class PoolingQueueDepth:
             num_engines=config.parallel_config.data_parallel_size,
         )
 
-    def reached(self, num_requests: int, num_tokens: int, max_input_len: int) -> bool:
+    def reached(
+        self,
+        num_requests: int,
+        num_tokens: int,
+        max_input_len: int,
+        steps_in_flight: int | None = None,
+    ) -> bool:
         """Whether `num_requests` unfinished requests of `num_tokens` tokens in all, none
-        longer than `max_input_len`, are enough."""
+        longer than `max_input_len`, are enough. `steps_in_flight`: a tighter bound on the
+        steps in flight at the next schedule than the pipeline's depth (a batch's first
+        steps, before the pipeline fills)."""
         n = self.num_engines
         if num_requests >= n * (self.max_num_seqs + MAX_SKIPS_PER_STEP):
             return True
-        budgets = (self.steps_in_flight + 1) * self.max_num_batched_tokens
+        in_flight = self.steps_in_flight if steps_in_flight is None else steps_in_flight
+        budgets = (min(in_flight, self.steps_in_flight) + 1) * self.max_num_batched_tokens
         return num_tokens >= n * (budgets + MAX_SKIPS_PER_STEP * max_input_len)

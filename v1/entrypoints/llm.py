@@ -26,7 +26,7 @@ from v1.engine.beam_search import (
     run_beam_search,
 )
 from v1.engine.llm_engine import LLMEngine
-from v1.entrypoints.request_feed import RequestFeed, longest_first
+from v1.entrypoints.request_feed import RequestFeed
 from v1.gc_policy import deferred_full_collections, paused_collections
 from v1.lora_request import LoRARequest
 from v1.outputs import (
@@ -433,16 +433,11 @@ class LLM:
             # Inputs of one task with a vector each, and no priorities to order them by, go to
             # the core packed: several to a core request (EngineCoreRequest.input_lens).
             packable = priority is None and all(p.task != "encode" for p in params)
-            one_params = all(p is params[0] for p in params)
             feed = RequestFeed(
                 engine,
                 items,
                 pooling_depth=PoolingQueueDepth.of(self.config),
                 pack=pooling_pack_limits(self.config) if packable else None,
-                # Longest first, as sentence-transformers' encode orders a batch; a batch with
-                # priorities or per-prompt params keeps its order (packs split where params
-                # change).
-                order=longest_first(prompts) if packable and one_params else None,
             )
         else:
             # Requests enter a window at a time so that adding them overlaps the device's work

@@ -1,6 +1,6 @@
-"""`RequestFeed`: an offline batch's requests handed to the engine as its steps need them
-(`LLM._run`): in input order, a window of unfinished requests, for generation; longest first,
-a queue depth and packed requests, for pooling.
+"""`RequestFeed`: an offline batch's requests handed to the engine in input order as its steps
+need them (`LLM._run`): a window of unfinished requests for generation, a queue depth and
+packed requests for pooling.
 """
 
 from __future__ import annotations
@@ -16,32 +16,8 @@ PRETOKENIZE_CHUNK = 64
 """Pooling prompts tokenized together (the feed processes prompts as the steps need them)."""
 
 
-def length_hint(prompt: Any) -> int:
-    """A prompt's length as sentence-transformers orders inputs by it: tokens where the prompt
-    has them, else characters of its text(s); 0 for anything else (validated in its turn)."""
-    if isinstance(prompt, str):
-        return len(prompt)
-    if isinstance(prompt, dict):
-        ids = prompt.get("prompt_token_ids")
-        if ids is not None:
-            return len(ids)
-        texts = (prompt.get(key) for key in ("prompt", "text", "text_pair"))
-        return sum(len(t) for t in texts if isinstance(t, str))
-    return 0
-
-
-def longest_first(prompts: list[Any]) -> list[int]:
-    """Input indices, longest prompt first (stable among equal lengths): a pooling batch in
-    this order fills each step with inputs of similar lengths, so the varlen attention's
-    tiles are evenly loaded (bert-base: 80 against 93 ms of attention a 4,096-input run,
-    benchmarks/RESULTS.md) and the longest inputs fail early if they fail."""
-    hints = [length_hint(p) for p in prompts]
-    return sorted(range(len(prompts)), key=lambda i: -hints[i])
-
-
 class RequestFeed:
-    """A batch's requests, handed to the engine in input order (or `order`) as its steps need
-    them.
+    """A batch's requests, handed to the engine in input order as its steps need them.
 
     Generation (`window`): every prompt is validated before any is queued, so a long run cannot
     fail at its last prompt; then at most `window` requests are unfinished at a time.
@@ -62,18 +38,12 @@ class RequestFeed:
         pooling_depth: PoolingQueueDepth | None = None,
         loras: list[LoRARequest | None] | None = None,
         pack: tuple[int, int] | None = None,
-        order: list[int] | None = None,
     ) -> None:
         """`items`: (request id, prompt, params, priority) in input order; exactly one of
         `window` and `pooling_depth`. `pack` (pooling): consecutive inputs with equal params
-        go to the core as packed requests of at most (tokens, inputs) each. `order`: the
-        input indices in the order to feed them (`longest_first`); errors still name a
-        prompt by its input index."""
+        go to the core as packed requests of at most (tokens, inputs) each."""
         assert (window is None) != (pooling_depth is None)
         self.engine = engine
-        self.index = order if order is not None else list(range(len(items)))
-        """Feed position -> input index."""
-        items = [items[i] for i in self.index] if order is not None else items
         self.items = items
         self.window = window
         self.pooling_depth = pooling_depth
@@ -94,6 +64,11 @@ class RequestFeed:
         self.unfinished_tokens = 0
         self.max_input_len = 0
         """The most tokens of one added request."""
+        self.top_ups = 0
+        """Top-ups so far: in this process each is followed by one engine step, which
+        schedules at most one step, so at most this many steps are in flight at the next
+        schedule (a core in its own process runs ahead of the feed: no such bound)."""
+        self.in_process = not engine.core_runs_ahead
         if window is not None:
             for i in range(len(items)):
                 self.processed[i] = self._process(i)
@@ -102,6 +77,7 @@ class RequestFeed:
         """Adds the next requests until the unfinished ones are enough (or none are left)."""
         with self.engine.batched_adds():  # one message per core per top-up
             self._top_up()
+        self.top_ups += 1
 
     def _top_up(self) -> None:
         engine, items = self.engine, self.items
@@ -154,7 +130,7 @@ class RequestFeed:
         except UncheckedIdsError as e:
             if len(items) == 1:
                 raise
-            raise ValueError(f"prompt {self.index[first + e.index]}: {e}") from e
+            raise ValueError(f"prompt {first + e.index}: {e}") from e
         for req_id, _, _ in pack:
             self.pack_of[req_id] = core_id
         self._added(core_id, tokens)
@@ -171,7 +147,7 @@ class RequestFeed:
         if isinstance(entry, ValueError):
             if len(self.items) == 1:
                 raise entry
-            raise ValueError(f"prompt {self.index[i]}: {entry}") from entry
+            raise ValueError(f"prompt {i}: {entry}") from entry
         return entry
 
     def _added(self, core_id: str, tokens: int) -> None:
@@ -189,8 +165,11 @@ class RequestFeed:
 
     def _enough(self) -> bool:
         if self.pooling_depth is not None:
+            # The first step starts on its own budget, not the pipeline's: the device gets
+            # to work after a third of the processing (3 steps in flight).
+            in_flight = self.top_ups if self.in_process else None
             return self.pooling_depth.reached(
-                len(self.unfinished), self.unfinished_tokens, self.max_input_len
+                len(self.unfinished), self.unfinished_tokens, self.max_input_len, in_flight
             )
         return len(self.unfinished) >= self.window
 
@@ -208,6 +187,6 @@ class RequestFeed:
         except ValueError as e:
             if len(self.items) == 1:
                 raise
-            raise ValueError(f"prompt {self.index[i]}: {e}") from e
+            raise ValueError(f"prompt {i}: {e}") from e
         self.to_build[i] = None  # its tokens live on in the request
         return core_requests
