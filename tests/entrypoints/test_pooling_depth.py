@@ -73,6 +73,17 @@ def test_pooling_models_on_gpu_default_to_the_tuned_batch(scorer_dir: str, tmp_p
         make_engine_config(scorer_dir, max_num_batched_tokens=0)
 
 
+def _three_in_flight(max_num_batched_tokens: int, max_num_seqs: int) -> dict[str, Any]:
+    """An engine in this process with three pooling steps in flight (pipelined on CPU)."""
+    return dict(
+        multiprocess=False,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        async_scheduling=True,
+        max_steps_in_flight=3,
+    )
+
+
 def test_three_steps_in_flight_embed_the_whole_batch_queued(
     scorer_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -80,14 +91,7 @@ def test_three_steps_in_flight_embed_the_whole_batch_queued(
     two steps in flight, so every step holds what it holds with the whole batch queued, and
     the embeddings are those, to the bit, in input order; nothing is left in the core."""
     prompts = _token_prompts(60, seed=3)
-    args = dict(
-        multiprocess=False,
-        max_num_batched_tokens=64,
-        max_num_seqs=8,
-        async_scheduling=True,
-        max_steps_in_flight=3,
-    )
-    with LLM(scorer_dir, **args) as llm:
+    with LLM(scorer_dir, **_three_in_flight(64, 8)) as llm:
         engine = llm.llm_engine
         assert engine.engine_core.engine_core.max_steps_in_flight == 3
         steps = _record_steps(llm, monkeypatch)
@@ -117,14 +121,7 @@ def test_the_first_pooling_step_starts_on_one_budget_of_the_batch(
     starts sooner; the steps, hence the embeddings to the bit, are those of the full depth
     (which a core in its own process, running ahead of the feed, still gets)."""
     prompts = _token_prompts(120, seed=4)
-    args = dict(
-        multiprocess=False,
-        max_num_batched_tokens=256,
-        max_num_seqs=64,
-        async_scheduling=True,
-        max_steps_in_flight=3,
-    )
-    with LLM(scorer_dir, **args) as llm:
+    with LLM(scorer_dir, **_three_in_flight(256, 64)) as llm:
         engine = llm.llm_engine
         added: list[int] = []  # tokens of each input the core was given
         add_packed, add_processed = engine.add_packed_request, engine.add_processed_request
