@@ -16,7 +16,7 @@ from tests.core.fakes import (
     run_scheduler_step,
     to_core_request,
 )
-from v1.core.admission import checked_ids
+from v1.core.admission import checked_id_lists, checked_ids
 from v1.core.protocol import EncoderInput, EngineCoreRequest, FinishReason
 from v1.core.scheduler import admitter as admitter_module
 from v1.core.scheduler.admitter import MAX_SKIPS_PER_STEP
@@ -118,7 +118,10 @@ def test_out_of_range_numbers_fail_only_their_request(changes):
         ([-1], None),
         ([True], None),
         ([1.0], None),
-        ([np.int64(1)], None),
+        ([np.int64(1), 2, np.uint16(3)], [1, 2, 3]),  # list(array) gives numpy scalars
+        ([np.int64(12)], None),
+        ([np.bool_(True)], None),
+        ([np.float32(1)], None),
         (["1"], None),
         ([None], None),
         ([2**70], None),
@@ -128,6 +131,9 @@ def test_checked_ids_takes_plain_ints_in_range_only(ids, expected):
     checked = checked_ids(ids, 10)
     assert checked == expected
     assert checked is None or (type(checked) is list and checked is not ids)
+    assert checked is None or all(type(t) is int for t in checked)
+    lists = checked_id_lists([[1, 2], ids], 10)
+    assert lists == (None if expected is None else [[1, 2], expected])
 
 
 def test_out_of_vocab_prompt_and_encoder_ids_fail_alone():

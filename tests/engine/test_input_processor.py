@@ -452,7 +452,7 @@ def test_encoder_only_inputs(bert: InputProcessor, wordpiece) -> None:
         ({"prompt_token_ids": [2, 100, 3], "token_type_ids": [0, 5, 0]}, "token_type_ids"),
         ({"prompt_token_ids": [2, 100, 3], "token_type_ids": [0, "1", 0]}, "token_type_ids"),
         ({"prompt_token_ids": [2, 100, 3], "token_type_ids": [0, True, 0]}, "token_type_ids"),
-        ({"prompt_token_ids": [2, np.int64(100), 3]}, "ints"),
+        ({"prompt_token_ids": [2, np.float64(100), 3]}, "ints"),  # numpy ints are ids
         ({"prompt_token_ids": (2, 100, None)}, "ints"),
         ({"text": "hello", "text_pair": ""}, "empty"),
         ({"text": "hello", "text_pair": 3}, "string"),

@@ -377,6 +377,12 @@ def test_token_id_arrays_embed_as_lists_do(packer: LLM) -> None:
         np.testing.assert_allclose(g.outputs.data, r.outputs.data, rtol=0, atol=2e-6)
         np.testing.assert_allclose(m.outputs.data, r.outputs.data, rtol=0, atol=2e-6)
         np.testing.assert_array_equal(g.prompt_token_ids, a["prompt_token_ids"])
+    # list(array): lists of numpy integer scalars, packed and alone, as the plain lists.
+    scalars = [{"prompt_token_ids": list(a["prompt_token_ids"])} for a in arrays]
+    for r, g in zip(ref, packer.embed(scalars, use_tqdm=False), strict=True):
+        np.testing.assert_allclose(g.outputs.data, r.outputs.data, rtol=0, atol=2e-6)
+    (one,) = packer.embed(scalars[:1], use_tqdm=False)
+    np.testing.assert_allclose(one.outputs.data, ref[0].outputs.data, rtol=0, atol=2e-6)
     (alone,) = packer.embed(arrays[:1], use_tqdm=False)
     np.testing.assert_allclose(alone.outputs.data, ref[0].outputs.data, rtol=0, atol=2e-6)
     cut_ref = packer.embed(lists[:6], truncate_prompt_tokens=3, use_tqdm=False)

@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -137,6 +138,12 @@ def test_text_prompts_and_prompt_order(llm: LLM, hf_model: Any, llama_dir: str) 
         assert out.prompt == text and out.prompt_token_ids == ids
         ref_tokens, _ = hf_greedy(hf_model, ids, 6)
         assert out.outputs[0].token_ids == ref_tokens
+        # The same ids as numpy integer scalars (what list(array) gives) generate alike.
+        (same,) = llm.generate(
+            {"prompt_token_ids": list(np.asarray(ids))},
+            SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+        )
+        assert same.outputs[0].token_ids == ref_tokens and same.prompt_token_ids == ids
         # The text of a full decode, less an unfinished character at the very end.
         text = tokenizer.decode(ref_tokens, skip_special_tokens=True)
         assert out.outputs[0].text == text.removesuffix("\ufffd")

@@ -206,13 +206,15 @@ def _in_range(value: object, limit: int) -> bool:
 
 
 def checked_ids(ids: Any, limit: int) -> list[int] | None:
-    """A new list of `ids` (a list or tuple) if every one is a plain int in [0, limit) (no
-    bools), else None: the caller looks for the culprit to name it. One pass at C speed
-    (msgspec), where a type pass, min and max took 4x longer per request."""
+    """A new list of `ids` (a list or tuple) if every one is an int in [0, limit) (no bools;
+    numpy integer scalars, as `list(array)` gives, become ints), else None: the caller looks
+    for the culprit to name it. One pass at C speed (msgspec), where a type pass, min and
+    max took 4x longer per request."""
     try:
         return msgspec.convert((ids,), _ids_type(limit)).ids
     except msgspec.ValidationError:
-        return None
+        plain = _numpy_ints_as_ints(ids)
+        return None if plain is None else checked_ids(plain, limit)
 
 
 def checked_id_lists(lists: list[Any], limit: int) -> list[list[int]] | None:
@@ -221,7 +223,20 @@ def checked_id_lists(lists: list[Any], limit: int) -> list[list[int]] | None:
     try:
         return msgspec.convert((lists,), _id_lists_type(limit)).ids
     except msgspec.ValidationError:
+        plain = [_numpy_ints_as_ints(ids) for ids in lists]
+        if all(p is None for p in plain):
+            return None
+        return checked_id_lists(
+            [ids if p is None else p for ids, p in zip(lists, plain, strict=True)], limit
+        )
+
+
+def _numpy_ints_as_ints(ids: Any) -> list[Any] | None:
+    """`ids` with its numpy integer scalars as ints, or None if it holds none (msgspec takes
+    only Python ints; the slow path of a check that failed)."""
+    if not isinstance(ids, (list, tuple)) or not any(isinstance(t, np.integer) for t in ids):
         return None
+    return [int(t) if isinstance(t, np.integer) else t for t in ids]
 
 
 @functools.lru_cache(maxsize=16)
