@@ -458,6 +458,7 @@ def test_encoder_only_inputs(bert: InputProcessor, wordpiece) -> None:
         ({"text": "hello", "text_pair": 3}, "string"),
         ({"encoder_prompt": "a", "decoder_prompt": "b"}, "encoder-decoder"),
         ("the " * 30, "limit of 16"),
+        (None, "^an input must be a string"),
     ],
 )
 def test_invalid_encoder_only_inputs(bert: InputProcessor, prompt: Any, match: str) -> None:

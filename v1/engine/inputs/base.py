@@ -159,7 +159,8 @@ class TokenInputBuilder(InputBuilder):
             raise self._audio_error()
         else:
             raise ValueError(
-                f"a {what} must be a string, {{'prompt': str}} or {{'prompt_token_ids': "
+                f"{'an' if what[0] in 'aeiou' else 'a'} {what} must be a string, "
+                f"{{'prompt': str}} or {{'prompt_token_ids': "
                 f"[int, ...]}}, got {describe(prompt)}"
             )
         if not ids:
