@@ -47,15 +47,18 @@ def step_offsets(step: list[int], graph_len: int | None, size: int | None = None
     return graph_offsets(offsets, size, slots, graph_len)
 
 
-def fa4(step: list[int], graph_len: int | None = None) -> Callable[[], object]:
-    """FA4 varlen (flash_attn.cute) over the same rows (`graph_len` as in `flash`)."""
-    from fa4_attention import fa4_varlen
+def varlen(kernel: str, step: list[int], graph_len: int | None = None) -> Callable[[], object]:
+    """A varlen call over the step's rows: `kernel` "aten" (aten's flash) or "fa4" (FA4,
+    flash_attn.cute); `graph_len`: as the engine's graph replays it, the grid sized for that
+    length (at least the step's longest input)."""
+    from fa4_attention import aten_varlen, fa4_varlen
 
+    call = {"aten": aten_varlen, "fa4": fa4_varlen}[kernel]
     offsets = step_offsets(step, graph_len)
+    longest = graph_len or max(step)
     q = torch.randn(int(offsets[-1]), HEADS, HEAD_SIZE, device="cuda", dtype=torch.float16)
     cu = torch.tensor(offsets, device="cuda", dtype=torch.int32)
-    longest = graph_len or max(step)
-    return lambda: fa4_varlen(q, q, q, cu, longest)
+    return lambda: call(q, q, q, cu, longest)
 
 
 def fa4_graph_replays(cut: list[list[int]]) -> str:
@@ -81,18 +84,6 @@ def fa4_graph_replays(cut: list[list[int]]) -> str:
         ref = aten_varlen(q, q, q, cu, MAX_LEN)
         worst = max(worst, (out.float() - ref.float()).abs().max().item())
     return f"max|diff| {worst:.1e} over 5 replays on other offsets"
-
-
-def flash(step: list[int], graph_len: int | None = None) -> Callable[[], object]:
-    """aten's flash varlen over the step's rows; `graph_len`: as the engine's graph replays
-    it, the grid sized for that length (at least the step's longest input)."""
-    offsets = step_offsets(step, graph_len)
-    longest = graph_len or max(step)
-    q = torch.randn(int(offsets[-1]), HEADS, HEAD_SIZE, device="cuda", dtype=torch.float16)
-    cu = torch.tensor(offsets, device="cuda", dtype=torch.int32)
-    return lambda: torch.ops.aten._flash_attention_forward(
-        q, q, q, cu, cu, longest, longest, 0.0, False, False, scale=0.125
-    )
 
 
 def dense(step: list[int], mask: bool) -> Callable[[], object]:
@@ -139,15 +130,18 @@ def main() -> None:
     }
     for name, order in orders.items():
         cut = steps(lengths[order])
-        print(f"{name}: {len(cut)} steps; flash varlen {device_ms([flash(s) for s in cut]):.1f} ms")
-        graph = device_ms([flash(s, MAX_LEN) for s in cut])
+        exact = device_ms([varlen("aten", s) for s in cut])
+        print(f"{name}: {len(cut)} steps; flash varlen {exact:.1f} ms")
+        graph = device_ms([varlen("aten", s, MAX_LEN) for s in cut])
         print(f"   flash varlen, the engine's graph grid (512 tokens, 544 slots): {graph:.1f} ms")
-        bucket = device_ms([flash(s, min(MAX_LEN, 1 << (max(s) - 1).bit_length())) for s in cut])
+        bucket = device_ms(
+            [varlen("aten", s, min(MAX_LEN, 1 << (max(s) - 1).bit_length())) for s in cut]
+        )
         print(f"   flash varlen, that grid for the longest input's power of two: {bucket:.1f} ms")
         if has_fa4:
             exact, graph = (
-                device_ms([fa4(s) for s in cut]),
-                device_ms([fa4(s, MAX_LEN) for s in cut]),
+                device_ms([varlen("fa4", s) for s in cut]),
+                device_ms([varlen("fa4", s, MAX_LEN) for s in cut]),
             )
             print(f"   FA4 varlen {exact:.1f} ms; on the engine's graph grid {graph:.1f} ms")
             print(f"   FA4 varlen in a CUDA graph: {fa4_graph_replays(cut)}")

@@ -54,6 +54,8 @@ class PoolingQueueDepth:
         n = self.num_engines
         if num_requests >= n * (self.max_num_seqs + MAX_SKIPS_PER_STEP):
             return True
-        in_flight = self.steps_in_flight if steps_in_flight is None else steps_in_flight
-        budgets = (min(in_flight, self.steps_in_flight) + 1) * self.max_num_batched_tokens
+        in_flight = self.steps_in_flight
+        if steps_in_flight is not None:
+            in_flight = min(steps_in_flight, in_flight)
+        budgets = (in_flight + 1) * self.max_num_batched_tokens
         return num_tokens >= n * (budgets + MAX_SKIPS_PER_STEP * max_input_len)
