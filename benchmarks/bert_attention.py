@@ -47,18 +47,68 @@ def step_offsets(step: list[int], graph_len: int | None, size: int | None = None
     return graph_offsets(offsets, size, slots, graph_len)
 
 
-def varlen(kernel: str, step: list[int], graph_len: int | None = None) -> Callable[[], object]:
-    """A varlen call over the step's rows: `kernel` "aten" (aten's flash) or "fa4" (FA4,
-    flash_attn.cute); `graph_len`: as the engine's graph replays it, the grid sized for that
-    length (at least the step's longest input)."""
+def triton_varlen(q, k, v, cu, longest, config=None):  # noqa: ANN001, ANN201
+    """The engine's Triton encoder-only kernel (`ops/triton_encoder_attention.py`), its tile
+    table made once per step (outside the timed calls; `tiles_ms` times it)."""
+    from v1.attention.ops import triton_encoder_attention as ops
+
+    rows = config[0] if config else ops.tile_rows(q.shape[2])
+    tiles = ops.query_tiles(cu, q.shape[0], rows)
+    return lambda: ops.encoder_attention(q, k, v, cu, 0.125, tiles, config)
+
+
+def varlen(
+    kernel: str, step: list[int], graph_len: int | None = None, config: tuple | None = None
+) -> Callable[[], object]:
+    """A varlen call over the step's rows: `kernel` "aten" (aten's flash), "fa4" (FA4,
+    flash_attn.cute) or "triton" (ours, `config` its tiles); q/k/v strided views of one
+    [T, 3, H, D] projection, as the engine holds them; `graph_len`: as the engine's graph
+    replays it, the grid sized for that length (at least the step's longest input)."""
     from fa4_attention import aten_varlen, fa4_varlen
 
-    call = {"aten": aten_varlen, "fa4": fa4_varlen}[kernel]
     offsets = step_offsets(step, graph_len)
     longest = graph_len or max(step)
-    q = torch.randn(int(offsets[-1]), HEADS, HEAD_SIZE, device="cuda", dtype=torch.float16)
+    qkv = torch.randn(int(offsets[-1]), 3, HEADS, HEAD_SIZE, device="cuda", dtype=torch.float16)
+    q, k, v = qkv.unbind(1)
     cu = torch.tensor(offsets, device="cuda", dtype=torch.int32)
-    return lambda: call(q, q, q, cu, longest)
+    if kernel == "triton":
+        return triton_varlen(q, k, v, cu, longest, config)
+    call = {"aten": aten_varlen, "fa4": fa4_varlen}[kernel]
+    return lambda: call(q, k, v, cu, longest)
+
+
+def triton_check(cut: list[list[int]]) -> str:
+    """max|diff| of the Triton kernel to aten flash over the first 5 steps (graph grid too)."""
+    from fa4_attention import aten_varlen
+
+    worst = 0.0
+    for step in cut[:5]:
+        for graph_len in (None, MAX_LEN):
+            offsets = step_offsets(step, graph_len)
+            qkv = torch.randn(
+                int(offsets[-1]), 3, HEADS, HEAD_SIZE, device="cuda", dtype=torch.float16
+            )
+            q, k, v = qkv.unbind(1)
+            cu = torch.tensor(offsets, device="cuda", dtype=torch.int32)
+            longest = graph_len or max(step)
+            rows = int(step_offsets(step, None)[-1])
+            ours = triton_varlen(q, k, v, cu, longest)()[:rows]
+            ref = aten_varlen(q, k, v, cu, longest)[:rows]
+            worst = max(worst, (ours.float() - ref.float()).abs().max().item())
+    return f"max|diff| to aten flash {worst:.1e} (5 steps, exact and graph grids)"
+
+
+def tiles_ms(cut: list[list[int]]) -> float:
+    """Device ms of making every step's tile table once (the engine makes it once a step)."""
+    from v1.attention.ops import triton_encoder_attention as ops
+
+    cus = [torch.tensor(step_offsets(s, MAX_LEN), device="cuda", dtype=torch.int32) for s in cut]
+    rows = ops.tile_rows(HEAD_SIZE)
+    size = STEP_TOKENS + 1024
+    return device_ms([lambda cu=cu: ops.query_tiles(cu, size, rows) for cu in cus]) / LAYERS
+
+
+SWEEP = [(bm, bn, w, s) for bm in (64, 128) for bn in (32, 64) for w in (4, 8) for s in (2, 3, 4)]
 
 
 def fa4_graph_replays(cut: list[list[int]]) -> str:
@@ -123,11 +173,30 @@ def main() -> None:
         has_fa4 = True
     except ImportError:
         has_fa4 = False
-    lengths = np.random.default_rng(0).integers(16, 513, size=4096)
+    global HEAD_SIZE, MAX_LEN  # --head-size 32 --max-len 256: MiniLM's shape
+    if "--head-size" in sys.argv:
+        HEAD_SIZE = int(sys.argv[sys.argv.index("--head-size") + 1])
+    if "--max-len" in sys.argv:
+        MAX_LEN = int(sys.argv[sys.argv.index("--max-len") + 1])
+    lengths = np.random.default_rng(0).integers(16, MAX_LEN + 1, size=4096)
     orders = {
         "random": np.random.default_rng(1).permutation(len(lengths)),
         "sorted": np.argsort(-lengths, kind="stable"),
     }
+    if "--sweep" in sys.argv:
+        cut = steps(lengths[orders["random"]])
+        print(f"head size {HEAD_SIZE}, inputs of 16-{MAX_LEN} tokens; {triton_check(cut)}")
+        print("aten", round(device_ms([varlen("aten", s) for s in cut]), 1), flush=True)
+        print(f"tile tables: {tiles_ms(cut):.2f} ms for the {len(cut)} steps")
+        for config in SWEEP:
+            try:
+                ms = device_ms([varlen("triton", s, None, config) for s in cut])
+                graph = device_ms([varlen("triton", s, MAX_LEN, config) for s in cut])
+            except Exception as e:  # noqa: BLE001 - a config Triton cannot build
+                print("triton", config, "failed:", str(e)[:80])
+                continue
+            print("triton", config, round(ms, 1), "graph grid", round(graph, 1), flush=True)
+        return
     for name, order in orders.items():
         cut = steps(lengths[order])
         exact = device_ms([varlen("aten", s) for s in cut])
@@ -138,6 +207,11 @@ def main() -> None:
             [varlen("aten", s, min(MAX_LEN, 1 << (max(s) - 1).bit_length())) for s in cut]
         )
         print(f"   flash varlen, that grid for the longest input's power of two: {bucket:.1f} ms")
+        exact, graph = (
+            device_ms([varlen("triton", s) for s in cut]),
+            device_ms([varlen("triton", s, MAX_LEN) for s in cut]),
+        )
+        print(f"   Triton (ours) {exact:.1f} ms; on the engine's graph grid {graph:.1f} ms")
         if has_fa4:
             exact, graph = (
                 device_ms([varlen("fa4", s) for s in cut]),

@@ -115,6 +115,25 @@ _SHAPES = [
     BatchShape("encoder", (37, 37, 12, 1, 20), num_heads=6, num_kv_heads=6, attn_types=(ENC,)),
     BatchShape("encoder_only", (5, 1, 23, 64, 9), num_kv_heads=4, attn_types=(ENC_ONLY, ENC)),
     BatchShape("encoder_padded", (9, 3), num_pad_tokens=5, attn_types=(ENC_ONLY,)),
+    # BERT's and MiniLM's heads (64 and 32, MHA): on a GPU in 16 bits, the Triton encoder-only
+    # kernel; lengths below, at and past its tiles of 64 and 32 rows, up to BERT's 512.
+    BatchShape(
+        "encoder_only_bert",
+        (1, 63, 64, 65, 200, 512, 17),
+        num_heads=12,
+        num_kv_heads=12,
+        head_size=64,
+        num_pad_tokens=5,
+        attn_types=(ENC_ONLY,),
+    ),
+    BatchShape(
+        "encoder_only_minilm",
+        (16, 129, 256, 3, 32, 33),
+        num_heads=12,
+        num_kv_heads=12,
+        head_size=32,
+        attn_types=(ENC_ONLY,),
+    ),
     # Equal lengths (Whisper's windows): one dense batch on the GPU.
     BatchShape("encoder_uniform", (37, 37, 37), num_heads=6, num_kv_heads=6, attn_types=(ENC,)),
     BatchShape(

@@ -76,6 +76,18 @@ def test_output_matches_reference_bf16(
     batch.assert_output(run_step(backend, batch))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape_name", ["encoder_only_bert", "encoder_only_minilm"])
+def test_encoder_only_heads_in_16_bits(
+    backend: LoadedBackend, shape_name: str, dtype: torch.dtype
+) -> None:
+    """The BERT-family shapes in 16 bits (the Triton backend's encoder-only kernel on a GPU),
+    q/k/v strided views of one fused projection as the models hold them."""
+    batch = make_batch(SHAPES[shape_name], ENC_ONLY, dtype, backend.device, seed=5)
+    batch.query, batch.key, batch.value = _as_fused_views(batch)
+    batch.assert_output(run_step(backend, batch))
+
+
 @pytest.mark.parametrize(("shape_name", "attn_type"), CASES)
 def test_kv_cache_writes_only_this_steps_slots(
     backend: LoadedBackend, shape_name: str, attn_type: AttentionType

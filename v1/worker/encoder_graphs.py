@@ -118,8 +118,11 @@ class EncoderGraphs:
             capture[0] = 0
             self.offsets.copy_(torch.from_numpy(capture))
             self.lens.copy_(torch.from_numpy(np.diff(capture)))
+            # Warm-up (kernels compile outside the capture) on metadata of its own: a backend
+            # may keep per-step tensors on its metadata (the Triton encoder-only tile table),
+            # which the capture must make itself, so that every replay remakes them.
+            self._forward(size, self._metadata(size))
             metadata = self._metadata(size)
-            self._forward(size, metadata)  # warm-up: kernels compile outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):

@@ -18,13 +18,14 @@ from v1.attention.backend import (
     AttentionBias,
     AttentionImpl,
     AttentionMetadataBuilder,
+    AttentionType,
     BackendCapabilities,
     CommonAttentionMetadata,
     MaterializedBias,
     RelativePositionBias,
     power_of_two_parts,
 )
-from v1.attention.ops import fa4
+from v1.attention.ops import fa4, triton_encoder_attention
 from v1.attention.ops import triton_attention as ops
 from v1.logger import init_logger
 
@@ -96,6 +97,9 @@ class TritonMetadata:
     block_m: int
     uniform_query_len: int | None = None
     """Every request's query length when all are equal (Whisper's 1500-frame windows)."""
+    encoder_tiles: torch.Tensor | None = None
+    """The encoder-only kernel's tile table, made on the device by a step's first layer and
+    read by the rest (`triton_encoder_attention.query_tiles`)."""
 
 
 class TritonMetadataBuilder(AttentionMetadataBuilder):
@@ -125,6 +129,8 @@ class TritonImpl(AttentionImpl):
         common = attn_metadata.common
         paged = self.attn_type.has_kv_cache
         if not paged and bias is None and self._can_use_varlen(query):
+            if self._encoder_only_kernel(common):
+                return self._encoder_only_forward(query, key, value, attn_metadata)
             if not common.causal and attn_metadata.uniform_query_len and _CUDNN_OK[0]:
                 out = self._uniform_forward(query, key, value, common, attn_metadata)
                 if out is not None:
@@ -187,6 +193,30 @@ class TritonImpl(AttentionImpl):
             and self.head_size % 8 == 0
             and self.head_size <= 256
         )
+
+    def _encoder_only_kernel(self, common: CommonAttentionMetadata) -> bool:
+        return (
+            envs.V1_TRITON_ENCODER_ONLY
+            and self.attn_type == AttentionType.ENCODER_ONLY
+            and not common.causal
+            and triton_encoder_attention.supports(self.head_size)
+        )
+
+    def _encoder_only_forward(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, metadata: TritonMetadata
+    ) -> torch.Tensor:
+        """Packed bidirectional rows through the Triton encoder-only kernel; the step's tile
+        table is made at its first layer."""
+        common = metadata.common
+        rows = common.num_actual_tokens
+        cu_seq = common.query_start_loc[: common.num_reqs + 1]
+        if metadata.encoder_tiles is None:
+            block_m = triton_encoder_attention.tile_rows(self.head_size)
+            metadata.encoder_tiles = triton_encoder_attention.query_tiles(cu_seq, rows, block_m)
+        out = triton_encoder_attention.encoder_attention(
+            query[:rows], key[:rows], value[:rows], cu_seq, self.scale, metadata.encoder_tiles
+        )
+        return self._pad_rows(out, query.shape[0])
 
     def _uniform_forward(
         self,
