@@ -18,7 +18,9 @@ then `--repeats` timed runs; the best median is the baseline), then our engine o
 - `after`: the defaults (fused kernels on, max_steps_in_flight auto: 3 for pooling on a GPU,
   outputs converted as they arrive, each vector's float list made at its first `.embedding`
   read: the line prints what making all of them costs, outside the timed figure);
-- `cudnn` (opt-in): `after` plus `V1_CUDNN_VARLEN` (cuDNN ragged attention; the line says
+- `flash` (opt-in): `after` with aten's flash varlen attention in place of the Triton
+  encoder-only kernel (`V1_TRITON_ENCODER_ONLY=0`, the attention before session 26);
+- `cudnn` (opt-in): `flash` plus `V1_CUDNN_VARLEN` (cuDNN ragged attention; the line says
   whether cuDNN took it or refused). Its encoder steps run eagerly: the op cannot be captured
   in the encoder's CUDA graphs (see `make_encoder_graphs`).
 Then, unless `--no-profile`, one more run of each under torch.profiler: the device kernel time
@@ -140,15 +142,27 @@ def _median_rate(seconds: list[float], tokens: int) -> float:
 
 
 VARIANTS: dict[str, tuple[dict[str, bool], dict[str, Any]]] = {
-    "before": ({"V1_FUSED_ENCODER": False, "V1_CUDNN_VARLEN": False}, {"max_steps_in_flight": 2}),
+    "before": (
+        {"V1_FUSED_ENCODER": False, "V1_CUDNN_VARLEN": False, "V1_TRITON_ENCODER_ONLY": False},
+        {"max_steps_in_flight": 2},
+    ),
     "after": ({"V1_FUSED_ENCODER": True, "V1_CUDNN_VARLEN": False}, {}),
-    "cudnn": ({"V1_FUSED_ENCODER": True, "V1_CUDNN_VARLEN": True}, {}),
+    "flash": (
+        {"V1_FUSED_ENCODER": True, "V1_CUDNN_VARLEN": False, "V1_TRITON_ENCODER_ONLY": False},
+        {},
+    ),
+    "cudnn": (
+        {"V1_FUSED_ENCODER": True, "V1_CUDNN_VARLEN": True, "V1_TRITON_ENCODER_ONLY": False},
+        {},
+    ),
 }
 """Our engine's variants: the v1.envs flags set while the engine is built and run (read at
 forward / capture time), and extra LLM arguments. `before` is the code before issue 35's
 BERT changes (torch embeddings and pooling, 2 steps in flight, outputs converted after the
-last step: `_embed_converting_at_end`); `after` the defaults; `cudnn` the defaults plus the
-experimental cuDNN ragged attention. Not switchable, so in all three: steps of texts ship no
+last step: `_embed_converting_at_end`, aten's flash varlen attention); `after` the defaults;
+`flash` the defaults with aten's flash varlen in place of the Triton encoder-only attention
+kernel (`V1_TRITON_ENCODER_ONLY=0`); `cudnn` the defaults plus the experimental cuDNN ragged
+attention. Not switchable, so in all three: steps of texts ship no
 segment ids, and the pooling builds no per-token request index unless a mode needs it."""
 
 

@@ -27,14 +27,15 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _minilm():
-    """The real all-MiniLM-L6-v2 folder: the shared assets, or the copy a device run carries
-    in .bench_assets/minilm (as benchmarks/bert_embed.py takes it); None when neither exists."""
+    """The real all-MiniLM-L6-v2 folder (its config and weights): the shared assets, or the
+    copy a device run carries in .bench_assets/minilm; None when neither holds them (a device
+    run may carry its tokenizer alone there)."""
     from pathlib import Path
 
     from tests.utils import ASSETS
 
     for path in (ASSETS / "all-MiniLM-L6-v2", Path(REPO) / ".bench_assets" / "minilm"):
-        if path.is_dir():
+        if (path / "config.json").is_file() and (path / "model.safetensors").is_file():
             return path
     return None
 
