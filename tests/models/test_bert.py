@@ -594,3 +594,46 @@ def test_cuda_graph_steps_match_eager_steps(tmp_path: Path, arch: str) -> None:
     )
     for a, b in zip(graphed, eager, strict=True):
         np.testing.assert_allclose(a.pooled_output, b.pooled_output, atol=1e-2, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("arch", ["BertModel", "RobertaModel"])
+@pytest.mark.parametrize("heads", [2, 4], ids=["head64", "head32"])
+def test_triton_encoder_only_attention_matches_transformers(
+    tmp_path: Path, arch: str, heads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Heads of 64 and 32 (bert-base's and MiniLM's) in fp16 run the Triton encoder-only
+    kernel, in CUDA graphs and eagerly: hidden states match transformers' (fp32) and aten's
+    flash varlen (V1_TRITON_ENCODER_ONLY=0) on lengths below, at and past its tiles."""
+    from v1 import envs
+    from v1.attention.ops import triton_encoder_attention as kernel
+
+    calls: list[int] = []
+    run = kernel.encoder_attention
+    monkeypatch.setattr(
+        kernel, "encoder_attention", lambda *a, **k: calls.append(1) or run(*a, **k)
+    )
+    hf_model, path = checkpoint(
+        tmp_path, arch, hidden_size=128, num_attention_heads=heads, max_position_embeddings=160
+    )
+    inputs = random_inputs([150, 64, 65, 1, 127, 33, 32, 2] * 12, type_ids=arch == "BertModel")
+    kwargs = dict(device="cuda", dtype="float16", max_num_batched_tokens=1024, max_num_seqs=64)
+    outs = {}
+    for name, triton_kernel, eager in [
+        ("graphs", True, False),
+        ("eager", True, True),
+        ("flash", False, False),
+    ]:
+        monkeypatch.setattr(envs, "V1_TRITON_ENCODER_ONLY", triton_kernel)
+        calls.clear()
+        core = make_core(path, enforce_eager=eager, **kwargs)
+        outs[name], _ = run_core(core, inputs, PoolingParams(task="encode"))
+        assert bool(calls) == triton_kernel, name
+    for i, inp in enumerate(inputs[:8]):
+        expected = hf_hidden(hf_model, inp)
+        got = torch.from_numpy(outs["graphs"][i].pooled_output)
+        torch.testing.assert_close(got, expected, atol=3e-2, rtol=0)
+    for other in ("eager", "flash"):
+        for a, b in zip(outs["graphs"], outs[other], strict=True):
+            np.testing.assert_allclose(a.pooled_output, b.pooled_output, atol=1e-2, rtol=0)

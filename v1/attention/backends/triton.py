@@ -197,6 +197,7 @@ class TritonImpl(AttentionImpl):
     def _encoder_only_kernel(self, common: CommonAttentionMetadata) -> bool:
         return (
             envs.V1_TRITON_ENCODER_ONLY
+            and not envs.V1_CUDNN_VARLEN  # the opt-in experiment keeps its kernel
             and self.attn_type == AttentionType.ENCODER_ONLY
             and not common.causal
             and triton_encoder_attention.supports(self.head_size)
