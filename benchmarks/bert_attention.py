@@ -6,9 +6,15 @@ the result is wrong, an upper bound). Flash varlen also as the engine's encoder 
 launch it (`encoder_graphs.graph_offsets`: the step padded to a multiple of 1024 tokens, 544
 sequence slots, the grid sized for 512 tokens whatever the step holds), and with that grid
 sized for the step's longest input rounded up to a power of two (graphs per length bucket).
-Device time of the 12 layers' calls, median of 5.
+The engine's Triton encoder-only kernel (`ops/triton_encoder_attention.py`) on the same
+steps, exact and on the graphs' grid. Device time of the 12 layers' calls, median of 5. q/k/v
+are strided views of one [T, 3, H, D] projection, as the engine holds them.
+
+`--sweep` times the Triton kernel's tile configurations instead (inputs in random order; with
+`--head-size 32 --max-len 256`, MiniLM's shape), after checking it against aten's flash.
 
     python3 benchmarks/bert_attention.py
+    python3 benchmarks/bert_attention.py --sweep --head-size 32 --max-len 256
 """
 
 from __future__ import annotations
