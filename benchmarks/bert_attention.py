@@ -11,7 +11,8 @@ steps, exact and on the graphs' grid. Device time of the 12 layers' calls, media
 are strided views of one [T, 3, H, D] projection, as the engine holds them.
 
 `--sweep` times the Triton kernel's tile configurations instead (inputs in random order; with
-`--head-size 32 --max-len 256`, MiniLM's shape), after checking it against aten's flash.
+`--head-size 32 --max-len 256`, MiniLM's shape), after checking it against aten's flash;
+`--quick` times the engine's configuration alone, `--inputs N` takes N inputs (4096).
 
     python3 benchmarks/bert_attention.py
     python3 benchmarks/bert_attention.py --sweep --head-size 32 --max-len 256
@@ -184,7 +185,8 @@ def main() -> None:
         HEAD_SIZE = int(sys.argv[sys.argv.index("--head-size") + 1])
     if "--max-len" in sys.argv:
         MAX_LEN = int(sys.argv[sys.argv.index("--max-len") + 1])
-    lengths = np.random.default_rng(0).integers(16, MAX_LEN + 1, size=4096)
+    inputs = int(sys.argv[sys.argv.index("--inputs") + 1]) if "--inputs" in sys.argv else 4096
+    lengths = np.random.default_rng(0).integers(16, MAX_LEN + 1, size=inputs)
     orders = {
         "random": np.random.default_rng(1).permutation(len(lengths)),
         "sorted": np.argsort(-lengths, kind="stable"),
@@ -194,7 +196,12 @@ def main() -> None:
         print(f"head size {HEAD_SIZE}, inputs of 16-{MAX_LEN} tokens; {triton_check(cut)}")
         print("aten", round(device_ms([varlen("aten", s) for s in cut]), 1), flush=True)
         print(f"tile tables: {tiles_ms(cut):.2f} ms for the {len(cut)} steps")
-        for config in SWEEP:
+        configs = SWEEP
+        if "--quick" in sys.argv:  # the engine's tiles for this head size alone
+            from v1.attention.ops.triton_encoder_attention import CONFIGS
+
+            configs = [CONFIGS[HEAD_SIZE]]
+        for config in configs:
             try:
                 ms = device_ms([varlen("triton", s, None, config) for s in cut])
                 graph = device_ms([varlen("triton", s, MAX_LEN, config) for s in cut])
