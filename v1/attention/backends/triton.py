@@ -200,7 +200,7 @@ class TritonImpl(AttentionImpl):
             and not envs.V1_CUDNN_VARLEN  # the opt-in experiment keeps its kernel
             and self.attn_type == AttentionType.ENCODER_ONLY
             and not common.causal
-            and triton_encoder_attention.supports(self.head_size)
+            and triton_encoder_attention.supports(self.head_size, common.max_query_len)
         )
 
     def _encoder_only_forward(
