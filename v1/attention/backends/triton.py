@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -97,9 +97,9 @@ class TritonMetadata:
     block_m: int
     uniform_query_len: int | None = None
     """Every request's query length when all are equal (Whisper's 1500-frame windows)."""
-    encoder_tiles: torch.Tensor | None = None
-    """The encoder-only kernel's tile table, made on the device by a step's first layer and
-    read by the rest (`triton_encoder_attention.query_tiles`)."""
+    encoder_tiles: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Tile rows -> the encoder-only kernel's tile table, made on the device by a step's first
+    layer and read by the rest (`triton_encoder_attention.query_tiles`)."""
 
 
 class TritonMetadataBuilder(AttentionMetadataBuilder):
@@ -211,11 +211,13 @@ class TritonImpl(AttentionImpl):
         common = metadata.common
         rows = common.num_actual_tokens
         cu_seq = common.query_start_loc[: common.num_reqs + 1]
-        if metadata.encoder_tiles is None:
-            block_m = triton_encoder_attention.tile_rows(self.head_size)
-            metadata.encoder_tiles = triton_encoder_attention.query_tiles(cu_seq, rows, block_m)
+        block_m = triton_encoder_attention.tile_rows(self.head_size)
+        tiles = metadata.encoder_tiles.get(block_m)
+        if tiles is None:
+            tiles = triton_encoder_attention.query_tiles(cu_seq, rows, block_m)
+            metadata.encoder_tiles[block_m] = tiles
         out = triton_encoder_attention.encoder_attention(
-            query[:rows], key[:rows], value[:rows], cu_seq, self.scale, metadata.encoder_tiles
+            query[:rows], key[:rows], value[:rows], cu_seq, self.scale, tiles
         )
         return self._pad_rows(out, query.shape[0])
 
