@@ -82,10 +82,10 @@ encoder-only steps run eagerly (no CUDA graphs: the op cannot be stream-captured
 
 V1_TRITON_ENCODER_ONLY: bool = _bool("V1_TRITON_ENCODER_ONLY", True)
 """Encoder-only attention (BERT family) of head size 32 or 64 over inputs of at most 2,048
-tokens, on CUDA in 16 bits, through
-the Triton kernel of v1/attention/ops/triton_encoder_attention.py (bert-base's attention 58
-against 93 ms in aten's flash varlen, H200); 0 keeps aten's flash varlen. V1_CUDNN_VARLEN,
-where set, takes precedence."""
+tokens, on CUDA in 16 bits, through the Triton kernel of
+v1/attention/ops/triton_encoder_attention.py (bert-base's attention 58 against 93 ms in aten's
+flash varlen, H200); 0 keeps aten's flash varlen. V1_CUDNN_VARLEN, where set, takes
+precedence."""
 
 V1_FA4: str = os.environ.get("V1_FA4", "auto").strip().lower() or "auto"
 """FlashAttention-4 (the optional `flash-attn-4` package) for equal-length encoder batches of
