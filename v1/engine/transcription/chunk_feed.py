@@ -13,7 +13,8 @@ from typing import Any, Protocol
 
 from v1.audio import SAMPLE_RATE
 from v1.engine.transcription.batching import ChunkJoiner, ChunkStream
-from v1.engine.transcription.plan import FileProgress, Plan, TranscriptionPlanner
+from v1.engine.transcription.plan import TranscriptionPlanner
+from v1.engine.transcription.plan_io import FileProgress, Plan
 from v1.engine.transcription.segments import TranscriptionResult, TranscriptionSegment
 
 

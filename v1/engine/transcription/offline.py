@@ -27,7 +27,8 @@ from v1.engine.inputs.whisper import WINDOW_SECONDS
 from v1.engine.transcription.chunk_feed import ChunkFeed, Unit
 from v1.engine.transcription.loading import load_audio_inputs
 from v1.engine.transcription.options import TranscriptionOptions
-from v1.engine.transcription.plan import FileProgress, Plan, TranscriptionPlanner, WindowOutput
+from v1.engine.transcription.plan import TranscriptionPlanner
+from v1.engine.transcription.plan_io import FileProgress, Plan, WindowOutput
 from v1.engine.transcription.segments import TranscriptionResult, TranscriptionSegment
 from v1.engine.transcription.windows import (
     WindowCollector,

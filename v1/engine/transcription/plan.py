@@ -10,8 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass
+from collections.abc import Generator, Sequence
 from typing import Any
 
 import numpy as np
@@ -24,6 +23,7 @@ from v1.engine.inputs.whisper import WhisperInputBuilder, WhisperInputError
 from v1.engine.output_processor import ParentRequest
 from v1.engine.transcription.hallucination import Span, WindowPlace, skip_hallucinations
 from v1.engine.transcription.options import TranscriptionOptions
+from v1.engine.transcription.plan_io import FileProgress, Plan, WindowOutput, WindowRequest
 from v1.engine.transcription.seek import (
     FRAMES_PER_SECOND,
     MAX_CONDITIONING_TEMPERATURE,
@@ -41,61 +41,12 @@ from v1.engine.transcription.segments import (
     SegmentAssembler,
     TranscriptionError,
     TranscriptionResult,
-    TranscriptionSegment,
 )
 from v1.engine.transcription.window_params import window_params
-from v1.engine.transcription.words import TranscriptionWord, timed_words
+from v1.engine.transcription.words import span_words
 from v1.sampling_params import SamplingParams
 
 WINDOW_SAMPLES = WINDOW_FRAMES * SAMPLES_PER_FRAME
-
-
-@dataclass(frozen=True)
-class WindowRequest:
-    """One window request a plan asks a driver to run, built and checked: the driver hands
-    `core_requests` to the engine as they are (`add_processed_request`)."""
-
-    request_id: str
-    prompt: dict[str, Any]
-    """`{"prompt_token_ids": decoder prompt, "multi_modal_data": {"audio": AudioClip}}`: what
-    the request was built from."""
-    params: SamplingParams
-    core_requests: list[EngineCoreRequest]
-    """One per sample (best_of: n children of `request_id`); a beam search's base request."""
-    beam: BeamSearchParams | None = None
-    """Run as a beam search (temperature 0 with beam_size): the best beam is the output."""
-    length_penalty: float | None = None
-    """Ranks the n > 1 samples of a best_of request (openai-whisper's ranker)."""
-
-
-@dataclass(frozen=True)
-class WindowOutput:
-    """What a plan needs back from one finished request."""
-
-    token_ids: list[int]
-    logprobs: list[float] | None
-    """Raw logprob of each sampled token (requests ask for logprobs=0)."""
-    no_speech_prob: float | None
-    token_times: list[float] | None = None
-    """Boundary times of the generated text tokens, seconds from the window start (requests
-    with word_timestamps): text token k spans [token_times[k], token_times[k + 1]]."""
-
-
-Plan = Generator[WindowRequest, WindowOutput, TranscriptionResult]
-"""One waveform's windows, one request at a time (each depends on the one before)."""
-
-
-@dataclass
-class FileProgress:
-    """How far one file's plan got, for progress bars."""
-
-    duration: float
-    """Seconds of audio."""
-    done: float = 0.0
-    """Seconds before the current window (all of them once the plan returns)."""
-    on_segment: Callable[[TranscriptionSegment], None] | None = None
-    """Called with each segment as soon as its window is decoded (final: the plan's result
-    has the same segment objects, in the same order)."""
 
 
 class TranscriptionPlanner:
@@ -521,7 +472,15 @@ class TranscriptionPlanner:
         assert threshold is not None
         if not attempt.token_times:
             return spans, next_seek, None, False
-        seg_words = self._span_words(spans, attempt, place.seek / FRAMES_PER_SECOND, language)
+        seg_words = span_words(
+            [text_ids for _, _, text_ids in spans],
+            attempt.token_times,
+            attempt.text_probs,
+            place.seek / FRAMES_PER_SECOND,
+            self.builder.tokenizer.decode,
+            language,
+            self.tokens.eos,
+        )
         # The end of the last word decoded so far (faster-whisper's last_speech_timestamp).
         last_speech = next(
             (w.last_word_end for w in reversed(windows) if w.last_word_end is not None), 0.0
@@ -536,38 +495,6 @@ class TranscriptionPlanner:
             last_speech=last_speech,
             single_ending=len(content) >= 2 and content[-2] < tb <= content[-1],
         )
-
-    def _span_words(
-        self,
-        spans: list[Span],
-        attempt: Attempt,
-        offset: float,
-        language: str,
-    ) -> list[list[TranscriptionWord]]:
-        """Each span's timed words (empty where the attempt's token times do not cover it)."""
-        times, probs = attempt.token_times, attempt.text_probs
-        assert times is not None
-        decode = self.builder.tokenizer.decode
-        seg_words: list[list[TranscriptionWord]] = []
-        cursor = 0
-        for _, _, text_ids in spans:
-            n = len(text_ids)
-            if n and cursor + n < len(times):
-                seg_words.append(
-                    timed_words(
-                        text_ids,
-                        times[cursor : cursor + n + 1],
-                        offset,
-                        decode,
-                        language,
-                        self.tokens.eos,
-                        probs[cursor : cursor + n] if probs else None,
-                    )
-                )
-            else:
-                seg_words.append([])
-            cursor += n
-        return seg_words
 
     # ---- engine requests ----
     def _decoder_prompt(

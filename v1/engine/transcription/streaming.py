@@ -22,7 +22,8 @@ from v1.engine.beam_search import run_beam_search_async
 from v1.engine.transcription.batching import ChunkJoiner, speech_chunks
 from v1.engine.transcription.loading import load_audio_inputs
 from v1.engine.transcription.options import TranscriptionOptions
-from v1.engine.transcription.plan import Plan, TranscriptionPlanner, WindowOutput, WindowRequest
+from v1.engine.transcription.plan import TranscriptionPlanner
+from v1.engine.transcription.plan_io import Plan, WindowOutput, WindowRequest
 from v1.engine.transcription.segments import TranscriptionResult
 from v1.engine.transcription.windows import (
     WindowCollector,

@@ -12,7 +12,7 @@ from typing import Any
 
 from v1.engine.beam_search import BeamSearch
 from v1.engine.output_processor import LazySampleLogprobs
-from v1.engine.transcription.plan import Plan, WindowOutput, WindowRequest
+from v1.engine.transcription.plan_io import Plan, WindowOutput, WindowRequest
 from v1.engine.transcription.segments import TranscriptionError, TranscriptionResult
 from v1.outputs import RequestOutput
 

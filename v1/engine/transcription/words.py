@@ -81,6 +81,39 @@ def timed_words(
     ]
 
 
+def span_words(
+    spans: Sequence[Sequence[int]],
+    token_times: Sequence[float],
+    text_probs: Sequence[float] | None,
+    offset: float,
+    decode: Callable[[list[int]], str],
+    language: str,
+    eos: int,
+) -> list[list[TranscriptionWord]]:
+    """The timed words of each span of a window's text tokens (consecutive runs of the tokens
+    `token_times` times), empty where the times do not cover a span."""
+    seg_words: list[list[TranscriptionWord]] = []
+    cursor = 0
+    for text_ids in spans:
+        n = len(text_ids)
+        if n and cursor + n < len(token_times):
+            seg_words.append(
+                timed_words(
+                    text_ids,
+                    token_times[cursor : cursor + n + 1],
+                    offset,
+                    decode,
+                    language,
+                    eos,
+                    text_probs[cursor : cursor + n] if text_probs else None,
+                )
+            )
+        else:
+            seg_words.append([])
+        cursor += n
+    return seg_words
+
+
 class WordClock:
     """Words of one file's segments on the file's clock: each window's token times (from its
     start) are taken by its segments' text tokens in order; words are kept in time order and
