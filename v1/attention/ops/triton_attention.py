@@ -42,6 +42,78 @@ def _relative_bucket(
     return bucket + tl.where(n < REL_MAX_EXACT, n, large)
 
 
+@triton.jit
+def _kv_tile(
+    K, V, KScale, VScale, block_table, req, q_start, offs_n, n_mask, kv_head, offs_d, d_mask,
+    stride_ks, stride_kh, stride_vs, stride_vh, stride_scale_s, stride_bt, q,
+    PAGED: tl.constexpr, PAGE: tl.constexpr, FP8_KV: tl.constexpr,
+):  # fmt: skip
+    """Keys and values at positions `offs_n` of one request: from the paged cache through its
+    block table, or the packed rows from `q_start`; fp8 rows dequantized to q's dtype."""
+    if PAGED:
+        block_ids = tl.load(block_table + req * stride_bt + offs_n // PAGE, mask=n_mask, other=0)
+        rows = block_ids.to(tl.int64) * PAGE + offs_n % PAGE
+    else:
+        rows = (q_start + offs_n).to(tl.int64)
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(
+        K + rows[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )
+    v = tl.load(
+        V + rows[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )
+    if FP8_KV:
+        k_scale = tl.load(KScale + rows * stride_scale_s + kv_head, mask=n_mask, other=0.0)
+        v_scale = tl.load(VScale + rows * stride_scale_s + kv_head, mask=n_mask, other=0.0)
+        k = (k.to(tl.float32) * k_scale[:, None]).to(q.dtype)
+        v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
+    return k, v
+
+
+@triton.jit
+def _add_bias(
+    s, Bias, req, head, offs_m, offs_n, m_mask, n_mask, bias_pos, bias_stride_r, bias_stride_h,
+    bias_stride_q, NUM_HEADS: tl.constexpr, BIAS_MODE: tl.constexpr, REL_NB: tl.constexpr,
+    REL_MAX_EXACT: tl.constexpr, REL_LOG_RATIO: tl.constexpr, BIDIRECTIONAL: tl.constexpr,
+):  # fmt: skip
+    """Scores plus the bias (BIAS_MODE 1: a materialized padded tensor; 2: T5 buckets)."""
+    if BIAS_MODE == 1:
+        b_ptr = Bias + req * bias_stride_r + head * bias_stride_h
+        s += tl.load(
+            b_ptr + offs_m[:, None] * bias_stride_q + offs_n[None, :],
+            mask=m_mask[:, None] & n_mask[None, :],
+            other=0.0,
+        ).to(tl.float32)
+    if BIAS_MODE == 2:
+        bucket = _relative_bucket(
+            offs_n[None, :] - bias_pos[:, None],
+            REL_NB,
+            REL_MAX_EXACT,
+            REL_LOG_RATIO,
+            BIDIRECTIONAL,
+        )
+        s += tl.load(Bias + bucket * NUM_HEADS + head).to(tl.float32)
+    return s
+
+
+@triton.jit
+def _online_softmax(s, valid, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
+    """One key block into the running max (m_i), sum (l_i) and output (acc); a row with no
+    valid key yet keeps m_i at -inf and adds nothing."""
+    s = tl.where(valid, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
 # Queries are packed [T, H, D]; keys come either from the paged cache through the block table
 # (DECODER, ENCODER_DECODER) or from packed K/V that share the query offsets (ENCODER,
 # ENCODER_ONLY). Optional bias: a materialized padded tensor, or T5 relative-position buckets
@@ -49,50 +121,16 @@ def _relative_bucket(
 # head) are quantized by the write kernel and dequantized as K/V tiles load.
 @triton.jit
 def _attention_kernel(
-    Q,
-    K,
-    V,
-    Out,
-    query_start_loc,
-    seq_lens,
-    block_table,
-    work_req,
-    work_mblock,
-    query_positions,
-    Bias,
-    bias_stride_r,
-    bias_stride_h,
-    bias_stride_q,
-    KScale,
-    VScale,
-    stride_scale_s,
-    stride_qt,
-    stride_qh,
-    stride_ks,
-    stride_kh,
-    stride_vs,
-    stride_vh,
-    stride_ot,
-    stride_oh,
-    stride_bt,
-    scale,
-    NUM_HEADS: tl.constexpr,
-    NUM_KV_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PAGED: tl.constexpr,
-    PAGE: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    BIAS_MODE: tl.constexpr,
-    REL_NB: tl.constexpr,
-    REL_MAX_EXACT: tl.constexpr,
-    REL_LOG_RATIO: tl.constexpr,
-    BIDIRECTIONAL: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    FP8_KV: tl.constexpr,
-):
+    Q, K, V, Out, query_start_loc, seq_lens, block_table, work_req, work_mblock,
+    query_positions, Bias, bias_stride_r, bias_stride_h, bias_stride_q, KScale, VScale,
+    stride_scale_s, stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
+    stride_ot, stride_oh, stride_bt, scale,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
+    PAGE: tl.constexpr, CAUSAL: tl.constexpr, BIAS_MODE: tl.constexpr, REL_NB: tl.constexpr,
+    REL_MAX_EXACT: tl.constexpr, REL_LOG_RATIO: tl.constexpr, BIDIRECTIONAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FP8_KV: tl.constexpr,
+):  # fmt: skip
     pid = tl.program_id(0)
     head = tl.program_id(1)
     req = tl.load(work_req + pid)
@@ -113,6 +151,7 @@ def _attention_kernel(
     )
     # Query j sits at position kv_len - q_len + j (chunked prefill and decode alike).
     q_pos = kv_len - q_len + offs_m
+    bias_pos = offs_m  # read by relative-position bias alone
     if BIAS_MODE == 2:
         # Relative positions use the query's own sequence position (for cross-attention that
         # is the decoder position, not an offset into the encoder keys).
@@ -127,57 +166,21 @@ def _attention_kernel(
     for start_n in range(0, kv_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_end
-        if PAGED:
-            block_ids = tl.load(
-                block_table + req * stride_bt + offs_n // PAGE, mask=n_mask, other=0
-            )
-            rows = block_ids.to(tl.int64) * PAGE + offs_n % PAGE
-        else:
-            rows = (q_start + offs_n).to(tl.int64)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(
-            K + rows[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        v = tl.load(
-            V + rows[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        if FP8_KV:
-            k_scale = tl.load(KScale + rows * stride_scale_s + kv_head, mask=n_mask, other=0.0)
-            v_scale = tl.load(VScale + rows * stride_scale_s + kv_head, mask=n_mask, other=0.0)
-            k = (k.to(tl.float32) * k_scale[:, None]).to(q.dtype)
-            v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
+        k, v = _kv_tile(
+            K, V, KScale, VScale, block_table, req, q_start, offs_n, n_mask, kv_head, offs_d,
+            d_mask, stride_ks, stride_kh, stride_vs, stride_vh, stride_scale_s, stride_bt, q,
+            PAGED, PAGE, FP8_KV,
+        )  # fmt: skip
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * scale
-        if BIAS_MODE == 1:
-            b_ptr = Bias + req * bias_stride_r + head * bias_stride_h
-            s += tl.load(
-                b_ptr + offs_m[:, None] * bias_stride_q + offs_n[None, :],
-                mask=m_mask[:, None] & n_mask[None, :],
-                other=0.0,
-            ).to(tl.float32)
-        if BIAS_MODE == 2:
-            bucket = _relative_bucket(
-                offs_n[None, :] - bias_pos[:, None],
-                REL_NB,
-                REL_MAX_EXACT,
-                REL_LOG_RATIO,
-                BIDIRECTIONAL,
-            )
-            s += tl.load(Bias + bucket * NUM_HEADS + head).to(tl.float32)
+        s = _add_bias(
+            s, Bias, req, head, offs_m, offs_n, m_mask, n_mask, bias_pos, bias_stride_r,
+            bias_stride_h, bias_stride_q, NUM_HEADS, BIAS_MODE, REL_NB, REL_MAX_EXACT,
+            REL_LOG_RATIO, BIDIRECTIONAL,
+        )  # fmt: skip
         valid = n_mask[None, :]
         if CAUSAL:
             valid = valid & (offs_n[None, :] <= q_pos[:, None])
-        s = tl.where(valid, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax(s, valid, v, m_i, l_i, acc, DOT_PRECISION)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
         Out + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
