@@ -127,6 +127,36 @@ def _scores(
     return s
 
 
+@triton.jit
+def _weights(
+    s, m_i, l_i, n_mask, Scales, pool_tensor, half, block, row, stride_sc_tensor,
+    stride_sc_half, stride_sc_block, FP8: tl.constexpr,
+):  # fmt: skip
+    """One block of positions into the online softmax: (P [R, N] in float32, alpha, the new
+    running max and sum). fp8 states: E[n] = scale[n] * stored[n], so the scale multiplies
+    column n of the scores, and the weight of row n in P E."""
+    if FP8:
+        scale = tl.load(
+            Scales
+            + pool_tensor * stride_sc_tensor
+            + half * stride_sc_half
+            + block * stride_sc_block
+            + row,
+            mask=n_mask,
+            other=0.0,
+        )
+        s = s * scale[None, :]
+    s = tl.where(n_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if FP8:
+        p = p * scale[None, :]
+    return p, alpha, m_new, l_i
+
+
 # Every head of every query token attends over the same E (multi-query attention of width
 # d = d_model), so a program takes a tile of BLOCK_R (token, head) rows of one request and
 # streams that request's E once: scores = q' E^T, online softmax, P E, for all its rows together.
@@ -147,41 +177,16 @@ def _scores(
 # half (o // rows_per_half) % 2, row o % rows_per_half.
 @triton.jit
 def _absorbed_attention_kernel(
-    Q,
-    States,
-    Scales,
-    Out,
-    query_start_loc,
-    seq_lens,
-    block_table,
-    work_req,
-    work_mblock,
-    stride_qt,
-    stride_qh,
-    stride_ot,
-    stride_oh,
-    stride_s_tensor,
-    stride_s_half,
-    stride_s_block,
-    stride_s_row,
-    stride_sc_tensor,
-    stride_sc_half,
-    stride_sc_block,
-    stride_bt,
-    NUM_HEADS: tl.constexpr,
-    D_MODEL: tl.constexpr,
-    CHUNK: tl.constexpr,
-    NUM_CHUNKS: tl.constexpr,
-    ROWS_PER_HALF: tl.constexpr,
-    SPAN: tl.constexpr,
-    QUERY_BLOCK: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    NUM_TILES: tl.constexpr,
-    FP8: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    Q, States, Scales, Out, query_start_loc, seq_lens, block_table, work_req, work_mblock,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_s_tensor, stride_s_half, stride_s_block, stride_s_row,
+    stride_sc_tensor, stride_sc_half, stride_sc_block, stride_bt,
+    NUM_HEADS: tl.constexpr, D_MODEL: tl.constexpr, CHUNK: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr, ROWS_PER_HALF: tl.constexpr, SPAN: tl.constexpr,
+    QUERY_BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_TILES: tl.constexpr, FP8: tl.constexpr, DOT_PRECISION: tl.constexpr,
     LOOP_STAGES: tl.constexpr,
-):
+):  # fmt: skip
     # Row tiles of one work item are adjacent programs: they share E through L2.
     pid = tl.program_id(0) // NUM_TILES
     tile = tl.program_id(0) % NUM_TILES
@@ -229,29 +234,11 @@ def _absorbed_attention_kernel(
         s = _scores(
             Q, q_rows, r_mask, States, base, n_mask, CHUNK, NUM_CHUNKS, D_MODEL, DOT_PRECISION
         )
-        if FP8:
-            # E[n] = scale[n] * stored[n]: the scale multiplies column n of the scores, and
-            # the weight of row n in P E.
-            scale = tl.load(
-                Scales
-                + pool_tensor * stride_sc_tensor
-                + half * stride_sc_half
-                + block * stride_sc_block
-                + row,
-                mask=n_mask,
-                other=0.0,
-            )
-            s = s * scale[None, :]
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if FP8:
-            p = p * scale[None, :]
+        p, alpha, m_i, l_i = _weights(
+            s, m_i, l_i, n_mask, Scales, pool_tensor, half, block, row, stride_sc_tensor,
+            stride_sc_half, stride_sc_block, FP8,
+        )  # fmt: skip
         p = p.to(Q.dtype.element_ty)
-        m_i = m_new
         acc0 = _update_chunk(acc0, alpha, p, States, base, n_mask, 0, CHUNK, D_MODEL, DOT_PRECISION)
         if NUM_CHUNKS > 1:
             acc1 = _update_chunk(
