@@ -58,9 +58,10 @@ def triton_varlen(q, k, v, cu, longest, config=None):  # noqa: ANN001, ANN201
     """The engine's Triton encoder-only kernel (`ops/triton_encoder_attention.py`), its tile
     table made once per step (outside the timed calls; `tiles_ms` times it)."""
     from v1.attention.ops import triton_encoder_attention as ops
+    from v1.attention.ops.encoder_tiles import query_tiles
 
     rows = config[0] if config else ops.tile_rows(q.shape[2])
-    tiles = ops.query_tiles(cu, q.shape[0], rows)
+    tiles = query_tiles(cu, q.shape[0], rows)
     return lambda: ops.encoder_attention(q, k, v, cu, 0.125, tiles, config)
 
 
@@ -108,11 +109,12 @@ def triton_check(cut: list[list[int]]) -> str:
 def tiles_ms(cut: list[list[int]]) -> float:
     """Device ms of making every step's tile table once (the engine makes it once a step)."""
     from v1.attention.ops import triton_encoder_attention as ops
+    from v1.attention.ops.encoder_tiles import query_tiles
 
     cus = [torch.tensor(step_offsets(s, MAX_LEN), device="cuda", dtype=torch.int32) for s in cut]
     rows = ops.tile_rows(HEAD_SIZE)
     size = STEP_TOKENS + 1024
-    return device_ms([lambda cu=cu: ops.query_tiles(cu, size, rows) for cu in cus]) / LAYERS
+    return device_ms([lambda cu=cu: query_tiles(cu, size, rows) for cu in cus]) / LAYERS
 
 
 SWEEP = [(bm, bn, w, s) for bm in (64, 128) for bn in (32, 64) for w in (4, 8) for s in (2, 3, 4)]

@@ -1,6 +1,7 @@
 """The Triton encoder-only kernel (`ops/triton_encoder_attention.py`) on offsets as the encoder
-CUDA graphs replay them: the step's sequences, padding sequences, then empty slots; and its
-tile table, made on the device, naming every query block of every sequence once."""
+CUDA graphs replay them: the step's sequences, padding sequences, then empty slots (GPU); and
+its tile table (`ops/encoder_tiles.py`, plain torch) naming every query block of every
+sequence once."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-triton_encoder_attention = pytest.importorskip("v1.attention.ops.triton_encoder_attention")
+from v1.attention.ops.encoder_tiles import query_tiles
 
 
 def _offsets(lens: list[int], num_slots: int, size: int) -> torch.Tensor:
@@ -21,7 +22,7 @@ def _offsets(lens: list[int], num_slots: int, size: int) -> torch.Tensor:
 
 def test_tile_table_names_every_query_block_once() -> None:
     cu = _offsets([1, 64, 65, 300, 512], num_slots=12, size=2048)
-    tiles = triton_encoder_attention.query_tiles(cu, 2048, 64).numpy()
+    tiles = query_tiles(cu, 2048, 64).numpy()
     lens = np.diff(cu.numpy())
     real = tiles[:, tiles[0] < len(lens)]
     expected = [(s, m) for s, n in enumerate(lens) for m in range(-(-int(n) // 64))]
@@ -35,6 +36,7 @@ def test_tile_table_names_every_query_block_once() -> None:
 def test_graph_offsets_match_sdpa_per_sequence(head_size: int, dtype: torch.dtype) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    triton_encoder_attention = pytest.importorskip("v1.attention.ops.triton_encoder_attention")
     lens, size, heads = [7, 512, 64, 130, 1, 255], 2048, 12
     cu = _offsets(lens, num_slots=16, size=size).cuda()
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -25,7 +25,7 @@ from v1.attention.backend import (
     RelativePositionBias,
     power_of_two_parts,
 )
-from v1.attention.ops import fa4, triton_encoder_attention
+from v1.attention.ops import encoder_tiles, fa4, triton_encoder_attention
 from v1.attention.ops import triton_attention as ops
 from v1.logger import init_logger
 
@@ -99,7 +99,7 @@ class TritonMetadata:
     """Every request's query length when all are equal (Whisper's 1500-frame windows)."""
     encoder_tiles: dict[int, torch.Tensor] = field(default_factory=dict)
     """Tile rows -> the encoder-only kernel's tile table, made on the device by a step's first
-    layer and read by the rest (`triton_encoder_attention.query_tiles`)."""
+    layer and read by the rest (`encoder_tiles.query_tiles`)."""
 
 
 class TritonMetadataBuilder(AttentionMetadataBuilder):
@@ -214,7 +214,7 @@ class TritonImpl(AttentionImpl):
         block_m = triton_encoder_attention.tile_rows(self.head_size)
         tiles = metadata.encoder_tiles.get(block_m)
         if tiles is None:
-            tiles = triton_encoder_attention.query_tiles(cu_seq, rows, block_m)
+            tiles = encoder_tiles.query_tiles(cu_seq, rows, block_m)
             metadata.encoder_tiles[block_m] = tiles
         out = triton_encoder_attention.encoder_attention(
             query[:rows], key[:rows], value[:rows], cu_seq, self.scale, tiles

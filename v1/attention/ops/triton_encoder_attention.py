@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from v1.attention.ops.encoder_tiles import query_tiles
+
 LOG2E = 1.4426950408889634
 
 # Tile sizes per head size, from `benchmarks/bert_attention.py --sweep` on an H200 (fp16,
@@ -151,23 +153,6 @@ def _encoder_attention_kernel(
     )
 
 
-def query_tiles(cu_seqlens: torch.Tensor, num_rows: int, block_m: int) -> torch.Tensor:
-    """[2, N] int32 (sequence, query block) of every tile of `block_m` query rows, computed on
-    the device from the offsets (so a CUDA graph recomputes it at each replay). N =
-    cdiv(num_rows, block_m) + S bounds the tiles of any S sequences over num_rows rows; spare
-    tiles name sequence S."""
-    num_seqs = cu_seqlens.shape[0] - 1
-    lens = cu_seqlens[1:] - cu_seqlens[:-1]
-    blocks = (lens + block_m - 1) // block_m
-    ends = torch.cumsum(blocks, 0)
-    index = torch.arange(
-        triton.cdiv(num_rows, block_m) + num_seqs, device=cu_seqlens.device, dtype=ends.dtype
-    )
-    seq = torch.searchsorted(ends, index, right=True)
-    first = (ends - blocks)[seq.clamp(max=num_seqs - 1)]
-    return torch.stack([seq, index - first]).to(torch.int32)
-
-
 def encoder_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -179,9 +164,9 @@ def encoder_attention(
 ) -> torch.Tensor:
     """Bidirectional attention of packed rows q/k/v [T, H, D] (rows may be strided, the last
     dim contiguous) over the sequences `cu_seqlens` [S + 1] (int32) delimits (empty
-    sequences, as a CUDA graph's padded offsets hold, are fine). `tiles`: `query_tiles(
-    cu_seqlens, T, tile_rows(D))`, made once per step for all layers (made here if None).
-    Rows past `cu_seqlens[-1]` are left unwritten."""
+    sequences, as a CUDA graph's padded offsets hold, are fine). `tiles`:
+    `encoder_tiles.query_tiles(cu_seqlens, T, tile_rows(D))`, made once per step for all
+    layers (made here if None). Rows past `cu_seqlens[-1]` are left unwritten."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if cu_seqlens.shape[0] < 2:
         return out
