@@ -1,5 +1,5 @@
 """benchmarks/bert_embed.py on CPU: the real MiniLM folder and the random BERT-base through
-transformers and both of our variants (before / after), with the result file (the GPU run is
+transformers and our variants (before / after / flash), with the result file (the GPU run is
 the lead's)."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ MINILM = ASSETS / "all-MiniLM-L6-v2"
 def test_tiny_bert_embed_run(tmp_path: Path) -> None:
     out = tmp_path / "bert.json"
     args = ["--device", "cpu", "--tiny", "--repeats", "1", "--inputs", "8"]
-    args += ["--model", str(MINILM), "--json", str(out)]
+    args += ["--model", str(MINILM), "--json", str(out), "--variants", "before,after,flash"]
     done = subprocess.run(
         [sys.executable, str(BENCHMARKS / "bert_embed.py"), *args],
         capture_output=True,
@@ -35,8 +35,9 @@ def test_tiny_bert_embed_run(tmp_path: Path) -> None:
     assert [r["workload"] for r in results] == ["all-MiniLM-L6-v2 (real)", "bert-base (random)"]
     for r in results:
         assert r["hf"]["tok_s"] > 0
-        for label in ("before", "after"):
+        for label in ("before", "after", "flash"):
             # Same model, same inputs: our embeddings are transformers' (float32 on CPU).
             assert r[label]["min_cosine_to_hf"] > 0.9999
         assert r["before"]["flags"]["V1_FUSED_ENCODER"] is False
+        assert r["flash"]["flags"]["V1_TRITON_ENCODER_ONLY"] is False
     assert "ours after" in done.stdout and "transformers batch 8" in done.stdout
