@@ -20,6 +20,7 @@ are strided views of one [T, 3, H, D] projection, as the engine holds them.
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -65,20 +66,27 @@ def triton_varlen(q, k, v, cu, longest, config=None):  # noqa: ANN001, ANN201
     return lambda: ops.encoder_attention(q, k, v, cu, 0.125, tiles, config)
 
 
-def varlen(
-    kernel: str, step: list[int], graph_len: int | None = None, config: tuple | None = None
-) -> Callable[[], object]:
-    """A varlen call over the step's rows: `kernel` "aten" (aten's flash), "fa4" (FA4,
-    flash_attn.cute) or "triton" (ours, `config` its tiles); q/k/v strided views of one
-    [T, 3, H, D] projection, as the engine holds them; `graph_len`: as the engine's graph
-    replays it, the grid sized for that length (at least the step's longest input)."""
-    from fa4_attention import aten_varlen, fa4_varlen
-
+def step_inputs(
+    step: list[int], graph_len: int | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(q, k, v, cu, longest) of a step: q/k/v strided views of one [T, 3, H, D] projection,
+    as the engine holds them; with `graph_len`, offsets and grid as the engine's graph replays
+    them (the grid sized for that length, at least the step's longest input)."""
     offsets = step_offsets(step, graph_len)
-    longest = graph_len or max(step)
     qkv = torch.randn(int(offsets[-1]), 3, HEADS, HEAD_SIZE, device="cuda", dtype=torch.float16)
     q, k, v = qkv.unbind(1)
     cu = torch.tensor(offsets, device="cuda", dtype=torch.int32)
+    return q, k, v, cu, graph_len or max(step)
+
+
+def varlen(
+    kernel: str, step: list[int], graph_len: int | None = None, config: tuple | None = None
+) -> Callable[[], object]:
+    """A varlen call over the step's rows (`step_inputs`): `kernel` "aten" (aten's flash),
+    "fa4" (FA4, flash_attn.cute) or "triton" (ours, `config` its tiles)."""
+    from fa4_attention import aten_varlen, fa4_varlen
+
+    q, k, v, cu, longest = step_inputs(step, graph_len)
     if kernel == "triton":
         return triton_varlen(q, k, v, cu, longest, config)
     call = {"aten": aten_varlen, "fa4": fa4_varlen}[kernel]
@@ -91,15 +99,9 @@ def triton_check(cut: list[list[int]]) -> str:
 
     worst = 0.0
     for step in cut[:5]:
+        rows = sum(step)
         for graph_len in (None, MAX_LEN):
-            offsets = step_offsets(step, graph_len)
-            qkv = torch.randn(
-                int(offsets[-1]), 3, HEADS, HEAD_SIZE, device="cuda", dtype=torch.float16
-            )
-            q, k, v = qkv.unbind(1)
-            cu = torch.tensor(offsets, device="cuda", dtype=torch.int32)
-            longest = graph_len or max(step)
-            rows = int(step_offsets(step, None)[-1])
+            q, k, v, cu, longest = step_inputs(step, graph_len)
             ours = triton_varlen(q, k, v, cu, longest)()[:rows]
             ref = aten_varlen(q, k, v, cu, longest)[:rows]
             worst = max(worst, (ours.float() - ref.float()).abs().max().item())
@@ -175,6 +177,7 @@ def device_ms(fns: list[Callable[[], object]], repeats: int = 5) -> float:
 
 
 def main() -> None:
+    global HEAD_SIZE, MAX_LEN  # the step helpers read them
     sys.path.insert(0, str(Path(__file__).parent))
     try:
         import flash_attn.cute  # noqa: F401
@@ -182,24 +185,26 @@ def main() -> None:
         has_fa4 = True
     except ImportError:
         has_fa4 = False
-    global HEAD_SIZE, MAX_LEN  # --head-size 32 --max-len 256: MiniLM's shape
-    if "--head-size" in sys.argv:
-        HEAD_SIZE = int(sys.argv[sys.argv.index("--head-size") + 1])
-    if "--max-len" in sys.argv:
-        MAX_LEN = int(sys.argv[sys.argv.index("--max-len") + 1])
-    inputs = int(sys.argv[sys.argv.index("--inputs") + 1]) if "--inputs" in sys.argv else 4096
-    lengths = np.random.default_rng(0).integers(16, MAX_LEN + 1, size=inputs)
+    p = argparse.ArgumentParser(description="BERT attention kernels over bert_embed.py's workload")
+    p.add_argument("--sweep", action="store_true", help="time the Triton tile configurations")
+    p.add_argument("--quick", action="store_true", help="--sweep: the engine's tiles alone")
+    p.add_argument("--head-size", type=int, default=HEAD_SIZE, help="32 for MiniLM's shape")
+    p.add_argument("--max-len", type=int, default=MAX_LEN, help="longest input (256: MiniLM)")
+    p.add_argument("--inputs", type=int, default=4096)
+    args = p.parse_args()
+    HEAD_SIZE, MAX_LEN = args.head_size, args.max_len
+    lengths = np.random.default_rng(0).integers(16, MAX_LEN + 1, size=args.inputs)
     orders = {
         "random": np.random.default_rng(1).permutation(len(lengths)),
         "sorted": np.argsort(-lengths, kind="stable"),
     }
-    if "--sweep" in sys.argv:
+    if args.sweep:
         cut = steps(lengths[orders["random"]])
         print(f"head size {HEAD_SIZE}, inputs of 16-{MAX_LEN} tokens; {triton_check(cut)}")
         print("aten", round(device_ms([varlen("aten", s) for s in cut]), 1), flush=True)
         print(f"tile tables: {tiles_ms(cut):.2f} ms for the {len(cut)} steps")
         configs = SWEEP
-        if "--quick" in sys.argv:  # the engine's tiles for this head size alone
+        if args.quick:  # the engine's tiles for this head size alone
             from v1.attention.ops.triton_encoder_attention import CONFIGS
 
             configs = [CONFIGS[HEAD_SIZE]]

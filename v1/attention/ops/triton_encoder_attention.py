@@ -173,6 +173,7 @@ def encoder_attention(
     if config is None and q.shape[2] not in CONFIGS:
         raise ValueError(f"no tile configuration for head size {q.shape[2]} (see CONFIGS)")
     block_m, block_n, warps, stages = config or CONFIGS[q.shape[2]]
+    head_dim, block_d = q.shape[2], _block_d(q.shape[2])
     if tiles is None:
         tiles = query_tiles(cu_seqlens, q.shape[0], block_m)
     num_tiles = tiles.shape[1]
@@ -194,11 +195,11 @@ def encoder_attention(
         out.stride(0),
         out.stride(1),
         scale * LOG2E,
-        HEAD_DIM=q.shape[2],
-        BLOCK_D=_block_d(q.shape[2]),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        EVEN_D=_block_d(q.shape[2]) == q.shape[2],
+        EVEN_D=block_d == head_dim,
         num_warps=warps,
         num_stages=stages,
     )
