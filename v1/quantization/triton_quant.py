@@ -25,6 +25,19 @@ def row_chunks(n_cols: int) -> tuple[int, int]:
     return chunk, triton.cdiv(n_cols, chunk)
 
 
+def launch_shape(width: int, gelu: bool) -> tuple[int, int]:
+    """(rows a program, warps) for rows held as `width` register columns.
+
+    About 4K elements a program (the fastest at 768 to 5120 columns on an H100). With GELU the
+    kernel is bound by its float conversions, not HBM, and 4 warps (40 values a thread at 5120
+    columns) beat 8: 346 against 421 us at 48,000 x 5120."""
+    rows = 1
+    while rows < 8 and 2 * rows * width <= 4096:
+        rows *= 2
+    warps = 4 if rows * width <= 4096 or (gelu and width <= 8192) else 8
+    return rows, warps
+
+
 GELU_FORMS = {None: 0, "erf": 1, "tanh": 2}
 """The kernel's GELU argument: none, the exact erf form, or the tanh form."""
 
@@ -154,10 +167,12 @@ def quantize_rows_triton(
     gelu: str | None = None,
     bias: torch.Tensor | None = None,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    launch: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (rows may be strided, columns contiguous) -> (q [M, K] fp8, scales [M] fp32)
     of x, or of GELU(x) in the `gelu` form ("erf" or "tanh"); x is first scaled by `scales` =
-    (row scales [M], column scales [K]) (an `Fp8Product`'s) and `bias` [K] added."""
+    (row scales [M], column scales [K]) (an `Fp8Product`'s) and `bias` [K] added. `launch` =
+    (rows a program, warps) overrides `launch_shape` (benchmarks/quant_micro.py sweeps it)."""
     assert x.dim() == 2 and x.stride(1) == 1, (x.shape, x.stride())
     m, k = x.shape
     q = torch.empty((m, k), dtype=fp8_dtype, device=x.device)
@@ -166,13 +181,7 @@ def quantize_rows_triton(
         return q, scale
     chunk, num_chunks = row_chunks(k) if gelu is not None else (triton.next_power_of_2(k), 1)
     width = chunk * num_chunks
-    # Rows per program and warps: ~4K elements a program (the fastest at 768 to 5120 columns
-    # on an H100). With GELU the kernel is bound by its float conversions, not HBM, and 4 warps
-    # (40 values a thread at 5120 columns) beat 8: 346 against 421 us at 48,000 x 5120.
-    rows = 1
-    while rows < 8 and 2 * rows * width <= 4096:
-        rows *= 2
-    warps = 4 if rows * width <= 4096 or (gelu is not None and width <= 8192) else 8
+    rows, warps = launch or launch_shape(width, gelu is not None)
     _quantize_rows_kernel[(triton.cdiv(m, rows),)](
         x,
         q,
