@@ -167,7 +167,8 @@ def is_unquantized(layer: torch.nn.Module) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.skipif(
-    not WHISPER_BASE.is_dir() or not AUDIO.is_dir(), reason="needs whisper-base and the clips"
+    not (WHISPER_BASE / "model.safetensors").is_file() or not AUDIO.is_dir(),
+    reason="needs whisper-base's weights and the clips",
 )
 def test_real_whisper_base_fp8_default_recipe_keeps_the_fp32_word_error_rate() -> None:
     """The default recipe (encoder layers 2+ and the cross-attention K/V projections in fp8):

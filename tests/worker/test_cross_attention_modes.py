@@ -238,7 +238,8 @@ def test_tiny_whisper_absorbed_matches_per_layer(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.skipif(
-    not WHISPER_BASE.is_dir() or not AUDIO.is_dir(), reason="needs whisper-base and the clips"
+    not (WHISPER_BASE / "model.safetensors").is_file() or not AUDIO.is_dir(),
+    reason="needs whisper-base's weights and the clips",
 )
 def test_real_whisper_base_absorbed_gives_the_expected_tokens() -> None:
     """The shared clips (and one of them twice: one encoder run, one states entry) give the

@@ -62,7 +62,8 @@ def test_fp8_pools_hold_values_and_scales(bart_dir: str, cross_attention: str) -
 
 @pytest.mark.slow
 @pytest.mark.skipif(
-    not WHISPER_BASE.is_dir() or not AUDIO.is_dir(), reason="needs whisper-base and the clips"
+    not (WHISPER_BASE / "model.safetensors").is_file() or not AUDIO.is_dir(),
+    reason="needs whisper-base's weights and the clips",
 )
 @pytest.mark.parametrize("cross_attention", ["per_layer", "absorbed"])
 def test_real_whisper_base_with_fp8_caches_gives_the_expected_tokens(

@@ -111,7 +111,8 @@ def whisper_tokens(**kwargs) -> list[list[int]]:
 
 
 @pytest.mark.skipif(
-    not WHISPER_BASE.is_dir() or not AUDIO.is_dir(), reason="needs whisper-base and the clips"
+    not (WHISPER_BASE / "model.safetensors").is_file() or not AUDIO.is_dir(),
+    reason="needs whisper-base's weights and the clips",
 )
 @pytest.mark.parametrize(
     "kwargs",
@@ -134,7 +135,8 @@ def test_real_whisper_base_on_gpu(kwargs):
 
 
 @pytest.mark.skipif(
-    not WHISPER_BASE.is_dir() or not AUDIO.is_dir(), reason="needs whisper-base and the clips"
+    not (WHISPER_BASE / "model.safetensors").is_file() or not AUDIO.is_dir(),
+    reason="needs whisper-base's weights and the clips",
 )
 def test_real_whisper_base_fp8_weights_on_gpu():
     """torch._scaled_mm (sm89+) or the reference GEMM: the CPU test's bar (one word at most)."""

@@ -85,17 +85,21 @@ def _scale_per_head(scale: torch.Tensor, num_heads: int, head_size: int) -> torc
 def absorb_query(
     query: torch.Tensor, proj: CrossProjection, num_heads: int, scale: float
 ) -> torch.Tensor:
-    """q [T, H * D] -> q' = scale * q_h W_k,h^T per head, [T, H, d] (in q's dtype). An fp8
-    weight's per-row scales fold into q (they scale W_k's rows, which q_h contracts over)."""
+    """q [T, H * D] -> q' = scale * q_h W_k,h^T per head, [T, H, d] (in q's dtype). The scale
+    is the batched GEMM's alpha (applied to its float32 products: no pass over q to scale and
+    cast it, three small kernels a layer call before); an fp8 weight's per-row scales fold into
+    q (they scale W_k's rows, which q_h contracts over)."""
     num_tokens, head_size = query.shape[0], proj.head_size
     w_k, _ = proj.halves()
-    q = query.view(num_tokens, num_heads, head_size).float() * scale
+    q = query.view(num_tokens, num_heads, head_size)
+    alpha = scale
     if proj.weight_scale is not None:
         k_scale, _ = proj.weight_scale.chunk(2)
-        q = q * _scale_per_head(k_scale, num_heads, head_size)
-    q = q.to(query.dtype).transpose(0, 1)  # [H, T, D]
+        q = (q.float() * scale * _scale_per_head(k_scale, num_heads, head_size)).to(query.dtype)
+        alpha = 1.0
     w = _per_head(w_k, num_heads, head_size).to(query.dtype)  # [H, D, d]
-    return torch.bmm(q, w).transpose(0, 1)  # [T, H, d]
+    unused = q.new_empty(())  # baddbmm's input, ignored at beta = 0
+    return torch.baddbmm(unused, q.transpose(0, 1), w, beta=0, alpha=alpha).transpose(0, 1)
 
 
 def project_values(context: torch.Tensor, proj: CrossProjection) -> torch.Tensor:
