@@ -86,14 +86,22 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     def __post_init__(self) -> None:
         self.validate()
 
-    def validate(self) -> None:  # noqa: C901 - a flat list of independent checks
+    def validate(self) -> None:
         """Raises ValueError (message starting with the field name) for a value outside the
         range its sampling tensor holds. Runs on construction and decoding, and again in the
         EngineCore, which cannot trust an object changed after construction."""
+        self._validate_types()
+        self._validate_ranges()
+        self._validate_lists()
+        self._validate_logit_bias_and_structure()
 
-        def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+    def _bad(self, name: str, why: str) -> ValueError:
+        return ValueError(f"{name} {why}, got {getattr(self, name)!r}")
 
+    def _validate_types(self) -> None:
+        """Numbers are numbers: finite floats within float32, integers (not bools) where the
+        field is a count or an id."""
+        bad = self._bad
         if not _is_int(self.n) or self.n < 1 or self.n > 128:
             raise bad("n", "must be an integer in [1, 128]")
         for name in (
@@ -126,6 +134,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             value = getattr(self, name)
             if value is not None and not _is_int(value):
                 raise bad(name, "must be an integer or null")
+
+    def _validate_ranges(self) -> None:  # noqa: C901 - a flat list of independent checks
+        """Each number within the range its sampling rule and tensor take."""
+        bad = self._bad
         if self.temperature < 0:
             raise bad("temperature", "must be >= 0")
         if not 0.0 < self.top_p <= 1.0:
@@ -165,6 +177,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             raise bad("no_repeat_ngram_size", f"must be in [0, {_INT_MAX}]")
         if self.forced_eos_token_id is not None and not 0 <= self.forced_eos_token_id <= _INT_MAX:
             raise bad("forced_eos_token_id", "must be a token id")
+
+    def _validate_lists(self) -> None:
+        """Stop strings, token id lists, forced tokens and the word-timestamps switch."""
+        bad = self._bad
         if self.stop is not None and len(self.stop) > MAX_STOP_STRINGS:
             raise bad("stop", f"must hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
         if self.stop is not None and any(not isinstance(s, str) or not s for s in self.stop):
@@ -189,8 +205,6 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                 or not all(_is_int(v) and 0 <= v <= _INT_MAX for v in pair)
             ):
                 raise bad("forced_token_ids", "must be a list of [output_index, token_id] pairs")
-
-        self._validate_logit_bias_and_structure()
 
     def _validate_logit_bias_and_structure(self) -> None:
         for token, bias in (self.logit_bias or {}).items():
