@@ -78,12 +78,18 @@ def add_serve_parser(sub: Any) -> None:
 
 
 def _add_server_limits(serve: argparse.ArgumentParser) -> None:
-    """`v1 serve` flags for per-request budgets, connection limits and shutdown."""
-    from v1.entrypoints.openai.http_limits import HttpLimits
+    """`v1 serve` flags for per-request budgets, connection limits and shutdown (one help
+    group, in this order)."""
+    group = serve.add_argument_group("limits and shutdown")
+    _add_request_budgets(group)
+    _add_connection_limits(group)
+    _add_lifecycle_flags(group)
+
+
+def _add_request_budgets(group: argparse._ArgumentGroup) -> None:
+    """What one request may ask for: prompt size, tokens, wall-clock time."""
     from v1.entrypoints.openai.serving_engine import DEFAULT_MAX_TOKENS_PER_REQUEST
 
-    http = HttpLimits()
-    group = serve.add_argument_group("limits and shutdown")
     group.add_argument(
         "--max-prompt-chars",
         type=int,
@@ -98,6 +104,21 @@ def _add_server_limits(serve: argparse.ArgumentParser) -> None:
         help="input tokens one request may hold over all its prompts, inputs and n samples "
         "(default: %(default)s)",
     )
+    group.add_argument(
+        "--max-request-seconds",
+        type=float,
+        default=1800.0,
+        help="wall-clock budget of one inference request; past it its work is stopped and it "
+        "ends with a 408 error (0: no budget; default: %(default)s)",
+    )
+
+
+def _add_connection_limits(group: argparse._ArgumentGroup) -> None:
+    """HTTP: header and body limits, timeouts and connection counts (uvicorn and the ASGI
+    middleware enforce them)."""
+    from v1.entrypoints.openai.http_limits import HttpLimits
+
+    http = HttpLimits()
     group.add_argument(
         "--max-header-bytes",
         type=int,
@@ -141,13 +162,10 @@ def _add_server_limits(serve: argparse.ArgumentParser) -> None:
         help="seconds for a request's body to arrive after its headers; then 408 "
         "(default: %(default)s)",
     )
-    group.add_argument(
-        "--max-request-seconds",
-        type=float,
-        default=1800.0,
-        help="wall-clock budget of one inference request; past it its work is stopped and it "
-        "ends with a 408 error (0: no budget; default: %(default)s)",
-    )
+
+
+def _add_lifecycle_flags(group: argparse._ArgumentGroup) -> None:
+    """Health, shutdown, audio chunking, realtime sessions and what an engine death does."""
     group.add_argument(
         "--health-timeout",
         type=float,
