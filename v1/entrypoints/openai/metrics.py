@@ -40,9 +40,16 @@ class ServerMetrics:
     """Every metric the server exports; `render()` is the body of /metrics."""
 
     def __init__(self, model_name: str) -> None:
-        self.registry = r = CollectorRegistry()
+        self.registry = CollectorRegistry()
         self.model_name = model_name
-        # Server-side metrics.
+        self._add_http_metrics()
+        self._add_engine_gauges()
+        self._add_token_metrics()
+
+    def _add_http_metrics(self) -> None:
+        """What the server itself counts: requests by endpoint and status, in flight, refused,
+        the engine's health, end-to-end latency and how sequences ended."""
+        r = self.registry
         self.requests = Counter(
             "v1_http_requests",
             "HTTP requests by endpoint and status.",
@@ -86,8 +93,11 @@ class ServerMetrics:
             ["model_name", "endpoint", "reason"],
             registry=r,
         )
-        # Engine and model metrics, labelled with the model name.
-        gauge, counter = self._labelled(Gauge), self._labelled(Counter)
+
+    def _add_engine_gauges(self) -> None:
+        """The engine's figures (`AsyncLLM.get_stats()`, refreshed on each scrape), labelled
+        with the model name: queues, KV blocks, prefix / encoder / cross caches."""
+        gauge = self._labelled(Gauge)
         self.waiting = gauge("v1_num_requests_waiting", "Requests waiting in the engine's queue.")
         self.running = gauge("v1_num_requests_running", "Requests the engine is running.")
         self.kv_usage = gauge("v1_kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
@@ -110,6 +120,29 @@ class ServerMetrics:
             "blocks' content: hit rate = 1 - runs / lookups).",
         )
         self.preemptions = gauge("v1_num_preemptions", "Preemptions since the engine started.")
+        self.prefix_hit_rate = gauge(
+            "v1_prefix_cache_hit_rate", "Prefix-cache hits / queried prompt tokens since start."
+        )
+        self.encoder_hit_rate = gauge(
+            "v1_encoder_cache_hit_rate",
+            "Encoder inputs served from the encoder cache (no encoder run) / encoder inputs "
+            "admitted, since start.",
+        )
+        self.cross_lookups = gauge(
+            "v1_cross_cache_lookups",
+            "Cross-attention cache lookups by encoder content hash since start (one entry per "
+            "encoder input, per-layer K/V or absorbed encoder states).",
+        )
+        self.cross_hits = gauge(
+            "v1_cross_cache_hits", "Of those, lookups that found the entry already cached."
+        )
+        self.cross_hit_rate = gauge(
+            "v1_cross_cache_hit_rate", "Cross-cache hits / lookups since start (0 without any)."
+        )
+
+    def _add_token_metrics(self) -> None:
+        """Tokens and audio processed, and the per-token latencies (TTFT, ITL, queue time)."""
+        r, counter = self.registry, self._labelled(Counter)
         self.prompt_tokens = counter("v1_prompt_tokens", "Prompt (input) tokens processed.")
         self.generation_tokens = counter("v1_generation_tokens", "Tokens generated.")
         self.audio_seconds = counter(
@@ -136,25 +169,6 @@ class ServerMetrics:
             ["model_name", "endpoint"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
-        )
-        self.prefix_hit_rate = gauge(
-            "v1_prefix_cache_hit_rate", "Prefix-cache hits / queried prompt tokens since start."
-        )
-        self.encoder_hit_rate = gauge(
-            "v1_encoder_cache_hit_rate",
-            "Encoder inputs served from the encoder cache (no encoder run) / encoder inputs "
-            "admitted, since start.",
-        )
-        self.cross_lookups = gauge(
-            "v1_cross_cache_lookups",
-            "Cross-attention cache lookups by encoder content hash since start (one entry per "
-            "encoder input, per-layer K/V or absorbed encoder states).",
-        )
-        self.cross_hits = gauge(
-            "v1_cross_cache_hits", "Of those, lookups that found the entry already cached."
-        )
-        self.cross_hit_rate = gauge(
-            "v1_cross_cache_hit_rate", "Cross-cache hits / lookups since start (0 without any)."
         )
 
     def _labelled(self, kind: type) -> Any:
