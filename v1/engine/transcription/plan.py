@@ -248,7 +248,6 @@ class TranscriptionPlanner:
         num_frames = samples.shape[0] // SAMPLES_PER_FRAME
         first_frames = min(num_frames, WINDOW_FRAMES)
         history = list(self.prompt_ids)
-        windows = assembler.windows
         timestamps = not self.options.without_timestamps
         seek = 0
         file_language: str | None = None
@@ -263,10 +262,10 @@ class TranscriptionPlanner:
                         samples[seek * SAMPLES_PER_FRAME : (seek + size) * SAMPLES_PER_FRAME]
                     )
                 )
-                label = str(len(windows))
+                label = str(len(assembler.windows))
                 if (
                     detect
-                    and (windows or self.options.clip_timestamps)
+                    and (assembler.windows or self.options.clip_timestamps)
                     and (self.options.multilingual or file_language is None)
                 ):
                     detected = yield self._detect_request(index, audio, label)
@@ -280,46 +279,52 @@ class TranscriptionPlanner:
                 attempt = yield from self._decode(
                     index, label, audio, language, history, timestamps, prefix
                 )
-                if attempt.verdict is Verdict.SKIP:
-                    assembler.add(DecodedWindow(seek, [], attempt, language))
-                    seek += size
-                    progress.done = min(seek, num_frames) * SAMPLES_PER_FRAME / SAMPLE_RATE
-                    continue
-                segments, next_seek = seek_window(
-                    attempt.content,
-                    seek=seek,
-                    num_frames=size,
-                    timestamp_begin=self.tokens.timestamp_begin,
-                )
-                spans = [
-                    (s.start, s.end, [t for t in s.token_ids if t < self.tokens.eos])
-                    for s in segments
-                ]
-                last_word_end = None
-                kept = segments
-                if self.options.hallucination_silence_threshold is not None:
-                    place = WindowPlace(seek, size, num_frames)
-                    spans, next_seek, last_word_end, again = self._skip_hallucinations(
-                        spans, attempt, place, next_seek, language, windows
-                    )
-                    if again:
-                        # A hallucination after a long silence: decoded again from after the
-                        # silence; the prompt stays as it was (faster-whisper's `continue`).
-                        assembler.add(DecodedWindow(seek, [], attempt, language))
-                        seek = next_seek
-                        progress.done = min(seek, num_frames) * SAMPLES_PER_FRAME / SAMPLE_RATE
-                        continue
-                    kept = segments[: len(spans)]  # dropped segments do not prompt the next
-                assembler.add(DecodedWindow(seek, spans, attempt, language, last_word_end))
-                seek = next_seek
-                conditioned = attempt.temperature <= MAX_CONDITIONING_TEMPERATURE
-                if self.options.condition_on_previous_text and conditioned:
-                    history += [t for s in kept for t in s.token_ids]
-                    del history[: -self.builder.max_prompt_text_tokens]  # all a prompt keeps
-                else:
-                    history = []
+                place = WindowPlace(seek, size, num_frames)
+                seek, history = self._take_window(attempt, place, language, history, assembler)
                 progress.done = min(seek, num_frames) * SAMPLES_PER_FRAME / SAMPLE_RATE
         return file_language or language, probability
+
+    def _take_window(
+        self,
+        attempt: Attempt,
+        place: WindowPlace,
+        language: str,
+        history: list[int],
+        assembler: SegmentAssembler,
+    ) -> tuple[int, list[int]]:
+        """Cut a decoded window into its segments and hand them to `assembler`; returns where
+        the next window starts (frames) and the prompt history it gets."""
+        seek, size = place.seek, place.size
+        if attempt.verdict is Verdict.SKIP:
+            assembler.add(DecodedWindow(seek, [], attempt, language))
+            return seek + size, history
+        segments, next_seek = seek_window(
+            attempt.content,
+            seek=seek,
+            num_frames=size,
+            timestamp_begin=self.tokens.timestamp_begin,
+        )
+        spans = [
+            (s.start, s.end, [t for t in s.token_ids if t < self.tokens.eos]) for s in segments
+        ]
+        last_word_end = None
+        kept = segments
+        if self.options.hallucination_silence_threshold is not None:
+            spans, next_seek, last_word_end, again = self._skip_hallucinations(
+                spans, attempt, place, next_seek, language, assembler.windows
+            )
+            if again:
+                # A hallucination after a long silence: decoded again from after the silence;
+                # the prompt stays as it was (faster-whisper's `continue`).
+                assembler.add(DecodedWindow(seek, [], attempt, language))
+                return next_seek, history
+            kept = segments[: len(spans)]  # dropped segments do not prompt the next
+        assembler.add(DecodedWindow(seek, spans, attempt, language, last_word_end))
+        conditioned = attempt.temperature <= MAX_CONDITIONING_TEMPERATURE
+        if not (self.options.condition_on_previous_text and conditioned):
+            return next_seek, []
+        history = history + [t for s in kept for t in s.token_ids]
+        return next_seek, history[-self.builder.max_prompt_text_tokens :]  # all a prompt keeps
 
     def _decode(
         self,
