@@ -125,6 +125,12 @@ class TranscriptionOptions:
     """No n-gram of this size is generated twice (0: off)."""
 
     def __post_init__(self) -> None:
+        self._check_window_options()
+        self._check_decoding_options()
+
+    def _check_window_options(self) -> None:
+        """What a file's windows are cut from and prompted with: prompt, VAD, batching, clip
+        timestamps, hotwords / prefix, the hallucination threshold, timestamps."""
         if self.initial_prompt is not None:
             if self.prompt is not None:
                 raise ValueError("give prompt or initial_prompt, not both")
@@ -161,6 +167,9 @@ class TranscriptionOptions:
                 raise ValueError("hallucination_silence_threshold needs word_timestamps=True")
         if self.without_timestamps and self.timestamps:
             raise ValueError("timestamps and without_timestamps contradict each other")
+
+    def _check_decoding_options(self) -> None:
+        """How each window decodes: its first timestamp, suppressed tokens, penalties, beams."""
         mit = self.max_initial_timestamp
         if (
             isinstance(mit, bool)
