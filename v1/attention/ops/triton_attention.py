@@ -363,10 +363,12 @@ def paged_attention(
     block_m: int = 64,
     block_n: int = 64,
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    launch: tuple[int, int] = (4, 2),
 ) -> torch.Tensor:
     """q [T, H, D]; k/v either the cache halves [num_blocks * page, Hkv, D] (block_table given)
     or packed [T, Hkv, D] sharing the query offsets. Writes and returns out [T, H, D].
-    kv_scales: the fp8 cache's K and V scales [num_blocks * page, Hkv] (rows like k/v)."""
+    kv_scales: the fp8 cache's K and V scales [num_blocks * page, Hkv] (rows like k/v).
+    launch: (warps, pipeline stages) of a program (benchmarks/decode_attention.py sweeps it)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k.shape[-2]
     work_req, work_mblock = work
@@ -430,7 +432,7 @@ def paged_attention(
         BIDIRECTIONAL=bidirectional,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FP8_KV=kv_scales is not None,
-        num_warps=4,
-        num_stages=2,
+        num_warps=launch[0],
+        num_stages=launch[1],
     )
     return out
