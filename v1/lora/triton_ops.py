@@ -343,8 +343,8 @@ def sgmv_add_lora(
     B is zero elsewhere, so the expand uses only those (None: one projection, all R ranks).
     `rows_per_run` (mean rows of one slot in a row) only picks block sizes; keyword block sizes
     override them (the micro-benchmark's sweep)."""
-    num_tokens, k = x.shape
-    num_slots, rank, n = lora_a.shape[0], lora_a.shape[1], lora_b.shape[1]
+    num_tokens = x.shape[0]
+    rank, n = lora_a.shape[1], lora_b.shape[1]
     if num_tokens == 0:
         return out
     sub_sizes = sub_sizes or (n,)
@@ -354,6 +354,25 @@ def sgmv_add_lora(
     auto_m, auto_m_expand = sgmv_blocks(num_tokens, rows_per_run)
     block_m, block_m_expand = block_m or auto_m, block_m_expand or auto_m_expand
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    launch = (precision, num_warps, num_stages)
+    y = _shrink(x, lora_a, indices, block_m, block_k, launch)
+    _expand(y, lora_b, out, indices, tuple(sub_sizes), block_m_expand, block_n, launch)
+    return out
+
+
+def _shrink(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    indices: torch.Tensor,
+    block_m: int,
+    block_k: int,
+    launch: tuple[str, int, int],
+) -> torch.Tensor:
+    """y [T, R] (float32) = A[s_t] x[t]: the shrink kernel. `launch` = (dot precision, warps,
+    stages)."""
+    num_tokens, k = x.shape
+    num_slots, rank = lora_a.shape[0], lora_a.shape[1]
+    precision, num_warps, num_stages = launch
     y = torch.empty(num_tokens, rank, dtype=torch.float32, device=x.device)
     _sgmv_shrink_kernel[(triton.cdiv(num_tokens, block_m),)](
         x,
@@ -377,9 +396,26 @@ def sgmv_add_lora(
         num_warps=num_warps,
         num_stages=num_stages,
     )
+    return y
+
+
+def _expand(
+    y: torch.Tensor,
+    lora_b: torch.Tensor,
+    out: torch.Tensor,
+    indices: torch.Tensor,
+    sub_sizes: tuple[int, ...],
+    block_m: int,
+    block_n: int,
+    launch: tuple[str, int, int],
+) -> None:
+    """out[t, sub-projection j] += B[s_t][j] y[t, ranks of j]: the expand kernel."""
+    num_tokens, rank = y.shape
+    num_slots = lora_b.shape[0]
+    precision, num_warps, num_stages = launch
     sub_rank = rank // len(sub_sizes)
     grid = (
-        triton.cdiv(num_tokens, block_m_expand),
+        triton.cdiv(num_tokens, block_m),
         triton.cdiv(max(sub_sizes), block_n),
         len(sub_sizes),
     )
@@ -388,7 +424,7 @@ def sgmv_add_lora(
         lora_b,
         out,
         indices,
-        _output_offsets(tuple(sub_sizes), x.device),
+        _output_offsets(sub_sizes, y.device),
         num_tokens,
         sub_rank,
         num_slots,
@@ -398,11 +434,10 @@ def sgmv_add_lora(
         lora_b.stride(2),
         out.stride(0),
         out.stride(1),
-        BLOCK_M=block_m_expand,
+        BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_R=max(triton.next_power_of_2(sub_rank), 16),
         PRECISION=precision,
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    return out

@@ -6,6 +6,7 @@ One kernel serves every type (packed queries [T, H, D], keys paged or packed; se
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import torch
@@ -343,6 +344,32 @@ def make_work_items(
     return both[: len(req)], both[len(req) :]
 
 
+def _bias_args(
+    q: torch.Tensor,
+    bias: torch.Tensor | None,
+    bias_mode: int,
+    relative: tuple[int, int, bool],
+) -> tuple[torch.Tensor, tuple[int, int, int], dict[str, Any]]:
+    """The kernel's bias pointer (q when unused), its materialized strides, and the T5
+    relative-position constants (REL_NB, REL_MAX_EXACT, REL_LOG_RATIO, BIDIRECTIONAL)."""
+    if bias is None:
+        bias, strides = q, (0, 0, 0)
+    elif bias_mode == BIAS_MATERIALIZED:
+        strides = (bias.stride(0), bias.stride(1), bias.stride(2))
+    else:
+        bias, strides = bias.contiguous(), (0, 0, 0)
+    num_buckets, max_distance, bidirectional = relative
+    rel_nb = num_buckets // 2 if bidirectional else num_buckets
+    rel_max_exact = rel_nb // 2
+    rel = dict(
+        REL_NB=rel_nb,
+        REL_MAX_EXACT=rel_max_exact,
+        REL_LOG_RATIO=math.log(max_distance / rel_max_exact),
+        BIDIRECTIONAL=bidirectional,
+    )
+    return bias, strides, rel
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -375,21 +402,11 @@ def paged_attention(
     if work_req.numel() == 0:
         return out
     paged = block_table is not None
-    if bias is None:
-        bias = q  # unused pointer
-        bstrides = (0, 0, 0)
-    elif bias_mode == BIAS_MATERIALIZED:
-        bstrides = (bias.stride(0), bias.stride(1), bias.stride(2))
-    else:
-        bias = bias.contiguous()
-        bstrides = (0, 0, 0)
-    bt = block_table if paged else seq_lens
-    num_buckets, max_distance, bidirectional = relative
-    rel_nb = num_buckets // 2 if bidirectional else num_buckets
-    rel_max_exact = rel_nb // 2
-    grid = (work_req.numel(), num_heads)
     if bias_mode == BIAS_RELATIVE and query_positions is None:
         raise ValueError("relative-position bias needs query_positions")
+    bias, bstrides, rel = _bias_args(q, bias, bias_mode, relative)
+    bt = block_table if paged else seq_lens
+    grid = (work_req.numel(), num_heads)
     _attention_kernel[grid](
         q,
         k,
@@ -426,10 +443,7 @@ def paged_attention(
         PAGE=page_size,
         CAUSAL=causal,
         BIAS_MODE=bias_mode,
-        REL_NB=rel_nb,
-        REL_MAX_EXACT=rel_max_exact,
-        REL_LOG_RATIO=math.log(max_distance / rel_max_exact),
-        BIDIRECTIONAL=bidirectional,
+        **rel,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FP8_KV=kv_scales is not None,
         num_warps=launch[0],

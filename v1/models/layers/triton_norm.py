@@ -2,6 +2,20 @@
 fp8 Linear's unscaled product, and quantizing y per row for the next fp8 Linear).
 Must hold: one read of each input and one write of each output, with results equal to the
 torch reference, the unfused path of `v1.models.layers.norm.add_layer_norm`.
+
+What the kernel computes, replacing an add kernel (two reads, one write) and a LayerNorm kernel
+(one read, one write):
+
+    h = x + residual               rounded to x's dtype, as the unfused add leaves it, then
+                                   clamped to +-clamp when asked (fp16 encoder layers)
+    y = LayerNorm(h) * weight + b  computed in float32 from the rounded h
+
+An `Fp8Product` x (its out, row and column scales) is x = out * row_scale * col_scale, rounded to
+out's dtype first, as the GEMM's epilogue would. `residual_bias` is the bias of the Linear whose
+unscaled product the next add will bring: the stored h is h + residual_bias, rounded once, while
+y normalizes h itself. With `fp8`, y is quantized as `quantize_rows` of y rounded to x's dtype:
+one write of 8-bit rows and their scales instead of a 16-bit write, a quantizer read and its
+write.
 """
 
 from __future__ import annotations
@@ -101,21 +115,7 @@ def add_layer_norm_triton(
     `store_residual`. With `fp8` = (fp8 dtype, its max, the smallest scale), LayerNorm(h)
     comes quantized per row: (q [T, D], float32 scales [T]). `scales` = (row scales [T],
     column scales [D]) multiply x first (an `Fp8Product`); the stored h gets `residual_bias`
-    [D] added.
-
-    What the kernel computes, replacing an add kernel (two reads, one write) and a LayerNorm
-    kernel (one read, one write):
-
-        h = x + residual               rounded to x's dtype, as the unfused add leaves it, then
-                                       clamped to +-clamp when asked (fp16 encoder layers)
-        y = LayerNorm(h) * weight + b  computed in float32 from the rounded h
-
-    An `Fp8Product` x (its out, row and column scales) is x = out * row_scale * col_scale,
-    rounded to out's dtype first, as the GEMM's epilogue would. `residual_bias` is the bias of
-    the Linear whose unscaled product the next add will bring: the stored h is
-    h + residual_bias, rounded once, while y normalizes h itself. With `fp8`, y is quantized
-    as `quantize_rows` of y rounded to x's dtype: one write of 8-bit rows and their scales
-    instead of a 16-bit write, a quantizer read and its write."""
+    [D] added (the module docstring says what each is)."""
     assert x.shape == residual.shape and x.dim() == 2, (x.shape, residual.shape)
     assert x.stride(1) == 1 and residual.stride(1) == 1
     num_rows, d = x.shape
