@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from absorbed_kernel import median_us
 
 from v1.quantization.fp8_rows import FP8_DTYPE, FP8_MAX, MIN_SCALE
-from v1.quantization.triton_quant import launch_shape, quantize_rows_triton, row_chunks
+from v1.quantization.triton_quant import launch_shape, quantize_rows_triton, row_layout
 
 SHAPES = {
     "fc2 input (GELU, Fp8Product, bias)": (5120, True),
@@ -54,7 +54,7 @@ def main() -> None:
         dst = torch.empty_like(src)
         floor = median_us(functools.partial(dst.copy_, src))  # `moved` bytes in all
         ref_q, ref_s = quantize_rows_triton(x, FP8_DTYPE, FP8_MAX, MIN_SCALE, **kw)
-        chunk, n = row_chunks(cols) if gelu else (1 << (cols - 1).bit_length(), 1)
+        chunk, n = row_layout(cols, gelu)
         default = launch_shape(chunk * n, gelu)
         print(
             f"\n{name}: {args.rows} x {cols}, {moved / 1e6:.0f} MB moved; copy floor "

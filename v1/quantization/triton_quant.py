@@ -25,6 +25,12 @@ def row_chunks(n_cols: int) -> tuple[int, int]:
     return chunk, triton.cdiv(n_cols, chunk)
 
 
+def row_layout(n_cols: int, gelu: bool) -> tuple[int, int]:
+    """(chunk, num_chunks) a program holds a row in: `row_chunks` with GELU, else one chunk
+    padded to the next power of two."""
+    return row_chunks(n_cols) if gelu else (triton.next_power_of_2(n_cols), 1)
+
+
 def launch_shape(width: int, gelu: bool) -> tuple[int, int]:
     """(rows a program, warps) for rows held as `width` register columns.
 
@@ -179,7 +185,7 @@ def quantize_rows_triton(
     scale = torch.empty(m, dtype=torch.float32, device=x.device)
     if m == 0:
         return q, scale
-    chunk, num_chunks = row_chunks(k) if gelu is not None else (triton.next_power_of_2(k), 1)
+    chunk, num_chunks = row_layout(k, gelu is not None)
     width = chunk * num_chunks
     rows, warps = launch or launch_shape(width, gelu is not None)
     _quantize_rows_kernel[(triton.cdiv(m, rows),)](
