@@ -46,6 +46,7 @@ from v1.kv_cache.spec import CrossAttentionSpec, FullAttentionSpec, KVCacheSpec 
 
 SAMPLE_RATE = 16000
 CLIP_SECONDS = 30.0
+"""A clip's length unless --clip-seconds says otherwise (set from it in main)."""
 SIM_ENV = "DP_HOST_SIMULATION"
 """The simulated device's costs, JSON, for the core processes (set by this script only)."""
 TEXT_TOKENS = np.arange(400, 2400)
@@ -346,17 +347,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--encoder-ms", type=float, default=1.9, help="device ms per encoder input")
     p.add_argument("--decode-ms", type=float, default=11.0, help="device ms per decode step")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--clip-seconds", type=float, default=30.0, help="audio a clip (real speech: ~7)"
+    )
     p.add_argument("--tokenizer", default=asset("whisper-base"))
     p.add_argument("--hash", default="engine", help="engine,frontend (list): who hashes audio")
     p.add_argument("--profile", default=None, help="cProfile the largest N's extra run to here")
     args = p.parse_args(argv)
+    global CLIP_SECONDS
+    CLIP_SECONDS = args.clip_seconds
     os.environ[SIM_ENV] = json.dumps({"encoder_ms": args.encoder_ms, "decode_ms": args.decode_ms})
     dps = [int(n) for n in args.dp.split(",")]
     rng = np.random.default_rng(0)
-    base = rng.standard_normal((args.clips_per_core * max(dps), 480000), dtype=np.float32)
+    base = rng.standard_normal(
+        (args.clips_per_core * max(dps), int(SAMPLE_RATE * CLIP_SECONDS)), dtype=np.float32
+    )
     base *= np.float32(0.1)
     print(
-        f"{os.cpu_count()} CPUs; {args.clips_per_core} clips of 30 s per core x {args.tokens} "
+        f"{os.cpu_count()} CPUs; {args.clips_per_core} clips of {CLIP_SECONDS:g} s per core x {args.tokens} "
         f"tokens; simulated device: {args.encoder_ms} ms per encoder input, {args.decode_ms} ms "
         f"per decode step; max_num_seqs {args.max_num_seqs}, bursts of "
         f"{args.num_scheduler_steps}; threads in this process: {threading.active_count()}",

@@ -59,6 +59,11 @@ def _load(device: torch.device) -> Callable[..., Any] | None:
     return fn
 
 
+def available(device: torch.device) -> bool:
+    """Whether equal-length encoder batches of MIN_BATCH+ sequences go to FA4 here."""
+    return _load(device) is not None
+
+
 def dense_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int, length: int, scale: float
 ) -> torch.Tensor | None:

@@ -97,14 +97,17 @@ class EncoderDecoderState(GenerationState):
         inputs = [requests[req_id].encoder_input for req_id in hashes_to_run.values()]
         lengths = np.array([e.num_encoder_tokens for e in inputs], dtype=np.int64)
         self._set_encoder_lora(list(hashes_to_run.values()))
-        metadata = self.attn_metadata.uncached(lengths, AttentionType.ENCODER, self.encoder_layers)
-        with set_forward_context(ForwardContext(metadata)):
-            output = self.model.encode(**self._encoder_kwargs(inputs))  # [sum(len) (+pad), H]
-        output = output[: int(lengths.sum())]
+        output = self._encode(inputs, lengths)[: int(lengths.sum())]
         for content_hash, part in zip(hashes_to_run, output.split(lengths.tolist()), strict=True):
             self.encoder_outputs[content_hash] = part
         self.num_encoder_runs += len(inputs)
         return len(inputs)
+
+    def _encode(self, inputs: list[EncoderInput], lengths: np.ndarray) -> torch.Tensor:
+        """The encoder over `inputs` ([lengths] tokens each) -> [sum(lengths) (+pad), H]."""
+        metadata = self.attn_metadata.uncached(lengths, AttentionType.ENCODER, self.encoder_layers)
+        with set_forward_context(ForwardContext(metadata)):
+            return self.model.encode(**self._encoder_kwargs(inputs))
 
     def _set_encoder_lora(self, req_ids: list[str]) -> None:
         """Encoder rows of `req_ids` (packed in that order) run with each request's adapter."""

@@ -23,8 +23,10 @@ from v1.worker.model_states.base import StateContext
 from v1.worker.model_states.encoder_decoder import EncoderDecoderState
 from v1.worker.sampled_output import PendingSampledStep
 from v1.worker.whisper_alignment import alignment_matrix, boundaries
+from v1.worker.whisper_encoder_graphs import WhisperEncoderGraphs, make_whisper_encoder_graphs
 
 if TYPE_CHECKING:
+    from v1.core.protocol import EncoderInput
     from v1.sampling_params import SamplingParams
     from v1.worker.kv_cache_views import LayerCache
     from v1.worker.step_inputs import StepInputs
@@ -75,11 +77,23 @@ class WhisperState(EncoderDecoderState):
         self.word_timing: dict[str, _WordTimingRequest] = {}
         """word_timestamps requests in the batch."""
         self.word_timing_slots = np.zeros(self.max_num_reqs, dtype=bool)
+        self.encoder_graphs: WhisperEncoderGraphs | None = None
+        """Small models on CUDA: the encoder (log-mel included) in CUDA graphs."""
 
     def on_kv_cache_ready(self, kv_caches: dict[str, LayerCache]) -> None:
         super().on_kv_cache_ready(kv_caches)
-        if self.device.type == "cuda":
-            self._warm_encoder()
+        if self.device.type != "cuda":
+            return
+        self.encoder_graphs = make_whisper_encoder_graphs(
+            self.model, self.attn_metadata, self.encoder_layers, self.config, self.device
+        )
+        if self.encoder_graphs is None:
+            self._warm_encoder()  # the graphs' capture warmed every size they take
+
+    def _encode(self, inputs: list[EncoderInput], lengths: np.ndarray) -> torch.Tensor:
+        if self.encoder_graphs is None or inputs[0].audio is None:
+            return super()._encode(inputs, lengths)
+        return self.encoder_graphs.encode(self._encoder_kwargs(inputs)["audio"])
 
     @torch.inference_mode()
     def _warm_encoder(self) -> None:
