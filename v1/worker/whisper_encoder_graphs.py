@@ -71,6 +71,7 @@ class WhisperEncoderGraphs:
         torch.cuda.synchronize(self.device)
         logger.info("captured Whisper encoder CUDA graphs for 1-%d windows", self.sizes[-1])
 
+    @torch.inference_mode()
     def encode(self, clips: list[torch.Tensor]) -> torch.Tensor:
         """1-D float32 clips of at most 30 s on the device -> their encoder states
         [len(clips) * num_positions, d_model], a tensor of its own (the graphs' outputs are
