@@ -72,8 +72,9 @@ def test_no_graphs_in_float32_or_eager(tmp_path) -> None:
     from v1 import LLM
 
     path = make_tiny_whisper_dir(tmp_path)
+    small = dict(max_num_encoder_input_tokens=2 * 1500, kv_cache_memory_bytes=1 << 30)
     for kwargs in (dict(dtype="float32"), dict(dtype="float16", enforce_eager=True)):
-        llm = LLM(path, device="cuda", multiprocess=False, **kwargs)
+        llm = LLM(path, device="cuda", multiprocess=False, **small, **kwargs)
         try:
             assert runner_state(llm).encoder_graphs is None
         finally:
