@@ -50,24 +50,28 @@ TINY_ENGINE_KWARGS = dict(
 
 
 def whisper_config(ctx: Context, decoder_layers: int) -> Any:
+    if ctx.tiny:
+        return shaped_whisper_config(64, 2, min(decoder_layers, 2), heads=2, ffn=128, mels=80)
+    return shaped_whisper_config(1280, 32, decoder_layers, heads=20, ffn=5120, mels=128)
+
+
+def shaped_whisper_config(
+    d_model: int, encoder_layers: int, decoder_layers: int, *, heads: int, ffn: int, mels: int
+) -> Any:
+    """A random-weights Whisper config of these sizes with 30 s windows and the multilingual
+    vocabulary of its mel count (80: whisper-base's 51,865 tokens; 128: large-v3's 51,866)."""
     from transformers import WhisperConfig
 
-    if ctx.tiny:
-        sizes = dict(d_model=64, encoder_layers=2, decoder_layers=min(decoder_layers, 2), heads=2)
-        sizes.update(ffn=128, mel=80, vocab=51865)
-    else:
-        sizes = dict(d_model=1280, encoder_layers=32, decoder_layers=decoder_layers, heads=20)
-        sizes.update(ffn=5120, mel=128, vocab=51866)
     return WhisperConfig(
-        d_model=sizes["d_model"],
-        encoder_layers=sizes["encoder_layers"],
-        decoder_layers=sizes["decoder_layers"],
-        encoder_attention_heads=sizes["heads"],
-        decoder_attention_heads=sizes["heads"],
-        encoder_ffn_dim=sizes["ffn"],
-        decoder_ffn_dim=sizes["ffn"],
-        num_mel_bins=sizes["mel"],
-        vocab_size=sizes["vocab"],
+        d_model=d_model,
+        encoder_layers=encoder_layers,
+        decoder_layers=decoder_layers,
+        encoder_attention_heads=heads,
+        decoder_attention_heads=heads,
+        encoder_ffn_dim=ffn,
+        decoder_ffn_dim=ffn,
+        num_mel_bins=mels,
+        vocab_size=51865 if mels == 80 else 51866,
         max_source_positions=1500,
         max_target_positions=448,
         decoder_start_token_id=50258,

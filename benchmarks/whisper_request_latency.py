@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+sys.path.insert(0, str(Path(__file__).parent))
+
 SHAPES = {
     "tiny": dict(d_model=384, layers=4, heads=6, mels=80),
     "base": dict(d_model=512, layers=6, heads=8, mels=80),
@@ -30,40 +32,26 @@ SHAPES = {
 
 
 def build(shape: dict, tokenizer: str, root: str) -> str:
-    from transformers import (
-        GenerationConfig,
-        WhisperConfig,
-        WhisperFeatureExtractor,
-        WhisperForConditionalGeneration,
-    )
+    from _context import copy_tokenizer
+    from _whisper import shaped_whisper_config
+    from transformers import GenerationConfig, WhisperFeatureExtractor
+    from transformers import WhisperForConditionalGeneration as Whisper
 
-    d = shape["d_model"]
-    cfg = WhisperConfig(
-        d_model=d,
-        encoder_layers=shape["layers"],
-        decoder_layers=shape.get("decoder_layers", shape["layers"]),
-        encoder_attention_heads=shape["heads"],
-        decoder_attention_heads=shape["heads"],
-        encoder_ffn_dim=4 * d,
-        decoder_ffn_dim=4 * d,
-        num_mel_bins=shape["mels"],
-        vocab_size=51865 if shape["mels"] == 80 else 51866,
-        max_source_positions=1500,
-        max_target_positions=448,
-        decoder_start_token_id=50258,
-        pad_token_id=50257,
-        bos_token_id=50257,
-        eos_token_id=50257,
+    d, layers = shape["d_model"], shape["layers"]
+    cfg = shaped_whisper_config(
+        d,
+        layers,
+        shape.get("decoder_layers", layers),
+        heads=shape["heads"],
+        ffn=4 * d,
+        mels=shape["mels"],
     )
     torch.manual_seed(0)
-    model = WhisperForConditionalGeneration(cfg).half()
+    model = Whisper(cfg).half()
     model.generation_config = GenerationConfig.from_pretrained(tokenizer)
     path = tempfile.mkdtemp(prefix="whisper-lat-", dir=root)
     model.save_pretrained(path)
-    for item in Path(tokenizer).iterdir():
-        skip = item.name in ("config.json", "generation_config.json", "preprocessor_config.json")
-        if item.is_file() and not item.name.endswith(".safetensors") and not skip:
-            shutil.copy(item, Path(path) / item.name)
+    copy_tokenizer(tokenizer, path)
     WhisperFeatureExtractor(feature_size=shape["mels"]).save_pretrained(path)
     return path
 
