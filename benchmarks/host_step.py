@@ -5,7 +5,8 @@ Whisper-turbo-shaped encoder-decoder: 1500 encoder positions in cross-attention 
 requests (4-token prompts, greedy, logprobs=0, ignore_eos) and drives schedule() ->
 fake runner output -> update_from_output() pipelined like EngineCore._step_pipelined (two steps
 in flight). Prints median / p90 microseconds per call of schedule and update_from_output over the
-steady decode steps (every request scheduled with one token), and per request.
+steady decode steps (every request scheduled with one token), and per request; and the
+schedule() time of the steps that admit new requests, per admitted request.
 
     python benchmarks/host_step.py --num-requests 256 [--encoder-decoder] [--profile]
 
@@ -144,7 +145,9 @@ class FakeRunner:
         )
 
 
-def run(args: argparse.Namespace, profiler: cProfile.Profile | None) -> tuple[list, list, int]:
+def run(
+    args: argparse.Namespace, profiler: cProfile.Profile | None
+) -> tuple[list, list, list, int]:
     scheduler = make_scheduler(args)
     for i in range(args.num_requests):
         scheduler.add_request(make_request(i, args))
@@ -152,6 +155,8 @@ def run(args: argparse.Namespace, profiler: cProfile.Profile | None) -> tuple[li
     queue: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()
     sched_us: list[float] = []
     update_us: list[float] = []
+    admit_us: list[float] = []
+    """Per admitted request: the schedule() calls that admitted new requests."""
     num_outputs = 0
     n = args.num_requests
     clock = time.perf_counter
@@ -170,6 +175,8 @@ def run(args: argparse.Namespace, profiler: cProfile.Profile | None) -> tuple[li
             steady = len(so.num_scheduled_tokens) == n and so.total_num_scheduled_tokens == n
             if steady and not so.scheduled_new_reqs:
                 sched_us.append((t1 - t0) * 1e6)
+            if so.scheduled_new_reqs:
+                admit_us.append((t1 - t0) * 1e6 / len(so.scheduled_new_reqs))
             if so.total_num_scheduled_tokens:
                 queue.append((so, runner(so)))
             if len(queue) < 2 and scheduler.has_unscheduled_requests():
@@ -188,7 +195,7 @@ def run(args: argparse.Namespace, profiler: cProfile.Profile | None) -> tuple[li
         steady = len(so.num_scheduled_tokens) == n and len(outputs.outputs) == n
         if steady and not any(o.finished for o in outputs.outputs):
             update_us.append((t1 - t0) * 1e6)
-    return sched_us, update_us, num_outputs
+    return sched_us, update_us, admit_us, num_outputs
 
 
 def summary(name: str, us: list[float], n: int) -> str:
@@ -213,8 +220,10 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="cProfile one more run")
     args = parser.parse_args()
     best: tuple[list, list] | None = None
+    admissions: list[float] = []
     for _ in range(args.repeats):
-        sched_us, update_us, num_outputs = run(args, None)
+        sched_us, update_us, admit_us, num_outputs = run(args, None)
+        admissions.append(statistics.median(admit_us))
         expected = args.num_requests * args.max_tokens
         assert num_outputs == expected, f"{num_outputs} outputs, expected {expected}"
         if best is None or statistics.median(sched_us) + statistics.median(
@@ -226,6 +235,10 @@ def main() -> None:
     print(f"{kind}, {args.num_requests} requests, max_tokens {args.max_tokens}, pipelined")
     print(summary("schedule", best[0], args.num_requests))
     print(summary("update_from_output", best[1], args.num_requests))
+    print(
+        f"{'admission':>20}: {min(admissions):8.1f} us per admitted request (schedule calls "
+        f"that admit, median of a run; best of {args.repeats})"
+    )
     if args.profile:
         profiler = cProfile.Profile()
         run(args, profiler)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -107,6 +107,12 @@ def encoder_states_block_hashes(content_hash: str, num_blocks: int) -> list[byte
     states of one encoder input (its content hash): equal keys mean equal rows. One sha256 per
     input (memoized: beam steps and n>1 children look the entry up again), then the block
     index appended: 36-byte keys, never equal to a token block's 32-byte hash."""
+    return list(iter_encoder_states_block_hashes(content_hash, num_blocks))
+
+
+def iter_encoder_states_block_hashes(content_hash: str, num_blocks: int) -> Iterator[bytes]:
+    """`encoder_states_block_hashes`, one key at a time: a lookup that misses on its first
+    block (a new input, the common case) makes one key, not `num_blocks`."""
     root = _encoder_states_root(content_hash)
     pack = _BLOCK_INDEX.pack
-    return [root + pack(i) for i in range(num_blocks)]
+    return (root + pack(i) for i in range(num_blocks))

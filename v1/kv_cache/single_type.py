@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from v1.kv_cache.block_hash import encoder_states_block_hashes
+from v1.kv_cache.block_hash import encoder_states_block_hashes, iter_encoder_states_block_hashes
 from v1.kv_cache.block_pool import BlockPool, KVCacheBlock
 from v1.kv_cache.capacity import cdiv
 from v1.kv_cache.spec import (
@@ -218,7 +218,7 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
             return []
         hits = []
         num_blocks = cdiv(num_encoder_tokens, self.block_size)
-        for key in encoder_states_block_hashes(content_hash, num_blocks):
+        for key in iter_encoder_states_block_hashes(content_hash, num_blocks):
             block = self.block_pool.get_cached_block(key, self.group_id)
             if block is None:
                 return []
