@@ -99,6 +99,8 @@ def find_syncs(llm: Any, audio: list[np.ndarray]) -> None:
     shown = warnings.showwarning
 
     def record(message: Any, *args: Any, **kwargs: Any) -> None:
+        if "called a synchronizing CUDA operation" not in str(message):
+            return  # torch's one-off notice that the debug mode is a prototype
         frames = [f for f in traceback.extract_stack()[:-1] if "/v1/" in f.filename]
         site = " <- ".join(
             f"{f.filename.split('/v1/')[-1]}:{f.lineno} {f.name}" for f in frames[-4:][::-1]
