@@ -225,6 +225,7 @@ def make_llm(path: str, dp: int, args: argparse.Namespace) -> Any:
             max_num_batched_tokens=8192,
             max_num_encoder_input_tokens=1500 * 32,
             num_scheduler_steps=args.num_scheduler_steps,
+            async_scheduling=args.pipelined,
             device="cpu",
             multiprocess=True,
         )
@@ -347,6 +348,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--encoder-ms", type=float, default=1.9, help="device ms per encoder input")
     p.add_argument("--decode-ms", type=float, default=11.0, help="device ms per decode step")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--pipelined",
+        action="store_true",
+        help="pipelined steps, as a core on a GPU runs (default: a CPU core's one step at a time)",
+    )
     p.add_argument(
         "--clip-seconds", type=float, default=30.0, help="audio a clip (real speech: ~7)"
     )

@@ -239,3 +239,29 @@ def test_request_without_encoder_input_holds_no_states() -> None:
     assert manager.get_block_ids(request.request_id)[1] == []
     manager.free(request)
     assert manager.num_free_blocks == 31
+
+
+def test_lookup_of_a_new_input_makes_one_block_key(monkeypatch) -> None:
+    """Admission looks every encoder input up twice; a new one (no cached first block) costs
+    one block key and one pool lookup, not one per block (Whisper: 94); a found entry is read
+    whole."""
+    import struct
+
+    import v1.kv_cache.block_hash as block_hash
+
+    manager = make_states_manager(block_size=4)
+    states = manager.managers[1]
+    manager.free(admitted(manager, make_request("a", 3, num_encoder_tokens=40, encoder_hash="h")))
+    packed: list[int] = []
+
+    class CountingIndex:
+        def pack(self, i: int) -> bytes:
+            packed.append(i)
+            return struct.pack("<I", i)
+
+    monkeypatch.setattr(block_hash, "_BLOCK_INDEX", CountingIndex())
+    assert states.find_entry("new", 40) == []
+    assert packed == [0]
+    packed.clear()
+    assert len(states.find_entry("h", 40)) == 5  # freed and cached: all 5 blocks
+    assert packed == [0, 1, 2, 3, 4]
