@@ -82,13 +82,16 @@ class _Deferred:
 class SimulatedGpu(Executor):
     """An executor that samples forced text tokens (greedy-like: the same per request and
     position) on a simulated device queue. Its costs come from the `DP_HOST_SIMULATION`
-    environment variable (JSON: encoder_ms, decode_ms)."""
+    environment variable (JSON: encoder_ms, decode_ms, and the runner's host work on the
+    core's thread: host_ms_per_input per encoder input, host_ms_per_step per launched step)."""
 
     def __init__(self, config: Any) -> None:
         self.config = config
         sim = json.loads(os.environ.get(SIM_ENV, "{}"))
         self.encoder_s = sim.get("encoder_ms", 1.9) / 1e3
         self.decode_s = sim.get("decode_ms", 11.0) / 1e3
+        self.host_per_input_s = sim.get("host_ms_per_input", 0.0) / 1e3
+        self.host_per_step_s = sim.get("host_ms_per_step", 0.0) / 1e3
         self.device = _DeviceQueue()
         self.num_tokens: dict[str, int] = {}
         self.computed: dict[str, int] = {}
@@ -146,6 +149,10 @@ class SimulatedGpu(Executor):
                 lp_ids.append(None)
                 lps.append(None)
                 ranks.append(None)
+        host = self.host_per_step_s + self.host_per_input_s * len(so.encoder_hashes_to_run)
+        busy_until = time.perf_counter() + host
+        while time.perf_counter() < busy_until:  # the runner's launches hold the core's thread
+            pass
         cost = self.encoder_s * len(so.encoder_hashes_to_run) + self.decode_s * steps
         output = ModelRunnerOutput(
             req_ids=req_ids,
@@ -286,6 +293,8 @@ def run_dp(path: str, dp: int, args: argparse.Namespace, base: np.ndarray) -> li
     rows = []
     llm = make_llm(path, dp, args)
     builder = llm.llm_engine.input_processor.builder
+    if args.core_lead is not None:
+        llm.transcriber.core_lead = args.core_lead
     built = builder.audio_hash_in_core
     try:
         outs = transcribe(llm, base[:clips] * np.float32(0.5), args.tokens)  # warm-up
@@ -349,6 +358,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-ms", type=float, default=11.0, help="device ms per decode step")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument(
+        "--runner-host-ms-per-input",
+        type=float,
+        default=0.0,
+        help="host ms the runner spends on the core's thread per encoder input (launches)",
+    )
+    p.add_argument(
+        "--runner-host-ms-per-step", type=float, default=0.0, help="... and per launched step"
+    )
+    p.add_argument("--core-lead", type=int, default=None, help="Transcriber.core_lead")
+    p.add_argument(
         "--pipelined",
         action="store_true",
         help="pipelined steps, as a core on a GPU runs (default: a CPU core's one step at a time)",
@@ -362,7 +381,14 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     global CLIP_SECONDS
     CLIP_SECONDS = args.clip_seconds
-    os.environ[SIM_ENV] = json.dumps({"encoder_ms": args.encoder_ms, "decode_ms": args.decode_ms})
+    os.environ[SIM_ENV] = json.dumps(
+        {
+            "encoder_ms": args.encoder_ms,
+            "decode_ms": args.decode_ms,
+            "host_ms_per_input": args.runner_host_ms_per_input,
+            "host_ms_per_step": args.runner_host_ms_per_step,
+        }
+    )
     dps = [int(n) for n in args.dp.split(",")]
     rng = np.random.default_rng(0)
     base = rng.standard_normal(
