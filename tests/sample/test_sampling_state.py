@@ -179,3 +179,35 @@ def test_whisper_first_token_after_a_forced_prefix_is_free() -> None:
     assert not bool(second.is_first.any())
     # The first sampled token counts as a pair on its own (CTranslate2 and transformers alike).
     assert second.block_timestamps.tolist() == [True, True, True]
+
+
+def test_new_requests_histories_go_in_one_copy(monkeypatch) -> None:
+    """A step's new requests reach the device history in one copy and one scatter when the
+    state flushes (not two device ops a request); a slot taken, freed and taken again before
+    the flush keeps only its last request's history."""
+    import v1.sample.states.penalties as penalties_module
+
+    state = SamplingState(8, MAX_MODEL_LEN, VOCAB_SIZE, torch.device("cpu"))
+    copies: list[int] = []
+    to_device = penalties_module.to_device
+
+    def counted(array, device):
+        copies.append(len(array))
+        return to_device(array, device)
+
+    monkeypatch.setattr(penalties_module, "to_device", counted)
+    state.add_request(2, SamplingParams(), [7, 8, 9], [], eos_token_id=None)
+    state.add_request(5, SamplingParams(), [1], [4, 6], eos_token_id=None)
+    state.add_request(0, SamplingParams(), [3, 3], [], eos_token_id=None)
+    state.remove_request(0)
+    state.add_request(0, SamplingParams(), [2], [], eos_token_id=None)
+    assert copies == []  # nothing reaches the device before the step needs it
+    state.make_metadata([2, 5, 0])
+    assert copies[:1] == [3 * (3 + 3 + 1)]  # values, rows and columns of 7 tokens: one copy
+    history = state.penalties.token_ids
+    assert history[2, :3].tolist() == [7, 8, 9]
+    assert history[5, :3].tolist() == [1, 4, 6]
+    assert history[0, :2].tolist() == [2, 0]
+    copies.clear()
+    state.make_metadata([2, 5, 0])
+    assert all(n != 21 for n in copies)  # written once

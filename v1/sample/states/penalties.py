@@ -65,6 +65,10 @@ class PenaltiesState:
         )
         """Decoder sequence (prompt, then outputs) per slot."""
         self._dirty: set[int] = set()
+        self._new_histories: dict[int, np.ndarray] = {}
+        """Slot -> the sequence of a request added since the last flush: a step's new requests
+        go to `token_ids` in one copy and one scatter (two device ops each cost ~30 us of host
+        a request on an H200 host, 8.7 ms a 256-clip whisper-base run)."""
 
     @staticmethod
     def needs_general_sampler(params: SamplingParams) -> bool:
@@ -85,24 +89,44 @@ class PenaltiesState:
         self.no_repeat_ngram_size[slot] = params.no_repeat_ngram_size or 0
         self.num_prompt_tokens[slot] = len(request.prompt_token_ids)
         sequence = np.asarray(
-            request.prompt_token_ids + list(request.output_token_ids), dtype=np.int32
+            request.prompt_token_ids + list(request.output_token_ids), dtype=np.int64
         )
         if len(sequence):
-            self.token_ids[slot, : len(sequence)] = to_device(sequence, self.device)
+            self._new_histories[slot] = sequence
+        else:
+            self._new_histories.pop(slot, None)
         self._dirty.add(slot)
 
     def remove(self, slot: int) -> None:
+        self._new_histories.pop(slot, None)
         self._penalties[slot] = _NEUTRAL
         self.no_repeat_ngram_size[slot] = 0
         self.num_prompt_tokens[slot] = 0
         self._dirty.add(slot)
 
     def flush(self) -> None:
+        if self._new_histories:
+            self._write_new_histories()
         if self._dirty:
             push_rows(self._penalties_dev, self._penalties, self._dirty)
             push_rows(self.no_repeat_ngram_size_dev, self.no_repeat_ngram_size, self._dirty)
             push_rows(self.num_prompt_tokens_dev, self.num_prompt_tokens, self._dirty)
             self._dirty.clear()
+
+    def _write_new_histories(self) -> None:
+        """token_ids[slot, :len] = sequence for every request added since the last flush: the
+        values and their (row, column) indices in one pinned copy, then one scatter."""
+        slots = np.fromiter(self._new_histories, dtype=np.int64, count=len(self._new_histories))
+        sequences = list(self._new_histories.values())
+        self._new_histories.clear()
+        lengths = np.array([len(s) for s in sequences], dtype=np.int64)
+        num = int(lengths.sum())
+        starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+        packed = np.concatenate(
+            [*sequences, np.repeat(slots, lengths), np.arange(num, dtype=np.int64) - starts]
+        )
+        values, rows, cols = to_device(packed, self.device).split(num)
+        self.token_ids[rows, cols] = values.to(torch.int32)
 
     def append(self, idx: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> None:
         """token_ids[idx, positions] = tokens, on the device in stream order."""
