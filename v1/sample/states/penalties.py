@@ -67,8 +67,9 @@ class PenaltiesState:
         self._dirty: set[int] = set()
         self._new_histories: dict[int, np.ndarray] = {}
         """Slot -> the sequence of a request added since the last flush: a step's new requests
-        go to `token_ids` in one copy and one scatter (two device ops each cost ~30 us of host
-        a request on an H200 host, 8.7 ms a 256-clip whisper-base run)."""
+        go to `token_ids` in one copy and one scatter (written a request at a time, the copy
+        alone took 26-34 us of host a request on an H200 host: 6.6-8.7 ms of a 256-clip
+        whisper-base run, benchmarks/RESULTS.md session 28)."""
 
     @staticmethod
     def needs_general_sampler(params: SamplingParams) -> bool:
