@@ -12,15 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from tests.utils import ASSETS, make_tiny_whisper_dir
+from tests.utils import WHISPER_BASE, make_tiny_whisper_dir
+from tests.worker.test_gpu_absorbed import AUDIO, CLIPS  # the asset clips with expected tokens
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
-WHISPER_BASE = ASSETS / "whisper-base"
-AUDIO = ASSETS / "audio"
-CLIPS = ["jfk.flac", "librispeech/test_audio_0.flac", "librispeech/test_audio_1.flac"]
 
 
 def runner_state(llm):
