@@ -163,35 +163,24 @@ TIMED = (
 
 
 def host_timers() -> dict[str, list[float]]:
-    """Wraps TIMED and each v1 module's `to_device` with wall-clock timers; returns the lists of
-    seconds per call that they fill."""
+    """Wraps TIMED and each v1 module's `to_device` with wall-clock timers (`profile_step.wrap`);
+    returns the lists of seconds per call that they fill."""
+    import collections
     import importlib
+
+    from profile_step import wrap
 
     import v1.host_copy
 
-    times: dict[str, list[float]] = {}
-
-    def timed(fn: Any, key: str) -> Any:
-        times[key] = []
-
-        def wrapper(*a: Any, **k: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                times[key].append(time.perf_counter() - start)
-
-        return wrapper
-
+    times: dict[str, list[float]] = collections.defaultdict(list)
     for spec in TIMED:
         module, _, attr = spec.partition(":")
         cls_name, _, name = attr.partition(".")
-        cls = getattr(importlib.import_module(module), cls_name)
-        setattr(cls, name, timed(getattr(cls, name), attr))
+        wrap(times, getattr(importlib.import_module(module), cls_name), name, attr)
     original = v1.host_copy.to_device
     for name, module in list(sys.modules.items()):
         if name.startswith("v1.") and getattr(module, "to_device", None) is original:
-            module.to_device = timed(original, f"to_device ({name})")
+            wrap(times, module, "to_device", f"to_device ({name})")
     return times
 
 

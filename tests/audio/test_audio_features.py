@@ -67,6 +67,19 @@ def test_padded_tensor_with_lengths_ignores_the_padding() -> None:
     assert not torch.equal(log_mel(padded), from_tensor)
 
 
+def test_pad_batch_fills_a_given_buffer() -> None:
+    """`out`: a static buffer (a CUDA graph's input) is filled as a new batch would be, stale
+    samples past each item cleared; a padded tensor takes no buffer."""
+    log_mel = LogMelSpectrogram.from_feature_extractor(WhisperFeatureExtractor(feature_size=80))
+    batch = [torch.from_numpy(w) for w in random_batch([SR, 35 * SR], seed=3)]
+    buffer = torch.full((2, log_mel.n_samples), 0.7)
+    filled = log_mel.pad_batch(batch, out=buffer)
+    assert filled.data_ptr() == buffer.data_ptr()
+    torch.testing.assert_close(buffer, log_mel.pad_batch(batch), atol=0, rtol=0)
+    with pytest.raises(ValueError, match="out applies to a list"):
+        log_mel.pad_batch(torch.zeros(2, SR), out=buffer)
+
+
 def test_from_pretrained_model_folder(whisper_base_dir: Path) -> None:
     log_mel = LogMelSpectrogram.from_pretrained(whisper_base_dir)
     assert (log_mel.n_mels, log_mel.num_frames) == (80, 3000)

@@ -185,17 +185,20 @@ def test_new_requests_histories_go_in_one_copy(monkeypatch) -> None:
     """A step's new requests reach the device history in one copy and one scatter when the
     state flushes (not two device ops a request); a slot taken, freed and taken again before
     the flush keeps only its last request's history."""
+    import v1.host_copy as host_copy
     import v1.sample.states.penalties as penalties_module
 
     state = SamplingState(8, MAX_MODEL_LEN, VOCAB_SIZE, torch.device("cpu"))
     copies: list[int] = []
-    to_device = penalties_module.to_device
+    to_device = host_copy.to_device
 
     def counted(array, device):
         copies.append(len(array))
         return to_device(array, device)
 
+    # The penalties' own copies, and those `parts_to_device` makes for them.
     monkeypatch.setattr(penalties_module, "to_device", counted)
+    monkeypatch.setattr(host_copy, "to_device", counted)
     state.add_request(2, SamplingParams(), [7, 8, 9], [], eos_token_id=None)
     state.add_request(5, SamplingParams(), [1], [4, 6], eos_token_id=None)
     state.add_request(0, SamplingParams(), [3, 3], [], eos_token_id=None)

@@ -68,14 +68,23 @@ class LogMelSpectrogram(torch.nn.Module):
         """Output frames per item (3000 for 30 s at hop 160)."""
         return self.n_samples // self.hop_length
 
-    def pad_batch(self, waveforms: Waveforms, lengths: torch.Tensor | None = None) -> torch.Tensor:
+    def pad_batch(
+        self,
+        waveforms: Waveforms,
+        lengths: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """[B, n_samples] float32 on this module's device: each item cut or zero-padded to 30 s.
 
         `waveforms` is a list of 1-D arrays/tensors, or a padded [B, N] tensor whose samples
-        at and past `lengths[i]` are ignored (zeroed).
+        at and past `lengths[i]` are ignored (zeroed). `out` (a list only): a [B, n_samples]
+        float32 tensor where the items live, filled instead of a new one (a CUDA graph's
+        static input).
         """
         device = self.window.device
         if isinstance(waveforms, torch.Tensor):
+            if out is not None:
+                raise ValueError("out applies to a list of waveforms, not a padded tensor")
             if waveforms.ndim != 2:
                 raise ValueError(f"expected a [B, N] tensor of waveforms, got {waveforms.shape}")
             batch = waveforms[:, : self.n_samples].to(device, torch.float32)
@@ -93,7 +102,12 @@ class LogMelSpectrogram(torch.nn.Module):
             raise ValueError("each waveform must be 1-D (mono)")
         # Assemble where the inputs live (host for numpy), then move the batch at once.
         source_device = items[0].device
-        batch = torch.zeros(len(items), self.n_samples, dtype=torch.float32, device=source_device)
+        if out is None:
+            batch = torch.zeros(
+                len(items), self.n_samples, dtype=torch.float32, device=source_device
+            )
+        else:
+            batch = out.zero_()
         for row, w in zip(batch, items, strict=True):  # one copy per item, no per-frame work
             row[: w.shape[0]] = w
         return batch.to(device, non_blocking=True)

@@ -42,14 +42,12 @@ class WhisperEncoderGraphs:
         device: torch.device,
         max_windows: int,
         num_positions: int,
-        num_samples: int,
     ) -> None:
         self.model = model
         self.attn_metadata = attn_metadata
         self.layer_names = layer_names
         self.device = device
         self.num_positions = num_positions
-        self.num_samples = num_samples
         self.sizes = [1 << b for b in range(max(max_windows, 1).bit_length())]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, Any]] = {}
         """size -> (graph, its audio buffer, its output, the metadata it reads)."""
@@ -58,7 +56,7 @@ class WhisperEncoderGraphs:
     def capture(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):  # largest first: the smaller ones reuse its pool
-            audio = torch.zeros(size, self.num_samples, device=self.device)
+            audio = torch.zeros(size, self.model.mel.n_samples, device=self.device)
             lengths = np.full(size, self.num_positions, dtype=np.int64)
             metadata = self.attn_metadata.uncached(lengths, AttentionType.ENCODER, self.layer_names)
             with set_forward_context(ForwardContext(metadata)):
@@ -80,9 +78,7 @@ class WhisperEncoderGraphs:
         first = 0
         for size in power_of_two_parts(len(clips)):
             graph, audio, graph_out, _ = self.graphs[size]
-            audio.zero_()
-            for row, clip in zip(audio, clips[first : first + size], strict=True):
-                row[: clip.shape[0]].copy_(clip[: self.num_samples])
+            self.model.mel.pad_batch(clips[first : first + size], out=audio)
             graph.replay()
             if out is None:
                 out = graph_out.new_empty(len(clips) * self.num_positions, graph_out.shape[-1])
@@ -122,7 +118,6 @@ def make_whisper_encoder_graphs(
         device,
         config.encoder_budget_inputs,
         config.model_config.max_encoder_len,
-        model.mel.n_samples,
     )
     try:
         graphs.capture()

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from v1.host_copy import to_device
+from v1.host_copy import parts_to_device, to_device
 from v1.sample.states.slots import SlotRequest, StepRows, push_rows
 from v1.sampling_params import SamplingParams
 
@@ -123,10 +123,8 @@ class PenaltiesState:
         lengths = np.array([len(s) for s in sequences], dtype=np.int64)
         num = int(lengths.sum())
         starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
-        packed = np.concatenate(
-            [*sequences, np.repeat(slots, lengths), np.arange(num, dtype=np.int64) - starts]
-        )
-        values, rows, cols = to_device(packed, self.device).split(num)
+        rows, cols = np.repeat(slots, lengths), np.arange(num, dtype=np.int64) - starts
+        values, rows, cols = parts_to_device([*sequences, rows, cols], self.device, [num] * 3)
         self.token_ids[rows, cols] = values.to(torch.int32)
 
     def append(self, idx: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> None:
