@@ -251,6 +251,29 @@ def test_pyav_encoded_sine_decodes(fmt: str, codec: str, sr: int, layout: str) -
     assert 0.4 < np.abs(audio).max() < 0.6
 
 
+@pytest.mark.parametrize("version", ["18.1.0", "19.0.2"])
+def test_pyav_open_takes_each_versions_arguments(
+    version: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # PyAV 19 dropped av.open's `metadata_errors`: decoding must not pass it there (a
+    # TypeError on every MP3 and FLAC), and must still pass it before 19.
+    mp3 = encode_pyav(sine(2.0, 22050), 22050, "mp3", "libmp3lame")
+    real_open = av.open
+    calls: list[dict] = []
+
+    def versioned_open(*args, **kwargs):
+        calls.append(kwargs)
+        if version.startswith("19") and "metadata_errors" in kwargs:
+            raise TypeError("open() got an unexpected keyword argument 'metadata_errors'")
+        return real_open(*args, **kwargs)
+
+    monkeypatch.setattr(av, "__version__", version)
+    monkeypatch.setattr(av, "open", versioned_open)
+    audio = load_audio(mp3)
+    assert dominant_frequency(audio) == pytest.approx(440.0, abs=2.0)
+    assert calls and all(("metadata_errors" in c) == version.startswith("18") for c in calls)
+
+
 def test_truncated_mp3_is_not_padded_to_its_header_length() -> None:
     # libsndfile's MP3 reader pads a cut stream with silence to the Xing header's length;
     # MP3 goes through ffmpeg, which returns what is there.

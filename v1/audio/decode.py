@@ -14,7 +14,7 @@ import numbers
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, TypeAlias
 
 import numpy as np
 
@@ -416,6 +416,14 @@ def _decode_soundfile(sf_file: sf.SoundFile, max_seconds: float, data: bytes) ->
     return collector.finish()
 
 
+def _open_container(av: Any, data: bytes) -> Any:
+    """`av.open` of in-memory bytes for reading. PyAV before 19 decodes container metadata
+    strictly unless told to ignore bad bytes (`metadata_errors`); 19 dropped that argument."""
+    if int(av.__version__.split(".")[0]) < 19:
+        return av.open(io.BytesIO(data), mode="r", metadata_errors="ignore")
+    return av.open(io.BytesIO(data), mode="r")
+
+
 def check_packet_duration(data: bytes, max_seconds: float) -> float | None:
     """Seconds of audio the container's packets hold, summed without decoding (constant
     memory, about 0.1 s per hour of FLAC); raises AudioError as soon as the sum passes
@@ -424,7 +432,7 @@ def check_packet_duration(data: bytes, max_seconds: float) -> float | None:
     import av
 
     try:
-        container = av.open(io.BytesIO(data), mode="r", metadata_errors="ignore")
+        container = _open_container(av, data)
     except av.FFmpegError:
         return None  # the decoder says what is wrong with it
     with container:
@@ -458,7 +466,7 @@ def _decode_pyav(
 
     check_packet_duration(data, max_seconds)
     try:
-        container = av.open(io.BytesIO(data), mode="r", metadata_errors="ignore")
+        container = _open_container(av, data)
     except av.FFmpegError as e:
         raise AudioError(_undecodable(soundfile_error, e)) from e
     with container:
