@@ -25,6 +25,7 @@ from _whisper_real import _ours_run  # noqa: E402
 DECODER_KEEP = (
     r"re:model\.decoder\.layers\.\d+\.(self_attn\.\w+|encoder_attn\.(q_proj|out_proj)|fc1|fc2)"
 )
+DEFAULT_KEEP = ["model.encoder.layers.0", "model.encoder.layers.1", DECODER_KEEP]
 CROSS_KV = r"re:model\.decoder\.layers\.\d+\.encoder_attn\.kv_proj"
 RECIPES: dict[str, list[str] | None] = {
     "fp16": None,  # not quantized
@@ -44,6 +45,9 @@ RECIPES: dict[str, list[str] | None] = {
         DECODER_KEEP,
         CROSS_KV,
     ],
+    "keep-enc-attn": [*DEFAULT_KEEP, r"re:model\.encoder\.layers\.\d+\.self_attn\.\w+"],
+    "keep-enc-fc1": [*DEFAULT_KEEP, r"re:model\.encoder\.layers\.\d+\.fc1"],
+    "keep-enc-fc2": [*DEFAULT_KEEP, r"re:model\.encoder\.layers\.\d+\.fc2"],
     "keep-last-enc": [
         "model.encoder.layers.0",
         "model.encoder.layers.1",

@@ -158,8 +158,16 @@ TIMED = (
     "v1.worker.cuda_graphs:CudaGraphManager.run",
     "v1.core.scheduler.scheduler:Scheduler.schedule",
     "v1.core.scheduler.scheduler:Scheduler.update_from_output",
+    "v1.worker.whisper_encoder_graphs:WhisperEncoderGraphs.encode",
+    "v1.core.engine_core:EngineCore.add_request",
+    "v1.core.engine_core:EngineCore._step_pipelined",
+    "v1.engine.llm_engine:LLMEngine.step",
+    "v1.engine.output_processor:OutputProcessor.process_outputs",
+    "v1.engine.transcription.offline:_SyncRun._start_waiting",
+    "v1.engine.transcription.offline:_SyncRun._advance",
+    "v1.worker.model_states.encoder_decoder:_audio_to_device",
 )
-"""Host functions `host_timers` times (module:Class.method), besides every module's `to_device`."""
+"""Host functions `host_timers` times (module:Class.method or module:function), besides every module's `to_device`."""
 
 
 def host_timers() -> dict[str, list[float]]:
@@ -175,8 +183,9 @@ def host_timers() -> dict[str, list[float]]:
     times: dict[str, list[float]] = collections.defaultdict(list)
     for spec in TIMED:
         module, _, attr = spec.partition(":")
-        cls_name, _, name = attr.partition(".")
-        wrap(times, getattr(importlib.import_module(module), cls_name), name, attr)
+        owner, _, name = attr.rpartition(".")
+        target = importlib.import_module(module)
+        wrap(times, getattr(target, owner) if owner else target, name, attr)
     original = v1.host_copy.to_device
     for name, module in list(sys.modules.items()):
         if name.startswith("v1.") and getattr(module, "to_device", None) is original:
@@ -185,7 +194,11 @@ def host_timers() -> dict[str, list[float]]:
 
 
 def device_profile(
-    path: str, audio: list[list[np.ndarray]], warm: list[np.ndarray], dtype: str
+    path: str,
+    audio: list[list[np.ndarray]],
+    warm: list[np.ndarray],
+    dtype: str,
+    engine_kwargs: dict[str, Any],
 ) -> None:
     """The core in this process: one run under host timers, one under the torch profiler,
     each on its own fresh audio (`audio`: two sets; a repeated set would hit the encoder cache)."""
@@ -195,7 +208,7 @@ def device_profile(
 
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else lambda: None
-    llm = LLM(path, dtype=dtype, multiprocess=False)
+    llm = LLM(path, dtype=dtype, multiprocess=False, **engine_kwargs)
     try:
         run_once(llm, warm)
         times = host_timers()
@@ -245,6 +258,11 @@ def device_profile(
         llm.shutdown()
 
 
+def encoder_kwargs(budget: int | None) -> dict[str, Any]:
+    """LLM kwargs of an encoder step of `budget` windows (None: the engine's default)."""
+    return {} if budget is None else {"max_num_encoder_input_tokens": budget * 1500}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=asset("whisper-base"), help="real whisper-base folder")
@@ -258,12 +276,19 @@ def main() -> int:
     p.add_argument(
         "--core-lead", default="default", help="list: Transcriber.core_lead values to alternate"
     )
+    p.add_argument(
+        "--encoder-inputs",
+        default="default",
+        help="list: windows an encoder step may take (max_num_encoder_input_tokens / 1500); "
+        "several build one engine each (memory shared) and alternate their runs",
+    )
     args = p.parse_args()
 
     from v1 import LLM
 
     clips = load_clips(args.audio_dir)
     leads = [int(x) if x != "default" else None for x in args.core_lead.split(",")]
+    budgets = [int(x) if x != "default" else None for x in args.encoder_inputs.split(",")]
     fresh = iter(range(10_000))
     sets = {}
 
@@ -273,45 +298,61 @@ def main() -> int:
         return sets[k]
 
     seconds = next_set().seconds
-    trace_dir = tempfile.mkdtemp(prefix="v1-real-trace-")
-    _trace.enable(trace_dir)
-    llm = LLM(args.model, dtype=args.dtype)
-    (trace,) = _trace.files(trace_dir)
-    os.environ.pop("V1_STEP_TRACE")
-    default_lead = llm.transcriber.core_lead
-    spans: dict[Any, list[tuple[float, float]]] = {lead: [] for lead in leads}
+    engines: dict[int | None, tuple[Any, str]] = {}  # budget -> (LLM, its step trace)
     try:
-        run_once(llm, sets[0].audio)
+        for budget in budgets:
+            trace_dir = tempfile.mkdtemp(prefix="v1-real-trace-")
+            _trace.enable(trace_dir)
+            llm = LLM(
+                args.model,
+                dtype=args.dtype,
+                gpu_memory_utilization=0.85 / len(budgets),
+                **encoder_kwargs(budget),
+            )
+            (trace,) = _trace.files(trace_dir)
+            os.environ.pop("V1_STEP_TRACE")
+            engines[budget] = (llm, os.path.join(trace_dir, trace))
+        settings = [(b, lead) for b in budgets for lead in leads]
+        spans: dict[Any, list[tuple[float, float]]] = {s: [] for s in settings}
+        default_lead = engines[budgets[0]][0].transcriber.core_lead
+        for llm, _ in engines.values():
+            run_once(llm, sets[0].audio)
         for _ in range(args.repeats):
-            for lead in leads:  # alternating, so drift hits every setting alike
+            for budget, lead in settings:  # alternating, so drift hits every setting alike
+                llm = engines[budget][0]
                 llm.transcriber.core_lead = default_lead if lead is None else lead
                 batch = next_set()
                 start = time.perf_counter()
                 texts = run_once(llm, batch.audio)
-                spans[lead].append((start, time.perf_counter()))
+                spans[budget, lead].append((start, time.perf_counter()))
         print(
             f"{args.num_inputs} clips, {seconds:.0f} s of audio a run; LLM defaults, core in its "
             f"own process; WER of the last run {wer(batch.references, texts):.2%}"
         )
-        print("| core_lead | RTFx median [min-max] | wall s |")
-        print("|---|---:|---:|")
-        for lead, runs in spans.items():
+        print("| encoder windows a step | core_lead | RTFx median [min-max] | wall s |")
+        print("|---|---|---:|---:|")
+        for (budget, lead), runs in spans.items():
             walls = [e - s for s, e in runs]
+            llm = engines[budget][0]
             print(
-                f"| {lead or f'default ({default_lead})'} | {seconds / statistics.median(walls):,.0f} "
+                f"| {budget or f'default ({llm.llm_engine.config.encoder_budget_inputs})'} | "
+                f"{lead or f'default ({default_lead})'} | "
+                f"{seconds / statistics.median(walls):,.0f} "
                 f"[{seconds / max(walls):,.0f}-{seconds / min(walls):,.0f}] | "
                 f"{statistics.median(walls):.3f} |"
             )
-        for lead, runs in spans.items():
+        for (budget, lead), runs in spans.items():
             walls = [e - s for s, e in runs]
-            print(f"\n# core_lead {lead or 'default'}: step trace of the timed runs")
-            print(_trace.summarize(os.path.join(trace_dir, trace), runs))
+            trace = engines[budget][1]
+            print(f"\n# encoder {budget or 'default'}, core_lead {lead or 'default'}: steps")
+            print(_trace.summarize(trace, runs))
             fastest = min(range(len(walls)), key=walls.__getitem__)
             print(f"\n# steps of the fastest run ({walls[fastest]:.3f} s)")
-            print(step_table(os.path.join(trace_dir, trace), runs[fastest]))
+            print(step_table(trace, runs[fastest]))
+        llm = engines[budgets[0]][0]
         llm.transcriber.core_lead = default_lead
         if args.py_spy:
-            med = statistics.median(e - s for s, e in spans[leads[0]])
+            med = statistics.median(e - s for s, e in spans[settings[0]])
             out = os.path.join(args.py_spy, "spy.txt")
             spy = start_spy(os.getpid(), out, rate=500, seconds=2 + 2 * med)
             start = time.perf_counter()
@@ -321,10 +362,11 @@ def main() -> int:
             print(f"\n# py-spy, both processes: run {wall:.3f} s while sampled")
             print(summarize(out, args.top) if os.path.exists(out) else err.decode()[-500:])
     finally:
-        llm.shutdown()
+        for llm, _ in engines.values():
+            llm.shutdown()
     if not args.no_device_profile:
         audio = [next_set().audio for _ in range(3)]
-        device_profile(args.model, audio, sets[0].audio, args.dtype)
+        device_profile(args.model, audio, sets[0].audio, args.dtype, encoder_kwargs(budgets[0]))
     return 0
 
 

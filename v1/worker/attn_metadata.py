@@ -158,10 +158,7 @@ class AttentionMetadataFactory:
             table = self.block_tables[i]
             slot_mapping = None
             if len(writer_slots):
-                positions = np.arange(int(writer_lens.sum())) - np.repeat(
-                    np.cumsum(writer_lens) - writer_lens, writer_lens
-                )
-                slot_mapping = table.slot_mapping(np.repeat(writer_slots, writer_lens), positions)
+                slot_mapping = table.prefix_slot_mapping(writer_slots, writer_lens)
             common = self.make_common(
                 step.query_start_loc,
                 encoder_lens,

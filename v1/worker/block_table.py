@@ -42,3 +42,17 @@ class BlockTable:
         """Cache slot of each (request slot, position) pair: block_id * block_size + offset."""
         block_ids = self.table[token_slots, positions // self.block_size].astype(np.int64)
         return block_ids * self.block_size + positions % self.block_size
+
+    def prefix_slot_mapping(self, slots: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Cache slots of positions 0 .. lengths[i] - 1 of each request slot, packed in order
+        (what `slot_mapping` gives for those pairs): block by block, [R, blocks, block_size]
+        from the table's [R, blocks] ids, without a per-position index (a Whisper step's 32
+        cross-attention writers are 48,000 positions)."""
+        bs = self.block_size
+        width = -(-int(lengths.max(initial=0)) // bs)
+        blocks = self.table[slots, :width].astype(np.int64)
+        all_slots = (blocks[:, :, None] * bs + np.arange(bs)).reshape(len(slots), width * bs)
+        longest = width * bs
+        if (lengths == lengths[0]).all():
+            return all_slots[:, : int(lengths[0])].reshape(-1)
+        return all_slots[np.arange(longest) < lengths[:, None]]
