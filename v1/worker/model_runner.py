@@ -35,6 +35,7 @@ from v1.kv_cache.spec import (
 )
 from v1.logger import init_logger
 from v1.worker.attn_metadata import AttentionMetadataFactory
+from v1.worker.gpu_memory import MemoryBaseline, kv_cache_bytes
 from v1.worker.input_batch import InputBatch
 from v1.worker.kv_cache_views import KVBlockCopier, LayerCache, allocate_kv_cache
 from v1.worker.model_states import ModelState, StateContext, make_model_state
@@ -384,9 +385,10 @@ class ModelRunner:
 
     # ---- memory profiling (GPU) ----
     @torch.inference_mode()
-    def profile_available_kv_bytes(self, utilization: float) -> int:
+    def profile_available_kv_bytes(self, utilization: float, baseline: MemoryBaseline) -> int:
         """Run a max-size dummy step (attention skipped: no cache yet), then give the KV cache
-        `utilization` of the device memory minus the measured peak."""
+        `utilization` of the device memory minus this engine's measured peak and its own
+        memory outside PyTorch since `baseline` (`gpu_memory.kv_cache_bytes`)."""
         # An engine shut down earlier in this process (tests, notebooks, benchmarks) may
         # still hold its KV cache in unreachable cycles: collect them before measuring.
         gc.collect()
@@ -394,18 +396,16 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         self.state.dummy_run(self.config.scheduler_config.max_num_batched_tokens)
         torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
-        # Memory held outside PyTorch's allocator (CUDA context, other processes).
-        non_torch = total - free - torch.cuda.memory_reserved(self.device)
-        available = int(total * utilization) - peak - max(non_torch, 0)
-        if available <= 0:
-            raise ValueError(
-                f"no memory left for the KV cache: peak {peak / 2**30:.2f} GiB of "
-                f"{total / 2**30:.2f} GiB at gpu_memory_utilization={utilization}; lower "
-                "max_num_batched_tokens or raise gpu_memory_utilization"
-            )
-        return available
+        return kv_cache_bytes(
+            utilization=utilization,
+            total=total,
+            free=free,
+            reserved=torch.cuda.memory_reserved(self.device),
+            allocated=torch.cuda.memory_allocated(self.device),
+            peak=torch.cuda.max_memory_allocated(self.device),
+            baseline=baseline,
+        )
 
     def shutdown(self) -> None:
         # Everything that holds the model lets it go (the state, the graphs' forward).

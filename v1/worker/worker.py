@@ -16,6 +16,7 @@ from v1.distributed.parallel_state import (
 )
 from v1.kv_cache.spec import KVCacheConfig, KVCacheSpec
 from v1.logger import init_logger
+from v1.worker.gpu_memory import MemoryBaseline
 from v1.worker.model_runner import ModelRunner
 from v1.worker.step_profiler import StepProfiler
 
@@ -43,6 +44,8 @@ class Worker:
             elif self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
+            # Before NCCL and the model: what is in use now is not this engine's to count.
+            self.memory_baseline = MemoryBaseline.take(self.device)
         torch.manual_seed(config.model_config.seed)
         self._prev_num_threads: int | None = None
         self.limit_cpu_threads()
@@ -85,7 +88,7 @@ class Worker:
             return cache_config.kv_cache_memory_bytes
         if self._available_kv_bytes is None:  # profiled once
             self._available_kv_bytes = self.model_runner.profile_available_kv_bytes(
-                cache_config.gpu_memory_utilization
+                cache_config.gpu_memory_utilization, self.memory_baseline
             )
         return self._available_kv_bytes
 
