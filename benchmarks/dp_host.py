@@ -288,7 +288,8 @@ def thread_cpu_seconds() -> dict[str, float]:
 
 def run_dp(path: str, dp: int, args: argparse.Namespace, base: np.ndarray) -> list[Row]:
     """One engine of `dp` cores, timed under each --hash setting: "engine" (as built: with
-    N > 1 the cores hash the audio) and "frontend" (the frontend hashes every clip, as before)."""
+    N > 1 the cores hash the audio), "frontend" (the frontend hashes every clip, as before)
+    and "core" (the cores hash, whatever N)."""
     clips = args.clips_per_core * dp
     rows = []
     llm = make_llm(path, dp, args)
@@ -300,7 +301,7 @@ def run_dp(path: str, dp: int, args: argparse.Namespace, base: np.ndarray) -> li
         outs = transcribe(llm, base[:clips] * np.float32(0.5), args.tokens)  # warm-up
         assert len(outs) == clips and all(o.text for o in outs)
         for k, mode in enumerate(args.hash.split(",")):
-            builder.audio_hash_in_core = built and mode == "engine"
+            builder.audio_hash_in_core = mode == "core" or (built and mode == "engine")
             row = Row(dp, clips, mode, ideal_s=ideal_seconds(clips, dp, args.tokens, args))
             rows.append(row)
             for r in range(args.repeats):
@@ -376,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         "--clip-seconds", type=float, default=30.0, help="audio a clip (real speech: ~7)"
     )
     p.add_argument("--tokenizer", default=asset("whisper-base"))
-    p.add_argument("--hash", default="engine", help="engine,frontend (list): who hashes audio")
+    p.add_argument("--hash", default="engine", help="engine,frontend,core (list): who hashes audio")
     p.add_argument("--profile", default=None, help="cProfile the largest N's extra run to here")
     args = p.parse_args(argv)
     global CLIP_SECONDS
