@@ -282,6 +282,12 @@ def main() -> int:
         help="list: windows an encoder step may take (max_num_encoder_input_tokens / 1500); "
         "several build one engine each (memory shared) and alternate their runs",
     )
+    p.add_argument(
+        "--hash",
+        default="frontend",
+        help="list: who hashes each window's audio (frontend, as one core does; core: the "
+        "core's input thread, as data-parallel cores do), alternating on one engine",
+    )
     args = p.parse_args()
 
     from v1 import LLM
@@ -289,6 +295,9 @@ def main() -> int:
     clips = load_clips(args.audio_dir)
     leads = [int(x) if x != "default" else None for x in args.core_lead.split(",")]
     budgets = [int(x) if x != "default" else None for x in args.encoder_inputs.split(",")]
+    hashers = args.hash.split(",")
+    if not set(hashers) <= {"frontend", "core"}:
+        p.error("--hash takes frontend and/or core")
     fresh = iter(range(10_000))
     sets = {}
 
@@ -312,45 +321,53 @@ def main() -> int:
             (trace,) = _trace.files(trace_dir)
             os.environ.pop("V1_STEP_TRACE")
             engines[budget] = (llm, os.path.join(trace_dir, trace))
-        settings = [(b, lead) for b in budgets for lead in leads]
+        settings = [(b, lead, h) for b in budgets for lead in leads for h in hashers]
         spans: dict[Any, list[tuple[float, float]]] = {s: [] for s in settings}
-        default_lead = engines[budgets[0]][0].transcriber.core_lead
+        default_lead = {b: llm.transcriber.core_lead for b, (llm, _) in engines.items()}
         for llm, _ in engines.values():
             run_once(llm, sets[0].audio)
         for _ in range(args.repeats):
-            for budget, lead in settings:  # alternating, so drift hits every setting alike
+            for budget, lead, hasher in settings:  # alternating: drift hits every one alike
                 llm = engines[budget][0]
-                llm.transcriber.core_lead = default_lead if lead is None else lead
+                llm.transcriber.core_lead = default_lead[budget] if lead is None else lead
+                builder = llm.llm_engine.input_processor.builder
+                builder.audio_hash_in_core = hasher == "core"
                 batch = next_set()
                 start = time.perf_counter()
                 texts = run_once(llm, batch.audio)
-                spans[budget, lead].append((start, time.perf_counter()))
+                spans[budget, lead, hasher].append((start, time.perf_counter()))
         print(
             f"{args.num_inputs} clips, {seconds:.0f} s of audio a run; LLM defaults, core in its "
             f"own process; WER of the last run {wer(batch.references, texts):.2%}"
         )
-        print("| encoder windows a step | core_lead | RTFx median [min-max] | wall s |")
-        print("|---|---|---:|---:|")
-        for (budget, lead), runs in spans.items():
+        print(
+            "| encoder windows a step | core_lead | audio hashed by | RTFx median [min-max] | wall s |"
+        )
+        print("|---|---|---|---:|---:|")
+        for (budget, lead, hasher), runs in spans.items():
             walls = [e - s for s, e in runs]
             llm = engines[budget][0]
             print(
                 f"| {budget or f'default ({llm.llm_engine.config.encoder_budget_inputs})'} | "
-                f"{lead or f'default ({default_lead})'} | "
+                f"{lead or f'default ({default_lead[budget]})'} | {hasher} | "
                 f"{seconds / statistics.median(walls):,.0f} "
                 f"[{seconds / max(walls):,.0f}-{seconds / min(walls):,.0f}] | "
                 f"{statistics.median(walls):.3f} |"
             )
-        for (budget, lead), runs in spans.items():
+        for (budget, lead, hasher), runs in spans.items():
             walls = [e - s for s, e in runs]
             trace = engines[budget][1]
-            print(f"\n# encoder {budget or 'default'}, core_lead {lead or 'default'}: steps")
+            print(
+                f"\n# encoder {budget or 'default'}, core_lead {lead or 'default'}, "
+                f"hashed by {hasher}: steps"
+            )
             print(_trace.summarize(trace, runs))
             fastest = min(range(len(walls)), key=walls.__getitem__)
             print(f"\n# steps of the fastest run ({walls[fastest]:.3f} s)")
             print(step_table(trace, runs[fastest]))
         llm = engines[budgets[0]][0]
-        llm.transcriber.core_lead = default_lead
+        llm.transcriber.core_lead = default_lead[budgets[0]]
+        llm.llm_engine.input_processor.builder.audio_hash_in_core = False
         if args.py_spy:
             med = statistics.median(e - s for s, e in spans[settings[0]])
             out = os.path.join(args.py_spy, "spy.txt")
