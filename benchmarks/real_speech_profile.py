@@ -19,8 +19,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -263,7 +264,7 @@ def encoder_kwargs(budget: int | None) -> dict[str, Any]:
     return {} if budget is None else {"max_num_encoder_input_tokens": budget * 1500}
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=asset("whisper-base"), help="real whisper-base folder")
     p.add_argument("--audio-dir", default=None)
@@ -289,15 +290,120 @@ def main() -> int:
         "core's input thread, as data-parallel cores do), alternating on one engine",
     )
     args = p.parse_args()
+    args.leads = [int(x) if x != "default" else None for x in args.core_lead.split(",")]
+    args.budgets = [int(x) if x != "default" else None for x in args.encoder_inputs.split(",")]
+    args.hashers = args.hash.split(",")
+    if not set(args.hashers) <= {"frontend", "core"}:
+        p.error("--hash takes frontend and/or core")
+    return args
 
+
+class Engine(NamedTuple):
+    llm: Any
+    trace: str
+    """Its core's step trace file."""
+    default_lead: int
+
+
+def build_engines(args: argparse.Namespace) -> dict[int | None, Engine]:
+    """One engine (core in its own process, step trace on) per encoder budget."""
     from v1 import LLM
 
+    engines: dict[int | None, Engine] = {}
+    try:
+        for budget in args.budgets:
+            trace_dir = tempfile.mkdtemp(prefix="v1-real-trace-")
+            _trace.enable(trace_dir)
+            llm = LLM(
+                args.model,
+                dtype=args.dtype,
+                gpu_memory_utilization=0.85 / len(args.budgets),
+                **encoder_kwargs(budget),
+            )
+            (trace,) = _trace.files(trace_dir)
+            os.environ.pop("V1_STEP_TRACE")
+            engines[budget] = Engine(llm, os.path.join(trace_dir, trace), llm.transcriber.core_lead)
+    except BaseException:
+        for engine in engines.values():
+            engine.llm.shutdown()
+        raise
+    return engines
+
+
+Setting = tuple[int | None, int | None, str]
+"""(encoder budget, core_lead, who hashes): None for the engine's default."""
+
+
+def time_settings(
+    args: argparse.Namespace, engines: dict[int | None, Engine], next_set: Callable[[], Any]
+) -> tuple[dict[Setting, list[tuple[float, float]]], float]:
+    """Every setting's timed runs, alternating so drift hits each alike: (spans, WER of the
+    last run)."""
+    settings = [(b, lead, h) for b in args.budgets for lead in args.leads for h in args.hashers]
+    spans: dict[Setting, list[tuple[float, float]]] = {s: [] for s in settings}
+    for _ in range(args.repeats):
+        for budget, lead, hasher in settings:
+            engine = engines[budget]
+            engine.llm.transcriber.core_lead = engine.default_lead if lead is None else lead
+            engine.llm.llm_engine.input_processor.builder.audio_hash_in_core = hasher == "core"
+            batch = next_set()
+            start = time.perf_counter()
+            texts = run_once(engine.llm, batch.audio)
+            spans[budget, lead, hasher].append((start, time.perf_counter()))
+    for engine in engines.values():
+        engine.llm.transcriber.core_lead = engine.default_lead
+        engine.llm.llm_engine.input_processor.builder.audio_hash_in_core = False
+    return spans, wer(batch.references, texts)
+
+
+def report(
+    spans: dict[Setting, list[tuple[float, float]]],
+    engines: dict[int | None, Engine],
+    seconds: float,
+) -> None:
+    """RTFx per setting, then each setting's step trace and its fastest run's steps."""
+    print(
+        "| encoder windows a step | core_lead | audio hashed by | RTFx median [min-max] | wall s |"
+    )
+    print("|---|---|---|---:|---:|")
+    for (budget, lead, hasher), runs in spans.items():
+        walls = [e - s for s, e in runs]
+        engine = engines[budget]
+        print(
+            f"| {budget or f'default ({engine.llm.llm_engine.config.encoder_budget_inputs})'} | "
+            f"{lead or f'default ({engine.default_lead})'} | {hasher} | "
+            f"{seconds / statistics.median(walls):,.0f} "
+            f"[{seconds / max(walls):,.0f}-{seconds / min(walls):,.0f}] | "
+            f"{statistics.median(walls):.3f} |"
+        )
+    for (budget, lead, hasher), runs in spans.items():
+        walls = [e - s for s, e in runs]
+        trace = engines[budget].trace
+        print(
+            f"\n# encoder {budget or 'default'}, core_lead {lead or 'default'}, "
+            f"hashed by {hasher}: steps"
+        )
+        print(_trace.summarize(trace, runs))
+        fastest = min(range(len(walls)), key=walls.__getitem__)
+        print(f"\n# steps of the fastest run ({walls[fastest]:.3f} s)")
+        print(step_table(trace, runs[fastest]))
+
+
+def spy_run(llm: Any, audio: list[np.ndarray], folder: str, seconds: float, top: int) -> None:
+    """One more run under py-spy (both processes), sampled for ~2 + 2 `seconds`."""
+    out = os.path.join(folder, "spy.txt")
+    spy = start_spy(os.getpid(), out, rate=500, seconds=2 + 2 * seconds)
+    start = time.perf_counter()
+    run_once(llm, audio)
+    wall = time.perf_counter() - start
+    _, err = spy.communicate(timeout=60)
+    print(f"\n# py-spy, both processes: run {wall:.3f} s while sampled")
+    print(summarize(out, top) if os.path.exists(out) else err.decode()[-500:])
+
+
+def main() -> int:
+    args = parse_args()
     clips = load_clips(args.audio_dir)
-    leads = [int(x) if x != "default" else None for x in args.core_lead.split(",")]
-    budgets = [int(x) if x != "default" else None for x in args.encoder_inputs.split(",")]
-    hashers = args.hash.split(",")
-    if not set(hashers) <= {"frontend", "core"}:
-        p.error("--hash takes frontend and/or core")
     fresh = iter(range(10_000))
     sets = {}
 
@@ -307,83 +413,27 @@ def main() -> int:
         return sets[k]
 
     seconds = next_set().seconds
-    engines: dict[int | None, tuple[Any, str]] = {}  # budget -> (LLM, its step trace)
+    engines = build_engines(args)
     try:
-        for budget in budgets:
-            trace_dir = tempfile.mkdtemp(prefix="v1-real-trace-")
-            _trace.enable(trace_dir)
-            llm = LLM(
-                args.model,
-                dtype=args.dtype,
-                gpu_memory_utilization=0.85 / len(budgets),
-                **encoder_kwargs(budget),
-            )
-            (trace,) = _trace.files(trace_dir)
-            os.environ.pop("V1_STEP_TRACE")
-            engines[budget] = (llm, os.path.join(trace_dir, trace))
-        settings = [(b, lead, h) for b in budgets for lead in leads for h in hashers]
-        spans: dict[Any, list[tuple[float, float]]] = {s: [] for s in settings}
-        default_lead = {b: llm.transcriber.core_lead for b, (llm, _) in engines.items()}
-        for llm, _ in engines.values():
-            run_once(llm, sets[0].audio)
-        for _ in range(args.repeats):
-            for budget, lead, hasher in settings:  # alternating: drift hits every one alike
-                llm = engines[budget][0]
-                llm.transcriber.core_lead = default_lead[budget] if lead is None else lead
-                builder = llm.llm_engine.input_processor.builder
-                builder.audio_hash_in_core = hasher == "core"
-                batch = next_set()
-                start = time.perf_counter()
-                texts = run_once(llm, batch.audio)
-                spans[budget, lead, hasher].append((start, time.perf_counter()))
+        for engine in engines.values():
+            run_once(engine.llm, sets[0].audio)
+        spans, last_wer = time_settings(args, engines, next_set)
         print(
             f"{args.num_inputs} clips, {seconds:.0f} s of audio a run; LLM defaults, core in its "
-            f"own process; WER of the last run {wer(batch.references, texts):.2%}"
+            f"own process; WER of the last run {last_wer:.2%}"
         )
-        print(
-            "| encoder windows a step | core_lead | audio hashed by | RTFx median [min-max] | wall s |"
-        )
-        print("|---|---|---|---:|---:|")
-        for (budget, lead, hasher), runs in spans.items():
-            walls = [e - s for s, e in runs]
-            llm = engines[budget][0]
-            print(
-                f"| {budget or f'default ({llm.llm_engine.config.encoder_budget_inputs})'} | "
-                f"{lead or f'default ({default_lead[budget]})'} | {hasher} | "
-                f"{seconds / statistics.median(walls):,.0f} "
-                f"[{seconds / max(walls):,.0f}-{seconds / min(walls):,.0f}] | "
-                f"{statistics.median(walls):.3f} |"
-            )
-        for (budget, lead, hasher), runs in spans.items():
-            walls = [e - s for s, e in runs]
-            trace = engines[budget][1]
-            print(
-                f"\n# encoder {budget or 'default'}, core_lead {lead or 'default'}, "
-                f"hashed by {hasher}: steps"
-            )
-            print(_trace.summarize(trace, runs))
-            fastest = min(range(len(walls)), key=walls.__getitem__)
-            print(f"\n# steps of the fastest run ({walls[fastest]:.3f} s)")
-            print(step_table(trace, runs[fastest]))
-        llm = engines[budgets[0]][0]
-        llm.transcriber.core_lead = default_lead[budgets[0]]
-        llm.llm_engine.input_processor.builder.audio_hash_in_core = False
+        report(spans, engines, seconds)
         if args.py_spy:
-            med = statistics.median(e - s for s, e in spans[settings[0]])
-            out = os.path.join(args.py_spy, "spy.txt")
-            spy = start_spy(os.getpid(), out, rate=500, seconds=2 + 2 * med)
-            start = time.perf_counter()
-            run_once(llm, next_set().audio)
-            wall = time.perf_counter() - start
-            _, err = spy.communicate(timeout=60)
-            print(f"\n# py-spy, both processes: run {wall:.3f} s while sampled")
-            print(summarize(out, args.top) if os.path.exists(out) else err.decode()[-500:])
+            first = next(iter(spans.values()))
+            med = statistics.median(e - s for s, e in first)
+            spy_run(engines[args.budgets[0]].llm, next_set().audio, args.py_spy, med, args.top)
     finally:
-        for llm, _ in engines.values():
-            llm.shutdown()
+        for engine in engines.values():
+            engine.llm.shutdown()
     if not args.no_device_profile:
         audio = [next_set().audio for _ in range(3)]
-        device_profile(args.model, audio, sets[0].audio, args.dtype, encoder_kwargs(budgets[0]))
+        kwargs = encoder_kwargs(args.budgets[0])
+        device_profile(args.model, audio, sets[0].audio, args.dtype, kwargs)
     return 0
 
 
