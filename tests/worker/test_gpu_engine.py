@@ -102,3 +102,27 @@ def test_bart_matches_transformers(tmp_path, enforce_eager):
         path, prompts, 20, enforce_eager, num_kv_blocks=40, block_size=16, max_num_seqs=5
     )
     assert got == expected
+
+
+def test_two_engines_share_one_gpu(tmp_path):
+    """gpu_memory_utilization is each engine's own budget (v1/worker/gpu_memory.py, as in
+    vLLM): a second engine at 0.4 starts beside a first that holds 0.4 of the device and gets
+    as many KV blocks (before, the first's memory came off the second's share: it could not
+    start)."""
+    from v1 import LLM, SamplingParams
+
+    path = make_tiny_llama_dir(tmp_path / "llama")
+    engines = []
+    try:
+        for _ in range(2):
+            engines.append(LLM(path, device="cuda", dtype="float32", gpu_memory_utilization=0.4))
+        params = SamplingParams(temperature=0, max_tokens=8)
+        outs = [
+            e.generate([{"prompt_token_ids": [1, 5, 9]}], params, use_tqdm=False) for e in engines
+        ]
+        assert outs[0][0].outputs[0].token_ids == outs[1][0].outputs[0].token_ids
+        first, second = (e.llm_engine.get_stats()["num_total_blocks"] for e in engines)
+        assert second >= 0.95 * first > 0
+    finally:
+        for engine in engines:
+            engine.shutdown()
