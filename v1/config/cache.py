@@ -25,7 +25,8 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     """Fraction of the GPU's memory this engine may use (weights + activations + KV cache), as
     in vLLM: memory other processes hold does not count against it, so two engines at 0.4
-    share a GPU; the KV cache takes no more than the device has free (v1/worker/gpu_memory)."""
+    share a GPU; a share the device cannot hold is a ValueError at start-up
+    (v1/worker/gpu_memory)."""
     enable_prefix_caching: bool = True
     """Reuse KV blocks of identical decoder-prompt prefixes (decoder self-attention only)."""
     kv_cache_dtype: str = "auto"

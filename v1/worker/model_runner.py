@@ -402,7 +402,6 @@ class ModelRunner:
             total=total,
             free=free,
             reserved=torch.cuda.memory_reserved(self.device),
-            allocated=torch.cuda.memory_allocated(self.device),
             peak=torch.cuda.max_memory_allocated(self.device),
             baseline=baseline,
         )
