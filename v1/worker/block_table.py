@@ -52,7 +52,6 @@ class BlockTable:
         width = -(-int(lengths.max(initial=0)) // bs)
         blocks = self.table[slots, :width].astype(np.int64)
         all_slots = (blocks[:, :, None] * bs + np.arange(bs)).reshape(len(slots), width * bs)
-        longest = width * bs
         if (lengths == lengths[0]).all():
             return all_slots[:, : int(lengths[0])].reshape(-1)
-        return all_slots[np.arange(longest) < lengths[:, None]]
+        return all_slots[np.arange(width * bs) < lengths[:, None]]
