@@ -48,7 +48,9 @@ def test_the_whole_device_is_cut_to_what_is_free() -> None:
 
 def test_a_budget_the_device_cannot_hold_is_a_clear_error() -> None:
     # 60 GiB held elsewhere: 0.9 of the device (~123 GiB of KV) cannot fit in ~77 GiB free.
-    with pytest.raises(ValueError, match=r"60\.50 GiB of its 140\.00 GiB were in use.*lower gpu_memory"):
+    with pytest.raises(
+        ValueError, match=r"60\.50 GiB of its 140\.00 GiB were in use.*lower gpu_memory"
+    ):
         share(others=60.0, utilization=0.9)
     assert share(others=60.0, utilization=0.5) == int(0.5 * TOTAL) - int(2.25 * GIB)
 
