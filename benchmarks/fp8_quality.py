@@ -25,35 +25,22 @@ from _whisper_real import _ours_run  # noqa: E402
 DECODER_KEEP = (
     r"re:model\.decoder\.layers\.\d+\.(self_attn\.\w+|encoder_attn\.(q_proj|out_proj)|fc1|fc2)"
 )
-DEFAULT_KEEP = ["model.encoder.layers.0", "model.encoder.layers.1", DECODER_KEEP]
+BASE_KEEP = ["model.encoder.layers.0", "model.encoder.layers.1", DECODER_KEEP]
+"""Encoder layers 0-1 and the decoder's per-token GEMMs: the model's recipe before session 29
+(which added every encoder fc2: "keep-enc-fc2" is today's default)."""
 CROSS_KV = r"re:model\.decoder\.layers\.\d+\.encoder_attn\.kv_proj"
 RECIPES: dict[str, list[str] | None] = {
     "fp16": None,  # not quantized
     "default": None,  # the model's recipe (WhisperForConditionalGeneration.fp8_keep)
     "all": [],  # every Linear fp8
-    "keep-cross-kv": ["model.encoder.layers.0", "model.encoder.layers.1", DECODER_KEEP, CROSS_KV],
-    "keep-enc0-2": [
-        "model.encoder.layers.0",
-        "model.encoder.layers.1",
-        "model.encoder.layers.2",
-        DECODER_KEEP,
-    ],
-    "keep-enc0-2-cross-kv": [
-        "model.encoder.layers.0",
-        "model.encoder.layers.1",
-        "model.encoder.layers.2",
-        DECODER_KEEP,
-        CROSS_KV,
-    ],
-    "keep-enc-attn": [*DEFAULT_KEEP, r"re:model\.encoder\.layers\.\d+\.self_attn\.\w+"],
-    "keep-enc-fc1": [*DEFAULT_KEEP, r"re:model\.encoder\.layers\.\d+\.fc1"],
-    "keep-enc-fc2": [*DEFAULT_KEEP, r"re:model\.encoder\.layers\.\d+\.fc2"],
-    "keep-last-enc": [
-        "model.encoder.layers.0",
-        "model.encoder.layers.1",
-        "model.encoder.layers.5",
-        DECODER_KEEP,
-    ],
+    "base": BASE_KEEP,
+    "keep-cross-kv": [*BASE_KEEP, CROSS_KV],
+    "keep-enc0-2": [*BASE_KEEP, "model.encoder.layers.2"],
+    "keep-enc0-2-cross-kv": [*BASE_KEEP, "model.encoder.layers.2", CROSS_KV],
+    "keep-enc-attn": [*BASE_KEEP, r"re:model\.encoder\.layers\.\d+\.self_attn\.\w+"],
+    "keep-enc-fc1": [*BASE_KEEP, r"re:model\.encoder\.layers\.\d+\.fc1"],
+    "keep-enc-fc2": [*BASE_KEEP, r"re:model\.encoder\.layers\.\d+\.fc2"],
+    "keep-last-enc": [*BASE_KEEP, "model.encoder.layers.5"],
 }
 
 
